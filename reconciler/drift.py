@@ -1,0 +1,209 @@
+"""desired x observed -> the list of differences. Pure: no I/O, no clock, no globals.
+
+A drift names one resource on one node, what was expected and what was seen. It says whether the reconciler can
+act on it (`actionable`) and whether it stops other work (`blocking`: an unreachable node, memory that no planned
+step frees, a serving name taken by a container the reconciler did not create).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from reconciler.observed import NodeObservation, Observed, Weights
+from reconciler.spec import Desired, Node
+from reconciler.vllm import launch_specs
+
+DriftKind = Literal["unreachable", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving", "health",
+                    "memory"]
+DRIFT_KINDS: tuple[str, ...] = DriftKind.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Drift:
+    node: str
+    kind: DriftKind
+    resource: str
+    expected: str
+    observed: str
+    actionable: bool = True
+    blocking: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return {"node": self.node, "kind": self.kind, "resource": self.resource, "expected": self.expected,
+                "observed": self.observed, "actionable": self.actionable, "blocking": self.blocking}
+
+
+def _reachability(name: str, obs: NodeObservation) -> list[Drift]:
+    if not obs.reachable:
+        return [Drift(name, "unreachable", f"node/{name}", "reachable over SSH", obs.error or "unreachable",
+                      actionable=False, blocking=True)]
+    if not obs.docker_reachable:
+        return [Drift(name, "docker", f"docker/{name}", "docker engine answering",
+                      obs.docker_error or "docker not reachable", actionable=False, blocking=True)]
+    return []
+
+
+def co_tenant_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Drift]:
+    """Running containers that are neither allowed, protected nor managed by us."""
+    out = []
+    ct = desired.co_tenants
+    for c in obs.containers:
+        if not c.running or c.managed or ct.is_allowed(name, c.name) or ct.is_protected(name, c.name):
+            continue
+        out.append(Drift(name, "co-tenant", f"container/{c.name}", "not running (not allowed)",
+                         f"running ({c.image})", actionable=ct.unlisted == "stop"))
+    return out
+
+
+def link_drift(node: Node, obs: NodeObservation) -> list[Drift]:
+    want = node.fabric
+    link = obs.fabric
+    res = f"link/{want.interface}"
+    if link is None or not link.exists:
+        return [Drift(node.name, "link", res, "interface present", "no such interface", actionable=False,
+                      blocking=True)]
+    out = []
+    if not (link.admin_up and link.carrier):
+        state = f"{'admin-up' if link.admin_up else 'admin-down'}, carrier {'on' if link.carrier else 'off'}"
+        out.append(Drift(node.name, "link", res, "up", state))
+    if link.mtu != want.mtu:
+        out.append(Drift(node.name, "link", res + "/mtu", str(want.mtu), str(link.mtu)))
+    if str(want.address) not in link.addresses:
+        out.append(Drift(node.name, "link", res + "/address", str(want.address),
+                         ", ".join(link.addresses) or "none"))
+    if want.rdma_device and link.rdma is not None and not link.rdma.active:
+        # Bringing the netdev up is what activates the RDMA port; alone, it is a cabling/firmware matter.
+        out.append(Drift(node.name, "rdma", f"rdma/{want.rdma_device}", "4: ACTIVE",
+                         f"{link.rdma.state} ({link.rdma.phys_state})", actionable=bool(out), blocking=not out))
+    return out
+
+
+def weights_difference(expected: Weights, seen: Weights | None) -> str | None:
+    """None when `seen` holds every expected file with the same size (and hash, where both know it)."""
+    if seen is None or not seen.present:
+        return "missing"
+    have = {f.path: f for f in seen.files}
+    missing = wrong = 0
+    for f in expected.files:
+        got = have.get(f.path)
+        if got is None or (got.size is None and f.size is not None):
+            missing += 1
+        elif got.size != f.size or got.link_target != f.link_target or (
+                f.sha256 and got.sha256 and f.sha256 != got.sha256):
+            wrong += 1
+    if missing or wrong:
+        return f"{missing} missing, {wrong} different of {len(expected.files)} files"
+    return None
+
+
+def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Drift]:
+    mem = obs.memory
+    if mem is None:
+        return []
+    need = int(desired.serving.gpu_memory_utilization * mem.total_bytes) + desired.policy.memory_margin
+    if mem.available_bytes >= need:
+        return []
+    gib = 2**30
+    return [Drift(name, "memory", f"memory/{name}", f">= {need / gib:.1f} GiB available",
+                  f"{mem.available_bytes / gib:.1f} GiB available of {mem.total_bytes / gib:.1f} GiB",
+                  actionable=False, blocking=True)]
+
+
+def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
+    out = []
+    specs = {s.node: s for s in launch_specs(desired)}
+    name = desired.serving.container_name
+    for node in desired.nodes:
+        obs = observed.node(node.name)
+        if not obs.reachable or not obs.docker_reachable:
+            continue
+        for c in obs.containers:  # managed containers that should not exist (node left the span, name changed)
+            if c.managed and c.running and (node.name not in specs or c.name != name):
+                out.append(Drift(node.name, "serving", f"container/{c.name}", "not running (no longer wanted)",
+                                 "running"))
+        spec = specs.get(node.name)
+        if spec is None:
+            continue
+        c = obs.container(name)
+        res = f"container/{name}"
+        if c is None:
+            out.append(Drift(node.name, "serving", res, f"running, spec {spec.spec_hash}", "missing"))
+        elif not c.managed:
+            out.append(Drift(node.name, "serving", res, "managed by spark-reconciler",
+                             "a container not created by the reconciler holds the name", actionable=False,
+                             blocking=True))
+        elif not c.running:
+            out.append(Drift(node.name, "serving", res, "running", c.state))
+        elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:
+            out.append(Drift(node.name, "serving", res, f"spec {spec.spec_hash}",
+                             f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
+        elif obs.images.get(spec.image) and c.image_id and c.image_id != obs.images[spec.image]:
+            out.append(Drift(node.name, "serving", res, f"image {obs.images[spec.image][:19]}",
+                             f"image {c.image_id[:19]}"))
+    return out
+
+
+def diff(desired: Desired, observed: Observed) -> list[Drift]:
+    """Every difference between the declared and the observed cluster, in a stable order."""
+    out: list[Drift] = []
+    serving = {n.name for n in desired.serving_nodes}
+    reachable = {}
+    for node in desired.nodes:
+        obs = observed.node(node.name)
+        problems = _reachability(node.name, obs)
+        out += problems
+        reachable[node.name] = not problems
+        if obs.reachable:
+            out += link_drift(node, obs)
+        if not problems:
+            out += co_tenant_drift(desired, node.name, obs)
+    # image: every serving node holds the head's (or the first holder's) image id
+    image = desired.serving.image
+    holders = [n.name for n in desired.nodes if observed.node(n.name).images.get(image)]
+    reference = observed.node(holders[0]).images[image] if holders else None
+    for name in sorted(serving, key=lambda n: [x.name for x in desired.nodes].index(n)):
+        if not reachable[name]:
+            continue
+        got = observed.node(name).images.get(image)
+        if reference is None:
+            out.append(Drift(name, "image", f"image/{image}", "present on some node", "present on no node",
+                             actionable=False, blocking=True))
+        elif got != reference:
+            out.append(Drift(name, "image", f"image/{image}", reference[:19], got[:19] if got else "missing"))
+    # weights: every serving node matches the source's manifest
+    source = desired.source_node
+    src_obs = observed.node(source)
+    for name in [n.name for n in desired.nodes if n.name in serving]:
+        if name == source or not reachable.get(name):
+            continue
+        res = f"weights/{desired.model.id}"
+        if not src_obs.reachable:
+            out.append(Drift(name, "weights", res, f"copy of {source}", f"source {source} unreachable",
+                             actionable=False, blocking=True))
+        elif src_obs.weights is None or not src_obs.weights.present:
+            out.append(Drift(source, "weights", res, "present on the source node", "missing",
+                             actionable=False, blocking=True))
+        else:
+            problem = weights_difference(src_obs.weights, observed.node(name).weights)
+            if problem:
+                out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
+                                 f"{src_obs.weights.total_bytes} bytes", problem))
+    served = serving_drift(desired, observed)
+    out += served
+    # memory: only matters where serving must (re)start and nothing planned frees memory there
+    stopping = {d.node for d in out if d.kind == "co-tenant" and d.actionable}
+    for name in sorted({d.node for d in served if d.actionable} - stopping):
+        if reachable.get(name) and name in serving:
+            out += _memory_drift(desired, name, observed.node(name))
+    # health: the API on the head answers and lists the served model
+    head = desired.head.name
+    head_obs = observed.node(head)
+    if reachable.get(head):
+        want = desired.serving.served_model_name or desired.model.id
+        health = head_obs.serving
+        if health is None or not health.healthy or want not in health.models:
+            seen = "not answering" if health is None or not health.reachable else (
+                "unhealthy" if not health.healthy else f"serving {', '.join(health.models) or 'nothing'}")
+            out.append(Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}", seen))
+    return out

@@ -1,0 +1,125 @@
+"""The observed state: what one probe saw on each node, as frozen, JSON round-trippable models.
+
+These models are the contract between the edge (the probe in `observe.py` fills them) and the pure core (drift and
+plan read them). A snapshot printed by `reconciler observe --json` loads back with `Observed.model_validate_json`
+and plans exactly like the live state, which is what makes offline `plan --observed` trustworthy.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SNAPSHOT_VERSION = "spark-reconciler/observed/v1"
+
+LABEL_MANAGED = "spark-reconciler.managed"
+LABEL_SPEC_HASH = "spark-reconciler.spec-hash"
+LABEL_GENERATION = "spark-reconciler.generation"
+LABEL_ROLE = "spark-reconciler.role"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Container(_Model):
+    name: str
+    id: str
+    image: str
+    image_id: str = ""
+    state: Literal["created", "running", "paused", "restarting", "removing", "exited", "dead"]
+    labels: dict[str, str] = Field(default_factory=dict)
+    started_at: str | None = None
+    restart_count: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("running", "restarting", "paused")
+
+    @property
+    def managed(self) -> bool:
+        return self.labels.get(LABEL_MANAGED) == "true"
+
+
+class RdmaPort(_Model):
+    """Kernel strings as read from /sys/class/infiniband/DEV/ports/1/{state,phys_state}."""
+
+    state: str  # e.g. "4: ACTIVE", "1: DOWN"
+    phys_state: str  # e.g. "5: LinkUp", "3: Disabled"
+
+    @property
+    def active(self) -> bool:
+        return self.state.strip().endswith("ACTIVE")
+
+
+class Link(_Model):
+    name: str
+    exists: bool = True
+    operstate: str = "unknown"  # "up", "down", "unknown" (veth/lo report unknown when up without carrier info)
+    admin_up: bool = False
+    carrier: bool = False
+    mtu: int = 0
+    addresses: list[str] = Field(default_factory=list, description="IPv4 with prefix, e.g. 192.168.200.12/24")
+    rdma: RdmaPort | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.exists and self.admin_up and self.carrier and self.operstate in ("up", "unknown")
+
+
+class Memory(_Model):
+    total_bytes: int
+    available_bytes: int
+
+
+class WeightFile(_Model):
+    path: str  # relative to the model root
+    size: int | None  # None: a symlink whose target is missing
+    mtime: float = 0.0
+    sha256: str | None = None
+    link_target: str | None = None
+
+
+class Weights(_Model):
+    root: str
+    present: bool
+    files: list[WeightFile] = Field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size or 0 for f in self.files if f.link_target is None)
+
+
+class Serving(_Model):
+    """What the head's API answers (only probed on the head)."""
+
+    reachable: bool = False
+    healthy: bool = False
+    models: list[str] = Field(default_factory=list)
+    ray_nodes: int | None = None
+
+
+class NodeObservation(_Model):
+    name: str
+    reachable: bool
+    error: str | None = None
+    docker_reachable: bool = False
+    docker_error: str | None = None
+    containers: list[Container] = Field(default_factory=list)
+    images: dict[str, str] = Field(default_factory=dict, description="image reference -> image id")
+    fabric: Link | None = None
+    memory: Memory | None = None
+    weights: Weights | None = None
+    serving: Serving | None = None
+
+    def container(self, name: str) -> Container | None:
+        return next((c for c in self.containers if c.name == name), None)
+
+
+class Observed(_Model):
+    version: Literal["spark-reconciler/observed/v1"] = SNAPSHOT_VERSION
+    nodes: dict[str, NodeObservation]
+
+    def node(self, name: str) -> NodeObservation:
+        return self.nodes.get(name) or NodeObservation(name=name, reachable=False, error="not observed")

@@ -1,0 +1,176 @@
+"""drift -> an ordered list of steps. Pure: the same desired and observed state always give the same plan.
+
+The order encodes what the seed story learned by hand: free memory and bring the fabric up first; the weights and
+the image must be on every node before serving starts; a serving change stops serving everywhere, then starts the
+workers (headless) and the head last (Ray: the head's GCS first, then the workers, then `vllm serve` on the head),
+then waits for /health. Steps carry stable ids so logs, metrics and holds can name them across reconciles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from reconciler.drift import Drift, diff
+from reconciler.observed import Observed
+from reconciler.spec import Desired
+
+StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
+                   "await-health"]
+STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Step:
+    id: str
+    kind: StepKind
+    node: str
+    reason: str
+    after: tuple[str, ...] = ()
+    params: dict[str, str] = field(default_factory=dict, hash=False, compare=True)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"id": self.id, "kind": self.kind, "node": self.node, "reason": self.reason,
+                "after": list(self.after), "params": dict(self.params)}
+
+
+@dataclass(frozen=True)
+class Blocker:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    drift: list[Drift]
+    steps: list[Step]
+    blocked: list[Blocker]
+    mode: str = "enforce"
+
+    @property
+    def changes(self) -> bool:
+        """True while the cluster differs from the file in a way the reconciler would act on."""
+        return any(d.actionable for d in self.drift) or bool(self.steps)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"changes": self.changes, "mode": self.mode, "drift": [d.as_dict() for d in self.drift],
+                "steps": [s.as_dict() for s in self.steps],
+                "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked]}
+
+
+def _explain(d: Drift) -> str:
+    return f"{d.resource}: expected {d.expected}, observed {d.observed}"
+
+
+def plan(desired: Desired, observed: Observed) -> Plan:
+    drift = diff(desired, observed)
+    mode = "paused" if desired.policy.paused else desired.policy.mode
+    if mode != "enforce":
+        return Plan(drift, [], [], mode)
+    steps: list[Step] = []
+    blocked: list[Blocker] = []
+    down = {d.node for d in drift if d.kind in ("unreachable", "docker")}
+    unreachable = {d.node for d in drift if d.kind == "unreachable"}
+
+    for d in drift:
+        if d.kind == "co-tenant" and d.actionable:
+            name = d.resource.split("/", 1)[1]
+            steps.append(Step(f"stop-container/{d.node}/{name}", "stop-container", d.node,
+                              f"{name} is running but not allowed", params={"container": name}))
+
+    link_ids: dict[str, str] = {}
+    for name in dict.fromkeys(d.node for d in drift if d.kind in ("link", "rdma") and d.actionable):
+        if name in unreachable:
+            continue
+        reasons = "; ".join(_explain(d) for d in drift if d.node == name and d.kind in ("link", "rdma"))
+        link_ids[name] = f"link/{name}"
+        steps.append(Step(link_ids[name], "link", name, reasons))
+
+    image = desired.serving.image
+    holders = [n.name for n in desired.nodes if n.name not in down and observed.node(n.name).images.get(image)]
+    image_ids: list[str] = []
+    for d in drift:
+        if d.kind != "image" or not d.actionable:
+            continue
+        if not holders:
+            blocked.append(Blocker(d.node, f"no reachable node holds {image} to copy it from"))
+            continue
+        step = Step(f"image/{d.node}", "image", d.node, _explain(d), params={"source": holders[0], "image": image})
+        image_ids.append(step.id)
+        steps.append(step)
+
+    source = desired.source_node
+    weight_ids: list[str] = []
+    for d in drift:
+        if d.kind != "weights" or not d.actionable:
+            continue
+        after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids)
+        step = Step(f"weights/{d.node}", "weights", d.node, _explain(d), after,
+                    params={"source": source, "path": desired.model.path_on(d.node)})
+        weight_ids.append(step.id)
+        steps.append(step)
+
+    steps += _serving_steps(desired, observed, drift, steps, blocked, down)
+    return Plan(drift, steps, blocked, mode)
+
+
+def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
+                   blocked: list[Blocker], down: set[str]) -> list[Step]:
+    serving = [n.name for n in desired.serving_nodes]
+    head = serving[0]
+    name = desired.serving.container_name
+    restart = [d for d in drift if d.kind == "serving" and d.actionable and d.node in serving
+               and d.resource == f"container/{name}"]
+    stale = [d for d in drift if d.kind == "serving" and d.actionable and d not in restart]
+    steps: list[Step] = []
+    stops: dict[str, Step] = {}
+
+    def stop(node: str, container: str, reason: str, after: tuple[str, ...]) -> None:
+        if node in down:
+            return
+        sid = f"stop-serving/{node}/{container}"
+        if sid not in stops:
+            stops[sid] = Step(sid, "stop-serving", node, reason, after, params={"container": container})
+            steps.append(stops[sid])
+
+    for d in stale:
+        stop(d.node, d.resource.split("/", 1)[1], _explain(d), ())
+
+    if restart:
+        hurdles = [d for d in drift if d.blocking and (d.node in serving or d.kind == "weights")]
+        hurdles += [d for d in drift if d.kind in ("weights", "image") and d.node in serving
+                    and not any(s.node == d.node and s.kind == d.kind for s in before)]
+        if hurdles:
+            for d in dict.fromkeys(hurdles):
+                blocked.append(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}"))
+            return steps
+        prereq = tuple(s.id for s in before)
+        why = "; ".join(f"{d.node}: {_explain(d)}" for d in restart)
+        for node in serving:
+            c = observed.node(node).container(name)
+            if c is not None and c.managed:
+                stop(node, name, f"ordered restart ({why})", prereq)
+        stopped = prereq + tuple(s.id for s in steps)
+        workers = serving[1:]
+        if desired.serving.launcher == "native":
+            starts = [Step(f"start-serving/{w}", "start-serving", w, f"start rank {i + 1} (headless) first",
+                           stopped, params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
+            head_step = Step(f"start-serving/{head}", "start-serving", head, "start rank 0 last: it waits for "
+                             "the workers", stopped + tuple(s.id for s in starts), params={"rank": "0"})
+            steps += starts + [head_step]
+            last = head_step.id
+        else:
+            head_step = Step(f"start-serving/{head}", "start-serving", head, "start the Ray head first", stopped,
+                             params={"rank": "0"})
+            starts = [Step(f"start-serving/{w}", "start-serving", w, "join the Ray cluster", (head_step.id,),
+                           params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
+            launch = Step(f"launch-model/{head}", "launch-model", head, "vllm serve on the Ray head once all "
+                          "nodes joined", (head_step.id,) + tuple(s.id for s in starts))
+            steps += [head_step, *starts, launch]
+            last = launch.id
+        steps.append(Step(f"await-health/{head}", "await-health", head, "wait for /health and /v1/models",
+                          (last,)))
+    elif any(d.kind == "health" for d in drift) and head not in down:
+        steps.append(Step(f"await-health/{head}", "await-health", head,
+                          "serving containers are up; wait for the API to become healthy"))
+    return steps

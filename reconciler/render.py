@@ -1,0 +1,41 @@
+"""Human-readable output: the plan like `terraform plan` (grouped by node, +/-/~, with reasons).
+
+Kept apart from the CLI so the daemon's log and the demo show the same text.
+"""
+
+from __future__ import annotations
+
+from reconciler.plan import Plan
+
+_SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "image": "+", "weights": "+",
+         "start-serving": "+", "launch-model": "+", "await-health": "?"}
+
+
+def plan_text(plan: Plan) -> str:
+    lines: list[str] = []
+    if not plan.drift:
+        return "No changes. The cluster matches the desired state.\n"
+    lines.append("Drift:")
+    for node in dict.fromkeys(d.node for d in plan.drift):
+        lines.append(f"  node {node}")
+        for d in (x for x in plan.drift if x.node == node):
+            flag = " [blocking]" if d.blocking else ("" if d.actionable else " [report only]")
+            lines.append(f"    ~ {d.kind:<10} {d.resource}: expected {d.expected}; observed {d.observed}{flag}")
+    if plan.mode != "enforce":
+        lines.append(f"\nMode is {plan.mode}: no steps will run.")
+    elif plan.steps:
+        lines.append("\nSteps (numbered in execution order):")
+        order = {s.id: i for i, s in enumerate(plan.steps, start=1)}
+        for node in dict.fromkeys(s.node for s in plan.steps):
+            lines.append(f"  node {node}")
+            for s in (x for x in plan.steps if x.node == node):
+                after = f" (after {', '.join(str(order[a]) for a in s.after)})" if s.after else ""
+                lines.append(f"    {order[s.id]:>2}. {_SIGN[s.kind]} {s.id}: {s.reason}{after}")
+    if plan.blocked:
+        lines.append("\nBlocked:")
+        for b in plan.blocked:
+            lines.append(f"  ! {b.node}: {b.reason}")
+    counts = {k: sum(1 for s in plan.steps if _SIGN[s.kind] == k) for k in "+~-"}
+    lines.append(f"\nPlan: {counts['+']} to start/copy, {counts['~']} to change, {counts['-']} to stop; "
+                 f"{len(plan.blocked)} blocked.")
+    return "\n".join(lines) + "\n"

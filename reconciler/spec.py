@@ -1,0 +1,528 @@
+"""The desired state: what the operator declares, as frozen pydantic models.
+
+Every string that can end up in a remote command is held to a strict pattern here, at the border, so the edge
+never has to wonder whether a value is safe to quote. Rules that involve several fields (one head, no jump-host
+cycles, tp x pp against the GPUs, ...) live in `consistency_problems`, which reports each problem with the exact
+field path it concerns, so the loader can point at the offending line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      model_validator)
+
+from reconciler import loader
+from reconciler.loader import Loc
+
+# ---------------------------------------------------------------------------------------------- safe patterns
+
+
+def _pattern(regex: str, what: str, max_len: int | None = None):
+    compiled = re.compile(regex)
+
+    def check(value: str) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"must be a string ({what})")
+        if max_len is not None and len(value) > max_len:
+            raise ValueError(f"{value!r} is longer than {max_len} characters ({what})")
+        if not compiled.fullmatch(value):
+            raise ValueError(f"{value!r} is not a valid {what}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _no_dotdot(value: str) -> str:
+    if ".." in value.split("/"):
+        raise ValueError(f"{value!r} must not contain '..'")
+    return value
+
+
+NodeName = Annotated[str, _pattern(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "node name (lowercase letters, digits, '-')")]
+ContainerName = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", "container name ([A-Za-z0-9_.-])")]
+ContainerPattern = Annotated[str, _pattern(r"[A-Za-z0-9*?\[][A-Za-z0-9_.*?\[\]!-]{0,127}",
+                                           "container name or glob ([A-Za-z0-9_.-] plus * ? [ ])")]
+InterfaceName = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9_.-]*", "interface name", max_len=15)]
+RdmaDevice = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9_]{0,63}", "RDMA device name")]
+AbsPath = Annotated[str, _pattern(r"/([A-Za-z0-9._+@-]+(/[A-Za-z0-9._+@-]+)*)?/?",
+                                  "absolute path ([A-Za-z0-9._+@-] components)"), AfterValidator(_no_dotdot)]
+EnvName = Annotated[str, _pattern(r"[A-Za-z_][A-Za-z0-9_]{0,127}", "environment variable name")]
+ModelId = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}",
+                                  "model id (ORG/NAME)"), AfterValidator(_no_dotdot)]
+Revision = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", "revision (branch, tag or commit)")]
+ImageRef = Annotated[str, _pattern(
+    r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]{1,5})?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?", "image reference", max_len=255)]
+SshUser = Annotated[str, _pattern(r"[a-z_][a-z0-9_-]{0,31}", "user name")]
+HostName = Annotated[str, _pattern(r"[A-Za-z0-9]([A-Za-z0-9.:-]{0,251}[A-Za-z0-9])?", "host name or address")]
+ServedName = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}", "served model name")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+_DURATION = re.compile(r"(?:(\d+)(ms|s|m|h|d))+")
+_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: Any) -> float:
+    """`30s`, `5m`, `1h30m`, `250ms` -> seconds. Bare numbers are refused: `30` is ambiguous to a reader."""
+    if isinstance(value, bool) or not isinstance(value, str) or not _DURATION.fullmatch(value.strip()):
+        raise ValueError(f"{value!r} is not a duration; write it like 30s, 5m, 1h30m or 250ms")
+    return sum(int(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    out, rest = "", int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if rest >= size:
+            out += f"{rest // size}{unit}"
+            rest %= size
+    return out or "0s"
+
+
+class Duration(float):
+    """Seconds, written in YAML as `30s`/`5m`; keeps the readable form for `model_dump` and the schema."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(
+            lambda v: v if isinstance(v, Duration) else cls(parse_duration(v)),
+            json_schema_input_schema=core_schema.str_schema(pattern=r"^(\d+(ms|s|m|h|d))+$"),
+            serialization=core_schema.plain_serializer_function_ser_schema(lambda v: format_duration(v)),
+        )
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?")
+_SIZE_UNIT = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+              "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = _SIZE.fullmatch(str(value).strip()) if isinstance(value, str) else None
+    if not match:
+        raise ValueError(f"{value!r} is not a size; write it like 4GiB, 500MB or 1048576")
+    return int(float(match.group(1)) * _SIZE_UNIT[match.group(2)])
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+_RESERVED_SERVE_FLAGS = {
+    "--tensor-parallel-size": "serving.tensor_parallel_size", "-tp": "serving.tensor_parallel_size",
+    "--pipeline-parallel-size": "serving.pipeline_parallel_size", "-pp": "serving.pipeline_parallel_size",
+    "--nnodes": "the node list", "--node-rank": "the node list", "--master-addr": "the head's fabric address",
+    "--master-port": "serving.master_port", "--headless": "the node roles", "--port": "serving.port",
+    "--host": "the launcher", "--served-model-name": "serving.served_model_name",
+    "--gpu-memory-utilization": "serving.gpu_memory_utilization", "--max-model-len": "serving.max_model_len",
+    "--distributed-executor-backend": "serving.launcher", "--revision": "model.revision",
+}
+
+
+def _extra_arg(value: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{value!r} contains control characters")
+    flag = value.split("=", 1)[0]
+    if flag in _RESERVED_SERVE_FLAGS:
+        raise ValueError(f"{flag} is set by the reconciler; use {_RESERVED_SERVE_FLAGS[flag]} instead")
+    return value
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("contains control characters (newlines are not allowed in environment values)")
+    return value
+
+
+ExtraArg = Annotated[str, AfterValidator(_extra_arg)]
+EnvValue = Annotated[str, BeforeValidator(_env_value)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------- the models
+
+
+class Ssh(_Model):
+    """How the reconciler reaches a node. Host keys are always checked against `known_hosts`."""
+
+    host: HostName
+    user: SshUser = "spark"
+    port: Port = 22
+    jump: NodeName | None = Field(None, description="Name of another node to hop through (the internet-less worker "
+                                                    "is reached through the head).")
+    known_hosts: AbsPath = Field("/etc/spark-reconciler/known_hosts",
+                                 description="known_hosts file every host key is checked against (strict).")
+    identity_file: AbsPath | None = Field(None, description="Private key; default: the SSH agent / ~/.ssh keys.")
+    connect_timeout: Duration = Duration(10)
+
+
+class Fabric(_Model):
+    """The RoCE link between the nodes (ConnectX-7 on a Spark): what NCCL, rendezvous and weight sync use."""
+
+    interface: InterfaceName = Field(description="Netdev, e.g. enp1s0f1np1 (<= 15 characters).")
+    rdma_device: RdmaDevice | None = Field(None, description="RDMA device, e.g. rocep1s0f1; its port must be ACTIVE.")
+    address: ipaddress.IPv4Interface = Field(description="IPv4 address with prefix, e.g. 192.168.200.12/24.")
+    mtu: int = Field(9000, ge=576, le=9216)
+
+
+class Node(_Model):
+    name: NodeName
+    role: Literal["head", "worker"]
+    ssh: Ssh
+    fabric: Fabric
+    internet: bool = Field(True, description="False for a node that must never reach the internet "
+                                             "(gets HF_HUB_OFFLINE=1).")
+    gpus: int = Field(1, ge=1, le=16, description="GPUs on this node (a Spark has one GB10).")
+
+
+class Model(_Model):
+    id: ModelId
+    revision: Revision = "main"
+    layout: Literal["hf-cache", "plain"] = Field(
+        "hf-cache", description="hf-cache: `path` is a Hugging Face hub directory holding models--ORG--NAME; "
+                                "plain: `path` is the model directory itself.")
+    source: NodeName | None = Field(None, description="Node that holds the weights (default: the head).")
+    path: AbsPath | dict[NodeName, AbsPath] = Field(
+        description="Path on every node, or a mapping node -> path.")
+
+    def path_on(self, node: str) -> str:
+        return self.path if isinstance(self.path, str) else self.path[node]
+
+
+class DockerOptions(_Model):
+    gpus: Annotated[str, _pattern(r"all|[0-9]{1,2}|device=[0-9,]{1,32}", "--gpus value")] | None = "all"
+    privileged: bool = True
+    ipc: Literal["host", "private", "shareable"] | None = "host"
+    shm_size: Annotated[str, _pattern(r"[0-9]{1,6}[bkmgBKMG]?", "--shm-size value")] | None = "64g"
+    ulimits: dict[Annotated[str, _pattern(r"[a-z]{1,16}", "ulimit name")],
+                  Annotated[str, _pattern(r"-?[0-9]{1,12}(:-?[0-9]{1,12})?", "ulimit value")]] = Field(
+        default_factory=lambda: {"nofile": "1048576:1048576", "memlock": "-1"})
+    devices: list[AbsPath] = Field(default_factory=list, description="e.g. /dev/infiniband when not privileged.")
+    cap_add: list[Annotated[str, _pattern(r"[A-Z_]{2,32}", "capability")]] = Field(default_factory=list)
+    volumes: list[Annotated[str, _pattern(r"/[A-Za-z0-9._+@/-]*:/[A-Za-z0-9._+@/-]*(:(ro|rw))?",
+                                          "volume (/host:/container[:ro])"), AfterValidator(_no_dotdot)]] = Field(
+        default_factory=list)
+
+
+class Serving(_Model):
+    engine: Literal["vllm"] = "vllm"
+    image: ImageRef
+    launcher: Literal["native", "ray"] = "native"
+    container_name: ContainerName = "vllm_serving"
+    nodes: list[NodeName] | None = Field(None, description="Nodes the model spans (default: head first, then "
+                                                           "workers in file order, as many as tp x pp needs).")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    port: Port = 8000
+    master_port: Port = 29501
+    ray_port: Port = 6379
+    gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=16, le=10_000_000)
+    served_model_name: ServedName | None = None
+    extra_args: list[ExtraArg] = Field(default_factory=list)
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    docker: DockerOptions = Field(default_factory=DockerOptions)
+    health_timeout: Duration = Field(Duration(3600), description="Deadline for /health after a (cold) start.")
+
+
+class CoTenants(_Model):
+    """Other containers on the nodes. `*` as node key applies to every node."""
+
+    allowed: dict[NodeName | Literal["*"], list[ContainerPattern]] = Field(default_factory=dict)
+    protected: dict[NodeName | Literal["*"], list[ContainerPattern]] = Field(
+        default_factory=dict, description="Never stopped or touched, whatever else the file says.")
+    unlisted: Literal["stop", "report"] = "stop"
+
+    def _matches(self, table: dict[str, list[str]], node: str, name: str) -> bool:
+        patterns = table.get(node, []) + table.get("*", [])
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    def is_allowed(self, node: str, name: str) -> bool:
+        return self._matches(self.allowed, node, name)
+
+    def is_protected(self, node: str, name: str) -> bool:
+        return self._matches(self.protected, node, name)
+
+
+class Timeouts(_Model):
+    step: Duration = Duration(120)
+    command: Duration = Duration(60)
+    stop_grace: Duration = Field(Duration(30), description="`docker stop -t`: time before SIGKILL.")
+    weights_sync: Duration = Duration(12 * 3600)
+    image_sync: Duration = Duration(3600)
+
+
+class Retries(_Model):
+    attempts: int = Field(3, ge=1, le=20, description="Tries per step for transient errors within one reconcile.")
+    backoff_initial: Duration = Duration(1)
+    backoff_max: Duration = Duration(300)
+    hold_after: int = Field(5, ge=1, le=100, description="Consecutive failed reconciles before a step is held.")
+
+
+class WeightsPolicy(_Model):
+    parallel_streams: int = Field(4, ge=1, le=32)
+    bandwidth_limit: ByteSize | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
+    full_verify_interval: Duration = Field(Duration(24 * 3600),
+                                           description="How often the target's bytes are re-hashed.")
+
+
+class Policy(_Model):
+    mode: Literal["enforce", "observe"] = "enforce"
+    paused: bool = False
+    resync_interval: Duration = Duration(30)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    retries: Retries = Field(default_factory=Retries)
+    weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
+    memory_margin: ByteSize = Field(4 * 2**30, description="MemAvailable must exceed gmu x MemTotal + this.")
+    drop_caches: bool = Field(False, description="Drop the page cache before a start when memory is short.")
+    listen: Annotated[str, _pattern(r"(\[[0-9a-fA-F:]+\]|[0-9.]+|localhost):[0-9]{1,5}", "HOST:PORT")] = Field(
+        "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")
+
+
+class Desired(_Model):
+    nodes: list[Node] = Field(min_length=1)
+    model: Model
+    serving: Serving
+    co_tenants: CoTenants = Field(default_factory=CoTenants)
+    policy: Policy = Field(default_factory=Policy)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Desired":
+        problems = consistency_problems(self)
+        if problems:
+            raise ConsistencyError(problems)
+        return self
+
+    # -- derived views the core uses; defined here so there is one place that decides them
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    @property
+    def head(self) -> Node:
+        return next(n for n in self.nodes if n.role == "head")
+
+    @property
+    def source_node(self) -> str:
+        return self.model.source or self.head.name
+
+    @property
+    def serving_nodes(self) -> list[Node]:
+        """Head first, then workers: the rank order of the launch."""
+        if self.serving.nodes is not None:
+            chosen = [self.node(n) for n in self.serving.nodes]
+        else:
+            need, chosen = self.serving.tensor_parallel_size * self.serving.pipeline_parallel_size, []
+            for node in [self.head] + [n for n in self.nodes if n.role == "worker"]:
+                if sum(n.gpus for n in chosen) >= need:
+                    break
+                chosen.append(node)
+        return sorted(chosen, key=lambda n: n.role != "head")
+
+
+class ConsistencyError(ValueError):
+    def __init__(self, problems: list[tuple[Loc, str]]):
+        super().__init__("; ".join(f"{loader.format_loc(loc)}: {msg}" for loc, msg in problems))
+        self.problems = problems
+
+
+def consistency_problems(d: Desired) -> list[tuple[Loc, str]]:
+    """Rules across fields, each with the path it is about. Pure; returns all problems, not the first."""
+    out: list[tuple[Loc, str]] = []
+    names = [n.name for n in d.nodes]
+    index = {n.name: i for i, n in enumerate(d.nodes)}
+    heads = [i for i, n in enumerate(d.nodes) if n.role == "head"]
+    if len(heads) != 1:
+        where = ("nodes", heads[1], "role") if len(heads) > 1 else ("nodes",)
+        out.append((where, f"exactly one node must have role head (found {len(heads)})"))
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            out.append((("nodes", i, "name"), f"duplicate node name {name!r}"))
+    for i, n in enumerate(d.nodes):
+        jump = n.ssh.jump
+        if jump is None:
+            continue
+        if jump == n.name:
+            out.append((("nodes", i, "ssh", "jump"), "a node cannot be its own jump host"))
+        elif jump not in index:
+            out.append((("nodes", i, "ssh", "jump"),
+                        f"jump host {jump!r} is not a node (known: {', '.join(sorted(set(names)))})"))
+        else:
+            seen, cur = {n.name}, jump
+            while cur is not None and cur in index:
+                if cur in seen:
+                    out.append((("nodes", i, "ssh", "jump"), f"jump hosts form a cycle through {cur!r}"))
+                    break
+                seen.add(cur)
+                cur = d.nodes[index[cur]].ssh.jump
+    # fabric: one subnet, unique addresses
+    if d.nodes:
+        net0 = d.nodes[0].fabric.address.network
+        for i, n in enumerate(d.nodes[1:], start=1):
+            if n.fabric.address.network != net0:
+                out.append((("nodes", i, "fabric", "address"),
+                            f"{n.fabric.address} is not in the fabric subnet {net0} of node {d.nodes[0].name!r}"))
+        addrs = [n.fabric.address.ip for n in d.nodes]
+        for i, a in enumerate(addrs):
+            if a in addrs[:i]:
+                out.append((("nodes", i, "fabric", "address"), f"fabric address {a} is used by another node"))
+    # model
+    if d.model.source is not None and d.model.source not in index:
+        out.append((("model", "source"), f"weights source {d.model.source!r} is not a node"))
+    # serving span
+    s = d.serving
+    need = s.tensor_parallel_size * s.pipeline_parallel_size
+    total = sum(n.gpus for n in d.nodes)
+    if s.nodes is not None:
+        for j, name in enumerate(s.nodes):
+            if name not in index:
+                out.append((("serving", "nodes", j), f"{name!r} is not a node"))
+            elif name in s.nodes[:j]:
+                out.append((("serving", "nodes", j), f"{name!r} is listed twice"))
+        if heads and d.nodes[heads[0]].name not in s.nodes:
+            out.append((("serving", "nodes"), "the head must be one of the serving nodes (it runs rank 0 and "
+                                              "the API)"))
+        span = sum(d.nodes[index[n]].gpus for n in set(s.nodes) if n in index)
+        if span != need:
+            out.append((("serving", "tensor_parallel_size"), f"tensor_parallel_size x pipeline_parallel_size = "
+                                                             f"{need} but the serving nodes have {span} GPUs"))
+    elif need > total:
+        out.append((("serving", "tensor_parallel_size"),
+                    f"tensor_parallel_size x pipeline_parallel_size = {need} exceeds the cluster's {total} GPUs"))
+    elif heads and len(heads) == 1:
+        chosen = d.serving_nodes
+        if sum(n.gpus for n in chosen) != need:
+            out.append((("serving", "tensor_parallel_size"),
+                        f"tensor_parallel_size x pipeline_parallel_size = {need} does not match the GPUs of "
+                        f"whole nodes (head first): set serving.nodes explicitly"))
+    ports = {"port": s.port, "master_port": s.master_port, "ray_port": s.ray_port}
+    for key, value in ports.items():
+        others = [k for k, v in ports.items() if v == value and k != key]
+        if others and key > others[0]:
+            out.append((("serving", key), f"port {value} is also serving.{others[0]}"))
+    # per-node model paths cover the serving nodes
+    if isinstance(d.model.path, dict):
+        for key in d.model.path:
+            if key not in index:
+                out.append((("model", "path", key), f"{key!r} is not a node"))
+        for n in (d.serving_nodes if len(heads) == 1 and not out else []):
+            if n.name not in d.model.path:
+                out.append((("model", "path"), f"no model path for serving node {n.name!r}"))
+        if d.model.source and d.model.source in index and d.model.source not in d.model.path:
+            out.append((("model", "path"), f"no model path for the source node {d.model.source!r}"))
+    for table in ("allowed", "protected"):
+        for key in getattr(d.co_tenants, table):
+            if key != "*" and key not in index:
+                out.append((("co_tenants", table, key), f"{key!r} is not a node"))
+        for key, patterns in getattr(d.co_tenants, table).items():
+            for j, p in enumerate(patterns):
+                if fnmatch.fnmatchcase(s.container_name, p):
+                    out.append((("co_tenants", table, key, j),
+                                f"{p!r} matches the managed serving container {s.container_name!r}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+class InvalidDesiredState(Exception):
+    """All problems of one file, each placed at FILE:LINE:COL."""
+
+    def __init__(self, filename: str, problems: list[loader.Problem]):
+        self.filename = filename
+        self.problems = sorted(problems, key=lambda p: (p.position.line, p.position.column))
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        return [p.render(self.filename) for p in self.problems]
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "extra_forbidden":
+        return "unknown field (check the spelling; see `reconciler schema`)"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    if kind == "literal_error":
+        return msg.replace("Input should be", "must be")
+    return msg.replace("Input should be", "must be")
+
+
+_BRANCH_MISMATCH = {"dict_type", "string_type", "list_type", "int_type", "none_required"}
+
+
+def _clean_errors(exc: ValidationError) -> list[tuple[Loc, dict[str, Any]]]:
+    """Drop pydantic's union-branch noise: for `str | dict` fields keep the branch that fits the input."""
+    errs = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        errs.append((loc, err))
+    by_loc: dict[Loc, int] = {}
+    for loc, _ in errs:
+        by_loc[loc] = by_loc.get(loc, 0) + 1
+    return [(loc, err) for loc, err in errs
+            if not (by_loc[loc] > 1 and err["type"] in _BRANCH_MISMATCH)]
+
+
+def problems_from_validation(doc: loader.Document, exc: ValidationError) -> list[loader.Problem]:
+    out: list[loader.Problem] = []
+    for loc, err in _clean_errors(exc):
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConsistencyError):
+            for sub_loc, message in cause.problems:
+                full = loc + sub_loc
+                out.append(loader.Problem(doc.position_of(full), loader.format_loc(full), message))
+            continue
+        if err["type"] == "extra_forbidden":
+            position = doc.key_positions.get(loc, doc.position_of(loc))
+        else:
+            position = doc.position_of(loc)
+        out.append(loader.Problem(position, loader.format_loc(loc), _message(err)))
+    return out
+
+
+def parse(doc: loader.Document, filename: str) -> Desired:
+    try:
+        return Desired.model_validate(doc.data)
+    except ValidationError as exc:
+        raise InvalidDesiredState(filename, problems_from_validation(doc, exc)) from None
+
+
+def load(path: str | Path) -> Desired:
+    """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed."""
+    filename = str(path)
+    try:
+        doc = loader.load_file(Path(path))
+    except loader.LoadError as exc:
+        raise InvalidDesiredState(filename, exc.problems) from None
+    return parse(doc, filename)
+
+
+def loads(text: str | bytes, filename: str = "<string>") -> Desired:
+    try:
+        doc = loader.load_text(text.encode() if isinstance(text, str) else text)
+    except loader.LoadError as exc:
+        raise InvalidDesiredState(filename, exc.problems) from None
+    return parse(doc, filename)

@@ -1,0 +1,148 @@
+"""The vLLM launch spec per node: docker flags, environment and argv for the native and Ray launchers.
+
+Pure rendering from the desired state, so the plan can compare a hash of it with the label on the running
+container, and the serving step can run exactly what was hashed. Interface names and addresses are taken from
+each node's own fabric section, never copied from the head (asymmetric cabling is a known failure mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from reconciler.observed import LABEL_GENERATION, LABEL_MANAGED, LABEL_ROLE, LABEL_SPEC_HASH
+from reconciler.spec import Desired, Node
+
+HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
+PLAIN_MODEL_IN_CONTAINER = "/models/model"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything `docker run` needs on one node, plus (Ray only) the serve command exec'd on the head."""
+
+    node: str
+    rank: int
+    container_name: str
+    image: str
+    docker_flags: tuple[str, ...]
+    env: dict[str, str]
+    command: tuple[str, ...]
+    serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def spec_hash(self) -> str:
+        body = json.dumps([self.container_name, self.image, self.docker_flags, sorted(self.env.items()),
+                           self.command, self.serve_exec], separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def run_argv(self, generation: int) -> list[str]:
+        """`docker run` argv (without the leading `docker`); labels carry the hash for the next diff."""
+        labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
+                  LABEL_ROLE: "head" if self.rank == 0 else "worker"}
+        argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
+        for key, value in sorted(labels.items()):
+            argv += ["--label", f"{key}={value}"]
+        for key, value in sorted(self.env.items()):
+            argv += ["-e", f"{key}={value}"]
+        return argv + [self.image, *self.command]
+
+
+def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str, str]]:
+    path = desired.model.path_on(node.name)
+    if desired.model.layout == "hf-cache":
+        return ["-v", f"{path}:{HF_CACHE_IN_CONTAINER}"], desired.model.id, {"HF_HUB_CACHE": HF_CACHE_IN_CONTAINER}
+    return ["-v", f"{path}:{PLAIN_MODEL_IN_CONTAINER}"], PLAIN_MODEL_IN_CONTAINER, {}
+
+
+def _docker_flags(desired: Desired, node: Node) -> list[str]:
+    opts = desired.serving.docker
+    flags = ["--network", "host", "--restart", "no"]
+    if opts.ipc:
+        flags += ["--ipc", opts.ipc]
+    if opts.privileged:
+        flags += ["--privileged"]
+    if opts.gpus:
+        flags += ["--gpus", opts.gpus]
+    if opts.shm_size:
+        flags += ["--shm-size", opts.shm_size]
+    for name, value in sorted(opts.ulimits.items()):
+        flags += ["--ulimit", f"{name}={value}"]
+    for device in opts.devices:
+        flags += ["--device", device]
+    for cap in opts.cap_add:
+        flags += ["--cap-add", cap]
+    for volume in opts.volumes:
+        flags += ["-v", volume]
+    return flags
+
+
+def _env(desired: Desired, node: Node) -> dict[str, str]:
+    head_ip = str(desired.head.fabric.address.ip)
+    iface = node.fabric.interface
+    env = {
+        "VLLM_HOST_IP": str(node.fabric.address.ip),
+        "MASTER_ADDR": head_ip,
+        "NCCL_SOCKET_IFNAME": iface,
+        "GLOO_SOCKET_IFNAME": iface,
+        "TP_SOCKET_IFNAME": iface,
+        "UCX_NET_DEVICES": iface,
+        "OMPI_MCA_btl_tcp_if_include": iface,
+    }
+    if node.fabric.rdma_device:
+        env |= {"NCCL_IB_HCA": node.fabric.rdma_device, "NCCL_IB_DISABLE": "0"}
+    if not node.internet:
+        env["HF_HUB_OFFLINE"] = "1"
+    if desired.serving.launcher == "ray":
+        env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip)}
+    return env | dict(desired.serving.env)
+
+
+def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
+    s = desired.serving
+    argv = ["vllm", "serve", model_arg]
+    if desired.model.layout == "hf-cache":
+        argv += ["--revision", desired.model.revision]
+    argv += ["--tensor-parallel-size", str(s.tensor_parallel_size),
+             "--pipeline-parallel-size", str(s.pipeline_parallel_size),
+             "--gpu-memory-utilization", f"{s.gpu_memory_utilization:g}"]
+    if s.max_model_len:
+        argv += ["--max-model-len", str(s.max_model_len)]
+    if s.served_model_name:
+        argv += ["--served-model-name", s.served_model_name]
+    return argv
+
+
+def launch_specs(desired: Desired) -> list[LaunchSpec]:
+    """One spec per serving node, rank order (head = rank 0)."""
+    s = desired.serving
+    nodes = desired.serving_nodes
+    head_ip = str(desired.head.fabric.address.ip)
+    specs = []
+    for rank, node in enumerate(nodes):
+        mount, model_arg, mount_env = _model_mount(desired, node)
+        flags = tuple(_docker_flags(desired, node) + mount)
+        env = mount_env | _env(desired, node)
+        serve_exec = None
+        if s.launcher == "native":
+            command = _serve_argv(desired, model_arg) + ["--host", "0.0.0.0", "--port", str(s.port)]
+            if len(nodes) > 1:
+                command += ["--nnodes", str(len(nodes)), "--node-rank", str(rank),
+                            "--master-addr", head_ip, "--master-port", str(s.master_port)]
+                if rank > 0:
+                    command += ["--headless"]
+            command += list(s.extra_args)
+        else:
+            ip = str(node.fabric.address.ip)
+            if rank == 0:
+                command = ["ray", "start", "--block", "--head", "--port", str(s.ray_port), "--node-ip-address", ip]
+                serve_exec = tuple(_serve_argv(desired, model_arg) + [
+                    "--host", "0.0.0.0", "--port", str(s.port), "--distributed-executor-backend", "ray",
+                    *s.extra_args])
+            else:
+                command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip]
+        specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
+                                docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec))
+    return specs
