@@ -45,8 +45,14 @@ def validate(file: str) -> None:
 
 
 @main.command()
-def schema() -> None:
+@click.option("--markdown", is_flag=True, help="The reference in docs/desired-state.md instead of JSON Schema.")
+def schema(markdown: bool) -> None:
     """Print the JSON Schema of the desired state (for editors)."""
+    if markdown:
+        from reconciler.docgen import markdown as render
+
+        click.echo(render(), nl=False)
+        return
     click.echo(json.dumps(spec.Desired.model_json_schema(mode="validation"), indent=2))
 
 

@@ -110,7 +110,8 @@ def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Dri
                   actionable=False, blocking=True)]
 
 
-def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
+def serving_drift(desired: Desired, observed: Observed, image_id: str | None) -> list[Drift]:
+    """`image_id`: the cluster's reference id for the serving image (a container on an older id must restart)."""
     out = []
     specs = {s.node: s for s in launch_specs(desired)}
     name = desired.serving.container_name
@@ -138,10 +139,20 @@ def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
         elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:
             out.append(Drift(node.name, "serving", res, f"spec {spec.spec_hash}",
                              f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
-        elif obs.images.get(spec.image) and c.image_id and c.image_id != obs.images[spec.image]:
-            out.append(Drift(node.name, "serving", res, f"image {obs.images[spec.image][:19]}",
-                             f"image {c.image_id[:19]}"))
+        elif image_id and c.image_id and c.image_id != image_id:
+            out.append(Drift(node.name, "serving", res, f"image {image_id[:19]}", f"image {c.image_id[:19]}"))
     return out
+
+
+def _usable(obs: NodeObservation) -> bool:
+    return obs.reachable and obs.docker_reachable
+
+
+def image_holder(desired: Desired, observed: Observed) -> str | None:
+    """The node whose image id is the reference: the first usable node (head first) that has the image."""
+    ordered = sorted(desired.nodes, key=lambda n: n.role != "head")
+    return next((n.name for n in ordered if _usable(observed.node(n.name))
+                 and observed.node(n.name).images.get(desired.serving.image)), None)
 
 
 def diff(desired: Desired, observed: Observed) -> list[Drift]:
@@ -160,14 +171,14 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
             out += co_tenant_drift(desired, node.name, obs)
     # image: every serving node holds the head's (or the first holder's) image id
     image = desired.serving.image
-    holders = [n.name for n in desired.nodes if observed.node(n.name).images.get(image)]
-    reference = observed.node(holders[0]).images[image] if holders else None
+    holder = image_holder(desired, observed)
+    reference = observed.node(holder).images[image] if holder else None
     for name in sorted(serving, key=lambda n: [x.name for x in desired.nodes].index(n)):
         if not reachable[name]:
             continue
         got = observed.node(name).images.get(image)
         if reference is None:
-            out.append(Drift(name, "image", f"image/{image}", "present on some node", "present on no node",
+            out.append(Drift(name, "image", f"image/{image}", "present on some node", "on no reachable node",
                              actionable=False, blocking=True))
         elif got != reference:
             out.append(Drift(name, "image", f"image/{image}", reference[:19], got[:19] if got else "missing"))
@@ -189,7 +200,7 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
             if problem:
                 out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
                                  f"{src_obs.weights.total_bytes} bytes", problem))
-    served = serving_drift(desired, observed)
+    served = serving_drift(desired, observed, reference)
     out += served
     # memory: only matters where serving must (re)start and nothing planned frees memory there
     stopping = {d.node for d in out if d.kind == "co-tenant" and d.actionable}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from reconciler.drift import Drift, diff
+from reconciler.drift import Drift, diff, image_holder
 from reconciler.observed import Observed
 from reconciler.spec import Desired
 
@@ -87,15 +87,12 @@ def plan(desired: Desired, observed: Observed) -> Plan:
         steps.append(Step(link_ids[name], "link", name, reasons))
 
     image = desired.serving.image
-    holders = [n.name for n in desired.nodes if n.name not in down and observed.node(n.name).images.get(image)]
+    holder = image_holder(desired, observed)
     image_ids: list[str] = []
     for d in drift:
-        if d.kind != "image" or not d.actionable:
+        if d.kind != "image" or not d.actionable or holder is None:
             continue
-        if not holders:
-            blocked.append(Blocker(d.node, f"no reachable node holds {image} to copy it from"))
-            continue
-        step = Step(f"image/{d.node}", "image", d.node, _explain(d), params={"source": holders[0], "image": image})
+        step = Step(f"image/{d.node}", "image", d.node, _explain(d), params={"source": holder, "image": image})
         image_ids.append(step.id)
         steps.append(step)
 

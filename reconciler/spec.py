@@ -23,19 +23,31 @@ from reconciler.loader import Loc
 # ---------------------------------------------------------------------------------------------- safe patterns
 
 
-def _pattern(regex: str, what: str, max_len: int | None = None):
-    compiled = re.compile(regex)
+class _pattern:
+    """Annotated metadata: a strict regex with a readable message, shown as `pattern` in the JSON Schema."""
 
-    def check(value: str) -> str:
-        if not isinstance(value, str):
-            raise ValueError(f"must be a string ({what})")
-        if max_len is not None and len(value) > max_len:
-            raise ValueError(f"{value!r} is longer than {max_len} characters ({what})")
-        if not compiled.fullmatch(value):
-            raise ValueError(f"{value!r} is not a valid {what}")
+    def __init__(self, regex: str, what: str, max_len: int | None = None):
+        self.regex, self.what, self.max_len = regex, what, max_len
+        self.compiled = re.compile(regex)
+
+    def check(self, value: str) -> str:
+        if self.max_len is not None and len(value) > self.max_len:
+            raise ValueError(f"{value!r} is longer than {self.max_len} characters ({self.what})")
+        if not self.compiled.fullmatch(value):
+            raise ValueError(f"{value!r} is not a valid {self.what}")
         return value
 
-    return AfterValidator(check)
+    def __get_pydantic_core_schema__(self, source, handler):
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema, handler):
+        out = handler(schema)
+        out["pattern"] = f"^(?:{self.regex})$"
+        if self.max_len:
+            out["maxLength"] = self.max_len
+        return out
 
 
 def _no_dotdot(value: str) -> str:
