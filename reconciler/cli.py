@@ -65,21 +65,48 @@ def plan(file: str, snapshot: Path | None, as_json: bool) -> None:
     """Show the drift and the ordered steps. Exit 0 no changes, 1 changes pending, 2 invalid."""
     desired = _load_or_exit(file)
     if snapshot is None:
-        click.echo("plan without --observed needs live observation, which arrives with the convergence issue; "
-                   "use --observed SNAPSHOT.json", err=True)
-        sys.exit(EXIT_INVALID)
-    try:
-        observed = Observed.model_validate_json(snapshot.read_bytes())
-    except ValidationError as exc:
-        click.echo(f"{snapshot}: not an observed-state snapshot: {exc.error_count()} errors, first: "
-                   f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)
-        sys.exit(EXIT_INVALID)
+        observed = _observe(desired)
+    else:
+        try:
+            observed = Observed.model_validate_json(snapshot.read_bytes())
+        except ValidationError as exc:
+            click.echo(f"{snapshot}: not an observed-state snapshot: {exc.error_count()} errors, first: "
+                       f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)
+            sys.exit(EXIT_INVALID)
     result = make_plan(desired, observed)
     if as_json:
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:
         click.echo(plan_text(result), nl=False)
     sys.exit(1 if result.changes else 0)
+
+
+def _observe(desired: spec.Desired) -> Observed:
+    from reconciler.observe import observe as probe
+    from reconciler.remote import Sessions
+
+    sessions = Sessions(desired)
+    try:
+        observed, _ = probe(desired, sessions, timeout=desired.policy.timeouts.command)
+    finally:
+        sessions.close()
+    return observed
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="The snapshot `plan --observed` reads.")
+def observe(file: str, as_json: bool) -> None:
+    """Probe every node once (one batched script each) and print what is there. Exit 3 if a node is unreachable."""
+    desired = _load_or_exit(file)
+    observed = _observe(desired)
+    if as_json:
+        click.echo(observed.model_dump_json(indent=1))
+    else:
+        from reconciler.render import observed_text
+
+        click.echo(observed_text(observed), nl=False)
+    sys.exit(3 if any(not n.reachable for n in observed.nodes.values()) else 0)
 
 
 def _not_yet(name: str, issue: str) -> None:
@@ -91,6 +118,6 @@ def _not_yet(name: str, issue: str) -> None:
     _cmd.__doc__ = f"(not available yet: {issue})"
 
 
-for _name, _issue in (("observe", "the convergence issue"), ("apply", "the convergence issue"),
+for _name, _issue in (("apply", "the convergence issue"),
                       ("run", "the daemon issue"), ("status", "the daemon issue")):
     _not_yet(_name, _issue)

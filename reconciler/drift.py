@@ -64,9 +64,13 @@ def link_drift(node: Node, obs: NodeObservation) -> list[Drift]:
         return [Drift(node.name, "link", res, "interface present", "no such interface", actionable=False,
                       blocking=True)]
     out = []
-    if not (link.admin_up and link.carrier):
-        state = f"{'admin-up' if link.admin_up else 'admin-down'}, carrier {'on' if link.carrier else 'off'}"
-        out.append(Drift(node.name, "link", res, "up", state))
+    if not link.admin_up:
+        out.append(Drift(node.name, "link", res, "up", "admin-down"))
+    elif not link.carrier:
+        # Up on this side but no carrier: the peer's port or the cable. Not this node's to fix; it clears when
+        # the peer's link step brings the other end up, and a dead fabric shows up as a failed serving start.
+        out.append(Drift(node.name, "link", res + "/carrier", "carrier", "no carrier (peer port down or cable)",
+                         actionable=False))
     if link.mtu != want.mtu:
         out.append(Drift(node.name, "link", res + "/mtu", str(want.mtu), str(link.mtu)))
     if str(want.address) not in link.addresses:
@@ -75,7 +79,8 @@ def link_drift(node: Node, obs: NodeObservation) -> list[Drift]:
     if want.rdma_device and link.rdma is not None and not link.rdma.active:
         # Bringing the netdev up is what activates the RDMA port; alone, it is a cabling/firmware matter.
         out.append(Drift(node.name, "rdma", f"rdma/{want.rdma_device}", "4: ACTIVE",
-                         f"{link.rdma.state} ({link.rdma.phys_state})", actionable=bool(out), blocking=not out))
+                         f"{link.rdma.state} ({link.rdma.phys_state})", actionable=any(d.actionable for d in out),
+                         blocking=not any(d.actionable for d in out)))
     return out
 
 

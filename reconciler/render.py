@@ -5,6 +5,7 @@ Kept apart from the CLI so the daemon's log and the demo show the same text.
 
 from __future__ import annotations
 
+from reconciler.observed import Observed
 from reconciler.plan import Plan
 
 _SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "image": "+", "weights": "+",
@@ -38,4 +39,35 @@ def plan_text(plan: Plan) -> str:
     counts = {k: sum(1 for s in plan.steps if _SIGN[s.kind] == k) for k in "+~-"}
     lines.append(f"\nPlan: {counts['+']} to start/copy, {counts['~']} to change, {counts['-']} to stop; "
                  f"{len(plan.blocked)} blocked.")
+    return "\n".join(lines) + "\n"
+
+
+def observed_text(observed: Observed) -> str:
+    """One block per node: reachability, containers, link, memory, weights, serving."""
+    gib = 2**30
+    lines = []
+    for name, n in observed.nodes.items():
+        if not n.reachable:
+            lines.append(f"node {name}: UNREACHABLE ({n.error})")
+            continue
+        lines.append(f"node {name}: reachable, docker {'ok' if n.docker_reachable else n.docker_error}")
+        for c in n.containers:
+            lines.append(f"  container {c.name:<20} {c.state:<8} {c.image}{' [managed]' if c.managed else ''}")
+        if n.fabric:
+            f = n.fabric
+            rdma = f", rdma {f.rdma.state} / {f.rdma.phys_state}" if f.rdma else ""
+            lines.append(f"  fabric {f.name}: {'up' if f.admin_up and f.carrier else 'DOWN'}, mtu {f.mtu}, "
+                         f"{', '.join(f.addresses) or 'no address'}{rdma}")
+        if n.memory:
+            lines.append(f"  memory {n.memory.available_bytes / gib:.1f} GiB available of "
+                         f"{n.memory.total_bytes / gib:.1f} GiB")
+        if n.weights:
+            lines.append(f"  weights {n.weights.root}: " + (f"{len(n.weights.files)} files, "
+                         f"{n.weights.total_bytes} bytes" if n.weights.present else "absent"))
+        for ref, image_id in n.images.items():
+            lines.append(f"  image {ref}: {image_id[:19]}")
+        if n.serving:
+            s = n.serving
+            lines.append(f"  serving: {'healthy' if s.healthy else 'not healthy'}"
+                         f"{', models ' + ', '.join(s.models) if s.models else ''}")
     return "\n".join(lines) + "\n"

@@ -477,6 +477,8 @@ def _message(err: dict[str, Any]) -> str:
         return "unknown field (check the spelling; see `reconciler schema`)"
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
+    if kind == "string_type":
+        return f"must be a string; quote the value ({err.get('input')!r} was read as {type(err.get('input')).__name__})"
     if kind == "literal_error":
         return msg.replace("Input should be", "must be")
     return msg.replace("Input should be", "must be")

@@ -1,0 +1,219 @@
+"""The probe: ONE POSIX sh script per node per cycle, and its parsing into `observed` models.
+
+Only tools a stock DGX OS has: the docker CLI, `ip -j`, cat of /sys and /proc, GNU find, curl. The script prints
+sections (`@@name` ... `@@rc N`); each section fails on its own, so a dead docker engine still leaves the link,
+memory and weights observed. Nothing here hashes weights: the manifest is sizes, mtimes and symlink targets, so
+a no-op cycle costs the same for a 1 GB and a 119 GB model.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from reconciler.observed import (Container, Link, Memory, NodeObservation, Observed, RdmaPort, Serving,
+                                 WeightFile, Weights)
+from reconciler.remote import RemoteError, Sessions, quote
+from reconciler.spec import Desired, Node
+
+_INSPECT = ('{"name":{{json .Name}},"id":{{json .Id}},"image":{{json .Config.Image}},"image_id":{{json .Image}},'
+            '"state":{{json .State.Status}},"labels":{{json .Config.Labels}},"started_at":{{json .State.StartedAt}},'
+            '"restart_count":{{json .RestartCount}}}')
+PARTIAL_DIR = ".rsync-partial"
+
+
+def weights_root(desired: Desired, node: str) -> str:
+    """The directory whose tree is the manifest: the model dir (plain) or models--ORG--NAME (hf-cache)."""
+    path = desired.model.path_on(node)
+    if desired.model.layout == "plain":
+        return path
+    return posixpath.join(path, "models--" + desired.model.id.replace("/", "--"))
+
+
+def probe_script(desired: Desired, node: Node) -> str:
+    """The script for one node. Every interpolated value is validated by spec and quoted by remote.quote."""
+    q = lambda *argv: quote(argv)  # noqa: E731 - local shorthand
+    iface, dev = node.fabric.interface, node.fabric.rdma_device
+    root = weights_root(desired, node.name)
+    lines = [
+        "export LC_ALL=C",
+        "sec() { printf '\\n@@%s\\n' \"$1\"; }",
+        "sec containers",
+        "ids=$(docker ps -aq --no-trunc 2>&1); rc=$?",
+        f"if [ $rc -eq 0 ] && [ -n \"$ids\" ]; then docker inspect --format {q(_INSPECT)} $ids 2>&1; "
+        "elif [ $rc -ne 0 ]; then printf '%s\\n' \"$ids\"; fi",
+        "echo \"@@rc $rc\"",
+        "sec image",
+        f"docker image inspect --format '{{{{.Id}}}}' {q(desired.serving.image)} 2>/dev/null; echo \"@@rc $?\"",
+        "sec link",
+        f"ip -j addr show dev {q(iface)} 2>&1; echo \"@@rc $?\"",
+        "sec rdma",
+    ]
+    if dev:
+        port = f"/sys/class/infiniband/{dev}/ports/1"
+        lines.append(f"if [ -d {q(port)} ]; then cat {q(port + '/state')} {q(port + '/phys_state')}; "
+                     "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
+    else:
+        lines.append("echo '@@rc 2'")
+    lines += [
+        "sec meminfo",
+        "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; echo \"@@rc $?\"",
+        "sec weights",
+        f"if [ -d {q(root)} ]; then find {q(root)} -mindepth 1 -name {q(PARTIAL_DIR)} -prune -o "
+        "-printf '%P\\t%y\\t%s\\t%T@\\t%Y\\t%l\\n'; echo \"@@rc $?\"; else echo '@@rc 2'; fi",
+    ]
+    if node.role == "head":
+        port = desired.serving.port
+        lines += [
+            "sec health",
+            f"curl -s -o /dev/null -m 2 -w '%{{http_code}}' {q(f'http://127.0.0.1:{port}/health')}; "
+            "echo; echo \"@@rc $?\"",
+            "sec models",
+            f"curl -s -m 2 {q(f'http://127.0.0.1:{port}/v1/models')}; echo; echo \"@@rc $?\"",
+        ]
+        if desired.serving.launcher == "ray":
+            lines += ["sec ray",
+                      f"docker exec {q(desired.serving.container_name)} ray status 2>&1; echo \"@@rc $?\""]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Section:
+    body: str
+    rc: int
+
+
+def split_sections(output: str) -> dict[str, Section]:
+    sections: dict[str, Section] = {}
+    name, body = None, []
+    for line in output.splitlines():
+        if line.startswith("@@rc ") and name is not None:
+            sections[name] = Section("\n".join(body).strip("\n"), int(line[5:].strip() or 1))
+            name, body = None, []
+        elif line.startswith("@@") and not line.startswith("@@rc"):
+            name, body = line[2:].strip(), []
+        elif name is not None:
+            body.append(line)
+    return sections
+
+
+def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
+    if sec is None:
+        return False, "probe did not report containers", []
+    found = []
+    for line in sec.body.splitlines():
+        if line.startswith("{"):
+            raw = json.loads(line)
+            raw["name"] = raw["name"].lstrip("/")
+            raw["labels"] = raw.get("labels") or {}
+            found.append(Container.model_validate(raw))
+    if sec.rc != 0 and not found:
+        return False, sec.body.strip()[-500:] or f"docker exited {sec.rc}", []
+    return True, None, sorted(found, key=lambda c: c.name)
+
+
+def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
+    if link_sec is None or link_sec.rc != 0:
+        return Link(name=name, exists=False)
+    data = json.loads(link_sec.body or "[]")
+    if not data:
+        return Link(name=name, exists=False)
+    info = data[0]
+    flags = info.get("flags", [])
+    addresses = [f"{a['local']}/{a['prefixlen']}" for a in info.get("addr_info", []) if a.get("family") == "inet"]
+    rdma = None
+    if rdma_sec is not None and rdma_sec.rc == 0:
+        state, _, phys = rdma_sec.body.partition("\n")
+        rdma = RdmaPort(state=state.strip(), phys_state=phys.strip())
+    return Link(name=name, operstate=str(info.get("operstate", "UNKNOWN")).lower(), admin_up="UP" in flags,
+                carrier="LOWER_UP" in flags, mtu=int(info.get("mtu", 0)), addresses=addresses, rdma=rdma)
+
+
+def parse_memory(sec: Section | None) -> Memory | None:
+    if sec is None or sec.rc != 0:
+        return None
+    values = {}
+    for line in sec.body.splitlines():
+        key, _, rest = line.partition(":")
+        values[key] = int(rest.split()[0]) * 1024
+    return Memory(total_bytes=values["MemTotal"], available_bytes=values["MemAvailable"])
+
+
+def parse_weights(root: str, sec: Section | None) -> Weights:
+    if sec is None or sec.rc != 0:
+        return Weights(root=root, present=False)
+    rows = []
+    for line in sec.body.splitlines():
+        parts = line.split("\t", 5)
+        if len(parts) == 6:
+            rows.append(parts)
+    sizes = {path: int(size) for path, kind, size, _, _, _ in rows if kind == "f"}
+    files = []
+    for path, kind, size, mtime, target_kind, target in rows:
+        if kind == "d":
+            continue
+        if kind == "l":
+            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
+            link_size = None if target_kind == "N" else sizes.get(resolved, 0)
+            files.append(WeightFile(path=path, size=link_size, mtime=float(mtime), link_target=target))
+        elif kind == "f":
+            files.append(WeightFile(path=path, size=int(size), mtime=float(mtime)))
+    files.sort(key=lambda f: f.path)
+    return Weights(root=root, present=bool(files), files=files)
+
+
+def parse_serving(health: Section | None, models: Section | None, ray: Section | None) -> Serving:
+    code = health.body.strip() if health else ""
+    served: list[str] = []
+    if models is not None and models.body.strip().startswith("{"):
+        try:
+            served = [m["id"] for m in json.loads(models.body).get("data", [])]
+        except (ValueError, KeyError, TypeError):
+            served = []
+    ray_nodes = None
+    if ray is not None and ray.rc == 0:
+        ray_nodes = sum(1 for line in ray.body.splitlines() if line.strip().split(" ")[-1].startswith("node_"))
+    return Serving(reachable=code not in ("", "000"), healthy=code == "200", models=served, ray_nodes=ray_nodes)
+
+
+def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
+    sections = split_sections(output)
+    docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
+    image = sections.get("image")
+    images = {desired.serving.image: image.body.strip()} if image and image.rc == 0 and image.body.strip() else {}
+    serving = None
+    if node.role == "head":
+        serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"))
+    return NodeObservation(
+        name=node.name, reachable=True, docker_reachable=docker_ok, docker_error=docker_error,
+        containers=containers, images=images,
+        fabric=parse_link(node.fabric.interface, sections.get("link"), sections.get("rdma")),
+        memory=parse_memory(sections.get("meminfo")),
+        weights=parse_weights(weights_root(desired, node.name), sections.get("weights")), serving=serving)
+
+
+def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0) -> NodeObservation:
+    try:
+        result = sessions[node.name].run_script(probe_script(desired, node), timeout=timeout)
+    except RemoteError as exc:
+        return NodeObservation(name=node.name, reachable=False, error=exc.message)
+    return parse_probe(desired, node, result.stdout)
+
+
+def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0) -> tuple[Observed, dict[str, float]]:
+    """Probe all nodes in parallel (an unreachable node never stalls the others); also return seconds per node."""
+    durations: dict[str, float] = {}
+
+    def one(node: Node) -> NodeObservation:
+        start = time.perf_counter()
+        try:
+            return observe_node(desired, sessions, node, timeout)
+        finally:
+            durations[node.name] = time.perf_counter() - start
+
+    with ThreadPoolExecutor(max_workers=max(1, len(desired.nodes))) as pool:
+        results = list(pool.map(one, desired.nodes))
+    return Observed(nodes={r.name: r for r in results}), durations

@@ -1,0 +1,265 @@
+"""SSH to the nodes: the only module that talks SSH, and the only place that quotes remote commands.
+
+One persistent fabric/paramiko session per node, reused across cycles and reopened when it drops; nodes with a
+jump host are reached through that node's session (a direct-tcpip channel, like `ssh -J`). Host keys are checked
+strictly against the known_hosts file the desired state names: an unknown or changed key is refused with a clear
+error, never accepted. Every command is an argv of already-validated values, quoted here with `shlex.quote`, so a
+value reaches the node as exactly one argument. Root is used only through `sudo -n` for the commands in
+SUDO_COMMANDS, which is what docs/operations.md's sudoers snippet allows; anything else is refused before it
+leaves the head.
+"""
+
+from __future__ import annotations
+
+import select
+import shlex
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import fabric
+import paramiko
+from paramiko.ssh_exception import AuthenticationException, BadHostKeyException, SSHException
+
+from reconciler.spec import Desired, Node
+
+#: argv prefixes that may run under `sudo -n`; the sudoers snippet in docs/operations.md lists the same.
+SUDO_COMMANDS: tuple[tuple[str, ...], ...] = (
+    ("/usr/sbin/ip", "link", "set", "dev"),
+    ("/usr/sbin/ip", "addr", "add"),
+    ("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"),
+)
+
+
+class RemoteError(Exception):
+    """Something went wrong talking to a node; `node` says which."""
+
+    transient = False
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"{node}: {message}")
+        self.node = node
+        self.message = message
+
+
+class Unreachable(RemoteError):
+    transient = True
+
+
+class AuthFailed(RemoteError):
+    pass
+
+
+class HostKeyRejected(RemoteError):
+    """Unknown or changed host key: a possible man in the middle, never retried automatically."""
+
+
+class CommandTimeout(RemoteError):
+    transient = True
+
+
+class CommandFailed(RemoteError):
+    def __init__(self, node: str, argv: Sequence[str], exit_code: int, stdout: str, stderr: str):
+        detail = (stderr.strip() or stdout.strip())[-2000:]
+        super().__init__(node, f"`{shlex.join(argv)}` exited {exit_code}: {detail}")
+        self.argv, self.exit_code, self.stdout, self.stderr = list(argv), exit_code, stdout, stderr
+
+
+@dataclass(frozen=True)
+class Result:
+    stdout: str
+    stderr: str
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def quote(argv: Sequence[str]) -> str:
+    """The one quoting function: argv -> a POSIX shell command line where each element stays one word."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def sudo_argv(argv: Sequence[str]) -> list[str]:
+    """`sudo -n ARGV` for an allowed command; anything else raises before it is sent."""
+    if not any(tuple(argv[: len(prefix)]) == prefix for prefix in SUDO_COMMANDS):
+        raise PermissionError(f"refusing to run {shlex.join(argv)!r} with sudo: not in SUDO_COMMANDS")
+    return ["sudo", "-n", *argv]
+
+
+class Session:
+    """A persistent SSH session to one node (through its jump host's session when it has one)."""
+
+    def __init__(self, node: Node, gateway: "Session | None" = None):
+        self.node = node
+        self.gateway = gateway
+        self._conn: fabric.Connection | None = None
+        self._lock = threading.Lock()
+
+    # -- connection -------------------------------------------------------------------------------------------
+
+    def _new_connection(self) -> fabric.Connection:
+        ssh = self.node.ssh
+        config = fabric.Config(ssh_config=paramiko.SSHConfig(), overrides={"load_ssh_configs": False})
+        kwargs: dict[str, object] = {"allow_agent": ssh.identity_file is None,
+                                     "look_for_keys": ssh.identity_file is None,
+                                     "banner_timeout": ssh.connect_timeout, "auth_timeout": ssh.connect_timeout}
+        if ssh.identity_file:
+            kwargs["key_filename"] = [ssh.identity_file]
+        gateway = None
+        if self.gateway is not None:
+            try:
+                gateway = self.gateway.connection()
+            except RemoteError as exc:
+                raise Unreachable(self.node.name, f"jump host {exc}") from None
+        conn = fabric.Connection(ssh.host, user=ssh.user, port=ssh.port, config=config, connect_kwargs=kwargs,
+                                 connect_timeout=max(1, int(ssh.connect_timeout)), gateway=gateway)
+        # fabric defaults to AutoAddPolicy; the product never trusts on first use.
+        conn.client = paramiko.SSHClient()
+        try:
+            conn.client.load_host_keys(ssh.known_hosts)
+        except OSError as exc:
+            raise HostKeyRejected(self.node.name, f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}")
+        conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        return conn
+
+    def connection(self) -> fabric.Connection:
+        """The open connection, (re)connecting when needed. Errors become typed RemoteErrors."""
+        with self._lock:
+            if self._conn is not None and self._conn.is_connected and self._conn.transport.is_active():
+                return self._conn
+            self._close_locked()
+            conn = self._new_connection()
+            name, ssh = self.node.name, self.node.ssh
+            where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.node.name}" if self.gateway else "")
+            try:
+                conn.open()
+            except BadHostKeyException as exc:
+                raise HostKeyRejected(name, f"host key for {ssh.host} CHANGED (got {exc.key.get_name()} "
+                                            f"{exc.key.get_base64()[:16]}..., known_hosts {ssh.known_hosts} has "
+                                            f"another): refusing to connect; verify the node, then update "
+                                            f"known_hosts") from None
+            except AuthenticationException as exc:
+                raise AuthFailed(name, f"authentication failed for {where}: {exc}") from None
+            except SSHException as exc:
+                if "not found in known_hosts" in str(exc):
+                    raise HostKeyRejected(name, f"host {ssh.host} is not in {ssh.known_hosts}: refusing to trust "
+                                                f"it on first use; add its key (docs/operations.md)") from None
+                raise Unreachable(name, f"SSH to {where} failed: {exc}") from None
+            except RemoteError:
+                raise
+            except (OSError, EOFError, socket.timeout) as exc:
+                raise Unreachable(name, f"cannot reach {where}: {exc}") from None
+            self._conn = conn
+            return conn
+
+    def _close_locked(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - closing a dead connection may fail in many ways
+                pass
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    # -- commands ---------------------------------------------------------------------------------------------
+
+    def open_channel(self, command: str, timeout: float) -> paramiko.Channel:
+        transport = self.connection().transport
+        try:
+            channel = transport.open_session(timeout=timeout)
+            channel.exec_command(command)
+        except (SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise Unreachable(self.node.name, f"session lost: {exc}") from None
+        return channel
+
+    def run(self, argv: Sequence[str], *, timeout: float, sudo: bool = False, stdin: bytes | None = None,
+            check: bool = True) -> Result:
+        """Run one argv on the node; raise CommandFailed on a non-zero exit when `check`."""
+        argv = sudo_argv(argv) if sudo else list(argv)
+        result = self.run_command(quote(argv), timeout=timeout, stdin=stdin)
+        if check and not result.ok:
+            raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
+        return result
+
+    def run_script(self, script: str, *, timeout: float) -> Result:
+        """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node."""
+        return self.run_command("sh -s", timeout=timeout, stdin=script.encode())
+
+    def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None) -> Result:
+        deadline = time.monotonic() + timeout
+        channel = self.open_channel(command, timeout)
+        try:
+            if stdin is not None:
+                channel.sendall(stdin)
+            channel.shutdown_write()
+            out, err = bytearray(), bytearray()
+            while True:
+                if channel.recv_ready():
+                    out += channel.recv(1 << 16)
+                    continue
+                if channel.recv_stderr_ready():
+                    err += channel.recv_stderr(1 << 16)
+                    continue
+                if channel.exit_status_ready() and channel.eof_received:
+                    break
+                if channel.closed:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(self.node.name, f"`{command[:200]}` did not finish within {timeout:g}s")
+                select.select([channel], [], [], min(remaining, 1.0))
+            code = channel.recv_exit_status() if channel.exit_status_ready() else -1
+        except (SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise Unreachable(self.node.name, f"session lost during `{command[:80]}`: {exc}") from None
+        finally:
+            channel.close()
+        return Result(out.decode(errors="replace"), err.decode(errors="replace"), code)
+
+
+class Sessions:
+    """The pool: one Session per node of the desired state, jump hosts wired to their gateway's session."""
+
+    def __init__(self, desired: Desired):
+        self._sessions: dict[str, Session] = {}
+        self.update(desired)
+
+    def update(self, desired: Desired) -> None:
+        """Keep sessions whose SSH settings did not change; rebuild the others (level-triggered config)."""
+        old = self._sessions
+        self._sessions = {}
+        for node in self._in_jump_order(desired):
+            gateway = self._sessions.get(node.ssh.jump) if node.ssh.jump else None
+            kept = old.get(node.name)
+            if kept and kept.node == node and kept.gateway is gateway:
+                self._sessions[node.name] = kept
+            else:
+                self._sessions[node.name] = Session(node, gateway)
+        for name, session in old.items():
+            if self._sessions.get(name) is not session:
+                session.close()
+
+    @staticmethod
+    def _in_jump_order(desired: Desired) -> list[Node]:
+        done: list[Node] = []
+        pending = list(desired.nodes)
+        while pending:
+            ready = [n for n in pending if n.ssh.jump is None or n.ssh.jump in {d.name for d in done}]
+            done += ready
+            pending = [n for n in pending if n not in ready]
+        return done
+
+    def __getitem__(self, name: str) -> Session:
+        return self._sessions[name]
+
+    def close(self) -> None:
+        for session in self._sessions.values():
+            session.close()
