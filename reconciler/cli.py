@@ -109,6 +109,21 @@ def observe(file: str, as_json: bool) -> None:
     sys.exit(3 if any(not n.reachable for n in observed.nodes.values()) else 0)
 
 
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--yes", "-y", is_flag=True, help="Do not ask before changing anything.")
+@click.option("--dry-run", is_flag=True, help="Show the plan and stop (exit 1 if it has steps).")
+@click.option("--max-passes", default=3, show_default=True, help="Observe-plan-execute rounds before giving up.")
+def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
+    """One convergence pass: observe, show the plan, execute it in order, verify. Exit 0 only when converged."""
+    from reconciler import log
+    from reconciler.apply import apply_once
+
+    desired = _load_or_exit(file)
+    log.configure()
+    sys.exit(apply_once(desired, yes=yes, dry_run=dry_run, max_passes=max_passes))
+
+
 def _not_yet(name: str, issue: str) -> None:
     @main.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
     def _cmd() -> None:
@@ -118,6 +133,5 @@ def _not_yet(name: str, issue: str) -> None:
     _cmd.__doc__ = f"(not available yet: {issue})"
 
 
-for _name, _issue in (("apply", "the convergence issue"),
-                      ("run", "the daemon issue"), ("status", "the daemon issue")):
+for _name, _issue in (("run", "the daemon issue"), ("status", "the daemon issue")):
     _not_yet(_name, _issue)

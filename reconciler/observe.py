@@ -33,6 +33,16 @@ def weights_root(desired: Desired, node: str) -> str:
     return posixpath.join(path, "models--" + desired.model.id.replace("/", "--"))
 
 
+def manifest_script(root: str) -> str:
+    """The `weights` section: every entry (type, size, mtime, link target) and, in a second pass that follows
+    links, the resolved size of everything that is (or points to) a regular file. No hashing: cheap at any size."""
+    r, partial = quote([root]), quote([PARTIAL_DIR])
+    return (f"printf '\\n@@weights\\n'\nif [ -d {r} ]; then "
+            f"find {r} -mindepth 1 -name {partial} -prune -o -printf 'E\\t%P\\t%y\\t%s\\t%T@\\t%l\\n' && "
+            f"find -L {r} -mindepth 1 -name {partial} -prune -o -type f -printf 'R\\t%P\\t%s\\n'; "
+            "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
+
+
 def probe_script(desired: Desired, node: Node) -> str:
     """The script for one node. Every interpolated value is validated by spec and quoted by remote.quote."""
     q = lambda *argv: quote(argv)  # noqa: E731 - local shorthand
@@ -61,9 +71,7 @@ def probe_script(desired: Desired, node: Node) -> str:
     lines += [
         "sec meminfo",
         "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; echo \"@@rc $?\"",
-        "sec weights",
-        f"if [ -d {q(root)} ]; then find {q(root)} -mindepth 1 -name {q(PARTIAL_DIR)} -prune -o "
-        "-printf '%P\\t%y\\t%s\\t%T@\\t%Y\\t%l\\n'; echo \"@@rc $?\"; else echo '@@rc 2'; fi",
+        manifest_script(root),
     ]
     if node.role == "head":
         port = desired.serving.port
@@ -145,22 +153,19 @@ def parse_memory(sec: Section | None) -> Memory | None:
 def parse_weights(root: str, sec: Section | None) -> Weights:
     if sec is None or sec.rc != 0:
         return Weights(root=root, present=False)
-    rows = []
+    entries, resolved = [], {}
     for line in sec.body.splitlines():
-        parts = line.split("\t", 5)
-        if len(parts) == 6:
-            rows.append(parts)
-    sizes = {path: int(size) for path, kind, size, _, _, _ in rows if kind == "f"}
+        parts = line.split("\t")
+        if parts[0] == "E" and len(parts) >= 6:
+            entries.append((parts[1], parts[2], int(parts[3]), float(parts[4]), "\t".join(parts[5:])))
+        elif parts[0] == "R" and len(parts) == 3:
+            resolved[parts[1]] = int(parts[2])
     files = []
-    for path, kind, size, mtime, target_kind, target in rows:
-        if kind == "d":
-            continue
-        if kind == "l":
-            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
-            link_size = None if target_kind == "N" else sizes.get(resolved, 0)
-            files.append(WeightFile(path=path, size=link_size, mtime=float(mtime), link_target=target))
+    for path, kind, size, mtime, target in entries:
+        if kind == "l":  # size None: a broken link (the symlink-only copy of a HF cache)
+            files.append(WeightFile(path=path, size=resolved.get(path), mtime=mtime, link_target=target))
         elif kind == "f":
-            files.append(WeightFile(path=path, size=int(size), mtime=float(mtime)))
+            files.append(WeightFile(path=path, size=size, mtime=mtime))
     files.sort(key=lambda f: f.path)
     return Weights(root=root, present=bool(files), files=files)
 

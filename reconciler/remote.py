@@ -60,6 +60,10 @@ class CommandTimeout(RemoteError):
     transient = True
 
 
+class Cancelled(RemoteError):
+    """The caller asked the command to stop (shutdown); the channel was closed."""
+
+
 class CommandFailed(RemoteError):
     def __init__(self, node: str, argv: Sequence[str], exit_code: int, stdout: str, stderr: str):
         detail = (stderr.strip() or stdout.strip())[-2000:]
@@ -181,10 +185,13 @@ class Session:
         return channel
 
     def run(self, argv: Sequence[str], *, timeout: float, sudo: bool = False, stdin: bytes | None = None,
-            check: bool = True) -> Result:
-        """Run one argv on the node; raise CommandFailed on a non-zero exit when `check`."""
+            check: bool = True, on_output=None, cancel=None) -> Result:
+        """Run one argv on the node; raise CommandFailed on a non-zero exit when `check`.
+
+        `on_output(bytes)` sees stdout as it arrives (rsync progress); `cancel` (a threading.Event) closes the
+        channel, which ends the remote command with SIGHUP (an rsync then keeps its partial files)."""
         argv = sudo_argv(argv) if sudo else list(argv)
-        result = self.run_command(quote(argv), timeout=timeout, stdin=stdin)
+        result = self.run_command(quote(argv), timeout=timeout, stdin=stdin, on_output=on_output, cancel=cancel)
         if check and not result.ok:
             raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
         return result
@@ -193,7 +200,8 @@ class Session:
         """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node."""
         return self.run_command("sh -s", timeout=timeout, stdin=script.encode())
 
-    def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None) -> Result:
+    def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None, on_output=None,
+                    cancel=None) -> Result:
         deadline = time.monotonic() + timeout
         channel = self.open_channel(command, timeout)
         try:
@@ -202,8 +210,13 @@ class Session:
             channel.shutdown_write()
             out, err = bytearray(), bytearray()
             while True:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(self.node.name, f"`{command[:80]}` cancelled")
                 if channel.recv_ready():
-                    out += channel.recv(1 << 16)
+                    chunk = channel.recv(1 << 16)
+                    out += chunk
+                    if on_output is not None:
+                        on_output(chunk)
                     continue
                 if channel.recv_stderr_ready():
                     err += channel.recv_stderr(1 << 16)
@@ -223,6 +236,44 @@ class Session:
         finally:
             channel.close()
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code)
+
+
+def pipe(src: Session, src_argv: Sequence[str], dst: Session, dst_argv: Sequence[str], *, timeout: float,
+         progress=lambda done: None) -> int:
+    """Stream the stdout of `src_argv` on one node into the stdin of `dst_argv` on another (`docker save | docker
+    load` between nodes, the worker through the head). Returns the bytes moved; raises on any failure."""
+    deadline = time.monotonic() + timeout
+    reader = src.open_channel(quote(src_argv), timeout)
+    writer = dst.open_channel(quote(dst_argv), timeout)
+    moved = 0
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                raise CommandTimeout(dst.node.name, f"`{shlex.join(dst_argv)}` did not finish within {timeout:g}s")
+            reader.settimeout(max(0.1, deadline - time.monotonic()))
+            chunk = reader.recv(1 << 20)
+            if not chunk:
+                break
+            writer.sendall(chunk)
+            moved += len(chunk)
+            progress(moved)
+        writer.shutdown_write()
+        src_err = reader.recv_stderr(1 << 16).decode(errors="replace") if reader.recv_stderr_ready() else ""
+        src_code = reader.recv_exit_status()
+        if src_code != 0:
+            raise CommandFailed(src.node.name, src_argv, src_code, "", src_err)
+        writer.settimeout(max(0.1, deadline - time.monotonic()))
+        out = b"".join(iter(lambda: writer.recv(1 << 16), b""))
+        dst_code = writer.recv_exit_status()
+        if dst_code != 0:
+            err = writer.recv_stderr(1 << 16).decode(errors="replace") if writer.recv_stderr_ready() else ""
+            raise CommandFailed(dst.node.name, dst_argv, dst_code, out.decode(errors="replace"), err)
+    except (socket.timeout, SSHException, OSError, EOFError) as exc:
+        raise Unreachable(dst.node.name, f"stream {shlex.join(src_argv)} -> {shlex.join(dst_argv)} broke: {exc}")
+    finally:
+        reader.close()
+        writer.close()
+    return moved
 
 
 class Sessions:

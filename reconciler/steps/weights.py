@@ -1,0 +1,155 @@
+"""Copy the model weights from the source node to a node that lacks them: rsync over the FABRIC address.
+
+The source node pushes with rsync over SSH to the target's fabric IP (the 200 Gb/s link, not the 10G management
+port). Safety properties, each from a failure seen in the field:
+- real bytes, not symlinks: the whole `models--ORG--NAME` tree is copied (blobs included) and links pointing out
+  of it become files (`--copy-unsafe-links`); afterwards the target's manifest (every path with its resolved
+  size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
+- never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
+  an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
+- strict host keys on the node-to-node hop too: the target's key, already verified by the reconciler, is written
+  to a known_hosts file on the source under the target's fabric address, with StrictHostKeyChecking=yes.
+Large models go in several parallel rsync streams (files split by size).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import paramiko
+
+from reconciler.drift import weights_difference
+from reconciler.observe import PARTIAL_DIR, manifest_script, parse_weights, split_sections, weights_root
+from reconciler.observed import Weights
+from reconciler.plan import Step
+from reconciler.remote import CommandFailed, quote
+from reconciler.steps import StepContext, StepFailed
+
+FABRIC_KNOWN_HOSTS = "~/.ssh/spark-reconciler_fabric_known_hosts"
+_PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
+
+
+def read_manifest(ctx: StepContext, node: str) -> Weights:
+    root = weights_root(ctx.desired, node)
+    out = ctx.sessions[node].run_script(manifest_script(root) + "\n", timeout=ctx.command_timeout).stdout
+    return parse_weights(root, split_sections(out).get("weights"))
+
+
+def _host_key_line(ctx: StepContext, target: str) -> str:
+    """The target's verified host key, re-keyed to its fabric address for the source node's ssh."""
+    node = ctx.desired.node(target)
+    keys = paramiko.HostKeys(node.ssh.known_hosts)
+    name = node.ssh.host if node.ssh.port == 22 else f"[{node.ssh.host}]:{node.ssh.port}"
+    entry = keys.lookup(name)
+    if not entry:
+        raise StepFailed(f"no host key for {name} in {node.ssh.known_hosts}")
+    fabric = str(node.fabric.address.ip)
+    fabric_name = fabric if node.ssh.port == 22 else f"[{fabric}]:{node.ssh.port}"
+    return "".join(f"{fabric_name} {kind} {key.get_base64()}\n" for kind, key in entry.items())
+
+
+def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
+    """Split files into `streams` groups of similar total size (largest first, greedy)."""
+    groups: list[tuple[int, list[str]]] = [(0, []) for _ in range(max(1, min(streams, len(files))))]
+    for path, size in sorted(files, key=lambda f: -f[1]):
+        total, members = min(groups, key=lambda g: g[0])
+        groups.remove((total, members))
+        groups.append((total + size, members + [path]))
+    return [sorted(members) for _, members in groups if members]
+
+
+def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
+                files_from: bool) -> list[str]:
+    t = ctx.desired.node(target)
+    ssh = (f"ssh -p {t.ssh.port} -o BatchMode=yes -o StrictHostKeyChecking=yes "
+           f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS} -o Compression=no -c aes128-gcm@openssh.com")
+    argv = ["rsync", "-a", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}", "--info=progress2",
+            "--no-inc-recursive", "-e", ssh]
+    limit = ctx.desired.policy.weights.bandwidth_limit
+    if limit:
+        argv.append(f"--bwlimit={max(1, limit // 1024)}")
+    if files_from:
+        argv += ["--files-from=-", "--from0"]
+    return argv + [f"{src_root}/", f"{t.ssh.user}@{t.fabric.address.ip}:{dst_root}/"]
+
+
+def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, missing: int) -> str:
+    text = exc.stderr + exc.stdout
+    if "No space left" in text:
+        df = ctx.sessions[target].run(["df", "-B1", "--output=avail", dst_root], timeout=ctx.command_timeout,
+                                      check=False)
+        avail = df.stdout.split()[-1] if df.ok and df.stdout.split() else "unknown"
+        return (f"{target}: no space left on the filesystem of {dst_root}: {missing} bytes still to copy, "
+                f"{avail} bytes available; partial data kept in {PARTIAL_DIR} for resume")
+    return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
+
+
+def sync_weights(ctx: StepContext, step: Step) -> None:
+    target, source = step.node, step.params["source"]
+    src_root, dst_root = weights_root(ctx.desired, source), weights_root(ctx.desired, target)
+    expected = read_manifest(ctx, source)
+    if not expected.present:
+        raise StepFailed(f"the weights are not present on the source {source} at {src_root}")
+    before = read_manifest(ctx, target)
+    if weights_difference(expected, before) is None:
+        return
+    have = {f.path: f.size for f in before.files}
+    todo = [(f.path, f.size or 0) for f in expected.files if have.get(f.path) != f.size]
+    total = sum(size for _, size in todo)
+    ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
+    ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/'
+                              'spark-reconciler_fabric_known_hosts"'],
+                             stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
+    streams = ctx.desired.policy.weights.parallel_streams
+    groups = _groups([(p, s) for p, s in todo if s > 0], streams) if streams > 1 and len(todo) > 1 else []
+    done = [0] * max(1, len(groups))
+    lock = threading.Lock()
+    ctx.progress("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
+                                   "streams": max(1, len(groups))})
+
+    def run(index: int, files: list[str] | None) -> None:
+        def seen(chunk: bytes) -> None:
+            matches = _PROGRESS.findall(chunk)
+            if matches:
+                with lock:
+                    done[index] = int(matches[-1].replace(b",", b""))
+                    ctx.progress("weights.progress", {"node": target, "bytes_done": min(sum(done), total),
+                                                      "bytes_total": total})
+
+        stdin = b"\0".join(f.encode() for f in files) + b"\0" if files is not None else None
+        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, files is not None),
+                                 stdin=stdin, timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel)
+
+    errors: list[BaseException] = []
+    if groups:
+        # everything not in a group (symlinks, empty files, refs) goes with the last stream, after the data
+        rest = sorted({f.path for f in expected.files} - {p for g in groups for p in g})
+        groups[-1] = groups[-1] + rest
+
+        def guarded(i: int, files: list[str]) -> None:
+            try:
+                run(i, files)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the step's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=guarded, args=(i, g), daemon=True) for i, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        try:
+            run(0, None)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+    if errors:
+        exc = errors[0]
+        if isinstance(exc, CommandFailed):
+            raise StepFailed(_explain_failure(ctx, target, dst_root, exc, total - sum(done))) from None
+        raise exc
+    after = read_manifest(ctx, target)
+    problem = weights_difference(expected, after)
+    if problem:
+        raise StepFailed(f"after rsync, the weights on {target} still differ from {source}: {problem}")
+    ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
