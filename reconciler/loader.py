@@ -16,6 +16,7 @@ import yaml
 
 MAX_BYTES = 1024 * 1024
 MAX_EXPANDED_NODES = 20_000
+MAX_DEPTH = 64
 
 Loc = tuple[str | int, ...]
 
@@ -88,6 +89,9 @@ def format_loc(loc: Loc) -> str:
     return out
 
 
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("map", "seq", "str", "int", "float", "bool", "null")}
+
+
 class _Builder:
     """Turns a composed node graph into dicts/lists/scalars, with a budget against alias expansion."""
 
@@ -97,16 +101,28 @@ class _Builder:
         self._scalars = _BaseLoader("")
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
+        if len(loc) > MAX_DEPTH:
+            raise _fail(node.start_mark, f"nested deeper than {MAX_DEPTH} levels (a recursive alias?)",
+                        format_loc(loc[:MAX_DEPTH]))
         self.budget -= 1
         if self.budget < 0:
             raise _fail(node.start_mark, f"document expands to more than {MAX_EXPANDED_NODES} values "
                         "(anchors/aliases used as a bomb?)", format_loc(loc))
         self.doc.value_positions.setdefault(loc, _pos(node.start_mark))
+        if node.tag == "tag:yaml.org,2002:timestamp":
+            return node.value  # a date-like scalar stays text; the model decides what it means
+        if node.tag not in _PLAIN_TAGS:
+            raise _fail(node.start_mark, f"YAML tag {node.tag!r} is not allowed in a desired state",
+                        format_loc(loc))
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, loc)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
-        return self._scalars.construct_object(node, deep=True)
+        try:
+            return self._scalars.construct_object(node, deep=True)
+        except yaml.YAMLError as exc:
+            raise _fail(node.start_mark, f"invalid value: {getattr(exc, 'problem', None) or exc}",
+                        format_loc(loc)) from None
 
     def _mapping(self, node: yaml.MappingNode, loc: Loc) -> dict[str, Any]:
         if node.tag == "tag:yaml.org,2002:merge" or any(k.tag == "tag:yaml.org,2002:merge" for k, _ in node.value):

@@ -113,6 +113,12 @@ class Session:
                                      "banner_timeout": ssh.connect_timeout, "auth_timeout": ssh.connect_timeout}
         if ssh.identity_file:
             kwargs["key_filename"] = [ssh.identity_file]
+        if self.gateway is None:
+            # Without TCP_NODELAY every exec on the open session costs ~40 ms of Nagle/delayed-ACK (measured on
+            # the testbed: 44 ms -> 2 ms per exec).
+            sock = socket.create_connection((ssh.host, ssh.port), timeout=ssh.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            kwargs["sock"] = sock
         gateway = None
         if self.gateway is not None:
             try:
@@ -136,10 +142,10 @@ class Session:
             if self._conn is not None and self._conn.is_connected and self._conn.transport.is_active():
                 return self._conn
             self._close_locked()
-            conn = self._new_connection()
             name, ssh = self.node.name, self.node.ssh
             where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.node.name}" if self.gateway else "")
             try:
+                conn = self._new_connection()
                 conn.open()
             except BadHostKeyException as exc:
                 raise HostKeyRejected(name, f"host key for {ssh.host} CHANGED (got {exc.key.get_name()} "

@@ -89,10 +89,10 @@ def parse_duration(value: Any) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    if seconds < 1:
-        return f"{round(seconds * 1000)}ms"
-    out, rest = "", int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+    """Seconds -> the shortest readable form that parses back to the same value (`1h30m`, `2s500ms`)."""
+    millis = round(seconds * 1000)
+    out, rest = "", millis
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
         if rest >= size:
             out += f"{rest // size}{unit}"
             rest %= size
@@ -160,6 +160,22 @@ def _env_value(value: Any) -> str:
         raise ValueError("must be a string")
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError("contains control characters (newlines are not allowed in environment values)")
+    return value
+
+
+def _listen(value: str) -> str:
+    """HOST:PORT where HOST is an IP address (IPv6 in brackets) or localhost, PORT 1-65535."""
+    host, sep, port = value.rpartition(":")
+    ok = bool(sep) and port.isdigit() and 1 <= int(port) <= 65535
+    if ok and host != "localhost":
+        try:
+            ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+            ok = not (":" in host and not host.startswith("["))
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{value!r} is not a valid HOST:PORT (an IP address or localhost, port 1-65535; "
+                         "IPv6 as [::1]:9464)")
     return value
 
 
@@ -307,7 +323,7 @@ class Policy(_Model):
     weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
     memory_margin: ByteSize = Field(4 * 2**30, description="MemAvailable must exceed gmu x MemTotal + this.")
     drop_caches: bool = Field(False, description="Drop the page cache before a start when memory is short.")
-    listen: Annotated[str, _pattern(r"(\[[0-9a-fA-F:]+\]|[0-9.]+|localhost):[0-9]{1,5}", "HOST:PORT")] = Field(
+    listen: Annotated[str, AfterValidator(_listen)] = Field(
         "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")
 
 
@@ -352,9 +368,13 @@ class Desired(_Model):
         return sorted(chosen, key=lambda n: n.role != "head")
 
 
+KEY = "[key]"  # last element of a problem's path when the mapping key itself is wrong (pydantic's convention)
+
+
 class ConsistencyError(ValueError):
     def __init__(self, problems: list[tuple[Loc, str]]):
-        super().__init__("; ".join(f"{loader.format_loc(loc)}: {msg}" for loc, msg in problems))
+        super().__init__("; ".join(f"{loader.format_loc(loc[:-1] if loc[-1:] == (KEY,) else loc)}: {msg}"
+                                   for loc, msg in problems))
         self.problems = problems
 
 
@@ -428,15 +448,18 @@ def consistency_problems(d: Desired) -> list[tuple[Loc, str]]:
                         f"tensor_parallel_size x pipeline_parallel_size = {need} does not match the GPUs of "
                         f"whole nodes (head first): set serving.nodes explicitly"))
     ports = {"port": s.port, "master_port": s.master_port, "ray_port": s.ray_port}
-    for key, value in ports.items():
-        others = [k for k, v in ports.items() if v == value and k != key]
-        if others and key > others[0]:
-            out.append((("serving", key), f"port {value} is also serving.{others[0]}"))
+    for value in set(ports.values()):
+        same = [k for k, v in ports.items() if v == value]
+        if len(same) > 1:  # point at what the operator wrote, not at a default they never saw
+            written = [k for k in same if k in s.model_fields_set] or same[1:]
+            for key in written:
+                others = ", ".join(f"serving.{k}" for k in same if k != key)
+                out.append((("serving", key), f"port {value} is also {others}"))
     # per-node model paths cover the serving nodes
     if isinstance(d.model.path, dict):
         for key in d.model.path:
             if key not in index:
-                out.append((("model", "path", key), f"{key!r} is not a node"))
+                out.append((("model", "path", key, KEY), f"{key!r} is not a node"))
         for n in (d.serving_nodes if len(heads) == 1 and not out else []):
             if n.name not in d.model.path:
                 out.append((("model", "path"), f"no model path for serving node {n.name!r}"))
@@ -445,7 +468,7 @@ def consistency_problems(d: Desired) -> list[tuple[Loc, str]]:
     for table in ("allowed", "protected"):
         for key in getattr(d.co_tenants, table):
             if key != "*" and key not in index:
-                out.append((("co_tenants", table, key), f"{key!r} is not a node"))
+                out.append((("co_tenants", table, key, KEY), f"{key!r} is not a node"))
         for key, patterns in getattr(d.co_tenants, table).items():
             for j, p in enumerate(patterns):
                 if fnmatch.fnmatchcase(s.container_name, p):
@@ -487,41 +510,88 @@ def _message(err: dict[str, Any]) -> str:
 _BRANCH_MISMATCH = {"dict_type", "string_type", "list_type", "int_type", "none_required"}
 
 
-def _clean_errors(exc: ValidationError) -> list[tuple[Loc, dict[str, Any]]]:
-    """Drop pydantic's union-branch noise: for `str | dict` fields keep the branch that fits the input."""
+def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, dict[str, Any]]]:
+    """(path, is-about-the-key, error) per problem, without pydantic's union-branch noise: for `str | dict`
+    fields keep the branch that fits the input."""
     errs = []
     for err in exc.errors(include_url=False):
+        at_key = KEY in err["loc"]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
-        errs.append((loc, err))
+        errs.append((loc, at_key, err))
     by_loc: dict[Loc, int] = {}
-    for loc, _ in errs:
+    for loc, _, _ in errs:
         by_loc[loc] = by_loc.get(loc, 0) + 1
-    return [(loc, err) for loc, err in errs
+    return [(loc, at_key, err) for loc, at_key, err in errs
             if not (by_loc[loc] > 1 and err["type"] in _BRANCH_MISMATCH)]
+
+
+def _place(doc: loader.Document, loc: Loc, at_key: bool) -> loader.Position:
+    return doc.key_positions.get(loc, doc.position_of(loc)) if at_key else doc.position_of(loc)
 
 
 def problems_from_validation(doc: loader.Document, exc: ValidationError) -> list[loader.Problem]:
     out: list[loader.Problem] = []
-    for loc, err in _clean_errors(exc):
+    for loc, at_key, err in _clean_errors(exc):
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, ConsistencyError):
             for sub_loc, message in cause.problems:
-                full = loc + sub_loc
-                out.append(loader.Problem(doc.position_of(full), loader.format_loc(full), message))
+                key = sub_loc[-1:] == (KEY,)
+                full = loc + (sub_loc[:-1] if key else sub_loc)
+                out.append(loader.Problem(_place(doc, full, key), loader.format_loc(full), message))
             continue
-        if err["type"] == "extra_forbidden":
-            position = doc.key_positions.get(loc, doc.position_of(loc))
-        else:
-            position = doc.position_of(loc)
-        out.append(loader.Problem(position, loader.format_loc(loc), _message(err)))
+        out.append(loader.Problem(_place(doc, loc, at_key or err["type"] == "extra_forbidden"),
+                                  loader.format_loc(loc), _message(err)))
     return out
+
+
+def _without(data: Any, loc: Loc) -> None:
+    """Delete the value at `loc` from nested dicts/lists (used to re-check the rest of a broken file)."""
+    for part in loc[:-1]:
+        data = data[part]
+    if isinstance(data, dict):
+        data.pop(loc[-1], None)
+    elif isinstance(data, list) and isinstance(loc[-1], int) and loc[-1] < len(data):
+        data[loc[-1]] = None
+
+
+def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader.Problem]:
+    """Cross-field rules normally run only on valid fields. To still report every error at once, drop the broken
+    values (fields with defaults fall back to them) and validate again; keep only the cross-field problems that
+    do not touch a dropped value, so a default never produces an error the operator did not write."""
+    import copy
+
+    data = copy.deepcopy(doc.data)
+    try:
+        for loc in broken:
+            _without(data, loc)
+        Desired.model_validate(data)
+        return []
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        causes = [(e.get("ctx") or {}).get("error") for e in errors]
+        if not all(isinstance(c, ConsistencyError) for c in causes):
+            return []
+        out = []
+        for cause in causes:
+            for loc, message in cause.problems:
+                loc = loc[:-1] if loc[-1:] == (KEY,) else loc
+                if any(loc[: len(b) - 1] == b[:-1] or b[: len(loc)] == loc for b in broken):
+                    continue
+                out.append(loader.Problem(doc.position_of(loc), loader.format_loc(loc), message))
+        return out
+    except (KeyError, IndexError, TypeError):
+        return []
 
 
 def parse(doc: loader.Document, filename: str) -> Desired:
     try:
         return Desired.model_validate(doc.data)
     except ValidationError as exc:
-        raise InvalidDesiredState(filename, problems_from_validation(doc, exc)) from None
+        problems = problems_from_validation(doc, exc)
+        if not any(isinstance((e.get("ctx") or {}).get("error"), ConsistencyError) for e in exc.errors()):
+            broken = [loc for loc, _, _ in _clean_errors(exc) if loc]
+            problems += _cross_field_despite(doc, broken)
+        raise InvalidDesiredState(filename, problems) from None
 
 
 def load(path: str | Path) -> Desired:
