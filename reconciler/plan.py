@@ -49,8 +49,9 @@ class Plan:
 
     @property
     def changes(self) -> bool:
-        """True while the cluster differs from the file in a way the reconciler would act on."""
-        return any(d.actionable for d in self.drift) or bool(self.steps)
+        """True while the cluster differs from the file in a way that needs action (by us or, when blocking, by
+        the operator). Report-only drift (co-tenants under `unlisted: report`, no carrier) does not count."""
+        return any(d.actionable or d.blocking for d in self.drift) or bool(self.steps)
 
     def as_dict(self) -> dict[str, object]:
         return {"changes": self.changes, "mode": self.mode, "drift": [d.as_dict() for d in self.drift],

@@ -91,7 +91,7 @@ def launch_model(ctx: StepContext, step: Step) -> None:
 
     wait_for(joined, timeout=ctx.remaining(120), interval=0.5, what=f"{nodes} nodes in `ray status`",
              cancel=ctx.cancel)
-    running = session.run(["docker", "exec", spec.container_name, "sh", "-c", "ps -eo args | grep -c '^vllm serve'"],
+    running = session.run(["docker", "exec", spec.container_name, "sh", "-c", "ps -eo args | grep -c '[v]llm serve'"],
                           timeout=ctx.command_timeout, check=False).stdout.strip()
     if running not in ("", "0"):
         return

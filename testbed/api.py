@@ -1,0 +1,359 @@
+"""The testbed's API: ``up``, ``down``, ``status``, ``exec``, ``reset``, ``fault``; the CLI and pytest use these.
+
+Run as root. ``up`` writes everything a client needs into the state directory (/run/spark-testbed, or
+$SPARK_TESTBED_STATE): the SSH key ``id_ed25519``, ``known_hosts`` and a ready ``testbed.yaml`` desired state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import dockerd, faults, net, scenarios, sshd, storage
+from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
+from .proc import TestbedError, alive, load_pids, run, stop_pid  # noqa: F401 (re-exported for tests)
+
+DEFAULT_WEIGHTS = "64M"
+REQUIRED = ("ip", "nsenter", "setpriv", "unshare", "mkfs.ext4", "containerd", "dockerd", "docker", "runc",
+            "ssh-keygen", "visudo", "fallocate")
+
+
+def _config_file() -> Path:
+    return state_dir() / "testbed.json"
+
+
+def _load_config() -> dict | None:
+    try:
+        return json.loads(_config_file().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def current_layout() -> Layout:
+    cfg = _load_config()
+    return layout(cfg["nodes"] if cfg else 2)
+
+
+def _preflight() -> None:
+    if os.geteuid() != 0:
+        raise TestbedError("the testbed needs root (network namespaces, mounts, daemons)")
+    missing = [c for c in REQUIRED if shutil.which(c, path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
+                                                          "/sbin:/bin") is None]
+    if Path("/usr/sbin/sshd").exists() is False:
+        missing.append("sshd")
+    if missing:
+        raise TestbedError(f"missing {', '.join(missing)}: run `bash testbed/install-deps.sh` first")
+
+
+def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT_WEIGHTS,
+       worker_disk: str | int | None = None) -> "Testbed":
+    """Bring the testbed up (or, if it is already up with the same node count, just apply *scenario*)."""
+    _preflight()
+    lay = layout(nodes)
+    wsize = storage.parse_size(weights_size)
+    cfg = _load_config()
+    if cfg and cfg["nodes"] != nodes:
+        raise TestbedError(f"a {cfg['nodes']}-node testbed is up; run `python -m testbed down` first")
+    st = state_dir()
+    st.mkdir(mode=0o755, parents=True, exist_ok=True)
+    st.chmod(0o755)       # sshd's StrictModes checks every directory above AuthorizedKeysFile
+    made_run_sshd = (cfg or {}).get("made_run_sshd", not Path("/run/sshd").exists())
+    # the head holds 2 models x 2 layouts; a worker (at most) the served model in one layout
+    head_disk = max(4 << 30, 5 * wsize + (512 << 20))
+    wdisk = storage.parse_size(worker_disk) if worker_disk else max(2 << 30, 2 * wsize + (256 << 20))
+    cfg = {"nodes": nodes, "weights_size": wsize, "head_disk": head_disk, "worker_disk": wdisk,
+           "scenario": scenario, "made_run_sshd": made_run_sshd}
+    _config_file().write_text(json.dumps(cfg, indent=1))
+    for n in lay.nodes:
+        n.state.mkdir(mode=0o755, exist_ok=True)
+
+    net.setup(lay)
+    sshd.ensure_user()
+    sshd.ensure_sudoers()
+    sshd.ensure_client_key()
+    sshd.ensure_node_key()
+    sshd.write_netns_etc(lay)
+    storage.setup_shared_root()
+    for n in lay.nodes:
+        storage.setup_node(n, head_disk if n.index == 0 else wdisk)
+    for n in lay.nodes:              # after the mounts: each sshd gets its own mount namespace
+        sshd.start(n)
+    sshd.write_known_hosts(lay)
+    for n in lay.nodes:
+        dockerd.start(n)
+    scenarios.apply(lay, scenario, wsize)
+    (st / "testbed.yaml").write_text(desired_state(lay))
+    return Testbed(lay)
+
+
+def reset(scenario: str = "seed") -> "Testbed":
+    """Back to *scenario* without a teardown: restarts stopped daemons, restores links, removes containers."""
+    cfg = _load_config()
+    if not cfg:
+        raise TestbedError("the testbed is not up")
+    lay = layout(cfg["nodes"])
+    scenarios.apply(lay, scenario, cfg["weights_size"])
+    cfg["scenario"] = scenario
+    _config_file().write_text(json.dumps(cfg, indent=1))
+    return Testbed(lay)
+
+
+def down() -> list[str]:
+    """Stop every process the testbed started, delete its namespaces, mounts and files. Returns leftovers
+    (empty when clean)."""
+    _preflight()
+    cfg = _load_config() or {}
+    lay = layout(cfg.get("nodes", 2))
+    for n in lay.nodes:
+        sshd.stop(n)
+    for n in lay.nodes:
+        try:
+            dockerd.stop(n, containerd=True)
+        except TestbedError:
+            pass
+    for name, e in load_pids().items():          # anything else recorded
+        stop_pid(e["pid"], e.get("starttime"))
+    for ns in net.list_netns():                   # sessions, shims and containers left in a node's namespace
+        if ns.startswith("sb-"):
+            for pid in run(["ip", "netns", "pids", ns], check=False).stdout.split():
+                stop_pid(int(pid), timeout=5)
+    for n in lay.nodes:
+        dockerd.kill_cgroup(n)
+    storage.teardown()
+    net.teardown(lay)
+    sshd.remove_netns_etc()
+    sshd.SUDOERS.unlink(missing_ok=True)     # the user stays (harmless); its root rights do not
+    if cfg.get("made_run_sshd") and Path("/run/sshd").is_dir() and not _sshd_running_elsewhere():
+        shutil.rmtree("/run/sshd", ignore_errors=True)
+    shutil.rmtree(state_dir(), ignore_errors=True)
+    return leftovers()
+
+
+def _sshd_running_elsewhere() -> bool:
+    return subprocess.run(["pgrep", "-x", "sshd"], capture_output=True).returncode == 0
+
+
+def leftovers() -> list[str]:
+    """What a clean ``down`` must not leave: sb-* namespaces, live recorded pids, mounts, the root veth."""
+    out = [f"netns {ns}" for ns in net.list_netns() if ns.startswith("sb-")]
+    out += [f"pid {e['pid']} ({name})" for name, e in load_pids().items() if alive(e["pid"], e.get("starttime"))]
+    out += [f"mount {m}" for m in storage.mounts()]
+    if net.link_exists("sb-mgmt0"):
+        out.append("link sb-mgmt0")
+    if state_dir().exists():
+        out.append(f"dir {state_dir()}")
+    return out
+
+
+def status() -> dict:
+    cfg = _load_config()
+    if not cfg:
+        return {"up": False, "leftovers": leftovers()}
+    lay = layout(cfg["nodes"])
+    nodes = {}
+    for n in lay.nodes:
+        info: dict = {"netns": n.netns in net.list_netns(), "sshd": sshd.running(n), "dockerd": dockerd.running(n),
+                      "ssh": f"{SSH_USER}@{n.ssh_host}" + ("" if n.index == 0 else f" via {lay.head.ssh_host}")}
+        if info["netns"]:
+            try:
+                fab = net.link(n.netns, "enp1s0f1np1")
+                info["fabric"] = {"state": fab.get("operstate"), "mtu": fab.get("mtu"),
+                                  "addr": [f"{a['local']}/{a['prefixlen']}" for a in fab.get("addr_info", [])
+                                           if a.get("family") == "inet"]}
+            except TestbedError:
+                info["fabric"] = None
+        if info["dockerd"]:
+            try:
+                info["containers"] = {c["Names"]: c["State"] for c in dockerd.containers(n)}
+            except TestbedError as e:
+                info["containers"] = str(e)
+        try:
+            info["model_disk_free"] = storage.free_bytes(n)
+        except OSError:
+            pass
+        nodes[n.name] = info
+    return {"up": True, "scenario": cfg["scenario"], "state_dir": str(state_dir()), "nodes": nodes}
+
+
+def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool = False, timeout: float = 120,
+          input: str | None = None) -> subprocess.CompletedProcess:
+    """Run *cmd* on *node* as its SSH user would see it (same namespaces as the node's sshd, same
+    environment), without going through SSH: works while sshd is stopped, and costs no key exchange."""
+    lay = current_layout()
+    n = lay.node(node)
+    if isinstance(cmd, list):
+        cmd = " ".join(cmd)                  # like ssh: the words are joined and run by the login shell
+    env = ["env", "-i", f"HOME=/home/{user}", f"USER={user}", f"LOGNAME={user}", "SHELL=/bin/sh",
+           f"PATH={sshd.NODE_PATH}", f"DOCKER_HOST={n.docker_host}"]
+    if user == "root":
+        as_user = []
+    else:
+        as_user = ["setpriv", "--reuid", user, "--regid", user, "--init-groups", "--"]
+    e = load_pids().get(f"{n.name}/sshd")
+    if e and alive(e["pid"], e.get("starttime")):
+        enter = ["nsenter", "-t", str(e["pid"]), "--net", "--uts", "--mount", "--"]
+    else:
+        enter = ["ip", "netns", "exec", n.netns]
+    full = enter + as_user + env + ["/bin/sh", "-c", f"cd ~ 2>/dev/null; {cmd}"]
+    p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
+    if check and p.returncode != 0:
+        raise TestbedError(f"{node}$ {cmd} -> exit {p.returncode}: {p.stderr.strip()[-2000:]}")
+    return p
+
+
+def fault(kind: str, node: str | None = None, **kwargs) -> str:
+    if kind not in faults.FAULTS:
+        raise TestbedError(f"unknown fault {kind!r}; one of: {', '.join(faults.FAULTS)}")
+    lay = current_layout()
+    if node is None:
+        node = lay.workers[0].name
+    return faults.FAULTS[kind](lay, node, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+# ---- desired state -------------------------------------------------------------------------------------------
+
+def desired_state(lay: Layout, state: Path | None = None) -> str:
+    """The desired state for this testbed, in the core's spec shape (desired-state/testbed.yaml is n=2)."""
+    st = state or state_dir()
+    kh, key = st / "known_hosts", st / "id_ed25519"
+    out = ["# Desired state of the local simulated cluster (python -m testbed up): the seed story's target.",
+           "# Generated by testbed.api.desired_state(); addresses and paths are the testbed contract",
+           "# (docs/testbed.md). Model paths are per node because all nodes share one root filesystem.",
+           "nodes:"]
+    for n in lay.nodes:
+        out += [f"  - name: {n.name}",
+                f"    role: {n.role}",
+                "    ssh:",
+                f"      host: {n.ssh_host}"
+                + ("" if n.index == 0 else "            # reachable only from the head, as the seed's worker"),
+                f"      user: {SSH_USER}"]
+        if n.index:
+            out.append(f"      jump: {lay.head.name}")
+        out += [f"      known_hosts: {kh}",
+                f"      identity_file: {key}",
+                "    fabric:                        # a veth pair stands in for the RoCE cable",
+                "      interface: enp1s0f1np1       # rdma_device omitted: a veth has no /sys/class/infiniband",
+                f"      address: {n.fabric_addr}",
+                "      mtu: 9000",
+                "    internet: " + ("true             # declared only: no testbed node reaches outside the testbed"
+                                    if n.index == 0 else "false            # no route anywhere: weights come "
+                                                         "from the head"),
+                "    gpus: 1"]
+    out += ["",
+            "model:                             # generated on the head in both layouts; workers start without it",
+            f"  id: {SERVED_MODEL}",
+            f'  revision: "{MODELS[SERVED_MODEL]}"',
+            "  layout: hf-cache",
+            f"  source: {lay.head.name}",
+            "  path:"]
+    out += [f"    {n.name}: {n.model_root}/hub" for n in lay.nodes]
+    out += ["",
+            "serving:",
+            f'  image: "{scenarios.SERVING_IMAGE}"   # the vLLM stand-in, built locally; on the head only in seed',
+            "  launcher: native",
+            "  container_name: vllm_serving",
+            f"  tensor_parallel_size: {len(lay.nodes)}",
+            "  pipeline_parallel_size: 1",
+            "  port: 8000",
+            "  master_port: 29501",
+            "  gpu_memory_utilization: 0.05      # the stand-in holds no GPU memory; keeps the preflight honest",
+            "  max_model_len: 4096",
+            "  served_model_name: tiny-moe",
+            "  health_timeout: 2m",
+            "  docker:",
+            "    gpus: null                      # no GPU here",
+            "    privileged: false",
+            "    ipc: host",
+            "    shm_size: 1g",
+            "    ulimits: {nofile: \"16384:16384\"}   # this sandbox caps nofile at 20000 and refuses memlock=-1",
+            "",
+            "co_tenants:",
+            "  allowed:                          # the seed's vllm_node (GLM on :8000) is not allowed"]
+    out += [f"    {n.name}: [vllm_embeddings{', reranker' if n.index == 0 else ''}]" for n in lay.nodes]
+    out += ["  protected: {}",
+            "  unlisted: stop",
+            "",
+            "policy:",
+            "  mode: enforce",
+            "  resync_interval: 30s",
+            "  memory_margin: 1GiB",
+            "  timeouts: {stop_grace: 5s}",
+            '  listen: "127.0.0.1:9464"']
+    return "\n".join(out) + "\n"
+
+
+# ---- a handle for tests and benchmarks -----------------------------------------------------------------------
+
+@dataclass
+class Testbed:
+    layout: Layout
+
+    @property
+    def state(self) -> Path:
+        return state_dir()
+
+    @property
+    def head(self) -> Node:
+        return self.layout.head
+
+    @property
+    def workers(self) -> tuple[Node, ...]:
+        return self.layout.workers
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return self.layout.nodes
+
+    @property
+    def known_hosts(self) -> Path:
+        return sshd.known_hosts_file()
+
+    @property
+    def identity_file(self) -> Path:
+        return sshd.identity_file()
+
+    @property
+    def desired_state(self) -> Path:
+        return self.state / "testbed.yaml"
+
+    def node(self, name: str) -> Node:
+        return self.layout.node(name)
+
+    def exec(self, node: str, cmd: str | list[str], **kw) -> subprocess.CompletedProcess:
+        return exec_(node, cmd, **kw)
+
+    def docker(self, node: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return dockerd.docker(self.node(node), *args, check=check)
+
+    def fault(self, kind: str, node: str | None = None, **kw) -> str:
+        return fault(kind, node, **kw)
+
+    def reset(self, scenario: str = "seed") -> "Testbed":
+        return reset(scenario)
+
+    def status(self) -> dict:
+        return status()
+
+    def down(self) -> list[str]:
+        return down()
+
+
+def attach() -> Testbed:
+    """A handle on the testbed that is already up."""
+    if not _load_config():
+        raise TestbedError("the testbed is not up")
+    return Testbed(current_layout())
+
+
+def timed_up(**kw) -> tuple[Testbed, float]:
+    t = time.monotonic()
+    tb = up(**kw)
+    return tb, time.monotonic() - t
+
+
+__all__ = ["up", "down", "reset", "status", "exec_", "fault", "attach", "leftovers", "desired_state", "Testbed",
+           "TestbedError", "timed_up"]

@@ -1,0 +1,181 @@
+"""Fault injection: each fault changes what the node really shows (links, processes, files, disk).
+
+Every function takes the layout and a node name and returns a short description of what it did. The CLI
+``python -m testbed fault KIND --node NODE ...`` maps one-to-one onto :data:`FAULTS`. ``reset`` (or the matching
+``*-up``/``*-start``/``*-restore``/``free-disk`` fault) undoes them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+from . import dockerd, net, scenarios, sshd, storage
+from .layout import FABRIC_IFACE, MODELS, SERVED_MODEL, Layout
+from .proc import TestbedError
+
+
+def link_down(lay: Layout, node: str, dev: str = FABRIC_IFACE) -> str:
+    net.set_link(lay.node(node), False, dev)
+    return f"{node}: {dev} down"
+
+
+def link_up(lay: Layout, node: str, dev: str = FABRIC_IFACE) -> str:
+    net.set_link(lay.node(node), True, dev)
+    return f"{node}: {dev} up"
+
+
+def link_flap(lay: Layout, node: str, count: int = 3, interval: float = 0.5, dev: str = FABRIC_IFACE) -> str:
+    net.flap(lay.node(node), count, interval, dev)
+    return f"{node}: {dev} flapped {count}x every {interval}s"
+
+
+def mtu(lay: Layout, node: str, value: int = 1500, dev: str = FABRIC_IFACE) -> str:
+    net.set_mtu(lay.node(node), value, dev)
+    return f"{node}: {dev} mtu {value}"
+
+
+def kill_container(lay: Layout, node: str, name: str) -> str:
+    """A crash: SIGKILL the container's main process (``docker kill`` would count as an operator's stop and
+    disable the restart policy; a crash does not)."""
+    pid = int(dockerd.docker(lay.node(node), "inspect", "--format", "{{.State.Pid}}", name).stdout.strip())
+    if pid <= 0:
+        raise TestbedError(f"{node}: container {name} is not running")
+    os.kill(pid, signal.SIGKILL)
+    return f"{node}: killed container {name} (pid {pid})"
+
+
+def stop_container(lay: Layout, node: str, name: str) -> str:
+    dockerd.docker(lay.node(node), "stop", "-t", "5", name)
+    return f"{node}: stopped container {name}"
+
+
+def rogue_container(lay: Layout, node: str, name: str = "rogue", port: int = 8099) -> str:
+    """An unlisted container (the reconciler's ``unlisted: stop`` policy should stop it)."""
+    n = lay.node(node)
+    if dockerd.image_id(n, scenarios.COTENANT_IMAGE) is None:
+        dockerd.copy_image(lay.head, n, scenarios.COTENANT_IMAGE)
+    dockerd.docker(n, "run", "-d", "--name", name, "--network", "host", scenarios.COTENANT_IMAGE,
+                   "cotenant", "--port", str(port), "--hold-mb", "8", "--label", name)
+    return f"{node}: started rogue container {name} on :{port}"
+
+
+def sshd_stop(lay: Layout, node: str) -> str:
+    sshd.stop(lay.node(node))
+    return f"{node}: sshd stopped"
+
+
+def sshd_start(lay: Layout, node: str) -> str:
+    sshd.start(lay.node(node))
+    return f"{node}: sshd started"
+
+
+def dockerd_stop(lay: Layout, node: str) -> str:
+    dockerd.stop(lay.node(node))
+    return f"{node}: dockerd stopped (its containers with it)"
+
+
+def dockerd_start(lay: Layout, node: str) -> str:
+    dockerd.start(lay.node(node))
+    return f"{node}: dockerd started"
+
+
+def mgmt_cut(lay: Layout, node: str) -> str:
+    net.set_mgmt(lay.node(node), False)
+    return f"{node}: management path cut"
+
+
+def mgmt_restore(lay: Layout, node: str) -> str:
+    net.set_mgmt(lay.node(node), True)
+    return f"{node}: management path restored"
+
+
+def fill_disk(lay: Layout, node: str, leave: int = 0) -> str:
+    """Fill the node's model filesystem, leaving about *leave* bytes; the file is root's, so spark cannot
+    free it (like a disk filled by someone else)."""
+    n = lay.node(node)
+    f = n.model_root / scenarios.FILL_FILE
+    f.unlink(missing_ok=True)
+    want = storage.free_bytes(n) - leave
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if want > 0:
+            try:
+                os.posix_fallocate(fd, 0, want)
+            except OSError:   # the extent tree needs blocks too: allocate most, then write to the end
+                os.posix_fallocate(fd, 0, max(want - (16 << 20), 0))
+                os.lseek(fd, 0, os.SEEK_END)
+                for bs in (1 << 20, 4096):
+                    buf = bytes(bs)
+                    while storage.free_bytes(n) > leave:
+                        try:
+                            os.write(fd, buf)
+                        except OSError:
+                            break
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return f"{node}: model disk filled ({storage.free_bytes(n)} bytes left)"
+
+
+def free_disk(lay: Layout, node: str) -> str:
+    (lay.node(node).model_root / scenarios.FILL_FILE).unlink(missing_ok=True)
+    return f"{node}: model disk freed"
+
+
+def _shard(lay: Layout, node: str, model: str, layout: str, index: int) -> Path:
+    from . import weights
+    d = weights.model_dir(lay.node(node).model_root, model, MODELS[model], layout)
+    shards = sorted(d.glob("*.safetensors"))
+    if not shards:
+        raise TestbedError(f"{node}: no shards of {model} ({layout}) under {d}")
+    return shards[index % len(shards)].resolve()   # hf-cache: the blob behind the snapshot symlink
+
+
+def corrupt_shard(lay: Layout, node: str, mode: str = "flip", model: str = SERVED_MODEL,
+                  layout: str = "hf-cache", index: int = 0) -> str:
+    """truncate: cut the shard in half (the stand-in refuses to load it); flip: invert one byte in the middle
+    of the tensor data (header still valid: only a checksum notices); header: break the JSON header."""
+    p = _shard(lay, node, model, layout, index)
+    size = p.stat().st_size
+    if mode == "truncate":
+        os.truncate(p, size // 2)
+    elif mode in ("flip", "header"):
+        with open(p, "r+b") as f:
+            hlen = int.from_bytes(f.read(8), "little")
+            off = 8 + 2 if mode == "header" else 8 + hlen + (size - 8 - hlen) // 2
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+    else:
+        raise ValueError("mode must be truncate, flip or header")
+    return f"{node}: {mode} {p}"
+
+
+def delete_shard(lay: Layout, node: str, model: str = SERVED_MODEL, layout: str = "hf-cache",
+                 index: int = 0) -> str:
+    p = _shard(lay, node, model, layout, index)
+    p.unlink()
+    return f"{node}: deleted {p}"
+
+
+def crash_serving(lay: Layout, node: str, clear: bool = False) -> str:
+    """The serving stand-in exits at start-up while MODELROOT/.standin-crash exists on that node."""
+    marker = lay.node(node).model_root / scenarios.CRASH_MARKER
+    if clear:
+        marker.unlink(missing_ok=True)
+        return f"{node}: serving crash marker removed"
+    marker.touch()
+    return f"{node}: serving will crash at start ({marker})"
+
+
+FAULTS: dict[str, Callable[..., str]] = {
+    "link-down": link_down, "link-up": link_up, "link-flap": link_flap, "mtu": mtu,
+    "kill-container": kill_container, "stop-container": stop_container, "rogue-container": rogue_container,
+    "sshd-stop": sshd_stop, "sshd-start": sshd_start, "dockerd-stop": dockerd_stop,
+    "dockerd-start": dockerd_start, "mgmt-cut": mgmt_cut, "mgmt-restore": mgmt_restore,
+    "fill-disk": fill_disk, "free-disk": free_disk, "corrupt-shard": corrupt_shard,
+    "delete-shard": delete_shard, "crash-serving": crash_serving,
+}

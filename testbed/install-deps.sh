@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Installs the system packages the testbed needs, on a fresh Debian 12, as root, non-interactively.
+#
+# Idempotent: when every package is already installed it does nothing (no apt-get update, no network).
+# It must not leave the distro's own services running: the testbed starts its *own* sshd, dockerd and
+# containerd per node (network namespaces), and Prometheus from the tests. A policy-rc.d that forbids
+# starting services is in place while apt runs; afterwards the distro units are stopped and disabled,
+# whether systemd is PID 1 or not (in a sandbox it usually is not).
+set -euo pipefail
+
+if [ "$(id -u)" != 0 ]; then
+    echo "install-deps.sh: must run as root" >&2
+    exit 1
+fi
+
+PACKAGES=(
+    openssh-server openssh-client   # sshd per node, ssh-keygen for host and client keys
+    docker.io containerd runc       # one dockerd (+ its containerd) per node
+    rsync                           # the reconciler copies weights with it
+    iproute2 iputils-ping           # netns, veth, link faults
+    util-linux e2fsprogs mount      # nsenter, losetup, mkfs.ext4 for the worker's small model disk
+    procps psmisc                   # ps/kill, used when tearing down
+    sudo                            # the spark user's few NOPASSWD commands
+    prometheus                      # scrapes the daemon; promtool tests alert rules
+    busybox-static                  # tiny static tools inside the stand-in images
+    python3
+)
+NAMES=("${PACKAGES[@]}")
+
+missing=()
+for p in "${NAMES[@]}"; do
+    status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    if [ "$status" != "install ok installed" ]; then
+        missing+=("$p")
+    fi
+done
+
+DISTRO_UNITS=(ssh.service ssh.socket docker.service docker.socket containerd.service
+              prometheus.service prometheus-node-exporter.service)
+
+stop_distro_services() {
+    if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then
+        for u in "${DISTRO_UNITS[@]}"; do
+            if systemctl list-unit-files "$u" >/dev/null 2>&1; then
+                systemctl disable --now "$u" >/dev/null 2>&1 || true
+            fi
+        done
+    else
+        # No systemd: the sysvinit scripts (if apt ran them) keep pidfiles we can stop by.
+        for s in ssh docker containerd prometheus prometheus-node-exporter; do
+            if [ -x "/etc/init.d/$s" ]; then
+                "/etc/init.d/$s" stop >/dev/null 2>&1 || true
+                update-rc.d "$s" disable >/dev/null 2>&1 || true
+            fi
+        done
+    fi
+}
+
+if [ "${#missing[@]}" -eq 0 ]; then
+    echo "install-deps.sh: all ${#NAMES[@]} packages already installed"
+    stop_distro_services
+    exit 0
+fi
+echo "install-deps.sh: installing: ${missing[*]}"
+
+export DEBIAN_FRONTEND=noninteractive
+
+# Forbid apt from starting services while it installs (standard Debian mechanism, see invoke-rc.d(8)).
+POLICY=/usr/sbin/policy-rc.d
+made_policy=0
+if [ ! -e "$POLICY" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$POLICY"
+    chmod 755 "$POLICY"
+    made_policy=1
+fi
+cleanup() { if [ "$made_policy" = 1 ]; then rm -f "$POLICY"; fi; }
+trap cleanup EXIT
+
+# apt-get update only if the package lists are missing or older than a day.
+lists_fresh=0
+if compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null; then
+    if [ -n "$(find /var/lib/apt/lists -maxdepth 1 -name '*_Packages' -mmin -1440 -print -quit)" ]; then
+        lists_fresh=1
+    fi
+fi
+if [ "$lists_fresh" = 0 ]; then
+    apt-get update -qq -o DPkg::Lock::Timeout=600
+fi
+
+if ! apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "${missing[@]}"; then
+    # Lists may be stale even though recent: refresh once and retry.
+    apt-get update -qq -o DPkg::Lock::Timeout=600
+    apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "${missing[@]}"
+fi
+
+stop_distro_services
+echo "install-deps.sh: done"

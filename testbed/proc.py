@@ -1,0 +1,163 @@
+"""Running commands, waiting for conditions, and the pid registry that makes ``down`` exact.
+
+Every long-lived process the testbed starts is recorded (pid + kernel start time) in STATE/pids.json, so
+``down`` kills exactly those processes and never something that happens to reuse a pid. Waits poll a
+condition until a deadline instead of sleeping for a guessed time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+from .layout import state_dir
+
+T = TypeVar("T")
+
+
+class TestbedError(RuntimeError):
+    pass
+
+
+def run(cmd: Sequence[str], *, check: bool = True, input: str | bytes | None = None, timeout: float = 120,
+        capture: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command; on failure raise TestbedError with its stderr (the message one needs to debug)."""
+    text = not isinstance(input, bytes)
+    p = subprocess.run(list(cmd), input=input, capture_output=capture, text=text, timeout=timeout,
+                       env=env)
+    if check and p.returncode != 0:
+        err = p.stderr if capture else ""
+        raise TestbedError(f"{' '.join(map(str, cmd))!s} -> exit {p.returncode}: {str(err).strip()[-2000:]}")
+    return p
+
+
+def ok(cmd: Sequence[str], timeout: float = 30) -> bool:
+    try:
+        return subprocess.run(list(cmd), capture_output=True, timeout=timeout).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def wait_for(cond: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll *cond* until it returns a truthy value or *timeout* seconds pass (then TestbedError)."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while True:
+        try:
+            v = cond()
+            if v:
+                return v
+        except TestbedError:
+            raise                 # the condition says it can never hold (e.g. the daemon died)
+        except Exception as e:  # noqa: BLE001 - the condition may fail until it holds
+            last_exc = e
+        if time.monotonic() > deadline:
+            raise TestbedError(f"timed out after {timeout:.0f}s waiting for {what}"
+                               + (f" (last error: {last_exc})" if last_exc else ""))
+        time.sleep(interval)
+        interval = min(interval * 1.5, 0.5)
+
+
+# ---- pid registry -------------------------------------------------------------------------------------------
+
+def _registry() -> Path:
+    return state_dir() / "pids.json"
+
+
+def _starttime(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def alive(pid: int, starttime: int | None = None) -> bool:
+    st = _starttime(pid)
+    if st is None:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    if state == "Z":
+        return False
+    return starttime is None or st == starttime
+
+
+def load_pids() -> dict[str, dict]:
+    try:
+        return json.loads(_registry().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_pid(name: str, pid: int) -> None:
+    reg = load_pids()
+    reg[name] = {"pid": pid, "starttime": _starttime(pid)}
+    _registry().parent.mkdir(parents=True, exist_ok=True)
+    tmp = _registry().with_suffix(".tmp")
+    tmp.write_text(json.dumps(reg, indent=1))
+    tmp.replace(_registry())
+
+
+def forget_pid(name: str) -> None:
+    reg = load_pids()
+    if reg.pop(name, None) is not None:
+        tmp = _registry().with_suffix(".tmp")
+        tmp.write_text(json.dumps(reg, indent=1))
+        tmp.replace(_registry())
+
+
+def recorded_alive(name: str) -> int | None:
+    e = load_pids().get(name)
+    if e and alive(e["pid"], e.get("starttime")):
+        return e["pid"]
+    return None
+
+
+def stop_pid(pid: int, starttime: int | None = None, *, timeout: float = 15) -> None:
+    """SIGTERM, wait up to *timeout*, then SIGKILL; reap if it is our child."""
+    if not alive(pid, starttime):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        wait_for(lambda: _reap(pid) or not alive(pid, starttime), timeout=timeout, what=f"pid {pid} to exit")
+    except TestbedError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        wait_for(lambda: _reap(pid) or not alive(pid, starttime), timeout=10, what=f"pid {pid} to die")
+
+
+def _reap(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:
+        return False
+
+
+def stop_recorded(name: str, *, timeout: float = 15) -> None:
+    e = load_pids().get(name)
+    if e:
+        stop_pid(e["pid"], e.get("starttime"), timeout=timeout)
+        forget_pid(name)
+
+
+def spawn(name: str, cmd: Sequence[str], *, log: Path, env: dict | None = None) -> int:
+    """Start a daemon in its own session (so it outlives this Python process) and record its pid."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
+        p = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True, env=env, close_fds=True)
+    record_pid(name, p.pid)
+    return p.pid

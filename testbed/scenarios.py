@@ -1,0 +1,164 @@
+"""Scenarios: the state the nodes are put in before a test, and the fast ``reset`` back to one.
+
+* ``seed`` — the starting point of the seed story: the head runs the co-tenants ``vllm_node`` (a GLM
+  stand-in on :8000), ``vllm_embeddings`` (:8001) and ``reranker`` (:8002) and holds both test models in both
+  layouts plus the serving image; the worker runs ``vllm_embeddings`` only, holds no weights and no serving
+  image, and its fabric port is DOWN (mtu 1500, no address).
+* ``converged`` — as the reconciler leaves it, minus the serving containers themselves: fabric up with mtu
+  9000 and addresses on every node, the served model (hf-cache layout) and the serving image on every node,
+  only the allowed co-tenants running.
+* ``empty`` — nothing: no containers, no weights, no stand-in images on the workers, every fabric port down
+  and unconfigured. (Images on the head are kept: they are the build cache.)
+
+``apply()`` is idempotent and is what ``up`` and ``reset`` both call: it removes every container, restores
+links, sshd and dockerd, frees filled disks, and rewrites weights only where they differ from what the
+scenario needs (a manifest of sizes and mtimes notices a corrupted, truncated or deleted shard).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from . import dockerd, net, sshd, storage
+from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node
+from .proc import TestbedError
+
+SCENARIOS = ("seed", "converged", "empty")
+SERVING_IMAGE = "vllm-standin:latest"
+COTENANT_IMAGE = "cotenant-standin:latest"
+FILL_FILE = ".testbed-fill"
+CRASH_MARKER = ".standin-crash"   # the serving stand-in crashes at start when this is at the model root
+
+# name -> (port, hold-mb, label); ports as on the real head: 8000 is the serving port once vllm_node is gone
+COTENANTS = {
+    "vllm_node": (8000, 64, "glm-4.5-air"),
+    "vllm_embeddings": (8001, 32, "embeddings"),
+    "reranker": (8002, 16, "reranker"),
+}
+SEED_COTENANTS = {"head": ["vllm_node", "vllm_embeddings", "reranker"], "worker": ["vllm_embeddings"]}
+CONVERGED_COTENANTS = {"head": ["vllm_embeddings", "reranker"], "worker": ["vllm_embeddings"]}
+
+
+def shard_plan(weights_size: int, model_id: str) -> tuple[int, int]:
+    """(shards, shard_bytes) for a model of about *weights_size* bytes: 4 shards for the MoE, 2 for dense."""
+    shards = 4 if "moe" in model_id else 2
+    return shards, max(weights_size // shards, 4096)
+
+
+def run_cotenant(node: Node, name: str) -> None:
+    port, hold, label = COTENANTS[name]
+    dockerd.docker(node, "run", "-d", "--name", name, "--network", "host", "--restart", "unless-stopped",
+                   COTENANT_IMAGE, "cotenant", "--port", str(port), "--hold-mb", str(hold), "--label", label)
+
+
+def build_images(lay: Layout) -> None:
+    """Build both stand-in images into the head's engine (docker's layer cache makes a rebuild cheap)."""
+    from . import images   # written alongside (testbed/images); imported late so the rest works without it
+    images.build(lay.head.docker_host, None)
+    for ref in (SERVING_IMAGE, COTENANT_IMAGE):
+        if dockerd.image_id(lay.head, ref) is None:
+            raise TestbedError(f"images.build did not produce {ref} on the head")
+
+
+def _remove_image(node: Node, ref: str) -> None:
+    dockerd.docker(node, "rmi", "-f", ref, check=False)
+
+
+# ---- weights -------------------------------------------------------------------------------------------------
+
+def _manifest(root: Path) -> dict[str, list[int]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _manifest_file(node: Node) -> Path:
+    return node.state / "weights-manifest.json"
+
+
+def ensure_weights(node: Node, wanted: list[tuple[str, str]], weights_size: int) -> None:
+    """Make the node's model root hold exactly *wanted* [(model_id, layout)], regenerating only on change."""
+    from . import weights
+    key = {"wanted": sorted(map(list, wanted)), "size": weights_size}
+    mf = _manifest_file(node)
+    try:
+        saved = json.loads(mf.read_text())
+    except (OSError, ValueError):
+        saved = None
+    if saved and saved.get("key") == key and saved.get("files") == _manifest(node.model_root):
+        return
+    storage.wipe(node)
+    for model_id, lay in wanted:
+        shards, shard_bytes = shard_plan(weights_size, model_id)
+        weights.generate(node.model_root, model_id, MODELS[model_id], lay, shards, shard_bytes)
+    for dirpath, dirnames, filenames in os.walk(node.model_root):
+        for n in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, n), *_spark_ids())
+    mf.write_text(json.dumps({"key": key, "files": _manifest(node.model_root)}))
+
+
+def _spark_ids() -> tuple[int, int]:
+    import pwd
+    pw = pwd.getpwnam(SSH_USER)
+    return pw.pw_uid, pw.pw_gid
+
+
+# ---- apply ---------------------------------------------------------------------------------------------------
+
+def _role_key(node: Node) -> str:
+    return "head" if node.index == 0 else "worker"
+
+
+def apply(lay: Layout, scenario: str, weights_size: int) -> None:
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, not {scenario!r}")
+    head = lay.head
+    # daemons and management paths back (a test may have stopped them with a fault)
+    for n in lay.nodes:
+        net.set_mgmt(n, True)
+        sshd.start(n)
+        dockerd.start(n)
+    for n in lay.nodes:
+        dockerd.remove_all_containers(n)
+        (n.model_root / FILL_FILE).unlink(missing_ok=True)
+        (n.model_root / CRASH_MARKER).unlink(missing_ok=True)
+    if scenario != "empty" or dockerd.image_id(head, COTENANT_IMAGE) is None:
+        build_images(lay)
+
+    all_models = [(m, layout) for m in MODELS for layout in ("hf-cache", "plain")]
+    served = [(SERVED_MODEL, "hf-cache")]
+    for n in lay.nodes:
+        role = _role_key(n)
+        if scenario == "seed":
+            if role == "head":
+                net.fabric_configure(n)
+            else:
+                net.fabric_unconfigure(n)
+            ensure_weights(n, all_models if role == "head" else [], weights_size)
+            if role == "worker":
+                _remove_image(n, SERVING_IMAGE)
+                dockerd.copy_image(head, n, COTENANT_IMAGE)
+            for c in SEED_COTENANTS[role]:
+                run_cotenant(n, c)
+        elif scenario == "converged":
+            net.fabric_configure(n)
+            ensure_weights(n, all_models if role == "head" else served, weights_size)
+            if role == "worker":
+                dockerd.copy_image(head, n, SERVING_IMAGE)
+                dockerd.copy_image(head, n, COTENANT_IMAGE)
+            for c in CONVERGED_COTENANTS[role]:
+                run_cotenant(n, c)
+        else:  # empty
+            net.fabric_unconfigure(n)
+            ensure_weights(n, [], weights_size)
+            if role == "worker":
+                _remove_image(n, SERVING_IMAGE)
+                _remove_image(n, COTENANT_IMAGE)
+    # dangling layers of removed images are not "holding the image"; prune so `docker images` is exact
+    for n in lay.workers:
+        dockerd.docker(n, "image", "prune", "-f", check=False)

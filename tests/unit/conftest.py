@@ -1,0 +1,110 @@
+"""Shared fixtures for the unit tests of the desired-state model, the loader and the CLI."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from reconciler import spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A short valid two-node desired state (the same base the files in invalid/ start from, without their first line).
+BASE_YAML = """\
+nodes:
+  - name: head-a
+    role: head
+    ssh:
+      host: 10.0.0.1
+    fabric:
+      interface: enp1s0f1np1
+      rdma_device: rocep1s0f1
+      address: 192.168.200.12/24
+  - name: worker-b
+    role: worker
+    ssh:
+      host: 192.168.200.13
+      jump: head-a
+    fabric:
+      interface: enp1s0f1np1
+      rdma_device: rocep1s0f1
+      address: 192.168.200.13/24
+    internet: false
+model:
+  id: Qwen/Qwen3.5-122B-A10B-FP8
+  path: /home/spark/.cache/huggingface/hub
+serving:
+  image: nvcr.io/nvidia/vllm:26.05-py3
+  tensor_parallel_size: 2
+  port: 8000
+  gpu_memory_utilization: 0.8
+  extra_args: ["--trust-remote-code"]
+  env:
+    VLLM_ENGINE_READY_TIMEOUT_S: "3600"
+co_tenants:
+  allowed:
+    head-a: [vllm_embeddings, reranker]
+  unlisted: stop
+policy:
+  resync_interval: 30s
+  listen: 127.0.0.1:9464
+"""
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def cluster_yaml() -> Path:
+    return REPO / "desired-state" / "cluster.yaml"
+
+
+@pytest.fixture(scope="session")
+def seed_snapshot() -> Path:
+    return REPO / "tests" / "fixtures" / "seed-observed.json"
+
+
+@pytest.fixture(scope="session")
+def console_script() -> str:
+    """The installed `reconciler` entry point of this venv (not `python -m`): what an operator runs."""
+    venv_script = REPO / ".venv" / "bin" / "reconciler"
+    found = str(venv_script) if venv_script.exists() else shutil.which("reconciler")
+    assert found, "the `reconciler` console script is not installed (pip install -e .)"
+    return found
+
+
+@pytest.fixture
+def base_yaml() -> str:
+    return BASE_YAML
+
+
+def _edit(text: str, *subs: tuple[str, str]) -> str:
+    for old, new in subs:
+        assert old in text, f"test bug: {old!r} not in the base text"
+        text = text.replace(old, new, 1)
+    return text
+
+
+@pytest.fixture
+def edit() -> Callable[..., str]:
+    """edit((old, new), ...) -> the base text with each `old` replaced once (asserting it was there)."""
+    return lambda *subs: _edit(BASE_YAML, *subs)
+
+
+@pytest.fixture
+def problems() -> Callable[[str | bytes], list[str]]:
+    """Rendered problem lines for a text (filename `X`); [] when it is valid."""
+
+    def run(text: str | bytes) -> list[str]:
+        try:
+            spec.loads(text, "X")
+        except spec.InvalidDesiredState as exc:
+            return exc.lines()
+        return []
+
+    return run
