@@ -124,14 +124,47 @@ def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
     sys.exit(apply_once(desired, yes=yes, dry_run=dry_run, max_passes=max_passes))
 
 
-def _not_yet(name: str, issue: str) -> None:
-    @main.command(name=name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-    def _cmd() -> None:
-        click.echo(f"reconciler {name}: not available yet (arrives with {issue}).", err=True)
-        sys.exit(EXIT_INVALID)
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=Path))
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/spark-reconciler",
+              show_default=True, envvar="RECONCILER_STATE_DIR", help="Lock, generation counter.")
+@click.option("--listen", default=None, help="HOST:PORT for /metrics and /status (default: policy.listen).")
+@click.option("--no-events", is_flag=True, help="Resync only: no docker/link event streams.")
+@click.option("--log-format", type=click.Choice(["auto", "json", "console"]), default="auto", show_default=True)
+def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_format: str) -> None:
+    """The daemon: keep the cluster converged until SIGTERM (systemd: Type=notify)."""
+    from reconciler import log
+    from reconciler.controller import AlreadyRunning, Controller
 
-    _cmd.__doc__ = f"(not available yet: {issue})"
+    log.configure(json_lines=None if log_format == "auto" else log_format == "json")
+    controller = Controller(file, state_dir, listen=listen, events=not no_events)
+    controller.install_signals()
+    try:
+        sys.exit(controller.run())
+    except AlreadyRunning as exc:
+        click.echo(f"reconciler run: {exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:
+        click.echo(f"reconciler run: {exc}", err=True)
+        sys.exit(1)
 
 
-for _name, _issue in (("run", "the daemon issue"), ("status", "the daemon issue")):
-    _not_yet(_name, _issue)
+@main.command()
+@click.option("--url", default="http://127.0.0.1:9464", show_default=True, envvar="RECONCILER_URL",
+              help="The daemon's listener (policy.listen).")
+@click.option("--json", "as_json", is_flag=True, help="The raw /status document.")
+def status(url: str, as_json: bool) -> None:
+    """Ask the running daemon for its phase and conditions. Exit 0 converged, 1 not (or unreachable)."""
+    import urllib.error
+    import urllib.request
+
+    from reconciler.render import status_text
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as response:
+            doc = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        click.echo(f"cannot reach the daemon at {url}: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(doc, indent=2) if as_json else status_text(doc), nl=not as_json or True)
+    sys.exit(0 if doc.get("phase") == "Converged" else 1)

@@ -190,6 +190,37 @@ class Session:
             raise Unreachable(self.node.name, f"session lost: {exc}") from None
         return channel
 
+    def stream_lines(self, command: str, stop, idle: float = 1.0):
+        """Yield stdout lines of a long-running command (an event stream) until `stop` is set or the channel
+        ends; a dropped session raises Unreachable so the caller can reconnect with backoff."""
+        channel = self.open_channel(command, timeout=10)
+        buffer = b""
+        try:
+            while not stop.is_set():
+                if channel.recv_ready():
+                    chunk = channel.recv(1 << 16)
+                    if not chunk:
+                        break
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        yield line.decode(errors="replace")
+                    continue
+                if channel.exit_status_ready() or channel.closed or not self._alive():
+                    break
+                select.select([channel], [], [], idle)
+        except (SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise Unreachable(self.node.name, f"event stream lost: {exc}") from None
+        finally:
+            channel.close()
+        if not stop.is_set():
+            raise Unreachable(self.node.name, "event stream ended")
+
+    def _alive(self) -> bool:
+        conn = self._conn
+        return conn is not None and conn.transport is not None and conn.transport.is_active()
+
     def run(self, argv: Sequence[str], *, timeout: float, sudo: bool = False, stdin: bytes | None = None,
             check: bool = True, on_output=None, cancel=None) -> Result:
         """Run one argv on the node; raise CommandFailed on a non-zero exit when `check`.

@@ -71,3 +71,22 @@ def observed_text(observed: Observed) -> str:
             lines.append(f"  serving: {'healthy' if s.healthy else 'not healthy'}"
                          f"{', models ' + ', '.join(s.models) if s.models else ''}")
     return "\n".join(lines) + "\n"
+
+
+def status_text(doc: dict) -> str:
+    """`reconciler status`: the phase, generations, then a condition table (cluster first, then per node)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"phase {doc.get('phase')}  generation {doc.get('generation')}  observed "
+                        f"{doc.get('observedGeneration')}", title_justify="left")
+    for column in ("node", "condition", "status", "reason", "message"):
+        table.add_column(column, overflow="fold")
+    for c in doc.get("conditions", []):
+        table.add_row(c["node"] or "(cluster)", c["type"], c["status"], c["reason"], c["message"][:160])
+    console = Console(width=140, record=True, force_terminal=False)
+    with console.capture() as captured:
+        console.print(table)
+        if doc.get("lastError"):
+            console.print(f"last error: {doc['lastError']}")
+    return captured.get()

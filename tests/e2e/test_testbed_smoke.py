@@ -59,11 +59,11 @@ def test_wrong_host_key_is_rejected(testbed, ssh, tmp_path):
         ssh("head", known_hosts=unknown)
 
 
-def test_each_node_has_its_own_docker_engine(testbed, ssh):
+def test_each_node_has_its_own_docker_engine(seed_testbed, ssh):
     ids = {}
     names = {}
     images = {}
-    for n in testbed.nodes:
+    for n in seed_testbed.nodes:
         c = ssh(n.name)
         ids[n.name] = run(c, "docker info --format '{{.ID}}'").stdout.strip()
         names[n.name] = set(run(c, "docker ps --format '{{.Names}}'").stdout.split())
@@ -75,7 +75,7 @@ def test_each_node_has_its_own_docker_engine(testbed, ssh):
     assert "vllm-standin:latest" not in images["worker"]
 
 
-def test_seed_weights_on_head_only(testbed, ssh):
+def test_seed_weights_on_head_only(seed_testbed, ssh):
     head, worker = ssh("head"), ssh("worker")
     snap = "/srv/spark-testbed/head/models/hub/models--testorg--tiny-moe/snapshots/" + "1" * 40
     assert "model.safetensors.index.json" in run(head, f"ls {snap}").stdout
@@ -87,7 +87,7 @@ def test_seed_weights_on_head_only(testbed, ssh):
     run(worker, "touch /srv/spark-testbed/worker/models/x && rm /srv/spark-testbed/worker/models/x")
 
 
-def test_seed_fabric_link(testbed, ssh):
+def test_seed_fabric_link(seed_testbed, ssh):
     w = fabric_link(ssh("worker"))
     assert "UP" not in w["flags"] and w["mtu"] == 1500
     assert not [a for a in w.get("addr_info", []) if a["family"] == "inet"]

@@ -70,7 +70,8 @@ def test_validate_prints_every_error_one_per_line(console_script, tmp_path, base
     assert result.stderr.splitlines() == [
         f"{bad}:26:9: serving.port: must be greater than or equal to 1",
         f"{bad}:36:20: policy.resync_interval: 30 is not a duration; write it like 30s, 5m, 1h30m or 250ms",
-        f"{bad}:37:11: policy.listen: 'nowhere' is not a valid HOST:PORT",
+        f"{bad}:37:11: policy.listen: 'nowhere' is not a valid HOST:PORT (an IP address or localhost, port "
+        "1-65535; IPv6 as [::1]:9464)",
     ]
 
 

@@ -1,0 +1,92 @@
+"""Every metric the daemon exports, defined in this one place (names and labels are a contract with the alert
+rules in monitoring/ and the Grafana dashboard; tests/unit/test_monitoring.py checks they agree).
+
+Conventions: base units (`_seconds`, `_bytes`), counters end in `_total`, one `_info` style gauge for the build,
+and low-cardinality labels only (node, kind, step kind, result, condition type): never container ids or text.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+PHASES = ("Converged", "Converging", "Degraded", "Blocked", "Paused", "Invalid")
+_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+drift = Gauge("reconciler_drift", "Drifted resources by node and kind (0 when in sync).", ["node", "kind"],
+              registry=REGISTRY)
+converged = Gauge("reconciler_converged", "1 when the last observation matched the desired state.",
+                  registry=REGISTRY)
+phase = Gauge("reconciler_phase", "1 for the current phase, 0 for the others.", ["phase"], registry=REGISTRY)
+condition = Gauge("reconciler_condition", "Conditions (node=\"\" for cluster-level), 1 for the current status.",
+                  ["node", "type", "status"], registry=REGISTRY)
+reconcile_duration = Histogram("reconciler_reconcile_duration_seconds", "Duration of a whole reconcile.",
+                               buckets=_DURATION_BUCKETS, registry=REGISTRY)
+reconciles = Counter("reconciler_reconciles_total", "Reconciles by result (success, noop, error).", ["result"],
+                     registry=REGISTRY)
+steps = Counter("reconciler_steps_total", "Steps run by kind and result.", ["kind", "result"], registry=REGISTRY)
+step_duration = Histogram("reconciler_step_duration_seconds", "Duration of steps by kind.", ["kind"],
+                          buckets=_DURATION_BUCKETS, registry=REGISTRY)
+step_hold = Gauge("reconciler_step_hold", "1 while a step that keeps failing is held (not retried until its "
+                  "backoff expires or the desired state changes).", ["kind", "node"], registry=REGISTRY)
+node_reachable = Gauge("reconciler_node_reachable", "1 when the node answered the last probe over SSH.", ["node"],
+                       registry=REGISTRY)
+observe_duration = Histogram("reconciler_observe_duration_seconds", "Duration of the batched probe of one node.",
+                             ["node"], buckets=_DURATION_BUCKETS, registry=REGISTRY)
+desired_state_valid = Gauge("reconciler_desired_state_valid", "1 when the desired-state file on disk is valid.",
+                            registry=REGISTRY)
+desired_state_generation = Gauge("reconciler_desired_state_generation",
+                                 "Generation of the last valid desired state (bumped on each valid change).",
+                                 registry=REGISTRY)
+observed_generation = Gauge("reconciler_observed_generation", "Generation the cluster last converged to.",
+                            registry=REGISTRY)
+last_converged = Gauge("reconciler_last_converged_timestamp_seconds", "Unix time of the last converged "
+                       "observation.", registry=REGISTRY)
+fabric_link_up = Gauge("reconciler_fabric_link_up", "1 when the node's fabric link is up with carrier.", ["node"],
+                       registry=REGISTRY)
+memory_available = Gauge("reconciler_memory_available_bytes", "MemAvailable of the node (unified memory).",
+                         ["node"], registry=REGISTRY)
+weights_bytes = Gauge("reconciler_weights_bytes", "Model bytes on the node (synced) and on the source (expected).",
+                      ["node", "state"], registry=REGISTRY)
+weights_sync_bytes = Counter("reconciler_weights_sync_bytes_total", "Bytes copied to the node by weight syncs.",
+                             ["node"], registry=REGISTRY)
+serving_healthy = Gauge("reconciler_serving_healthy", "1 when /health is 200 and the model is listed.",
+                        registry=REGISTRY)
+events = Counter("reconciler_events_total", "Triggers received (docker and link events per node, file changes, "
+                 "resyncs, signals).", ["node", "source"], registry=REGISTRY)
+build_info = Gauge("reconciler_build_info", "Always 1; the version label says which build runs.", ["version"],
+                   registry=REGISTRY)
+
+try:
+    VERSION = version("spark-reconciler")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    VERSION = "0+unknown"
+build_info.labels(version=VERSION).set(1)
+desired_state_valid.set(0)
+converged.set(0)
+serving_healthy.set(0)
+for _p in PHASES:
+    phase.labels(phase=_p).set(0)
+
+
+def set_phase(current: str) -> None:
+    for p in PHASES:
+        phase.labels(phase=p).set(1 if p == current else 0)
+
+
+def set_conditions(conditions: list[dict]) -> None:
+    """Export conditions as one series per (node, type, status) with 1 on the current status."""
+    for c in conditions:
+        for status in ("True", "False", "Unknown"):
+            condition.labels(node=c.get("node", ""), type=c["type"], status=status).set(
+                1 if c["status"] == status else 0)
+
+
+def set_drift(counts: dict[tuple[str, str], int], nodes: list[str], kinds: tuple[str, ...]) -> None:
+    """Every (node, kind) gets a value, 0 included, so alerts see a series go back to 0 instead of vanishing."""
+    for node in nodes:
+        for kind in kinds:
+            drift.labels(node=node, kind=kind).set(counts.get((node, kind), 0))
