@@ -168,3 +168,67 @@ def status(url: str, as_json: bool) -> None:
         sys.exit(1)
     click.echo(json.dumps(doc, indent=2) if as_json else status_text(doc), nl=not as_json or True)
     sys.exit(0 if doc.get("phase") == "Converged" else 1)
+
+
+@main.command()
+@click.option("--head", "head", required=True, help="The head's SSH address (it runs rank 0 and the API).")
+@click.option("--worker", "workers", multiple=True, help="A worker's SSH address (repeat for each worker).")
+@click.option("--user", default="spark", show_default=True, help="SSH user on every node.")
+@click.option("--known-hosts", default="/etc/spark-reconciler/known_hosts", show_default=True,
+              help="known_hosts every host key is checked against (strict; nothing is trusted on first use).")
+@click.option("--identity", default=None, help="Private key file (default: the SSH agent / ~/.ssh keys).")
+@click.option("--jump-through-head/--no-jump", default=True, show_default=True,
+              help="Reach the workers through the head (like ssh -J), as an internet-less worker is.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the desired state here (default: stdout).")
+@click.option("--port", default=22, show_default=True, help="SSH port.")
+def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, identity: str | None,
+             jump_through_head: bool, output: Path | None, port: int) -> None:
+    """Read the nodes (one read-only script each) and write a commented starter desired state.
+
+    Every inferred value is marked `# GUESS:`. Exit 0 when the result validates, 2 when it does not (it is
+    written anyway, with the problems printed), 3 when a node cannot be reached."""
+    from reconciler import discover as disc
+    from reconciler.remote import RemoteError
+
+    known_hosts = str(Path(known_hosts).resolve())
+    identity = str(Path(identity).resolve()) if identity else None
+    try:
+        sessions = disc.sessions_for(head, list(workers), user=user, known_hosts=known_hosts, identity=identity,
+                                     jump=jump_through_head, port=port)
+    except ValidationError as exc:
+        click.echo(f"discover: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)
+        sys.exit(EXIT_INVALID)
+    try:
+        facts = disc.probe(sessions)
+    except RemoteError as exc:
+        click.echo(f"discover: {exc}", err=True)
+        sys.exit(3)
+    finally:
+        for s in reversed(sessions):
+            s.close()
+    text = disc.render(facts, user=user, known_hosts=known_hosts, identity=identity, jump=jump_through_head)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        click.echo(f"wrote {output} ({text.count('# GUESS:')} guesses to review)", err=True)
+    try:
+        spec.loads(text, filename=str(output or "<discovered>"))
+    except spec.InvalidDesiredState as exc:
+        for line in exc.lines():
+            click.echo(line, err=True)
+        sys.exit(EXIT_INVALID)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["lws"]), default="lws", show_default=True,
+              help="lws: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) for Kubernetes.")
+@click.option("--name", default=None, help="metadata.name (default: the served model name, DNS-safe).")
+def export(file: str, fmt: str, name: str | None) -> None:
+    """Print the equivalent Kubernetes manifest of FILE's serving (the bridge to LWS; see docs/scaling.md)."""
+    from reconciler.export import lws_yaml
+
+    desired = _load_or_exit(file)
+    click.echo(lws_yaml(desired, name=name), nl=False)

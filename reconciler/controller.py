@@ -23,7 +23,7 @@ from pathlib import Path
 from reconciler import conditions, log, metrics, spec, systemd
 from reconciler.drift import DRIFT_KINDS
 from reconciler.execute import execute
-from reconciler.holds import Holds
+from reconciler.holds import Holds, vetoes
 from reconciler.observe import observe
 from reconciler.plan import Plan
 from reconciler.plan import plan as make_plan
@@ -121,10 +121,7 @@ class Controller:
             self.generation += 1
         self.content_hash, self.desired = digest, desired
         metrics.desired_state_generation.set(self.generation)
-        if self.holds is None:
-            self.holds = Holds(desired.policy.retries)
-        else:
-            self.holds = Holds(desired.policy.retries)  # a new generation: try everything again now
+        self.holds = Holds(desired.policy.retries)  # a new generation: try everything again now
         if self.sessions is None:
             self.sessions = Sessions(desired)
         else:
@@ -174,9 +171,8 @@ class Controller:
                               generation=self.generation, progress=self._progress, cancel=self.cancel)
             self.busy_until = time.monotonic() + max(
                 [desired.policy.timeouts.weights_sync, desired.serving.health_timeout])
-            now = time.time()
-            outcome = execute(current, ctx, on_event=self._on_step,
-                              skip=lambda s: self.holds.wait_reason(s.id, now))
+            waiting = vetoes(current, self.holds, time.time())
+            outcome = execute(current, ctx, on_event=self._on_step, skip=lambda s: waiting.get(s.id))
             self.busy_until = 0.0
             for r in outcome.results:
                 if r.result == "success":
@@ -238,7 +234,8 @@ class Controller:
             self._synced = {**getattr(self, "_synced", {}), key: done}
         elif event == "weights.start":
             self._synced = {**getattr(self, "_synced", {}), fields["node"]: 0}
-        self.log.debug(event, **{k: v for k, v in fields.items() if k != "step"})
+        level = self.log.debug if event.endswith(".progress") else self.log.info
+        level(event, **{k: v for k, v in fields.items() if k != "step"})
 
     def _on_step(self, event: str, fields: dict) -> None:
         self.heartbeat = time.monotonic()

@@ -11,7 +11,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from reconciler.plan import Plan
 from reconciler.spec import Retries
+
+#: Steps of one ordered serving restart: if one of them must wait, running the others would restart serving on
+#: some nodes over and over (a restart storm), so they all wait together.
+SERVING_CHAIN = ("stop-serving", "start-serving", "launch-model", "await-health")
 
 
 @dataclass
@@ -63,3 +68,14 @@ class Holds:
 
     def next_due(self) -> float | None:
         return min((r.next_try for r in self.records.values()), default=None)
+
+
+def vetoes(plan: Plan, holds: Holds, now: float) -> dict[str, str]:
+    """step id -> why it must not run in this reconcile (its own backoff/hold, or its serving chain's)."""
+    out = {s.id: r for s in plan.steps if (r := holds.wait_reason(s.id, now))}
+    chain_wait = next((f"{sid}: {r}" for sid, r in out.items() if sid.split("/")[0] in SERVING_CHAIN), None)
+    if chain_wait:
+        for s in plan.steps:
+            if s.kind in SERVING_CHAIN:
+                out.setdefault(s.id, f"the serving restart waits: {chain_wait}")
+    return out

@@ -25,12 +25,25 @@ from paramiko.ssh_exception import AuthenticationException, BadHostKeyException,
 
 from reconciler.spec import Desired, Node
 
-#: argv prefixes that may run under `sudo -n`; the sudoers snippet in docs/operations.md lists the same.
+#: the commands that may run under `sudo -n`, written like the sudoers rules in docs/operations.md (the same
+#: words, joined by spaces): a trailing "*" allows one or more further arguments, anything else is exact.
 SUDO_COMMANDS: tuple[tuple[str, ...], ...] = (
-    ("/usr/sbin/ip", "link", "set", "dev"),
-    ("/usr/sbin/ip", "addr", "add"),
+    ("/usr/sbin/ip", "link", "set", "dev", "*"),
+    ("/usr/sbin/ip", "addr", "add", "*"),
     ("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"),
 )
+
+
+def sudo_allowed(argv: Sequence[str]) -> bool:
+    """True when argv is one of SUDO_COMMANDS (prefix + at least one argument for a "*" rule, else exact)."""
+    argv = tuple(str(a) for a in argv)
+    for rule in SUDO_COMMANDS:
+        if rule[-1] == "*":
+            if len(argv) > len(rule) - 1 and argv[: len(rule) - 1] == rule[:-1]:
+                return True
+        elif argv == rule:
+            return True
+    return False
 
 
 class RemoteError(Exception):
@@ -54,6 +67,10 @@ class AuthFailed(RemoteError):
 
 class HostKeyRejected(RemoteError):
     """Unknown or changed host key: a possible man in the middle, never retried automatically."""
+
+    def __init__(self, node: str, message: str):
+        # the kind leads the message: it is what /status, the Reachable condition and the alert show
+        super().__init__(node, f"HostKeyRejected: {message}")
 
 
 class CommandTimeout(RemoteError):
@@ -89,7 +106,7 @@ def quote(argv: Sequence[str]) -> str:
 
 def sudo_argv(argv: Sequence[str]) -> list[str]:
     """`sudo -n ARGV` for an allowed command; anything else raises before it is sent."""
-    if not any(tuple(argv[: len(prefix)]) == prefix for prefix in SUDO_COMMANDS):
+    if not sudo_allowed(argv):
         raise PermissionError(f"refusing to run {shlex.join(argv)!r} with sudo: not in SUDO_COMMANDS")
     return ["sudo", "-n", *argv]
 

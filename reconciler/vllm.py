@@ -38,16 +38,28 @@ class LaunchSpec:
                            self.command, self.serve_exec], separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
-    def run_argv(self, generation: int) -> list[str]:
-        """`docker run` argv (without the leading `docker`); labels carry the hash for the next diff."""
+    def run_argv(self, generation: int, env_file: str | None = None) -> list[str]:
+        """`docker run` argv (without the leading `docker`); labels carry the hash for the next diff.
+
+        With `env_file` (what the serving step uses) the environment is read by the docker CLI from that file
+        (see `env_file_text`) instead of `-e K=V`, so no value (HF_TOKEN, ...) is on a command line: not in
+        `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
         labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
                   LABEL_ROLE: "head" if self.rank == 0 else "worker"}
         argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
         for key, value in sorted(labels.items()):
             argv += ["--label", f"{key}={value}"]
-        for key, value in sorted(self.env.items()):
-            argv += ["-e", f"{key}={value}"]
+        if env_file is not None:
+            argv += ["--env-file", env_file]
+        else:
+            for key, value in sorted(self.env.items()):
+                argv += ["-e", f"{key}={value}"]
         return argv + [self.image, *self.command]
+
+    def env_file_text(self) -> str:
+        """`docker run --env-file` content: one KEY=VALUE per line, taken literally (spec forbids control
+        characters in values, so a value cannot start another line)."""
+        return "".join(f"{key}={value}\n" for key, value in sorted(self.env.items()))
 
 
 def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str, str]]:

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("down", help="remove every process, namespace, mount and file the testbed made")
     sub.add_parser("status", help="what is up (JSON)")
+    sub.add_parser("demo", help="bring up the seed testbed and watch the reconciler converge and repair it")
 
     s = sub.add_parser("exec", help="run a command on a node as its SSH user: exec NODE -- CMD...")
     s.add_argument("node")
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--clear", action="store_true", default=None, help="crash-serving: remove the marker")
 
     a = p.parse_args(argv)
+    if a.cmd == "demo":
+        from .demo import run as demo
+
+        return demo()
     try:
         if a.cmd == "up":
             t = time.monotonic()

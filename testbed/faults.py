@@ -162,13 +162,19 @@ def delete_shard(lay: Layout, node: str, model: str = SERVED_MODEL, layout: str 
 
 
 def crash_serving(lay: Layout, node: str, clear: bool = False) -> str:
-    """The serving stand-in exits at start-up while MODELROOT/.standin-crash exists on that node."""
-    marker = lay.node(node).model_root / scenarios.CRASH_MARKER
+    """The serving stand-in exits at start-up while a `.standin-crash` marker is visible from its model dir:
+    the marker goes into every directory a desired state may mount (MODELROOT, MODELROOT/hub, each plain model)."""
+    root = lay.node(node).model_root
+    dirs = [root, root / "hub", *sorted(p for p in (root / "plain").glob("*") if p.is_dir())]
+    markers = [d / scenarios.CRASH_MARKER for d in dirs if d.is_dir()]
+    for marker in markers:
+        if clear:
+            marker.unlink(missing_ok=True)
+        else:
+            marker.touch()
     if clear:
-        marker.unlink(missing_ok=True)
-        return f"{node}: serving crash marker removed"
-    marker.touch()
-    return f"{node}: serving will crash at start ({marker})"
+        return f"{node}: serving crash markers removed"
+    return f"{node}: serving will crash at start ({', '.join(map(str, markers))})"
 
 
 FAULTS: dict[str, Callable[..., str]] = {

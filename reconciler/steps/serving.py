@@ -52,6 +52,13 @@ def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
     return (result.stdout + result.stderr).strip()[-1500:]
 
 
+def write_env_file(session, text: str, *, timeout: float) -> str:
+    """Write `docker run --env-file` content to a new 0600 file on the node (sent on stdin, never in argv);
+    returns its path. The caller removes it once `docker run` has read it."""
+    return session.run(["sh", "-c", 'umask 077 && f=$(mktemp "${TMPDIR:-/tmp}/spark-reconciler-env.XXXXXX") '
+                        '&& cat > "$f" && printf %s "$f"'], stdin=text.encode(), timeout=timeout).stdout.strip()
+
+
 def start_serving(ctx: StepContext, step: Step) -> None:
     node = step.node
     spec = spec_for(ctx, node)
@@ -66,7 +73,14 @@ def start_serving(ctx: StepContext, step: Step) -> None:
             raise StepFailed(f"{spec.container_name} on {node} runs another spec; the plan stops it first")
         ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
     memory_preflight(ctx, node)
-    ctx.sessions[node].run(["docker", *spec.run_argv(ctx.generation)], timeout=ctx.command_timeout)
+    session = ctx.sessions[node]
+    # The environment goes through a 0600 file on the node, never the command line (`ps`, error messages);
+    # it is removed right after `docker run` has read it.
+    env_file = write_env_file(session, spec.env_file_text(), timeout=ctx.command_timeout)
+    try:
+        session.run(["docker", *spec.run_argv(ctx.generation, env_file=env_file)], timeout=ctx.command_timeout)
+    finally:
+        session.run(["rm", "-f", "--", env_file], timeout=ctx.command_timeout, check=False)
 
     def running() -> bool:
         state = (inspect(ctx, node, spec.container_name) or {}).get("State", {})

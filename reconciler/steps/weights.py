@@ -14,8 +14,10 @@ Large models go in several parallel rsync streams (files split by size).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
+from dataclasses import dataclass
 
 import paramiko
 
@@ -153,3 +155,119 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     if problem:
         raise StepFailed(f"after rsync, the weights on {target} still differ from {source}: {problem}")
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
+
+
+# -- full verification (the flipped byte that sizes and mtimes cannot see) -------------------------------------
+
+HASH_CACHE_DIR = ".cache/spark-reconciler"  # under the source node's $HOME
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `verify_weights` found on one target: files whose sha256 differs from the source's, files the
+    target has that the source does not, and how much was hashed."""
+
+    node: str
+    source: str
+    checked: int
+    mismatched: tuple[str, ...]
+    extra: tuple[str, ...]
+    hashed_on_source: int  # files the source had to hash (not answered from its cache)
+    repaired: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched
+
+    def message(self) -> str:
+        if self.ok:
+            return f"{self.node}: {self.checked} files match {self.source} (sha256)"
+        return (f"{self.node}: {len(self.mismatched)} of {self.checked} files differ from {self.source} (sha256): "
+                + ", ".join(self.mismatched[:10]))
+
+
+def _sha256_lines(out: str) -> dict[str, str]:
+    """`sha256sum` output -> {relative path: hex}; names with a newline or backslash come escaped with a
+    leading backslash and are skipped (never produced by a model tree; the manifest check covers them)."""
+    hashes = {}
+    for line in out.splitlines():
+        if len(line) < 67 or line.startswith("\\"):
+            continue
+        digest, path = line[:64], line[66:]
+        hashes[path[2:] if path.startswith("./") else path] = digest
+    return hashes
+
+
+def _hash_files(session, root: str, paths: list[str], timeout: float, cancel=None) -> dict[str, str]:
+    if not paths:
+        return {}
+    stdin = b"".join(f"./{p}".encode() + b"\0" for p in paths)
+    out = session.run(["sh", "-c", 'cd "$1" && xargs -0 -r sha256sum --', "sh", root], stdin=stdin,
+                      timeout=timeout, cancel=cancel).stdout
+    return _sha256_lines(out)
+
+
+def _regular_files(session, root: str, follow: bool, timeout: float) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, mtime)} of the regular files under root (following links when `follow`),
+    .rsync-partial excluded."""
+    argv = ["find", *(["-L"] if follow else []), root, "-mindepth", "1", "-name", PARTIAL_DIR, "-prune", "-o",
+            "-type", "f", "-printf", "%P\\t%s\\t%T@\\n"]
+    result = session.run(argv, timeout=timeout, check=False)
+    files = {}
+    for line in result.stdout.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3 and parts[1].isdigit():
+            files[parts[0]] = (int(parts[1]), parts[2])
+    return files
+
+
+def _cache_path(root: str) -> str:
+    return f"{HASH_CACHE_DIR}/sha256-{hashlib.sha256(root.encode()).hexdigest()[:16]}.tsv"
+
+
+def source_hashes(session, root: str, paths: list[str], timeout: float, cancel=None) -> tuple[dict[str, str], int]:
+    """sha256 of `paths` (relative to root, links followed) on the source node, from the cache in
+    ~/.cache/spark-reconciler/ where (path, size, mtime) did not change; the cache is rewritten (0600).
+    Returns the hashes and how many files had to be hashed."""
+    stats = _regular_files(session, root, follow=True, timeout=timeout)
+    cache_file = _cache_path(root)
+    cached = session.run(["sh", "-c", 'cat "$HOME/$1" 2>/dev/null || true', "sh", cache_file],
+                         timeout=timeout).stdout
+    known: dict[tuple[str, int, str], str] = {}
+    for line in cached.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 4 and parts[1].isdigit() and len(parts[3]) == 64:
+            known[(parts[0], int(parts[1]), parts[2])] = parts[3]
+    wanted = [p for p in paths if p in stats]
+    hashes = {p: known[(p, *stats[p])] for p in wanted if (p, *stats[p]) in known}
+    todo = [p for p in wanted if p not in hashes]
+    hashes |= _hash_files(session, root, todo, timeout, cancel)
+    # keep every still-valid entry (other targets may ask for other paths), replace the rest
+    keep = {(p, *stats[p]): h for (p, size, mtime), h in known.items() if p in stats and stats[p] == (size, mtime)}
+    keep |= {(p, *stats[p]): h for p, h in hashes.items()}
+    text = "".join(f"{p}\t{size}\t{mtime}\t{h}\n" for (p, size, mtime), h in sorted(keep.items()))
+    session.run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/$(dirname "$1")" && cat > "$HOME/$1.tmp" && '
+                 'mv -f "$HOME/$1.tmp" "$HOME/$1"', "sh", cache_file], stdin=text.encode(), timeout=timeout)
+    return hashes, len(todo)
+
+
+def verify_weights(desired, sessions, node: str, *, repair: bool = False, timeout: float = 3600,
+                   cancel=None) -> Verification:
+    """Full verification of one target: sha256 of every regular file of the model tree on `node` against the
+    source's (cached there by path, size and mtime). With `repair`, the differing files are removed from the
+    target, so the next reconcile sees them missing and re-syncs exactly those (rsync alone would skip them:
+    same size, same mtime)."""
+    source = desired.source_node
+    src_root, dst_root = weights_root(desired, source), weights_root(desired, node)
+    target = sessions[node]
+    files = _regular_files(target, dst_root, follow=False, timeout=timeout)
+    mine = _hash_files(target, dst_root, sorted(files), timeout, cancel)
+    theirs, hashed = source_hashes(sessions[source], src_root, sorted(files), timeout, cancel)
+    mismatched = tuple(sorted(p for p, h in mine.items() if p in theirs and theirs[p] != h))
+    extra = tuple(sorted(p for p in mine if p not in theirs))
+    repaired: tuple[str, ...] = ()
+    if repair and mismatched:
+        target.run(["rm", "-f", "--", *(f"{dst_root}/{p}" for p in mismatched)], timeout=timeout)
+        repaired = mismatched
+    return Verification(node=node, source=source, checked=len(mine), mismatched=mismatched, extra=extra,
+                        hashed_on_source=hashed, repaired=repaired)

@@ -21,15 +21,24 @@ from testbed import api
 def testbed():
     if os.geteuid() != 0:
         pytest.fail("e2e tests need root (network namespaces, mounts, daemons); see docs/testbed.md")
+    # One testbed per machine (fixed addresses and namespace names): concurrent sessions (a benchmark, a second
+    # pytest) wait for each other here instead of tearing each other's nodes down.
+    import fcntl
+
+    guard = open("/run/spark-testbed.lock", "a")  # noqa: SIM115 - released when the session ends
+    fcntl.flock(guard, fcntl.LOCK_EX)
     t = time.monotonic()
     try:
         tb = api.up(nodes=2, scenario="seed")
         tb.bringup_seconds = time.monotonic() - t
         yield tb
     finally:
-        if os.environ.get("SPARK_TESTBED_KEEP") != "1":
-            left = api.down()
-            assert not left, f"down left behind: {left}"
+        try:
+            if os.environ.get("SPARK_TESTBED_KEEP") != "1":
+                left = api.down()
+                assert not left, f"down left behind: {left}"
+        finally:
+            guard.close()
 
 
 @pytest.fixture

@@ -238,18 +238,18 @@ def test_plan_with_a_missing_snapshot_exits_2(console_script, cluster_yaml, tmp_
     assert "does not exist" in result.stderr
 
 
-# ---------------------------------------------------------------------------------------------- later commands
+# ---------------------------------------------------------------------------------------------- status
 
 
-@pytest.mark.parametrize("command,args", [("run", ["desired-state/cluster.yaml"]), ("run", ["--once"]), ("status", [])])
-def test_later_commands_exit_2_and_say_they_come_later(console_script, repo, command, args):
-    """`observe` and live `plan` landed with the edge issue and `apply` is in progress; `run` and `status` still
-    belong to the daemon issue."""
-    result = run(console_script, command, *args, cwd=repo)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert f"reconciler {command}: not available yet" in result.stderr
-    assert "arrives with the" in result.stderr
+def test_status_without_a_daemon_exits_1_and_says_where_it_looked(console_script):
+    import socket
+
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    result = run(console_script, "status", "--url", url)
+    assert result.returncode == 1
+    assert f"cannot reach the daemon at {url}" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["validate", "plan", "observe"])

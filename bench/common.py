@@ -1,0 +1,163 @@
+"""Shared pieces of the benchmarks: the testbed lock, statistics, the machine description, result files.
+
+Every benchmark touches the one testbed of this machine, so `testbed_lock()` takes the same flock as the e2e
+fixture (/run/spark-testbed.lock) and `fresh_testbed()` brings the testbed up in a known shape and always down
+again. Results go to bench/results/NAME.json (full runs) or a temp dir (--quick); docs/benchmarks.md is
+rendered from the full-run files, so each benchmark can be re-run alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LOCK = Path("/run/spark-testbed.lock")
+PY = sys.executable
+
+
+@dataclass
+class Options:
+    quick: bool = False
+    results_dir: Path = RESULTS
+    log: callable = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def n(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+
+# -- statistics -------------------------------------------------------------------------------------------------
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of a non-empty list."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.4999)) - 1))
+    return s[k]
+
+
+def summary(values: list[float]) -> dict:
+    return {"n": len(values), "median": statistics.median(values), "p95": pct(values, 95),
+            "min": min(values), "max": max(values)}
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+# -- the testbed ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def testbed_lock(timeout: float = 1800):
+    """The machine-wide testbed lock (the e2e fixture takes the same one). Waits, bounded.
+
+    BENCH_TESTBED_LOCK_HELD=1: the parent already holds it (the pytest smoke test runs us under its session
+    fixture's lock); taking it again from here would wait for ourselves."""
+    if os.environ.get("BENCH_TESTBED_LOCK_HELD") == "1":
+        yield
+        return
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(LOCK, "a")  # noqa: SIM115
+
+    def expired(_sig, _frame):
+        raise TimeoutError(f"{LOCK} held by someone else for {timeout:.0f}s")
+
+    # a blocking flock queues us with the other waiters (pytest sessions); SIGALRM bounds the wait
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(int(timeout))
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except BaseException:
+        handle.close()
+        raise
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    try:
+        yield
+    finally:
+        handle.close()
+
+
+def testbed_up(nodes: int = 2, scenario: str = "converged", **kw):
+    """Bring the testbed up in exactly this shape: down first when another shape is up."""
+    from testbed import api
+    cfg = api._load_config()
+    if cfg and (cfg["nodes"] != nodes or any(cfg.get(k) != api.storage.parse_size(v) for k, v in kw.items()
+                                              if v is not None)):
+        api.down()
+    return api.up(nodes=nodes, scenario=scenario, **kw)
+
+
+def testbed_down() -> list[str]:
+    from testbed import api
+    return api.down()
+
+
+def converge(desired: Path, timeout: float = 180) -> float:
+    """`reconciler apply FILE --yes` (starts serving on a `converged`-scenario testbed); returns seconds."""
+    t = time.monotonic()
+    p = subprocess.run([str(ROOT / ".venv" / "bin" / "reconciler"), "apply", str(desired), "--yes"],
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"reconciler apply failed ({p.returncode}): {(p.stderr + p.stdout)[-2000:]}")
+    return time.monotonic() - t
+
+
+def write_desired(src: Path, dest: Path, replace: dict[str, str] | None = None) -> Path:
+    text = src.read_text()
+    for old, new in (replace or {}).items():
+        if old not in text:
+            raise ValueError(f"{old!r} not in {src}")
+        text = text.replace(old, new)
+    dest.write_text(text)
+    return dest
+
+
+# -- machine and results ----------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def save(opts: Options, name: str, data: dict) -> Path:
+    opts.results_dir.mkdir(parents=True, exist_ok=True)
+    data = {"benchmark": name, "quick": opts.quick, "machine": machine(), **data}
+    path = opts.results_dir / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1, default=str))
+    return path
+
+
+def scratch_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"bench-{prefix}-"))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

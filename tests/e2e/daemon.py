@@ -1,0 +1,125 @@
+"""A real `reconciler run` process for end-to-end tests: its NOTIFY_SOCKET, its /status and /metrics, its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+CLI = str(Path(sys.executable).with_name("reconciler"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def holds_for(check, seconds: float, what: str, interval: float = 0.1) -> None:
+    """Assert `check()` stays true for the whole window (to prove something does NOT happen)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert check(), f"{what} stopped holding after {seconds - (end - time.monotonic()):.1f}s"
+        time.sleep(interval)
+
+
+class Daemon:
+    def __init__(self, desired: Path, state_dir: Path, *extra: str):
+        self.desired, self.state_dir = desired, state_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify_path = str(state_dir / "notify.sock")
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.notify.bind(self.notify_path)
+        self.notify.setblocking(False)
+        self.notifications: list[str] = []
+        self.log_path = state_dir / "daemon.log"
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Daemon":
+        env = dict(os.environ, NOTIFY_SOCKET=self.notify_path)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([CLI, "run", str(self.desired), "--state-dir", str(self.state_dir),
+                                      "--listen", f"127.0.0.1:{self.port}", "--log-format", "json", *self.extra],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def messages(self) -> list[str]:
+        while True:
+            try:
+                self.notifications.append(self.notify.recv(4096).decode())
+            except BlockingIOError:
+                return self.notifications
+
+    def status(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/status", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+
+    def metric(self, name: str, **labels: str) -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+            if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+                total += float(match.group(2))
+        return total
+
+    def condition(self, node: str, type_: str) -> dict | None:
+        doc = self.status() or {}
+        return next((c for c in doc.get("conditions", []) if c["node"] == node and c["type"] == type_), None)
+
+    def wait_phase(self, phase: str, timeout: float = 60) -> dict:
+        return wait_until(lambda: (lambda s: s if s and s["phase"] == phase else None)(self.status()), timeout,
+                          f"phase {phase} (last: {(self.status() or {}).get('phase')})")
+
+    def log_events(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+        return code
+
+    def close(self) -> None:
+        self.stop()
+        self.notify.close()

@@ -1,0 +1,277 @@
+"""`reconciler export --format lws` and the pure parts of `reconciler discover`, on recorded outputs.
+
+The LWS manifest is checked against lws-crd-subset.schema.json (the upstream CRD's schema pruned to the fields the
+export writes, see make_lws_schema.py) with a small validator for the keywords that file uses, plus the semantic
+checks the schema cannot express (size = serving nodes, the LWS variables in the argv, the probe port)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reconciler import discover as disc
+from reconciler import spec
+from reconciler.export import lws_manifest, lws_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+FIX = Path(__file__).parent / "fixtures"
+DISC = FIX / "discover"
+TESTBED = REPO / "desired-state" / "testbed.yaml"
+
+
+def text_fixture(name: str) -> str:
+    return "\n".join(line for line in (DISC / name).read_text().splitlines() if not line.startswith("#"))
+
+
+def json_fixture(name: str) -> str:
+    doc = json.loads((DISC / name).read_text())
+    assert doc["source"], "every fixture says where it came from"
+    return json.dumps(doc["output"])
+
+
+# ------------------------------------------------------------------------------------------ schema validation
+
+def validate(schema: dict, value, path: str = "$") -> list[str]:
+    """The JSON-Schema keywords lws-crd-subset.schema.json uses (type, enum, minimum, maximum, required,
+    properties, additionalProperties, items, x-kubernetes-int-or-string)."""
+    errs: list[str] = []
+    if schema.get("x-kubernetes-int-or-string"):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            errs.append(f"{path}: not int-or-string: {value!r}")
+        return errs
+    kind = schema.get("type")
+    checks = {"object": dict, "array": list, "string": str, "boolean": bool}
+    if kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return [f"{path}: not an integer: {value!r}"]
+        if schema.get("format") == "int32" and not -2**31 <= value < 2**31:
+            errs.append(f"{path}: out of int32")
+    elif kind in checks and not isinstance(value, checks[kind]):
+        return [f"{path}: not {kind}: {value!r}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "minimum" in schema and value < schema["minimum"]:
+        errs.append(f"{path}: below {schema['minimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        errs.append(f"{path}: above {schema['maximum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                errs.append(f"{path}: missing required {key}")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        for key, v in value.items():
+            if key in props:
+                errs += validate(props[key], v, f"{path}.{key}")
+            elif extra is False:
+                errs.append(f"{path}: unknown field {key!r} (the API server would prune it)")
+            elif isinstance(extra, dict):
+                errs += validate(extra, v, f"{path}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, v in enumerate(value):
+            errs += validate(schema["items"], v, f"{path}[{i}]")
+    return errs
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    doc = json.loads((FIX / "lws-crd-subset.schema.json").read_text())
+    assert "kubernetes-sigs/lws" in doc["$comment"]
+    return doc
+
+
+def variant(change) -> spec.Desired:
+    data = yaml.safe_load(TESTBED.read_text())
+    change(data)
+    return spec.loads(yaml.safe_dump(data))
+
+
+def four_nodes(d: dict) -> None:
+    for i in (2, 3):
+        w = json.loads(json.dumps(d["nodes"][1]))
+        w["name"], w["ssh"]["host"] = f"worker{i}", f"10.231.1.{10 + i}"
+        w["fabric"]["address"] = f"10.232.0.{10 + i}/24"
+        d["nodes"].append(w)
+        d["model"]["path"][f"worker{i}"] = f"/srv/spark-testbed/worker{i}/models/hub"
+    d["serving"]["tensor_parallel_size"] = 4
+
+
+def test_the_validator_rejects_what_it_should(schema):
+    bad = lws_manifest(spec.load(TESTBED))
+    bad["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
+    bad["spec"]["leaderWorkerTemplate"]["sizes"] = 2
+    del bad["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    errs = validate(schema, bad)
+    assert any("restartPolicy" in e for e in errs) and any("sizes" in e for e in errs)
+    assert any("missing required workerTemplate" in e for e in errs)
+
+
+@pytest.mark.parametrize("change", [lambda d: None, four_nodes,
+                                    lambda d: d["serving"]["docker"].update(privileged=True),
+                                    lambda d: d["serving"].update(launcher="ray")],
+                         ids=["testbed", "four-nodes", "privileged", "ray"])
+def test_manifest_fits_the_lws_crd_fields(schema, change):
+    desired = variant(change)
+    manifest = lws_manifest(desired)
+    assert validate(schema, manifest) == []
+    n = len(desired.serving_nodes)
+    lwt = manifest["spec"]["leaderWorkerTemplate"]
+    assert manifest["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and manifest["kind"] == "LeaderWorkerSet"
+    assert manifest["spec"]["replicas"] == 1 and lwt["size"] == n
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = lwt[role]["spec"]
+        c = pod["containers"][0]
+        assert pod["hostNetwork"] is True and c["image"] == desired.serving.image
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        argv = c["command"]
+        assert argv[:3] == ["vllm", "serve", desired.model.id]
+        for flag, var in (("--nnodes", "$(LWS_GROUP_SIZE)"), ("--node-rank", "$(LWS_WORKER_INDEX)"),
+                          ("--master-addr", "$(LWS_LEADER_ADDRESS)")):
+            assert argv[argv.index(flag) + 1] == var
+        assert argv[argv.index("--tensor-parallel-size") + 1] == str(desired.serving.tensor_parallel_size)
+        assert ("--headless" in argv) == (role == "workerTemplate")
+        assert "--distributed-executor-backend" not in argv
+        env = {e["name"]: e for e in c["env"]}
+        assert env["NCCL_SOCKET_IFNAME"]["value"] == "enp1s0f1np1"
+        assert env["VLLM_HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    leader = lwt["leaderTemplate"]["spec"]["containers"][0]
+    assert leader["readinessProbe"]["tcpSocket"]["port"] == desired.serving.port
+    assert {e["name"]: e.get("value") for e in lwt["workerTemplate"]["spec"]["containers"][0]["env"]}[
+        "HF_HUB_OFFLINE"] == "1", "the internet-less worker keeps HF_HUB_OFFLINE=1"
+
+
+def test_cli_prints_the_same_manifest():
+    out = subprocess.run([str(Path(sys.executable).with_name("reconciler")), "export", str(TESTBED), "--format",
+                          "lws"], capture_output=True, text=True, check=True).stdout
+    assert yaml.safe_load(out) == lws_manifest(spec.load(TESTBED)) == yaml.safe_load(lws_yaml(spec.load(TESTBED)))
+
+
+# ------------------------------------------------------------------------------------------ discover parsers
+
+def test_port_state_strings():
+    assert disc.parse_port_state("4: ACTIVE") == (4, "ACTIVE")
+    assert disc.parse_port_state("5: LinkUp") == (5, "LinkUp")
+    assert disc.parse_port_state("1: DOWN") == (1, "DOWN")
+    assert disc.parse_port_state("3: Disabled") == (3, "Disabled")
+    assert disc.parse_port_state("") == (None, "")
+
+
+def test_ibdev2netdev_as_printed_on_a_spark():
+    links = disc.parse_ibdev2netdev(text_fixture("ibdev2netdev-spark.txt"))
+    assert [(r.device, r.netdev, r.active) for r in links] == [
+        ("roceP2p1s0f0", "enP2p1s0f0np0", False), ("roceP2p1s0f1", "enP2p1s0f1np1", True),
+        ("rocep1s0f0", "enp1s0f0np0", False), ("rocep1s0f1", "enp1s0f1np1", True)]
+
+
+def test_rdma_sysfs_lines():
+    links = {r.device: r for r in disc.parse_rdma_sysfs(text_fixture("rdma-sysfs-spark.txt"))}
+    assert links["rocep1s0f1"].active and links["rocep1s0f1"].netdev == "enp1s0f1np1"
+    assert links["rocep1s0f1"].phys_state == "5: LinkUp"
+    assert not links["rocep1s0f0"].active and links["rocep1s0f0"].state == "1: DOWN"
+
+
+def test_ip_addr_of_this_machine_excludes_loopback_and_reads_ipv4():
+    ifaces = {i.name: i for i in disc.parse_ip_addr(json_fixture("ip-addr-devhost.json"))}
+    assert "lo" not in ifaces
+    assert [str(a.ip) for a in ifaces["eth0"].ipv4] == ["192.0.2.2"], "IPv6 addresses are not IPv4"
+    assert ifaces["eth0"].up and ifaces["eth0"].mtu == 1400
+    assert not ifaces["ifb0"].up and ifaces["ifb0"].ipv4 == ()
+
+
+def spark_addr_json() -> str:
+    """This machine's recorded testbed-head `ip -j addr`, with the Spark's interface names and NVIDIA's netplan
+    example addresses (connect-two-sparks: enp1s0f1np1 192.168.100.10/24, enP2p1s0f1np1 192.168.101.10/24)."""
+    links = json.loads(json_fixture("ip-addr-testbed-head.json"))
+    fabric = next(link for link in links if link["ifname"] == "enp1s0f1np1")
+    twin = json.loads(json.dumps(fabric))
+    twin["ifname"], twin["ifindex"] = "enP2p1s0f1np1", 99
+    for link, addr in ((fabric, "192.168.100.10"), (twin, "192.168.101.10")):
+        for a in link["addr_info"]:
+            if a["family"] == "inet":
+                a["local"], a["prefixlen"] = addr, 24
+    wifi = {"ifname": "wlP9s9", "flags": ["BROADCAST", "UP", "LOWER_UP"], "mtu": 1500, "addr_info": [
+        {"family": "inet", "local": "192.168.1.50", "prefixlen": 24}]}
+    return json.dumps(links + [twin, wifi])
+
+
+def facts_from(addr_json: str, rdma: str = "", ibdev: str | None = None, host: str = "10.231.0.2") -> disc.NodeFacts:
+    sections = ["@@hostname", "spark-a1", "@@rc 0", "@@addr", addr_json, "@@rc 0",
+                "@@rdma_sysfs", rdma, "@@rc 0", "@@route", "RTNETLINK answers: Network is unreachable", "@@rc 2",
+                "@@meminfo", "MemTotal:       127600748 kB", "MemAvailable:   110000000 kB", "@@rc 0"]
+    if ibdev is not None:
+        sections += ["@@ibdev2netdev", ibdev, "@@rc 0"]
+    return disc.parse_facts(host, "\n".join(sections) + "\n")
+
+
+def test_fabric_prefers_the_active_roce_netdev_with_ipv4_and_notes_twins():
+    f = facts_from(spark_addr_json(), ibdev=text_fixture("ibdev2netdev-spark.txt"))
+    assert f.rdma_source == "ibdev2netdev" and not f.internet
+    g = disc.guess_fabric(f, ["10.231.0.2"])
+    assert (g.interface, g.rdma_device, str(g.address)) == ("enp1s0f1np1", "rocep1s0f1", "192.168.100.10/24")
+    assert g.twins == ["roceP2p1s0f1"]
+    assert any("different subnet" in n for n in g.notes)
+    assert all("wlP9s9" not in n for n in g.notes) and "wlP9s9" not in {i.name for i in f.ifaces}
+
+
+def test_fabric_from_sysfs_when_ibdev2netdev_is_absent_and_same_subnet_twins_warned():
+    links = json.loads(spark_addr_json())
+    for link in links:
+        if link["ifname"] == "enP2p1s0f1np1":
+            link["addr_info"][0]["local"] = "192.168.100.20"
+    f = facts_from(json.dumps(links), rdma=text_fixture("rdma-sysfs-spark.txt"))
+    assert f.rdma_source == "sysfs"
+    g = disc.guess_fabric(f, ["10.231.0.2"])
+    assert (g.interface, g.rdma_device) == ("enp1s0f1np1", "rocep1s0f1")
+    assert any("SAME subnet" in n for n in g.notes)
+
+
+def test_testbed_head_without_rdma_picks_the_connectx_named_port_not_management():
+    f = facts_from(json_fixture("ip-addr-testbed-head.json"))
+    g = disc.guess_fabric(f, ["10.231.0.2", "10.231.1.11"])
+    assert g.interface == "enp1s0f1np1" and str(g.address) == "10.232.0.10/24" and g.rdma_device is None
+
+
+def test_parsers_for_the_rest_of_the_script():
+    assert disc.parse_meminfo("MemTotal:       127600748 kB\nMemAvailable:   52000000 kB") == (
+        127600748 * 1024, 52000000 * 1024)
+    imgs = disc.parse_images('{"Repository":"nvcr.io/nvidia/vllm","Tag":"26.05-py3","Size":"18.5GB"}\n'
+                             '{"Repository":"<none>","Tag":"<none>","Size":"41.8MB"}')
+    assert imgs == [("nvcr.io/nvidia/vllm:26.05-py3", 18_500_000_000)]
+    assert disc.parse_listen("LISTEN 0 5 0.0.0.0:8000 0.0.0.0:*\nLISTEN 0 128 [::]:22 [::]:*") == {8000, 22}
+    roots, models = disc.parse_models("home\t/srv/a/models\nroot\t/home/spark/.cache/huggingface/hub\n"
+                                      "hf\t/home/spark/.cache/huggingface/hub\tmodels--Qwen--Qwen3-8B\t16000000\t"
+                                      + "a" * 40 + "\n")
+    assert roots == ["/home/spark/.cache/huggingface/hub", "/srv/a/models/hub"]
+    assert models[0].model_id == "Qwen/Qwen3-8B" and models[0].revision == "a" * 40
+    cs = disc.parse_containers('{"name":"/vllm_node","image":"vllm-node","args":["infinity"],'
+                               '"entrypoint":["sleep"],"labels":null}')
+    assert disc.holds_serving_port(cs[0], 8000)
+    other = disc.RunningContainer("embed", "img", ("cotenant", "--port", "8001"))
+    assert not disc.holds_serving_port(other, 8000)
+
+
+def test_render_validates_and_marks_guesses():
+    head = facts_from(spark_addr_json(), ibdev=text_fixture("ibdev2netdev-spark.txt"))
+    head.models = [disc.ModelDir("hf-cache", "/home/spark/.cache/huggingface/hub", "Qwen/Qwen3-8B", 16_000_000,
+                                 "a" * 40)]
+    head.model_roots = ["/home/spark/.cache/huggingface/hub"]
+    worker = facts_from(json_fixture("ip-addr-testbed-worker.json"), host="10.231.1.11")
+    worker.hostname = "spark-b2"
+    text = disc.render([head, worker], user="spark", known_hosts="/etc/spark-reconciler/known_hosts",
+                       identity=None, jump=True)
+    d = spec.loads(text)
+    assert [n.role for n in d.nodes] == ["head", "worker"] and d.serving.tensor_parallel_size == 2
+    assert d.model.id == "Qwen/Qwen3-8B" and d.model.path == "/home/spark/.cache/huggingface/hub"
+    # the worker's only fabric-like port is in another subnet: re-guessed into the head's, and said so
+    assert str(d.nodes[1].fabric.address) == "192.168.100.11/24" and "not in the fabric subnet" in text
+    assert d.nodes[1].ssh.jump == d.nodes[0].name and d.nodes[0].fabric.rdma_device == "rocep1s0f1"
+    assert text.count("# GUESS:") >= 8

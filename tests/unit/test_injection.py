@@ -1,0 +1,115 @@
+"""Issue 7: the one quoting function and the border validators. Whatever text a field holds, it is either
+rejected by `spec` or becomes exactly one word of the remote command line (the e2e half, tests/e2e/test_security.py,
+records what a real sshd-side program receives)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import TypeAdapter, ValidationError
+
+from reconciler import remote, spec
+
+TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=60)
+SHELLY = st.lists(st.sampled_from(list("a-_./:=$`'\"\\;|&<>(){}[]*?!~# \t\n") + ["$(id)", "`id`"]),
+                  max_size=20).map("".join)
+
+
+@settings(max_examples=400)
+@given(argv=st.lists(st.one_of(TEXT, SHELLY), min_size=1, max_size=6))
+def test_quote_round_trips_through_a_posix_shell_split(argv):
+    assert shlex.split(remote.quote(argv)) == argv
+
+
+@settings(max_examples=200)
+@given(value=st.one_of(TEXT, SHELLY))
+def test_a_quoted_value_is_one_word_even_next_to_others(value):
+    line = remote.quote(["cmd", value, "--flag"])
+    assert shlex.split(line) == ["cmd", value, "--flag"]
+
+
+SAFE = {
+    "container_name": spec.ContainerName, "interface": spec.InterfaceName, "path": spec.AbsPath,
+    "model_id": spec.ModelId, "revision": spec.Revision, "image": spec.ImageRef, "node": spec.NodeName,
+    "user": spec.SshUser, "host": spec.HostName, "served_name": spec.ServedName, "env_name": spec.EnvName,
+}
+META = set("$`'\"\\;|&<>(){}*?!~# \t\n")
+
+
+@settings(max_examples=300)
+@given(field=st.sampled_from(sorted(SAFE)), value=st.one_of(TEXT, SHELLY))
+def test_names_paths_and_refs_accept_no_shell_metacharacter(field, value):
+    try:
+        accepted = TypeAdapter(SAFE[field]).validate_python(value)
+    except ValidationError:
+        return
+    assert not (set(accepted) & META), (field, accepted)
+    assert shlex.quote(accepted) == accepted, "needs no quoting at all"
+    assert not accepted.startswith("-") or field == "path", "cannot be taken for an option"
+
+
+@settings(max_examples=300)
+@given(value=st.one_of(TEXT, SHELLY))
+def test_env_values_and_extra_args_are_free_text_but_one_word(value):
+    for kind in (spec.EnvValue, spec.ExtraArg):
+        try:
+            accepted = TypeAdapter(kind).validate_python(value)
+        except ValidationError:
+            continue
+        assert "\n" not in accepted and "\r" not in accepted if kind is spec.EnvValue else True
+        assert shlex.split(remote.quote(["vllm", accepted])) == ["vllm", accepted]
+
+
+def test_env_values_cannot_inject_a_second_env_file_line():
+    with pytest.raises(ValidationError):
+        TypeAdapter(spec.EnvValue).validate_python("x\nLD_PRELOAD=/tmp/evil.so")
+
+
+def test_path_traversal_is_rejected():
+    with pytest.raises(ValidationError):
+        TypeAdapter(spec.AbsPath).validate_python("/srv/models/../../etc")
+
+
+@pytest.mark.parametrize("argv", [
+    ["/usr/sbin/ip", "link", "set", "dev", "enp1s0f1np1", "mtu", "9000"],
+    ["/usr/sbin/ip", "addr", "add", "10.232.0.11/24", "dev", "enp1s0f1np1"],
+    ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"],
+])
+def test_sudo_allows_the_listed_commands(argv):
+    assert remote.sudo_argv(argv) == ["sudo", "-n", *argv]
+
+
+@pytest.mark.parametrize("argv", [
+    ["/usr/sbin/ip", "link", "set", "dev"],                                  # a "*" rule needs an argument
+    ["/usr/sbin/ip", "link", "delete", "enp1s0f1np1"],
+    ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3", "kernel.panic=1"],         # exact rule: nothing appended
+    ["/usr/sbin/sysctl", "-w", "kernel.panic=1"],
+    ["ip", "link", "set", "dev", "x", "up"],                                 # not the absolute path sudoers has
+    ["/bin/sh", "-c", "/usr/sbin/ip link set dev x up"],
+    ["sudo", "/usr/sbin/ip", "link", "set", "dev", "x"],
+])
+def test_sudo_refuses_anything_else(argv):
+    with pytest.raises(PermissionError):
+        remote.sudo_argv(argv)
+
+
+def test_launch_argv_carries_no_env_value_with_an_env_file():
+    from pathlib import Path
+
+    from reconciler.vllm import launch_specs
+
+    text = (Path(__file__).resolve().parents[2] / "desired-state" / "testbed.yaml").read_text()
+    desired = spec.loads(text.replace("  docker:\n", "  env: {HF_TOKEN: hf_secret_value}\n  docker:\n", 1))
+    for s in launch_specs(desired):
+        with_file = s.run_argv(1, env_file="/tmp/spark-reconciler-env.abc")
+        assert "hf_secret_value" not in " ".join(with_file)
+        assert with_file[with_file.index("--env-file") + 1] == "/tmp/spark-reconciler-env.abc"
+        assert "HF_TOKEN=hf_secret_value\n" in s.env_file_text()
+        assert s.env_file_text().count("\n") == len(s.env)
+        # the same launch otherwise: only how the env travels differs (and the hash is over the env itself)
+        legacy = s.run_argv(1)
+        i = legacy.index("-e")
+        assert legacy[:i] == with_file[:i] and legacy[i + 2 * len(s.env):] == with_file[i + 2:]
