@@ -3,13 +3,15 @@ VENV   ?= .venv
 PYTEST ?= $(VENV)/bin/pytest
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: help deps venv test unit e2e demo demo-down docs lint clean
+.PHONY: help deps venv test unit e2e demo demo-down bench soak docs clean
 
 help:
 	@echo "make test       install everything (system packages, venv) and run the whole suite, unit and e2e"
 	@echo "make demo       bring up the simulated two-Spark testbed and show the reconciler converge it"
 	@echo "make demo-down  tear the testbed down"
 	@echo "make unit       only the pure-core and loader tests (no root needed)"
+	@echo "make bench      run the benchmarks and write docs/benchmarks.md"
+	@echo "make soak       the long randomized fault runs (docs/reliability.md)"
 	@echo "make docs       regenerate docs/desired-state.md from the models"
 
 deps:
@@ -36,6 +38,13 @@ demo: deps venv
 
 demo-down: venv
 	$(VENV)/bin/python -m testbed down
+
+bench: deps venv
+	$(VENV)/bin/pip install -q -c constraints.txt -e '.[bench]'
+	$(VENV)/bin/python -m bench all
+
+soak: deps venv
+	$(VENV)/bin/python -m bench.soak
 
 docs: venv
 	$(VENV)/bin/reconciler schema --markdown > docs/desired-state.md

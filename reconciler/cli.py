@@ -95,6 +95,15 @@ def _observe(desired: spec.Desired) -> Observed:
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+def sudoers(file: str) -> None:
+    """Print the exact sudoers lines every node needs for FILE (per interface, nothing wider)."""
+    from reconciler.remote import sudoers_snippet
+
+    click.echo(sudoers_snippet(_load_or_exit(file)), nl=False)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="The snapshot `plan --observed` reads.")
 def observe(file: str, as_json: bool) -> None:
     """Probe every node once (one batched script each) and print what is there. Exit 3 if a node is unreachable."""

@@ -104,6 +104,22 @@ def quote(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
 
+def sudoers_snippet(desired: Desired) -> str:
+    """The exact sudoers lines each node needs, for this desired state: per interface and value, nothing wider.
+    (`reconciler sudoers FILE` prints it; the generic prefixes in SUDO_COMMANDS are what the code may send.)"""
+    out = ["# /etc/sudoers.d/spark-reconciler — install with: visudo -f /etc/sudoers.d/spark-reconciler",
+           "# Exactly the commands spark-reconciler runs as root (reconciler.remote.SUDO_COMMANDS).", ""]
+    for node in desired.nodes:
+        f = node.fabric
+        lines = [f"/usr/sbin/ip link set dev {f.interface} up", f"/usr/sbin/ip link set dev {f.interface} mtu {f.mtu}",
+                 f"/usr/sbin/ip addr add {f.address} dev {f.interface}"]
+        if desired.policy.drop_caches:
+            lines.append("/usr/sbin/sysctl -w vm.drop_caches=3")
+        out.append(f"# on {node.name}")
+        out.append(f"{node.ssh.user} ALL=(root) NOPASSWD: " + ", ".join(lines))
+    return "\n".join(out) + "\n"
+
+
 def sudo_argv(argv: Sequence[str]) -> list[str]:
     """`sudo -n ARGV` for an allowed command; anything else raises before it is sent."""
     if not sudo_allowed(argv):
