@@ -44,7 +44,7 @@ bench: deps venv
 	$(VENV)/bin/python -m bench all
 
 soak: deps venv
-	$(VENV)/bin/python -m bench.soak
+	$(VENV)/bin/python bench/soak.py --trials 20 --seed 7 --weights-size 256M
 
 docs: venv
 	$(VENV)/bin/reconciler schema --markdown > docs/desired-state.md

@@ -207,15 +207,30 @@ scratch copy of `reconciler/observe.py` with the fixes below), measured in the s
 7. **Scaling**: the no-op cycle of 1 with 2, 4 and 8 nodes (`testbed up --nodes N --scenario converged` then
    `reconciler apply`), 30 cycles each.
 
-## Profile of the no-op cycle and the fixes proposed (not applied: reconciler/ belongs to others)
+## Profile of the no-op cycle, and the fixes proposed (not applied: reconciler/ belongs to others)
 
-- **observe.py, `probe_script`**: the containers section runs the docker CLI twice (`docker ps -aq` then
-  `docker inspect`), and the image section a third time; each Go CLI start-up costs 13-35 ms here. Replace them
-  with one `curl --unix-socket ${{DOCKER_HOST#unix://}} http://docker/containers/json?all=1` (every field drift
-  uses: name, id, image, image id, state, labels) and `GET /images/REF/json` for the image id, keeping the CLI as
-  the fallback; parse the API JSON in `parse_containers`. Measured: the "after" column.
-- Running the sections concurrently inside the script (`&` + `wait`, outputs to a temp dir) was measured too and
-  is *slower* on 2 cores (73 vs 68 ms); not proposed for this size of machine.
+py-spy (8 s, 214 samples) on the benchmark process during the no-op cycles: most samples wait in `Session.run_command`
+(`select` on the channel, reconciler/remote.py) and paramiko's packetizer, i.e. for the remote script; parsing,
+pydantic, drift and plan together are a few percent. An empty script over both open sessions costs ~15 ms (head
+8 ms, worker through the jump host 5 ms, in parallel). So the cycle is the script, and the script is its
+process start-ups: the per-section costs above show the docker CLI sections (containers: `docker ps -aq` +
+`docker inspect`; image: `docker image inspect`) are the largest, then the two curls of /health and /v1/models.
+
+1. **reconciler/observe.py, `probe_script` + `parse_containers` + `parse_probe`** (the "after" column): ask
+   the Docker Engine API on its unix socket instead of starting the Go CLI three times:
+   `sock=${{DOCKER_HOST#unix://}}` (default `/var/run/docker.sock`), containers =
+   `curl -sf --unix-socket "$sock" http://docker/containers/json?all=1` (one request; it carries every field
+   drift.py uses: `Names`, `Id`, `Image`, `ImageID`, `State`, `Labels`; `started_at`/`restart_count` are not
+   used by drift), image = `curl -sf --unix-socket "$sock" http://docker/images/REF/json` (`Id`); keep the
+   current CLI commands as the fallback when the socket request fails (TCP DOCKER_HOST, no curl). Parse the
+   API JSON in `parse_containers` (prefix the body with a marker such as `API ` to tell the two apart). The
+   scratch copy is `bench/observe_fast.py`; it produces the same Observed (empty plan on the converged
+   cluster, asserted every cycle).
+2. Further, not measured separately: fetch /health and /v1/models with ONE curl process (two URLs,
+   `-w '\n@@code %{{http_code}}\n'`), and drop the `rdma` section's `cat` when `rdma_device` is unset (already
+   a constant there).
+3. Measured and **not** proposed: running the sections concurrently inside the script (`&` + `wait`, outputs
+   into a temp dir): on 2 cores it was slower (73 vs 68 ms in a 20-cycle trial); on a 20-core Spark it may win.
 
 ## What changes on real Sparks
 

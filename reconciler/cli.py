@@ -7,6 +7,7 @@ apply 0 converged / 1 not / 2 invalid; observe 0 / 3 a node unreachable; status 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -95,6 +96,34 @@ def _observe(desired: spec.Desired) -> Observed:
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--node", "only", default=None, help="Verify this node only (default: every serving node but the source).")
+@click.option("--repair", is_flag=True, help="Remove differing files so the next reconcile re-syncs exactly them.")
+@click.option("--json", "as_json", is_flag=True)
+def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
+    """Full weight verification: sha256 of every file on the targets against the source (cached by size and
+    mtime on the source). Catches what size checks cannot, such as flipped bytes. Exit 0 all match, 1 not."""
+    from dataclasses import asdict
+
+    from reconciler.remote import Sessions
+    from reconciler.steps.weights import verify_weights
+
+    desired = _load_or_exit(file)
+    targets = [n.name for n in desired.serving_nodes if n.name != desired.source_node and only in (None, n.name)]
+    sessions = Sessions(desired)
+    try:
+        results = [verify_weights(desired, sessions, node, repair=repair) for node in targets]
+    finally:
+        sessions.close()
+    if as_json:
+        click.echo(json.dumps([asdict(r) for r in results], indent=2))
+    else:
+        for r in results:
+            click.echo(r.message())
+    sys.exit(0 if all(r.ok for r in results) else 1)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 def sudoers(file: str) -> None:
     """Print the exact sudoers lines every node needs for FILE (per interface, nothing wider)."""
     from reconciler.remote import sudoers_snippet
@@ -149,7 +178,12 @@ def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_fo
     controller = Controller(file, state_dir, listen=listen, events=not no_events)
     controller.install_signals()
     try:
-        sys.exit(controller.run())
+        code = controller.run()
+        # Exit now: a worker thread stuck in a TCP connect to a dead node must not hold the interpreter's
+        # shutdown past systemd's TimeoutStopSec (everything that matters was closed or flushed above).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     except AlreadyRunning as exc:
         click.echo(f"reconciler run: {exc}", err=True)
         sys.exit(1)

@@ -303,6 +303,24 @@ class Controller:
             if fresh or time.monotonic() < self.busy_until:
                 systemd.watchdog()
 
+    def _shutdown(self, server, deadline: float = 10.0) -> None:
+        """Close streams, the listener and the sessions, but never let a half-dead SSH transport hold the exit
+        past the deadline: everything left is a daemon thread and dies with the process."""
+        for stop in self.streams.values():
+            stop.set()
+
+        def close() -> None:
+            server.shutdown()
+            server.server_close()
+            if self.sessions:
+                self.sessions.close()
+
+        closer = threading.Thread(target=close, name="shutdown", daemon=True)
+        closer.start()
+        closer.join(deadline)
+        if closer.is_alive():
+            self.log.warning("daemon.shutdown_timeout", seconds=deadline)
+
     def run(self) -> int:
         handle = lock(self.state_dir, self.path)
         try:
@@ -334,11 +352,7 @@ class Controller:
                     metrics.reconciles.labels(result="error").inc()
                 next_resync = time.monotonic() + resync
             systemd.stopping()
-            for stop in self.streams.values():
-                stop.set()
-            server.shutdown()
-            if self.sessions:
-                self.sessions.close()
+            self._shutdown(server)
             self.log.info("daemon.stopped")
             return 0
         finally:

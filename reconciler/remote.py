@@ -208,8 +208,17 @@ class Session:
             self._conn = None
 
     def close(self) -> None:
-        with self._lock:
-            self._close_locked()
+        """Close the session; never waits long behind a (re)connect that holds the lock."""
+        if self._lock.acquire(timeout=1.0):
+            try:
+                self._close_locked()
+            finally:
+                self._lock.release()
+        elif self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001
+                pass
 
     # -- commands ---------------------------------------------------------------------------------------------
 

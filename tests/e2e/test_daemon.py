@@ -184,6 +184,10 @@ def test_sigterm_during_a_weight_sync_exits_cleanly_and_the_next_start_resumes(s
     finally:
         first.close()
     assert not tb.docker("worker", "ps", "-q", "--filter", "name=vllm_serving").stdout.strip()
+    # rsync's receiver notices the closed connection a moment later and moves its temp file (.NAME.XXXXXX)
+    # into .rsync-partial for the resume
+    wait_until(lambda: not any(Path(p).name.startswith(".") for p in _regular_files(tb, "worker", dst)), 15,
+               "the interrupted temp file moved into .rsync-partial")
     kept = _regular_files(tb, "worker", dst)
     assert kept and all(full.get(p) == size for p, size in kept.items()), \
         "no file under its final name is half-written"

@@ -6,7 +6,6 @@ checks the schema cannot express (size = serving nodes, the LWS variables in the
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import subprocess
 import sys
