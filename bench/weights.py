@@ -43,12 +43,10 @@ def _generate(tb, shards: int, total: int) -> Path:
 
 
 def _desired(tb, work: Path, streams: int) -> Path:
-    text_from, text_to = "model:", "model:"
     repl = {"id: testorg/tiny-moe": f"id: {MODEL}", "layout: hf-cache": "layout: plain",
             f'revision: "{"1" * 40}"': f'revision: "{REV}"', "policy:\n": f"policy:\n  weights: {{parallel_streams: {streams}}}\n"}
     for n in tb.nodes:
         repl[f"{n.name}: {n.model_root}/hub"] = f"{n.name}: {_model_dir(n)}"
-    del text_from, text_to
     return write_desired(tb.desired_state, work / f"weights-{streams}.yaml", repl)
 
 
@@ -125,7 +123,7 @@ def run_weights(opts: Options) -> dict:
                     f"cd {src} && cat {files} | {_ssh('aes128-gcm@openssh.com')} spark@{w.fabric_ip} "
                     f"'cat > {w.model_root}/bench.cat'"),
                 "plain rsync -a": lambda: _timed_exec(
-                    f"mkdir -p {dst.parent} && ssh -V 2>/dev/null; rsync -a -e '{_ssh(None)}' {src}/ "
+                    f"mkdir -p {dst.parent} && rsync -a -e '{_ssh(None)}' {src}/ "
                     f"spark@{w.fabric_ip}:{dst}/"),
             }
             from testbed import api

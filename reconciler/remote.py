@@ -264,13 +264,24 @@ class Session:
         return conn is not None and conn.transport is not None and conn.transport.is_active()
 
     def run(self, argv: Sequence[str], *, timeout: float, sudo: bool = False, stdin: bytes | None = None,
-            check: bool = True, on_output=None, cancel=None) -> Result:
+            check: bool = True, on_output=None, cancel=None, supervised: bool = False) -> Result:
         """Run one argv on the node; raise CommandFailed on a non-zero exit when `check`.
 
         `on_output(bytes)` sees stdout as it arrives (rsync progress); `cancel` (a threading.Event) closes the
-        channel, which ends the remote command with SIGHUP (an rsync then keeps its partial files)."""
+        channel. Without a pty, closing the channel does not stop a remote process that rarely writes; with
+        `supervised` (long commands: rsync) it is sent SIGTERM as soon as the channel closes, so it stops and
+        cleans up (rsync then keeps its partial data for the resume). A supervised command gets no stdin."""
         argv = sudo_argv(argv) if sudo else list(argv)
-        result = self.run_command(quote(argv), timeout=timeout, stdin=stdin, on_output=on_output, cancel=cancel)
+        command = quote(argv)
+        if supervised:
+            if stdin is not None:
+                raise ValueError("a supervised command reads no stdin (its stdin is the watch on the channel)")
+            # fd 3 keeps the channel's stdin: a background job's own stdin is /dev/null in a non-interactive sh
+            command = quote(["sh", "-c", f"exec 3<&0; {command} 3<&- & pid=$!; "
+                                         "(cat <&3 >/dev/null 2>&1; kill -TERM $pid 2>/dev/null) >/dev/null 2>&1 & "
+                                         "w=$!; exec 3<&-; wait $pid; rc=$?; kill $w 2>/dev/null; exit $rc"])
+        result = self.run_command(command, timeout=timeout, stdin=stdin, on_output=on_output, cancel=cancel,
+                                  keep_stdin=supervised)
         if check and not result.ok:
             raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
         return result
@@ -280,13 +291,14 @@ class Session:
         return self.run_command("sh -s", timeout=timeout, stdin=script.encode())
 
     def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None, on_output=None,
-                    cancel=None) -> Result:
+                    cancel=None, keep_stdin: bool = False) -> Result:
         deadline = time.monotonic() + timeout
         channel = self.open_channel(command, timeout)
         try:
             if stdin is not None:
                 channel.sendall(stdin)
-            channel.shutdown_write()
+            if not keep_stdin:
+                channel.shutdown_write()
             out, err = bytearray(), bytearray()
             while True:
                 if cancel is not None and cancel.is_set():

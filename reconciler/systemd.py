@@ -18,12 +18,18 @@ def _address() -> str | bytes | None:
 
 
 def notify(*fields: str) -> bool:
-    """Send `KEY=VALUE` lines in one datagram; True when a socket was there to receive it."""
+    """Send `KEY=VALUE` lines in one datagram; True when it was delivered.
+
+    Never blocks: a receiver that stopped reading (full queue) or vanished loses a notification rather than
+    stalling the reconcile loop (which would then also stop the watchdog pings)."""
     address = _address()
     if address is None:
         return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.sendto("\n".join(fields).encode(), address)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
+        try:
+            sock.sendto("\n".join(fields).encode(), address)
+        except OSError:
+            return False
     return True
 
 
@@ -31,7 +37,15 @@ def ready(status: str) -> bool:
     return notify("READY=1", f"STATUS={status}")
 
 
+_last_status: dict[str, str] = {}
+
+
 def status(text: str) -> bool:
+    """STATUS=, sent only when it changed (a 1 s resync must not flood the manager)."""
+    key = os.environ.get("NOTIFY_SOCKET", "")
+    if _last_status.get(key) == text:
+        return True
+    _last_status[key] = text
     return notify(f"STATUS={text}")
 
 

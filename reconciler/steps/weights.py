@@ -62,7 +62,7 @@ def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
 
 
 def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
-                files_from: bool) -> list[str]:
+                files_from: str | None) -> list[str]:
     t = ctx.desired.node(target)
     ssh = (f"ssh -p {t.ssh.port} -o BatchMode=yes -o StrictHostKeyChecking=yes "
            f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS} -o Compression=no -c aes128-gcm@openssh.com")
@@ -72,7 +72,7 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     if limit:
         argv.append(f"--bwlimit={max(1, limit // 1024)}")
     if files_from:
-        argv += ["--files-from=-", "--from0"]
+        argv += [f"--files-from={files_from}", "--from0"]
     return argv + [f"{src_root}/", f"{t.ssh.user}@{t.fabric.address.ip}:{dst_root}/"]
 
 
@@ -97,7 +97,8 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     if weights_difference(expected, before) is None:
         return
     have = {f.path: f.size for f in before.files}
-    todo = [(f.path, f.size or 0) for f in expected.files if have.get(f.path) != f.size]
+    # bytes to move: regular files only (a link's size is its target's, which is counted once, as a blob)
+    todo = [(f.path, f.size or 0) for f in expected.files if f.link_target is None and have.get(f.path) != f.size]
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
     ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/'
@@ -119,9 +120,14 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                     ctx.progress("weights.progress", {"node": target, "bytes_done": min(sum(done), total),
                                                       "bytes_total": total})
 
-        stdin = b"\0".join(f.encode() for f in files) + b"\0" if files is not None else None
-        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, files is not None),
-                                 stdin=stdin, timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel)
+        listing = None
+        if files is not None:  # the file list goes to a file: the supervised rsync's stdin is the channel watch
+            listing = f".cache/spark-reconciler/rsync-{target}-{index}.list"  # relative to $HOME, rsync's cwd
+            ctx.sessions[source].run(["sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"',
+                                      listing], stdin=b"\0".join(f.encode() for f in files) + b"\0",
+                                     timeout=ctx.command_timeout)
+        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing),
+                                 timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True)
 
     errors: list[BaseException] = []
     if groups:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -50,8 +51,11 @@ class Daemon:
         self.notify_path = str(state_dir / "notify.sock")
         state_dir.mkdir(parents=True, exist_ok=True)
         self.notify.bind(self.notify_path)
-        self.notify.setblocking(False)
+        self.notify.settimeout(0.2)
         self.notifications: list[str] = []
+        self._reading = threading.Event()
+        self._reader = threading.Thread(target=self._read_notifications, daemon=True)
+        self._reader.start()
         self.log_path = state_dir / "daemon.log"
         self.extra = extra
         self.proc: subprocess.Popen | None = None
@@ -64,12 +68,19 @@ class Daemon:
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
         return self
 
-    def messages(self) -> list[str]:
-        while True:
+    def _read_notifications(self) -> None:
+        """Drain NOTIFY_SOCKET like systemd does (the daemon drops notifications rather than block on a full
+        queue, so an unread socket would lose READY/STOPPING)."""
+        while not self._reading.is_set():
             try:
                 self.notifications.append(self.notify.recv(4096).decode())
-            except BlockingIOError:
-                return self.notifications
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    def messages(self) -> list[str]:
+        return list(self.notifications)
 
     def status(self) -> dict | None:
         try:
@@ -122,4 +133,6 @@ class Daemon:
 
     def close(self) -> None:
         self.stop()
+        self._reading.set()
+        self._reader.join(2)
         self.notify.close()

@@ -69,3 +69,26 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     for directive in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "EnvironmentFile=", "NoNewPrivileges=yes",
                       "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "TimeoutStopSec="):
         assert directive in text
+
+
+def test_a_receiver_that_stopped_reading_never_blocks_the_sender(tmp_path, monkeypatch):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "full.sock")
+    sock.bind(path)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    try:
+        results = [systemd.watchdog() for _ in range(5000)]  # far beyond the receive queue
+        assert results[0] is True and results[-1] is False, "excess notifications are dropped, not waited for"
+    finally:
+        sock.close()
+
+
+def test_status_is_sent_only_when_it_changes(listener):
+    assert systemd.status("Converged; generation 9, 0 drifted")
+    assert systemd.status("Converged; generation 9, 0 drifted")
+    assert systemd.status("Converging; generation 10, 2 drifted")
+    received = [listener.recv(4096), listener.recv(4096)]
+    assert received == [b"STATUS=Converged; generation 9, 0 drifted", b"STATUS=Converging; generation 10, 2 drifted"]
+    listener.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        listener.recv(4096)
