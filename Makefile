@@ -21,7 +21,7 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test,bench]'
 	touch $@
 
 test: deps venv
@@ -40,7 +40,6 @@ demo-down: venv
 	$(VENV)/bin/python -m testbed down
 
 bench: deps venv
-	$(VENV)/bin/pip install -q -c constraints.txt -e '.[bench]'
 	$(VENV)/bin/python -m bench all
 
 soak: deps venv

@@ -51,13 +51,20 @@ def probe_script(desired: Desired, node: Node) -> str:
     lines = [
         "export LC_ALL=C",
         "sec() { printf '\\n@@%s\\n' \"$1\"; }",
+        # the Docker API over its unix socket: one curl instead of two or three Go CLI start-ups (85 -> 49 ms per
+        # no-op cycle, docs/benchmarks.md); the CLI stays the fallback (TCP DOCKER_HOST, no curl)
+        'sock=/var/run/docker.sock; case "${DOCKER_HOST:-}" in unix://*) sock=${DOCKER_HOST#unix://};; esac',
         "sec containers",
-        "ids=$(docker ps -aq --no-trunc 2>&1); rc=$?",
+        "if out=$(curl -sf --unix-socket \"$sock\" 'http://docker/containers/json?all=1' 2>/dev/null); then "
+        "printf 'API %s\\n' \"$out\"; rc=0; else "
+        "ids=$(docker ps -aq --no-trunc 2>&1); rc=$?; "
         f"if [ $rc -eq 0 ] && [ -n \"$ids\" ]; then docker inspect --format {q(_INSPECT)} $ids 2>&1; "
-        "elif [ $rc -ne 0 ]; then printf '%s\\n' \"$ids\"; fi",
+        "elif [ $rc -ne 0 ]; then printf '%s\\n' \"$ids\"; fi; fi",
         "echo \"@@rc $rc\"",
         "sec image",
-        f"docker image inspect --format '{{{{.Id}}}}' {q(desired.serving.image)} 2>/dev/null; echo \"@@rc $?\"",
+        f"if img=$(curl -sf --unix-socket \"$sock\" {q('http://docker/images/' + desired.serving.image + '/json')}"
+        " 2>/dev/null); then printf 'API %s\\n' \"$img\"; else "
+        f"docker image inspect --format '{{{{.Id}}}}' {q(desired.serving.image)} 2>/dev/null; fi; echo \"@@rc $?\"",
         "sec link",
         f"ip -j addr show dev {q(iface)} 2>&1; echo \"@@rc $?\"",
         "sec rdma",
@@ -108,9 +115,17 @@ def split_sections(output: str) -> dict[str, Section]:
     return sections
 
 
+def _api_container(raw: dict) -> Container:
+    return Container(name=(raw.get("Names") or ["/"])[0].lstrip("/"), id=raw["Id"], image=raw.get("Image", ""),
+                     image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {})
+
+
 def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
     if sec is None:
         return False, "probe did not report containers", []
+    if sec.rc == 0 and sec.body.startswith("API "):
+        found = [_api_container(raw) for raw in json.loads(sec.body[4:])]
+        return True, None, sorted(found, key=lambda c: c.name)
     found = []
     for line in sec.body.splitlines():
         if line.startswith("{"):
@@ -188,7 +203,10 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     sections = split_sections(output)
     docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
     image = sections.get("image")
-    images = {desired.serving.image: image.body.strip()} if image and image.rc == 0 and image.body.strip() else {}
+    image_id = image.body.strip() if image and image.rc == 0 else ""
+    if image_id.startswith("API "):
+        image_id = json.loads(image_id[4:]).get("Id", "")
+    images = {desired.serving.image: image_id} if image_id else {}
     serving = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"))
