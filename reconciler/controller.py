@@ -79,6 +79,7 @@ class Controller:
         self.busy_until = 0.0
         self.ready_sent = False
         self.reconciles = 0
+        self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
 
     # -- generations ------------------------------------------------------------------------------------------
 
@@ -226,14 +227,12 @@ class Controller:
     def _progress(self, event: str, fields: dict) -> None:
         self.heartbeat = time.monotonic()
         if event == "weights.progress":
-            key = fields["node"]
-            done = fields["bytes_done"]
-            last = getattr(self, "_synced", {}).get(key, 0)
-            if done > last:
-                metrics.weights_sync_bytes.labels(node=key).inc(done - last)
-            self._synced = {**getattr(self, "_synced", {}), key: done}
+            node, done = fields["node"], fields["bytes_done"]
+            if done > self.synced.get(node, 0):
+                metrics.weights_sync_bytes.labels(node=node).inc(done - self.synced.get(node, 0))
+            self.synced[node] = done
         elif event == "weights.start":
-            self._synced = {**getattr(self, "_synced", {}), fields["node"]: 0}
+            self.synced[fields["node"]] = 0
         level = self.log.debug if event.endswith(".progress") else self.log.info
         level(event, **{k: v for k, v in fields.items() if k != "step"})
 

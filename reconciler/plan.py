@@ -168,7 +168,12 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
             last = launch.id
         steps.append(Step(f"await-health/{head}", "await-health", head, "wait for /health and /v1/models",
                           (last,)))
-    elif any(d.kind == "health" for d in drift) and head not in down:
-        steps.append(Step(f"await-health/{head}", "await-health", head,
-                          "serving containers are up; wait for the API to become healthy"))
+    elif any(d.kind == "health" for d in drift):
+        unseen = [n for n in serving if n in down]
+        if unseen:  # waiting for health needs every serving node; say why instead of failing a step
+            blocked.append(Blocker(head, f"serving is not healthy; waiting needs {', '.join(unseen)}, "
+                                         "which cannot be reached"))
+        else:
+            steps.append(Step(f"await-health/{head}", "await-health", head,
+                              "serving containers are up; wait for the API to become healthy"))
     return steps

@@ -160,7 +160,7 @@ class Session:
                 raise Unreachable(self.node.name, f"jump host {exc}") from None
         conn = fabric.Connection(ssh.host, user=ssh.user, port=ssh.port, config=config, connect_kwargs=kwargs,
                                  connect_timeout=max(1, int(ssh.connect_timeout)), gateway=gateway)
-        # fabric defaults to AutoAddPolicy; the product never trusts on first use.
+        # fabric's default policy would add unknown keys; the product never trusts on first use.
         conn.client = paramiko.SSHClient()
         try:
             conn.client.load_host_keys(ssh.known_hosts)

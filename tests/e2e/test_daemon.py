@@ -54,6 +54,15 @@ def test_daemon_converges_the_seed_and_reports_ready(daemon):
     ready = next(c for c in doc["conditions"] if c["node"] == "" and c["type"] == "Ready")
     assert ready["status"] == "True" and ready["observedGeneration"] == 1
     assert daemon.metric("reconciler_converged") == 1
+    import urllib.request
+
+    from reconciler import metrics
+
+    with urllib.request.urlopen(f"{daemon.url}/metrics", timeout=2) as response:
+        exposition = response.read().decode()
+    for family in metrics.REGISTRY.collect():
+        assert f"# HELP {family.name}" in exposition and f"# TYPE {family.name}" in exposition, family.name
+    assert 'reconciler_node_reachable{node="worker"} 1.0' in exposition
     status = subprocess.run([CLI, "status", "--url", daemon.url], capture_output=True, text=True)
     assert status.returncode == 0 and "Converged" in status.stdout and "FabricLinkUp" in status.stdout
 

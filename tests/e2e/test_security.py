@@ -200,7 +200,7 @@ def test_every_sudo_call_in_the_code_is_listed():
     for call in calls:
         words = [w.strip().strip("\"'") for w in call.split(",")]
         words = ["/usr/sbin/ip" if w == "IP" else w for w in words]
-        literal = tuple(w for w in words if w.startswith("/") or re.fullmatch(r"[a-z][a-z_.=0-9-]*", w))
+        literal = tuple(w for w in words if w.startswith("/") or re.fullmatch(r"-{0,2}[a-z][a-z_.=0-9-]*", w))
         assert any(literal[: len(c) - (c[-1] == "*")] == c[: len(c) - (c[-1] == "*")] for c in remote.SUDO_COMMANDS),\
             call
 
