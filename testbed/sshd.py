@@ -1,7 +1,7 @@
 """One sshd per node, plus the ``spark`` user, its sudo rights and the client key / known_hosts.
 
 Each sshd runs in the node's network namespace (``ip netns exec``, so ``/sys/class/net`` shows the node's own
-links) and its own UTS namespace (hostname ``spark-NODE``), listens only on the node's management address(es)
+links) and its own UTS namespace (hostname ``spark-NODE``), listens on every address of the node (management and fabric)
 and sets ``DOCKER_HOST`` to the node's own dockerd. The head's sshd allows TCP forwarding: it is the jump host
 for the workers, exactly as on the real pair of Sparks.
 
