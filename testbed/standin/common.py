@@ -114,6 +114,27 @@ class LineConn:
         self.sock.close()
 
 
+def heartbeats(conn: "LineConn", interval: float, peer_timeout: float):
+    """Yield the peer's messages while pinging it every `interval`; yield None (and stop) once it has been
+    silent for `peer_timeout` or closed the connection: how the stand-ins notice a dead peer, like NCCL/Ray do."""
+    last_sent, last_heard = 0.0, time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now - last_sent >= interval:
+            conn.send({"op": "ping"})
+            last_sent = now
+        try:
+            msg = conn.recv(min(interval, peer_timeout))
+        except TimeoutError:
+            if time.monotonic() - last_heard <= peer_timeout:
+                continue
+            msg = None
+        yield msg
+        if msg is None:
+            return
+        last_heard = time.monotonic()
+
+
 def listen(host: str, port: int) -> socket.socket:
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

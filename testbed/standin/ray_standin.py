@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import LineConn, Terminated, connect, env_float, env_int, install_signal_handlers, listen
+from common import LineConn, Terminated, heartbeats, connect, env_float, env_int, install_signal_handlers, listen
 from ray_client import RayError, cluster_file, ray_request, ray_tmpdir
 
 VERSION = "2.49.0+standin"
@@ -199,23 +199,9 @@ class Head:
             self.conns[nid] = conn
         conn.send({"op": "joined", "node_id": nid, "head": self.me["id"]})
         out(f"[stand-in] node {nid[:8]} joined from {info['ip']} ({info['gpus']} GPU)")
-        last = time.monotonic()
-        last_sent = 0.0
-        while True:
-            now = time.monotonic()
-            if now - last_sent >= self.hb:
-                conn.send({"op": "ping"})
-                last_sent = now
-            try:
-                m = conn.recv(self.hb)
-            except TimeoutError:
-                if time.monotonic() - last > self.peer_timeout:
-                    m = None
-                else:
-                    continue
+        for m in heartbeats(conn, self.hb, self.peer_timeout):
             if m is None:
                 break
-            last = time.monotonic()
             if m.get("op") == "check_result":
                 with self.cond:
                     if m.get("req") in self.pending:

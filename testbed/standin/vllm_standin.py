@@ -25,6 +25,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (
+    heartbeats,
     LineConn,
     QuietHandler,
     Terminated,
@@ -301,21 +302,8 @@ class Engine:
             f"{a.master_port} backend=nccl")
 
     def _watch_peer(self, rank: int, conn: LineConn):
-        last_sent = 0.0
-        conn.last = time.monotonic()
         peer = conn.sock.getpeername()[0]
-        while True:
-            now = time.monotonic()
-            if now - last_sent >= self.hb:
-                conn.send({"op": "ping"})
-                last_sent = now
-            try:
-                msg = conn.recv(min(self.hb, self.peer_timeout))
-            except TimeoutError:
-                if time.monotonic() - conn.last > self.peer_timeout:
-                    msg = None
-                else:
-                    continue
+        for msg in heartbeats(conn, self.hb, self.peer_timeout):
             if msg is None:
                 text = (f"Worker proc on node rank {rank} died unexpectedly (connection to {peer} lost), "
                         "shutting down executor.")
@@ -324,7 +312,6 @@ class Engine:
                 self.fail(text)
                 conn.close()
                 return
-            conn.last = time.monotonic()
 
     def worker_rendezvous(self):
         a = self.args
@@ -359,25 +346,12 @@ class Engine:
             f"world_size={self.world} rank={a.node_rank} distributed_init_method=tcp://{a.master_addr}:"
             f"{a.master_port} backend=nccl")
         self.head = conn
-        conn.last = time.monotonic()
 
     def worker_loop(self):
         """Headless: stay until the head goes away, then exit 1."""
         conn = self.head
         log("INFO", "launcher.py:110", f"Headless node rank {self.args.node_rank} ready; serving no API")
-        last_sent = 0.0
-        while True:
-            now = time.monotonic()
-            if now - last_sent >= self.hb:
-                conn.send({"op": "ping"})
-                last_sent = now
-            try:
-                msg = conn.recv(min(self.hb, self.peer_timeout))
-            except TimeoutError:
-                if time.monotonic() - conn.last > self.peer_timeout:
-                    msg = None
-                else:
-                    continue
+        for msg in heartbeats(conn, self.hb, self.peer_timeout):
             if msg is None:
                 raise EngineError(
                     f"RuntimeError: lost connection to the head node {self.args.master_addr}:{self.args.master_port} "
@@ -386,7 +360,6 @@ class Engine:
             if msg.get("op") == "shutdown":
                 log("INFO", "launcher.py:130", "Head shut down; exiting")
                 return 0
-            conn.last = time.monotonic()
 
     # ---- ray executor
     def ray_placement(self):
