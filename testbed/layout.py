@@ -1,4 +1,4 @@
-"""Names, addresses and paths of the testbed: the single place that encodes docs/CONTRACTS-testbed.md.
+"""Names, addresses and paths of the testbed: the single place that encodes docs/testbed.md ("The contract").
 
 Everything else derives from :func:`layout`, so the contract (which desired-state/testbed.yaml and the
 reconciler's tests depend on) cannot drift between modules.

@@ -1,6 +1,6 @@
 """Network namespaces and links: the nodes' management network and the fabric (RoCE stand-in) link.
 
-Topology (contract in docs/CONTRACTS-testbed.md):
+Topology (contract in docs/testbed.md ("The contract")):
 
 * root ``sb-mgmt0`` 10.231.0.1/24 <-veth-> head ``enP7s7`` 10.231.0.2/24 — where the reconciler runs from;
 * head ``enP7s8`` 10.231.1.1/24 and each worker's ``enP7s7`` 10.231.1.(10+i)/24 on bridge ``br-mgmt`` in the

@@ -2,7 +2,7 @@
 
 ``generate()`` writes valid safetensors shards, ``model.safetensors.index.json`` (a ``weight_map`` like real
 sharded checkpoints), ``config.json`` and small tokenizer files, in one of two layouts
-(see docs/CONTRACTS-testbed.md):
+(see docs/testbed.md ("The contract")):
 
 - ``plain``:    ROOT/plain/ORG--NAME/{model-00001-of-0000N.safetensors, ..., index, config.json, ...}
 - ``hf-cache``: ROOT/hub/models--ORG--NAME/{blobs/<hash>, refs/main, snapshots/REV/<file> -> ../../blobs/<hash>}
