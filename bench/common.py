@@ -105,6 +105,29 @@ def testbed_down() -> list[str]:
     return api.down()
 
 
+class TestbedRun:
+    """What `on_testbed` hands a benchmark: the testbed, and afterwards what `down` left behind (must be [])."""
+
+    def __init__(self) -> None:
+        self.tb = None
+        self.leftovers: list[str] = []
+
+
+@contextlib.contextmanager
+def on_testbed(nodes: int = 2, scenario: str = "converged", serving: bool = False, **kw):
+    """Lock the testbed, bring it up in `scenario` (with `serving`: converged by `reconciler apply`, so vLLM runs),
+    run the benchmark, and always bring it down again."""
+    run = TestbedRun()
+    with testbed_lock():
+        try:
+            run.tb = testbed_up(nodes, scenario, **kw)
+            if serving:
+                converge(run.tb.desired_state)
+            yield run
+        finally:
+            run.leftovers = testbed_down()
+
+
 def converge(desired: Path, timeout: float = 180) -> float:
     """`reconciler apply FILE --yes` (starts serving on a `converged`-scenario testbed); returns seconds."""
     t = time.monotonic()

@@ -24,8 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import (ROOT, Options, converge, free_port, save, scratch_dir, summary, testbed_down,
-                          testbed_lock, testbed_up, write_desired)
+from bench.common import ROOT, Options, free_port, on_testbed, save, scratch_dir, summary, write_desired
 
 RECONCILER = ROOT / ".venv" / "bin" / "reconciler"
 
@@ -137,17 +136,14 @@ def _detect(opts: Options, desired: Path, events: bool, trials: int, jitter: flo
 
 def run_drift(opts: Options) -> dict:
     trials, resync_trials = opts.n(10, 1), opts.n(5, 1)
-    with testbed_lock():
-        try:
-            tb = testbed_up(2, "converged")
-            converge(tb.desired_state)
-            work = scratch_dir("drift")
-            push = write_desired(tb.desired_state, work / "push.yaml")
-            slow = write_desired(tb.desired_state, work / "resync.yaml", {"resync_interval: 30s": "resync_interval: 5s"})
-            events = _detect(opts, push, True, trials, jitter=1.0)
-            resync = _detect(opts, slow, False, resync_trials, jitter=5.0)
-        finally:
-            left = testbed_down()
+    with on_testbed(2, "converged", serving=True) as run:
+        tb = run.tb
+        work = scratch_dir("drift")
+        push = write_desired(tb.desired_state, work / "push.yaml")
+        slow = write_desired(tb.desired_state, work / "resync.yaml", {"resync_interval: 30s": "resync_interval: 5s"})
+        events = _detect(opts, push, True, trials, jitter=1.0)
+        resync = _detect(opts, slow, False, resync_trials, jitter=5.0)
+    left = run.leftovers
     data = {"events": {k: summary(v) for k, v in events.items()},
             "resync_5s": {k: summary(v) for k, v in resync.items()},
             "raw": {"events": events, "resync_5s": resync}, "leftovers": left}
@@ -166,68 +162,65 @@ def _save_as_editor(path: Path, text: str) -> None:
 def run_edit(opts: Options) -> dict:
     trials, apply_trials = opts.n(8, 1), opts.n(3, 1)
     from testbed import api
-    with testbed_lock():
+    with on_testbed(2, "converged", serving=True) as run:
+        tb = run.tb
+        work = scratch_dir("edit")
+        live = write_desired(tb.desired_state, work / "cluster.yaml")
+        base = live.read_text()
+        names = ["served_model_name: tiny-moe", "served_model_name: tiny-moe-b"]
+        rule_on = "head: [vllm_embeddings, reranker]"
+        rule_off = "head: [vllm_embeddings]"
+        lat: dict[str, list[float]] = {"served_model_name": [], "co_tenant_rule": []}
+        d = Daemon(live)
+        current = base
         try:
-            tb = testbed_up(2, "converged")
-            converge(tb.desired_state)
-            work = scratch_dir("edit")
-            live = write_desired(tb.desired_state, work / "cluster.yaml")
-            base = live.read_text()
-            names = ["served_model_name: tiny-moe", "served_model_name: tiny-moe-b"]
-            rule_on = "head: [vllm_embeddings, reranker]"
-            rule_off = "head: [vllm_embeddings]"
-            lat: dict[str, list[float]] = {"served_model_name": [], "co_tenant_rule": []}
-            d = Daemon(live)
-            current = base
-            try:
-                d.converged_after(0, timeout=180)
-                for i in range(trials):
-                    # a serving change: the name flips back and forth, each save is a new generation
-                    _quiet(d, 0.5)
-                    current = current.replace(names[i % 2], names[(i + 1) % 2])
-                    mark = d.mark()
-                    _save_as_editor(live, current)
-                    t0 = time.monotonic()
-                    t1, doc = d.wait(d.event("step.start"), mark, timeout=30)
-                    lat["served_model_name"].append(t1 - t0)
-                    d.converged_after(mark, timeout=120)
-                    # a co-tenant rule: reranker no longer allowed -> stop-container
-                    _quiet(d, 0.5)
-                    mark = d.mark()
-                    _save_as_editor(live, current.replace(rule_on, rule_off))
-                    t0 = time.monotonic()
-                    t1, doc = d.wait(d.event("step.start"), mark, timeout=30)
-                    lat["co_tenant_rule"].append(t1 - t0)
-                    d.converged_after(mark, timeout=120)
-                    mark = d.mark()
-                    _save_as_editor(live, current)       # allowed again; start it again by hand
-                    d.converged_after(mark, timeout=60)
-                    api.exec_("head", "docker start reranker", check=True)
-                    d.converged_after(mark, timeout=60)
-                    opts.log(f"edit #{i + 1}: name {lat['served_model_name'][-1]:.3f}s, "
-                             f"rule {lat['co_tenant_rule'][-1]:.3f}s")
-            finally:
-                d.stop()
-            # the alternative: edit, then run `reconciler apply --yes` by hand
-            manual = []
-            for i in range(apply_trials):
-                current = current.replace(names[0], names[1]) if names[0] in current else \
-                    current.replace(names[1], names[0])
-                live.write_text(current)
+            d.converged_after(0, timeout=180)
+            for i in range(trials):
+                # a serving change: the name flips back and forth, each save is a new generation
+                _quiet(d, 0.5)
+                current = current.replace(names[i % 2], names[(i + 1) % 2])
+                mark = d.mark()
+                _save_as_editor(live, current)
                 t0 = time.monotonic()
-                p = subprocess.Popen([str(RECONCILER), "apply", str(live), "--yes"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-                first = None
-                for raw in p.stderr:
-                    if first is None and '"step.start"' in raw:
-                        first = time.monotonic() - t0
-                p.wait(180)
-                if first is None:
-                    raise RuntimeError("reconciler apply ran no step")
-                manual.append(first)
-                opts.log(f"edit: manual apply #{i + 1}: first step after {first:.3f}s")
+                t1, doc = d.wait(d.event("step.start"), mark, timeout=30)
+                lat["served_model_name"].append(t1 - t0)
+                d.converged_after(mark, timeout=120)
+                # a co-tenant rule: reranker no longer allowed -> stop-container
+                _quiet(d, 0.5)
+                mark = d.mark()
+                _save_as_editor(live, current.replace(rule_on, rule_off))
+                t0 = time.monotonic()
+                t1, doc = d.wait(d.event("step.start"), mark, timeout=30)
+                lat["co_tenant_rule"].append(t1 - t0)
+                d.converged_after(mark, timeout=120)
+                mark = d.mark()
+                _save_as_editor(live, current)       # allowed again; start it again by hand
+                d.converged_after(mark, timeout=60)
+                api.exec_("head", "docker start reranker", check=True)
+                d.converged_after(mark, timeout=60)
+                opts.log(f"edit #{i + 1}: name {lat['served_model_name'][-1]:.3f}s, "
+                         f"rule {lat['co_tenant_rule'][-1]:.3f}s")
         finally:
-            left = testbed_down()
+            d.stop()
+        # the alternative: edit, then run `reconciler apply --yes` by hand
+        manual = []
+        for i in range(apply_trials):
+            current = current.replace(names[0], names[1]) if names[0] in current else \
+                current.replace(names[1], names[0])
+            live.write_text(current)
+            t0 = time.monotonic()
+            p = subprocess.Popen([str(RECONCILER), "apply", str(live), "--yes"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+            first = None
+            for raw in p.stderr:
+                if first is None and '"step.start"' in raw:
+                    first = time.monotonic() - t0
+            p.wait(180)
+            if first is None:
+                raise RuntimeError("reconciler apply ran no step")
+            manual.append(first)
+            opts.log(f"edit: manual apply #{i + 1}: first step after {first:.3f}s")
+    left = run.leftovers
     data = {"daemon": {k: summary(v) for k, v in lat.items()}, "manual_apply": summary(manual),
             "raw": {**lat, "manual_apply": manual}, "leftovers": left}
     save(opts, "edit", data)
@@ -250,28 +243,25 @@ def _rss(pid: int) -> int:
 
 def run_footprint(opts: Options) -> dict:
     duration = opts.n(300, 20)
-    with testbed_lock():
+    with on_testbed(2, "converged", serving=True) as run:
+        tb = run.tb
+        d = Daemon(tb.desired_state, events=True)     # testbed.yaml: resync 30 s, event streams on
         try:
-            tb = testbed_up(2, "converged")
-            converge(tb.desired_state)
-            d = Daemon(tb.desired_state, events=True)     # testbed.yaml: resync 30 s, event streams on
-            try:
-                d.converged_after(0, timeout=180)
-                _quiet(d, 1.0)
-                pid = d.proc.pid
-                rss, cpu0, t0 = [], _cpu_seconds(pid), time.monotonic()
-                mark = d.mark()
-                while time.monotonic() - t0 < duration:
-                    rss.append(_rss(pid))
-                    time.sleep(min(5.0, max(0.1, duration - (time.monotonic() - t0))))
-                wall = time.monotonic() - t0
-                cpu = _cpu_seconds(pid) - cpu0
+            d.converged_after(0, timeout=180)
+            _quiet(d, 1.0)
+            pid = d.proc.pid
+            rss, cpu0, t0 = [], _cpu_seconds(pid), time.monotonic()
+            mark = d.mark()
+            while time.monotonic() - t0 < duration:
                 rss.append(_rss(pid))
-                reconciles = sum(1 for _, doc in d.lines[mark:] if doc.get("event") == "reconcile.end")
-            finally:
-                d.stop()
+                time.sleep(min(5.0, max(0.1, duration - (time.monotonic() - t0))))
+            wall = time.monotonic() - t0
+            cpu = _cpu_seconds(pid) - cpu0
+            rss.append(_rss(pid))
+            reconciles = sum(1 for _, doc in d.lines[mark:] if doc.get("event") == "reconcile.end")
         finally:
-            left = testbed_down()
+            d.stop()
+    left = run.leftovers
     data = {"seconds": wall, "cpu_seconds": cpu, "cpu_percent": 100 * cpu / wall, "rss_max_mb": max(rss) / 1e6,
             "rss_last_mb": rss[-1] / 1e6, "reconciles_while_idle": reconciles, "leftovers": left}
     save(opts, "footprint", data)

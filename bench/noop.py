@@ -19,7 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common import ROOT, Options, converge, ratio, save, scratch_dir, summary, testbed_lock, testbed_up
+from bench.common import (ROOT, Options, converge, on_testbed, ratio, save, scratch_dir, summary, testbed_down,
+                          testbed_lock, testbed_up)
 
 ANSIBLE_PLAYBOOK = ROOT / ".venv" / "bin" / "ansible-playbook"
 
@@ -205,22 +206,19 @@ def measure_ansible(desired_path: Path, runs: int) -> list[float]:
 
 def run_noop(opts: Options) -> dict:
     cycles, ansible_runs = opts.n(100, 3), opts.n(10, 1)
-    with testbed_lock():
-        try:
-            tb = testbed_up(2, "converged")
-            converge(tb.desired_state)
-            d = tb.desired_state
-            opts.log(f"noop: {cycles} cycles (project)")
-            project = measure_cycles(d, cycles)
-            opts.log("noop: proposed probe (bench/observe_fast.py)")
-            fast = measure_cycles(d, cycles, fast=True)
-            opts.log("noop: floor (local probe via nsenter)")
-            floor = measure_floor(d, cycles)
-            costs = section_costs(d, repeat=opts.n(5, 1))
-            opts.log(f"noop: ansible x{ansible_runs}")
-            ansible = measure_ansible(d, ansible_runs)
-        finally:
-            tb_left = __import__("bench.common", fromlist=["x"]).testbed_down()
+    with on_testbed(2, "converged", serving=True) as run:
+        tb = run.tb
+        d = tb.desired_state
+        opts.log(f"noop: {cycles} cycles (project)")
+        project = measure_cycles(d, cycles)
+        opts.log("noop: proposed probe (bench/observe_fast.py)")
+        fast = measure_cycles(d, cycles, fast=True)
+        opts.log("noop: floor (local probe via nsenter)")
+        floor = measure_floor(d, cycles)
+        costs = section_costs(d, repeat=opts.n(5, 1))
+        opts.log(f"noop: ansible x{ansible_runs}")
+        ansible = measure_ansible(d, ansible_runs)
+    tb_left = run.leftovers
     s_p, s_f, s_a, s_fl = summary(project), summary(fast), summary(ansible), summary(floor)
     data = {"project": s_p, "proposed": s_f, "ansible": s_a, "floor": s_fl, "section_ms_head": costs,
             "ansible_over_project": ratio(s_a["median"], s_p["median"]),
@@ -247,7 +245,7 @@ def run_scaling(opts: Options) -> dict:
                            "proposed": summary(measure_cycles(tb.desired_state, cycles, fast=True)),
                            "up_seconds": up_s, "converge_seconds": conv}
         finally:
-            left = __import__("bench.common", fromlist=["x"]).testbed_down()
+            left = testbed_down()
     base = rows[sizes[0]]["project"]["median"]
     for n in sizes:
         rows[n]["over_2_nodes"] = rows[n]["project"]["median"] / base

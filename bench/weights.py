@@ -17,8 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import (Options, save, scratch_dir, summary, testbed_down, testbed_lock, testbed_up,
-                          write_desired)
+from bench.common import Options, on_testbed, save, scratch_dir, summary, write_desired
 
 MODEL, REV = "bench/sync", "3" * 40
 KH = "/home/spark/.ssh/bench_fabric_known_hosts"
@@ -104,43 +103,41 @@ def run_weights(opts: Options) -> dict:
     total = (2 << 30) if not opts.quick else (96 << 20)
     shards, rounds = (8, opts.n(2, 1))
     results: dict[str, list[float]] = {}
-    with testbed_lock():
-        try:
-            tb = testbed_up(2, "converged", worker_disk="6G" if not opts.quick else None)
-            work = scratch_dir("weights")
-            src = _generate(tb, shards, total)
-            nbytes = sum(p.stat().st_size for p in src.iterdir())
-            _host_key(tb)
-            w = tb.workers[0]
-            dst = _model_dir(w)
-            files = " ".join(sorted(p.name for p in src.glob("*.safetensors")))
-            methods = {
-                "project, 4 streams": lambda: _project_sync(_desired(tb, work, 4)),
-                "project, 1 stream": lambda: _project_sync(_desired(tb, work, 1)),
-                "ssh cat (default cipher)": lambda: _timed_exec(
-                    f"cd {src} && cat {files} | {_ssh(None)} spark@{w.fabric_ip} 'cat > {w.model_root}/bench.cat'"),
-                "ssh cat (aes128-gcm)": lambda: _timed_exec(
-                    f"cd {src} && cat {files} | {_ssh('aes128-gcm@openssh.com')} spark@{w.fabric_ip} "
-                    f"'cat > {w.model_root}/bench.cat'"),
-                "plain rsync -a": lambda: _timed_exec(
-                    f"mkdir -p {dst.parent} && rsync -a -e '{_ssh(None)}' {src}/ "
-                    f"spark@{w.fabric_ip}:{dst}/"),
-            }
-            from testbed import api
-            api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}", user="root",
-                      check=True)
-            for r in range(rounds):
-                for name, fn in methods.items():
-                    _clear_target(tb)
-                    api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}",
-                              user="root", check=True)
-                    took = fn()
-                    results.setdefault(name, []).append(took)
-                    opts.log(f"weights round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s")
-            _clear_target(tb)
-            api.exec_("head", f"rm -rf {_root(tb.head)} {KH}", user="root", check=True)
-        finally:
-            left = testbed_down()
+    with on_testbed(2, "converged", worker_disk="6G" if not opts.quick else None) as run:
+        tb = run.tb
+        work = scratch_dir("weights")
+        src = _generate(tb, shards, total)
+        nbytes = sum(p.stat().st_size for p in src.iterdir())
+        _host_key(tb)
+        w = tb.workers[0]
+        dst = _model_dir(w)
+        files = " ".join(sorted(p.name for p in src.glob("*.safetensors")))
+        methods = {
+            "project, 4 streams": lambda: _project_sync(_desired(tb, work, 4)),
+            "project, 1 stream": lambda: _project_sync(_desired(tb, work, 1)),
+            "ssh cat (default cipher)": lambda: _timed_exec(
+                f"cd {src} && cat {files} | {_ssh(None)} spark@{w.fabric_ip} 'cat > {w.model_root}/bench.cat'"),
+            "ssh cat (aes128-gcm)": lambda: _timed_exec(
+                f"cd {src} && cat {files} | {_ssh('aes128-gcm@openssh.com')} spark@{w.fabric_ip} "
+                f"'cat > {w.model_root}/bench.cat'"),
+            "plain rsync -a": lambda: _timed_exec(
+                f"mkdir -p {dst.parent} && rsync -a -e '{_ssh(None)}' {src}/ "
+                f"spark@{w.fabric_ip}:{dst}/"),
+        }
+        from testbed import api
+        api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}", user="root",
+                  check=True)
+        for r in range(rounds):
+            for name, fn in methods.items():
+                _clear_target(tb)
+                api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}",
+                          user="root", check=True)
+                took = fn()
+                results.setdefault(name, []).append(took)
+                opts.log(f"weights round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s")
+        _clear_target(tb)
+        api.exec_("head", f"rm -rf {_root(tb.head)} {KH}", user="root", check=True)
+    left = run.leftovers
     rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6} for k, v in results.items()}
     proj = rows["project, 4 streams"]["mb_per_s"]
     data = {"bytes": nbytes, "shards": shards, "rows": rows,
@@ -183,29 +180,27 @@ def run_verify(opts: Options) -> dict:
     total = (2 << 30) if not opts.quick else (48 << 20)
     repeat = opts.n(20, 2)
     rows = {}
-    with testbed_lock():
-        try:
-            tb = testbed_up(2, "converged", worker_disk="6G" if not opts.quick else None)
-            work = scratch_dir("verify")
-            w = tb.workers[0]
-            desired = _desired(tb, work, 4)
-            for shards in (1, 10, 48):
-                src = _generate(tb, shards, total)
-                api.exec_(w.name, f"rm -rf {_root(w)} && mkdir -p {_root(w)}/plain && cp -a {src} {_root(w)}/plain/ "
-                          f"&& chown -R spark:spark {_root(w)} && sync", user="root", check=True, timeout=600)
-                full, section = _noop_check(desired, repeat)
-                t = time.monotonic()
-                api.exec_(w.name, f"cd {_model_dir(w)} && sha256sum *.safetensors > /dev/null", check=True, timeout=600)
-                sha = time.monotonic() - t
-                nbytes = sum(p.stat().st_size for p in src.iterdir())
-                rows[shards] = {"bytes": nbytes, "noop_check": summary(full), "manifest_worker": summary(section),
-                                "sha256_seconds": sha}
-                opts.log(f"verify {shards} shards: no-op check {summary(full)['median'] * 1000:.0f} ms, "
-                         f"sha256sum {sha:.1f} s")
-            api.exec_(w.name, f"rm -rf {_root(w)}", user="root", check=True)
-            api.exec_("head", f"rm -rf {_root(tb.head)}", user="root", check=True)
-        finally:
-            left = testbed_down()
+    with on_testbed(2, "converged", worker_disk="6G" if not opts.quick else None) as run:
+        tb = run.tb
+        work = scratch_dir("verify")
+        w = tb.workers[0]
+        desired = _desired(tb, work, 4)
+        for shards in (1, 10, 48):
+            src = _generate(tb, shards, total)
+            api.exec_(w.name, f"rm -rf {_root(w)} && mkdir -p {_root(w)}/plain && cp -a {src} {_root(w)}/plain/ "
+                      f"&& chown -R spark:spark {_root(w)} && sync", user="root", check=True, timeout=600)
+            full, section = _noop_check(desired, repeat)
+            t = time.monotonic()
+            api.exec_(w.name, f"cd {_model_dir(w)} && sha256sum *.safetensors > /dev/null", check=True, timeout=600)
+            sha = time.monotonic() - t
+            nbytes = sum(p.stat().st_size for p in src.iterdir())
+            rows[shards] = {"bytes": nbytes, "noop_check": summary(full), "manifest_worker": summary(section),
+                            "sha256_seconds": sha}
+            opts.log(f"verify {shards} shards: no-op check {summary(full)['median'] * 1000:.0f} ms, "
+                     f"sha256sum {sha:.1f} s")
+        api.exec_(w.name, f"rm -rf {_root(w)}", user="root", check=True)
+        api.exec_("head", f"rm -rf {_root(tb.head)}", user="root", check=True)
+    left = run.leftovers
     data = {"rows": rows, "leftovers": left}
     save(opts, "verify", data)
     return data
