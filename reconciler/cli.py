@@ -209,7 +209,7 @@ def status(url: str, as_json: bool) -> None:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         click.echo(f"cannot reach the daemon at {url}: {exc}", err=True)
         sys.exit(1)
-    click.echo(json.dumps(doc, indent=2) if as_json else status_text(doc), nl=not as_json or True)
+    click.echo(json.dumps(doc, indent=2) if as_json else status_text(doc))
     sys.exit(0 if doc.get("phase") == "Converged" else 1)
 
 
