@@ -28,7 +28,8 @@ from reconciler.plan import Step
 from reconciler.remote import CommandFailed, quote
 from reconciler.steps import StepContext, StepFailed
 
-FABRIC_KNOWN_HOSTS = "~/.ssh/spark-reconciler_fabric_known_hosts"
+# One file per target: syncs to several workers run in parallel and must not overwrite each other's key.
+FABRIC_KNOWN_HOSTS = "~/.ssh/spark-reconciler_fabric_known_hosts_{node}"
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
@@ -65,7 +66,7 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
                 files_from: str | None) -> list[str]:
     t = ctx.desired.node(target)
     ssh = (f"ssh -p {t.ssh.port} -o BatchMode=yes -o StrictHostKeyChecking=yes "
-           f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS} -o Compression=no -c aes128-gcm@openssh.com")
+           f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)} -o Compression=no -c aes128-gcm@openssh.com")
     argv = ["rsync", "-a", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}", "--info=progress2",
             "--no-inc-recursive", "-e", ssh]
     limit = ctx.desired.policy.weights.bandwidth_limit
@@ -101,8 +102,8 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     todo = [(f.path, f.size or 0) for f in expected.files if f.link_target is None and have.get(f.path) != f.size]
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
-    ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/'
-                              'spark-reconciler_fabric_known_hosts"'],
+    ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/$0"',
+                              FABRIC_KNOWN_HOSTS.format(node=target).removeprefix("~/.ssh/")],
                              stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
     streams = ctx.desired.policy.weights.parallel_streams
     groups = _groups([(p, s) for p, s in todo if s > 0], streams) if streams > 1 and len(todo) > 1 else []
