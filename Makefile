@@ -3,13 +3,15 @@ VENV   ?= .venv
 PYTEST ?= $(VENV)/bin/pytest
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: help deps venv test unit e2e demo demo-down bench soak docs clean
+.PHONY: help deps venv lint test unit e2e demo demo-down bench soak docs clean
 
 help:
 	@echo "make test       install everything (system packages, venv) and run the whole suite, unit and e2e"
 	@echo "make demo       bring up the simulated two-Spark testbed and show the reconciler converge it"
 	@echo "make demo-down  tear the testbed down"
-	@echo "make unit       only the pure-core and loader tests (no root needed)"
+	@echo "make lint       ruff, mypy and the import-linter layer contracts (make test runs it first)"
+	@echo "make unit       the unit tests, no testbed (installs the same system tools as make test: root)"
+	@echo "make e2e        the end-to-end tests on the testbed (root)"
 	@echo "make bench      run the benchmarks and write docs/benchmarks.md"
 	@echo "make soak       the long randomized fault runs (docs/reliability.md)"
 	@echo "make docs       regenerate docs/desired-state.md from the models"
@@ -19,15 +21,22 @@ deps:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt constraints-dev.txt
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c constraints.txt -e '.[test,bench]'
+	$(VENV)/bin/pip install -q -c constraints-dev.txt -e '.[test,lint,bench]'
 	touch $@
 
-test: deps venv
+# Zero findings or it fails: style and bug patterns (ruff), types (mypy), the architecture's layers (import-linter).
+lint: venv
+	$(VENV)/bin/ruff check reconciler testbed bench tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: deps venv lint
 	$(PYTEST) tests -q
 
-unit: venv
+# The unit tests need no testbed, but some run real system tools (promtool, systemd-analyze) that `deps` installs.
+unit: deps venv
 	$(PYTEST) tests/unit -q
 
 e2e: deps venv

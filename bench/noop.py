@@ -8,7 +8,6 @@ nothing to do (the plan must be empty; the benchmark fails otherwise). Measured 
       OpenSSH ControlPersist and pipelining on (the fast Ansible set-up).
   (b) the floor: the same probe script (reconciler.observe.probe_script) run locally on each node at once via
       `testbed exec` (nsenter; no SSH), wall time until both are done.
-Also measured: bench/observe_fast.py (the proposed probe) over the same sessions, as the "after" column.
 """
 from __future__ import annotations
 
@@ -19,23 +18,30 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common import (ROOT, Options, converge, on_testbed, ratio, save, scratch_dir, summary, testbed_down,
-                          testbed_lock, testbed_up)
+from bench.common import (
+    ROOT,
+    Options,
+    converge,
+    on_testbed,
+    ratio,
+    save,
+    scratch_dir,
+    summary,
+    testbed_down,
+    testbed_lock,
+    testbed_up,
+)
 
 ANSIBLE_PLAYBOOK = ROOT / ".venv" / "bin" / "ansible-playbook"
 
 
-def _cycle_fn(desired, sessions, fast: bool = False):
+def _cycle_fn(desired, sessions):
     from reconciler import observe as obs
     from reconciler.plan import plan as make_plan
-    from bench import observe_fast
 
     def cycle() -> float:
         t = time.perf_counter()
-        if fast:
-            observed, _ = observe_fast.observe(desired, sessions, timeout=20)
-        else:
-            observed, _ = obs.observe(desired, sessions, timeout=20)
+        observed, _ = obs.observe(desired, sessions, timeout=20)
         p = make_plan(desired, observed)
         took = time.perf_counter() - t
         if p.steps or any(not n.reachable for n in observed.nodes.values()):
@@ -45,13 +51,13 @@ def _cycle_fn(desired, sessions, fast: bool = False):
     return cycle
 
 
-def measure_cycles(desired_path: Path, cycles: int, fast: bool = False) -> list[float]:
+def measure_cycles(desired_path: Path, cycles: int) -> list[float]:
     from reconciler import spec
     from reconciler.remote import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
     try:
-        cycle = _cycle_fn(desired, sessions, fast)
+        cycle = _cycle_fn(desired, sessions)
         for _ in range(3):
             cycle()  # warm-up: connects the sessions
         return [cycle() for _ in range(cycles)]
@@ -188,7 +194,7 @@ def measure_ansible(desired_path: Path, runs: int) -> list[float]:
         for i in range(runs + 1):
             t = time.perf_counter()
             p = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(where / "inventory.ini"), str(where / "playbook.yml")],
-                               capture_output=True, text=True, env=env, timeout=120, cwd=where)
+                               capture_output=True, text=True, env=env, timeout=120, cwd=where, check=False)
             took = time.perf_counter() - t
             if p.returncode != 0:
                 raise RuntimeError(f"ansible-playbook failed: {p.stdout[-1500:]} {p.stderr[-800:]}")
@@ -197,7 +203,7 @@ def measure_ansible(desired_path: Path, runs: int) -> list[float]:
     finally:
         for sock in (where / "cp").glob("*"):
             subprocess.run(["ssh", "-F", str(where / "ssh_config"), "-o", f"ControlPath={sock}", "-O", "exit",
-                            "x"], capture_output=True, timeout=10)
+                            "x"], capture_output=True, timeout=10, check=False)
         subprocess.run(["rm", "-rf", str(where)], check=False)
     return out
 
@@ -211,20 +217,16 @@ def run_noop(opts: Options) -> dict:
         d = tb.desired_state
         opts.log(f"noop: {cycles} cycles (project)")
         project = measure_cycles(d, cycles)
-        opts.log("noop: proposed probe (bench/observe_fast.py)")
-        fast = measure_cycles(d, cycles, fast=True)
         opts.log("noop: floor (local probe via nsenter)")
         floor = measure_floor(d, cycles)
         costs = section_costs(d, repeat=opts.n(5, 1))
         opts.log(f"noop: ansible x{ansible_runs}")
         ansible = measure_ansible(d, ansible_runs)
     tb_left = run.leftovers
-    s_p, s_f, s_a, s_fl = summary(project), summary(fast), summary(ansible), summary(floor)
-    data = {"project": s_p, "proposed": s_f, "ansible": s_a, "floor": s_fl, "section_ms_head": costs,
+    s_p, s_a, s_fl = summary(project), summary(ansible), summary(floor)
+    data = {"project": s_p, "ansible": s_a, "floor": s_fl, "section_ms_head": costs,
             "ansible_over_project": ratio(s_a["median"], s_p["median"]),
-            "ansible_over_proposed": ratio(s_a["median"], s_f["median"]),
-            "project_over_floor": ratio(s_p["median"], s_fl["median"]),
-            "proposed_over_floor": ratio(s_f["median"], s_fl["median"]), "leftovers": tb_left}
+            "project_over_floor": ratio(s_p["median"], s_fl["median"]), "leftovers": tb_left}
     save(opts, "noop", data)
     return data
 
@@ -242,7 +244,6 @@ def run_scaling(opts: Options) -> dict:
                 conv = converge(tb.desired_state, timeout=600)
                 opts.log(f"scaling: {n} nodes up in {up_s:.0f}s, converged in {conv:.0f}s; {cycles} cycles")
                 rows[n] = {"project": summary(measure_cycles(tb.desired_state, cycles)),
-                           "proposed": summary(measure_cycles(tb.desired_state, cycles, fast=True)),
                            "up_seconds": up_s, "converge_seconds": conv}
         finally:
             left = testbed_down()

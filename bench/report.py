@@ -39,33 +39,30 @@ def rows(r: dict[str, dict]) -> list[list[str]]:
     out = []
     if "noop" in r:
         d = r["noop"]
-        a, p, f, fl = d["ansible"], d["project"], d["proposed"], d["floor"]
-        out.append(["1 no-op cycle, 2 nodes (p50 / p95)", mp(p), mp(f),
-                    f"Ansible {mp(a)}; floor {mp(fl)}",
-                    f"Ansible/project {a['median'] / p['median']:.0f}x -> {a['median'] / f['median']:.0f}x; "
-                    f"project/floor {p['median'] / fl['median']:.2f} -> {f['median'] / fl['median']:.2f}",
+        a, p, fl = d["ansible"], d["project"], d["floor"]
+        out.append(["1 no-op cycle, 2 nodes (p50 / p95)", mp(p), f"Ansible {mp(a)}; floor {mp(fl)}",
+                    f"Ansible/project {a['median'] / p['median']:.0f}x; "
+                    f"project/floor {p['median'] / fl['median']:.2f}",
                     ">= 50x Ansible; <= 2x floor",
-                    f"{ok(a['median'] / p['median'] >= 50)} -> {ok(a['median'] / f['median'] >= 50)}; "
-                    f"{ok(p['median'] / fl['median'] <= 2)}"])
+                    f"{ok(a['median'] / p['median'] >= 50)}; {ok(p['median'] / fl['median'] <= 2)}"])
     if "drift" in r:
         d = r["drift"]
         for k, label in (("kill-serving", "killed serving container"), ("link-down", "downed fabric link")):
             e, s = d["events"][k], d["resync_5s"][k]
-            out.append([f"2 drift detection, {label} (p50 / p95)", mp(e), "", f"resync-only (5 s) {mp(s)}",
+            out.append([f"2 drift detection, {label} (p50 / p95)", mp(e), f"resync-only (5 s) {mp(s)}",
                         f"{s['median'] / e['median']:.1f}x faster", "< 1 s", ok(e["p95"] < 1)])
     if "edit" in r:
         d = r["edit"]
         for k, label in (("served_model_name", "served_model_name"), ("co_tenant_rule", "co-tenant rule")):
             e, m = d["daemon"][k], d["manual_apply"]
-            out.append([f"3 edit -> first step, {label} (p50 / p95)", mp(e), "",
-                        f"manual `reconciler apply` {mp(m)}", f"{m['median'] / e['median']:.1f}x faster", "< 0.5 s",
-                        ok(e["p95"] < 0.5)])
+            out.append([f"3 edit -> first step, {label} (p50 / p95)", mp(e), f"manual `reconciler apply` {mp(m)}",
+                        f"{m['median'] / e['median']:.1f}x faster", "< 0.5 s", ok(e["p95"] < 0.5)])
     if "weights" in r:
         d = r["weights"]
         rw = d["rows"]
         out.append([f"4 weight sync, {d['bytes'] / 1e9:.1f} GB in {d['shards']} shards (median)",
                     f"{rw['project, 4 streams']['mb_per_s']:.0f} MB/s (4 streams); "
-                    f"{rw['project, 1 stream']['mb_per_s']:.0f} MB/s (1)", "",
+                    f"{rw['project, 1 stream']['mb_per_s']:.0f} MB/s (1)",
                     f"ssh cat {rw['ssh cat (default cipher)']['mb_per_s']:.0f} MB/s "
                     f"(aes128-gcm {rw['ssh cat (aes128-gcm)']['mb_per_s']:.0f}); plain rsync "
                     f"{rw['plain rsync -a']['mb_per_s']:.0f} MB/s",
@@ -77,28 +74,26 @@ def rows(r: dict[str, dict]) -> list[list[str]]:
         keys = sorted(d, key=int)
         big = d[keys[-1]]
         out.append([f"5 no-op weights check, {', '.join(keys)} shards, {big['bytes'] / 1e9:.1f} GB (p50)",
-                    " / ".join(ms(d[k]["noop_check"]["median"]) for k in keys), "",
+                    " / ".join(ms(d[k]["noop_check"]["median"]) for k in keys),
                     "sha256sum on the worker " + " / ".join(f"{d[k]['sha256_seconds']:.1f} s" for k in keys),
                     f"{big['sha256_seconds'] / big['noop_check']['median']:.0f}x at {keys[-1]} shards",
                     "flat; < 1 s at 48", ok(big["noop_check"]["p95"] < 1)])
     if "footprint" in r:
         d = r["footprint"]
         out.append([f"6 idle footprint over {d['seconds']:.0f} s (events on, resync 30 s)",
-                    f"RSS {d['rss_max_mb']:.0f} MB; CPU {d['cpu_percent']:.2f}% of a core", "", "", "",
+                    f"RSS {d['rss_max_mb']:.0f} MB; CPU {d['cpu_percent']:.2f}% of a core", "", "",
                     "RSS < 100 MB; CPU < 1%", f"{ok(d['rss_max_mb'] < 100)}; {ok(d['cpu_percent'] < 1)}"])
     if "scaling" in r:
         d = r["scaling"]["rows"]
         keys = sorted(d, key=int)
         out.append([f"7 no-op cycle, {' / '.join(keys)} nodes (p50)",
-                    " / ".join(ms(d[k]["project"]["median"]) for k in keys),
-                    " / ".join(ms(d[k]["proposed"]["median"]) for k in keys), "",
+                    " / ".join(ms(d[k]["project"]["median"]) for k in keys), "",
                     f"{keys[-1]} vs 2 nodes: {d[keys[-1]]['over_2_nodes']:.2f}x", "near flat",
                     ok(d[keys[-1]]["over_2_nodes"] < 1.5)])
     return out
 
 
-HEADER = ["benchmark", "project (before)", "after (proposed fix, bench/observe_fast.py)", "alternative", "ratio",
-          "target", "met (before -> after)"]
+HEADER = ["benchmark", "project", "alternative", "ratio", "target", "met"]
 
 
 def table(results: Path) -> str:
@@ -123,7 +118,7 @@ def _details(r: dict[str, dict]) -> str:
     if "scaling" in r:
         d = r["scaling"]["rows"]
         out.append("Scaling (p50 / p95): " + "; ".join(
-            f"{k} nodes: {mp(v['project'])} (proposed {mp(v['proposed'])}), testbed up {v['up_seconds']:.0f} s, "
+            f"{k} nodes: {mp(v['project'])}, testbed up {v['up_seconds']:.0f} s, "
             f"first converge {v['converge_seconds']:.0f} s" for k, v in sorted(d.items(), key=lambda kv: int(kv[0])))
             + ".")
     if "footprint" in r:
@@ -158,11 +153,10 @@ with real Sparks (see the end).
 
 ## Results
 
-"project" is the product as it is in `reconciler/`; the second column is `bench/observe_fast.py`, the scratch
-probe with which the fix was measured first, in the same run over the same sessions. The fix (docker through its
-API socket instead of two or three docker CLI start-ups per cycle) is now in `reconciler/observe.py`: the first
-full run, before it, measured the no-op cycle at 85 / 94 ms (38x Ansible, target missed) and 83 / 137 / 257 ms at
-2 / 4 / 8 nodes; the table below is after it.
+"project" is the product as it is in `reconciler/`. Its probe asks docker through the API socket instead of
+starting the docker CLI two or three times per cycle (`reconciler/observe.py`, see the profile below); the first
+full run, before that change, measured the no-op cycle at 85 / 94 ms (38x Ansible, target missed) and
+83 / 137 / 257 ms at 2 / 4 / 8 nodes. The table below is the product with the change.
 
 {table}
 {details}
@@ -210,36 +204,36 @@ full run, before it, measured the no-op cycle at 85 / 94 ms (38x Ansible, target
 7. **Scaling**: the no-op cycle of benchmark 1 with 2, 4 and 8 nodes (`testbed up --nodes N --scenario converged` then
    `reconciler apply`), 30 cycles each.
 
-## Profile of the no-op cycle, and the fixes proposed (not applied: reconciler/ belongs to others)
+## Profile of the no-op cycle, and the fixes
 
-py-spy (8 s, 214 samples) on the benchmark process during the no-op cycles: most samples wait in `Session.run_command`
-(`select` on the channel, reconciler/remote.py) and paramiko's packetizer, i.e. for the remote script; parsing,
-pydantic, drift and plan together are a few percent. An empty script over both open sessions costs ~15 ms (head
-8 ms, worker through the jump host 5 ms, in parallel). So the cycle is the script, and the script is its
-process start-ups: the per-section costs above show the docker CLI sections (containers: `docker ps -aq` +
-`docker inspect`; image: `docker image inspect`) are the largest, then the two curls of /health and /v1/models.
+py-spy (8 s, 214 samples) on the benchmark process during the no-op cycles of the first full run: most samples
+wait in `Session.run_command` (`select` on the channel, reconciler/remote.py) and paramiko's packetizer, i.e. for
+the remote script; parsing, pydantic, drift and plan together are a few percent. An empty script over both open
+sessions costs ~15 ms (head 8 ms, worker through the jump host 5 ms, in parallel). So the cycle is the script,
+and the script is its process start-ups: in that run the docker CLI sections (containers: `docker ps -aq` +
+`docker inspect`; image: `docker image inspect`) were the largest, then the two curls of /health and
+/v1/models. The per-section costs above are the current probe's.
 
-1. **reconciler/observe.py, `probe_script` + `parse_containers` + `parse_probe`** (the "after" column): ask
-   the Docker Engine API on its unix socket instead of starting the Go CLI three times:
-   `sock=${{DOCKER_HOST#unix://}}` (default `/var/run/docker.sock`), containers =
+1. **Applied**, in reconciler/observe.py (`probe_script` + `parse_containers` + `parse_probe`): the probe asks
+   the Docker Engine API on its unix socket instead of starting the Go CLI three times: the socket is
+   `${{DOCKER_HOST#unix://}}` (default `/var/run/docker.sock`), containers =
    `curl -sf --unix-socket "$sock" http://docker/containers/json?all=1` (one request; it carries every field
-   drift.py uses: `Names`, `Id`, `Image`, `ImageID`, `State`, `Labels`; `started_at`/`restart_count` are not
-   used by drift), image = `curl -sf --unix-socket "$sock" http://docker/images/REF/json` (`Id`); keep the
-   current CLI commands as the fallback when the socket request fails (TCP DOCKER_HOST, no curl). Parse the
-   API JSON in `parse_containers` (prefix the body with a marker such as `API ` to tell the two apart). The
-   scratch copy is `bench/observe_fast.py`; it produces the same Observed (empty plan on the converged
-   cluster, asserted every cycle).
-2. Further, not measured separately: fetch /health and /v1/models with ONE curl process (two URLs and a
-   `-w` format that prints the status code after each), and drop the `rdma` section when `rdma_device` is
-   unset.
+   drift.py uses: `Names`, `Id`, `Image`, `ImageID`, `State`, `Labels`), image =
+   `curl -sf --unix-socket "$sock" http://docker/images/REF/json` (`Id`); the CLI commands stay as the
+   fallback when the socket request fails (TCP DOCKER_HOST, no curl), and the API bodies carry an `API `
+   prefix so the parser tells the two apart. It produces the same Observed: the benchmark asserts an empty
+   plan on the converged cluster every cycle.
+2. Proposed, not applied (reconciler/ belongs to others) and not measured: fetch /health and /v1/models with
+   ONE curl process (two URLs and a `-w` format that prints the status code after each), and drop the `rdma`
+   section when `rdma_device` is unset.
 3. Measured and **not** proposed: running the sections concurrently inside the script (`&` + `wait`, outputs
    into a temp dir): on 2 cores it was slower (73 vs 68 ms in a 20-cycle trial); on a 20-core Spark it may win.
 
 ## Targets missed, and why
 
-- **1, Ansible ratio** (before): the product's cycle is ~38x faster than the tuned Ansible run, below 50x; the
-  probe fix above (docker API instead of three docker CLI start-ups) brings it to ~66x, and under the floor of
-  the current script. Within 2x of the floor: met both before and after.
+- **1, Ansible ratio**: missed by the first full run (~38x the tuned Ansible run, below 50x: the docker CLI
+  start-ups in the probe); the table measures the product with the docker API probe (fix 1 above). Within 2x of
+  the floor: met in both.
 - **4, >= 2x plain rsync**: not reachable on this machine by any rsync-over-ssh design: the raw encrypted pipe
   itself (`ssh -c aes128-gcm 'cat > f'`) is only ~1.7x plain rsync here, and both ends of every stream share
   the same 2 vCPUs, so 4 streams gain little (1.06x) and vary with whatever else runs. The product is at ~0.9x
@@ -248,12 +242,12 @@ process start-ups: the per-section costs above show the docker CLI sections (con
   issue's earlier measurement: `rsync --whole-file` with aes128-gcm ~ the ssh pipe) but keep the delta
   algorithm when `.rsync-partial/` already holds data (the resume path), and in `sync_weights` cap the
   streams at the source's cores / 2 (`nproc` in the probe), so a small box does not run 16 processes on 2
-  cores. Not measured here (time), so no "after" number.
+  cores. Not measured here (time), so no figure with it.
 - **7, scaling**: the observation is parallel (one thread and one SSH channel per node), but on this VM all the
-  nodes' probe scripts run on the same 2 cores, so their CPU adds up: 8 nodes cost ~3x 2 nodes, and the probe
-  fix halves every row. On real Sparks each script runs on its own machine; what stays on the head is one
-  paramiko transport per node (workers tunnelled through the head's session) and the parsing, ~15 ms for 2
-  nodes here.
+  nodes' probe scripts run on the same 2 cores, so their CPU adds up: 8 nodes cost ~3x 2 nodes. The docker API
+  probe roughly halved every row against the first full run (83 / 137 / 257 ms) but not the slope. On real
+  Sparks each script runs on its own machine; what stays on the head is one paramiko transport per node
+  (workers tunnelled through the head's session) and the parsing, ~15 ms for 2 nodes here.
 
 ## What changes on real Sparks
 
@@ -266,7 +260,7 @@ process start-ups: the per-section costs above show the docker CLI sections (con
   (elizabetht). So on Sparks a single ssh+rsync stream is limited by one core's cipher throughput (~0.4-0.45
   GB/s), far below the link; parallel streams are what use it (the 4-stream gain should be larger there than
   here, where all streams share 2 vCPUs). At ~0.45 GB/s a ~120 GB model takes ~4.5 min per stream.
-- **The probe.** A Spark has 20 Arm cores: the docker CLI start-ups and the script's processes cost less wall
+- **The probe.** A Spark has 20 Arm cores: the script's process start-ups (curl, ip, find) cost less wall
   time, and two nodes never compete for the same CPU, so the no-op cycle should be below the figures here; the
   SSH round trip over the 10 GbE management link is sub-millisecond, negligible either way.
 - **No-op weights check** does not read the shards (sizes, mtimes and link targets only), so it stays flat

@@ -43,7 +43,8 @@ def _generate(tb, shards: int, total: int) -> Path:
 
 def _desired(tb, work: Path, streams: int) -> Path:
     repl = {"id: testorg/tiny-moe": f"id: {MODEL}", "layout: hf-cache": "layout: plain",
-            f'revision: "{"1" * 40}"': f'revision: "{REV}"', "policy:\n": f"policy:\n  weights: {{parallel_streams: {streams}}}\n"}
+            f'revision: "{"1" * 40}"': f'revision: "{REV}"',
+            "policy:\n": f"policy:\n  weights: {{parallel_streams: {streams}}}\n"}
     for n in tb.nodes:
         repl[f"{n.name}: {n.model_root}/hub"] = f"{n.name}: {_model_dir(n)}"
     return write_desired(tb.desired_state, work / f"weights-{streams}.yaml", repl)

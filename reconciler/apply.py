@@ -11,7 +11,14 @@ import threading
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from reconciler.execute import execute
 from reconciler.observe import observe
@@ -28,7 +35,7 @@ class _ProgressView:
     def __init__(self, console: Console):
         self.console = console
         self.bars: Progress | None = None
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
         self.lock = threading.Lock()
 
     def __call__(self, event: str, fields: dict) -> None:

@@ -96,7 +96,8 @@ def _observe(desired: spec.Desired) -> Observed:
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
-@click.option("--node", "only", default=None, help="Verify this node only (default: every serving node but the source).")
+@click.option("--node", "only", default=None,
+              help="Verify this node only (default: every serving node but the source).")
 @click.option("--repair", is_flag=True, help="Remove differing files so the next reconcile re-syncs exactly them.")
 @click.option("--json", "as_json", is_flag=True)
 def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:

@@ -8,15 +8,11 @@ tell the same story.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from reconciler.drift import Drift
 from reconciler.observed import Observed
 from reconciler.plan import Plan
-
-NODE_CONDITIONS = ("Reachable", "DockerReachable", "FabricLinkUp", "WeightsInSync", "ImageInSync",
-                   "ServingRunning", "StepsHeld")
-CLUSTER_CONDITIONS = ("Ready", "DesiredStateValid", "Progressing")
 
 
 @dataclass
@@ -35,7 +31,7 @@ class Snapshot:
 
 
 def _iso(now: float) -> str:
-    return datetime.fromtimestamp(now, tz=timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(now, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _cond(node: str, type_: str, ok: bool | None, reason: str, message: str = "") -> dict:

@@ -11,11 +11,13 @@ schedules; what to do comes from the pure core and how from the edge.
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import hashlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +33,12 @@ from reconciler.remote import Sessions
 from reconciler.server import serve
 from reconciler.steps import StepContext
 from reconciler.triggers import Requests, stream_events, watch_file
+
+# From SIGTERM to the process's end, whatever a thread is stuck in (docs/reliability.md). systemd's TimeoutStopSec
+# (systemd/spark-reconciler.service) is well above it, so a stop never ends in SIGKILL.
+SHUTDOWN_DEADLINE = 10.0
+# What the orderly part of the shutdown (streams, listener, sessions) may take once the loop is out.
+CLOSE_DEADLINE = 3.0
 
 
 class AlreadyRunning(Exception):
@@ -65,6 +73,7 @@ class Controller:
         self.requests = Requests()
         self.stop = threading.Event()
         self.cancel = threading.Event()
+        self.stopped = threading.Event()
         self.log = log.get().bind(file=str(self.path))
         self.desired: spec.Desired | None = None
         self.content_hash: str | None = None
@@ -159,6 +168,8 @@ class Controller:
         assert self.sessions is not None and self.holds is not None
         logger = self.log.bind(generation=self.generation, reconcile=self.reconciles)
         observed = self._observe(desired)
+        if self.cancel.is_set():
+            return  # shutting down: what a cancelled probe saw is not news worth publishing
         if not self.ready_sent:
             self.ready_sent = True
             systemd.ready(f"observed {len(observed.nodes)} nodes")
@@ -168,29 +179,14 @@ class Controller:
         if current.steps and current.mode == "enforce":
             logger.info("reconcile.plan", reasons=sorted(reasons), steps=[s.id for s in current.steps],
                         drift=len(current.drift))
-            ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
-                              generation=self.generation, progress=self._progress, cancel=self.cancel)
-            self.busy_until = time.monotonic() + max(
-                [desired.policy.timeouts.weights_sync, desired.serving.health_timeout])
-            waiting = vetoes(current, self.holds, time.time())
-            outcome = execute(current, ctx, on_event=self._on_step, skip=lambda s: waiting.get(s.id))
-            self.busy_until = 0.0
-            for r in outcome.results:
-                if r.result == "success":
-                    self.holds.succeeded(r.step.id)
-                    ran += 1
-                elif r.result in ("failed", "blocked"):
-                    self.holds.failed(r.step.id, r.message, time.time())
-                    failures.append(f"{r.step.id}: {r.message}")
+            ran, failures = self._execute(desired, observed, current)
+            if self.cancel.is_set():
+                return
             observed = self._observe(desired)  # verify: the next decision starts from what is really there
             current = make_plan(desired, observed)
             if ran and current.steps and not self.cancel.is_set():
                 self.requests.request("progress")  # the world moved; look again right away
-        held = self.holds.held()
-        for kind_node in {(s.split("/")[0], s.split("/")[1]) for s in self.holds.records}:
-            metrics.step_hold.labels(kind=kind_node[0], node=kind_node[1]).set(0)
-        for sid in held:
-            metrics.step_hold.labels(kind=sid.split("/")[0], node=sid.split("/")[1]).set(1)
+        held = self._publish_holds()
         if not current.changes:
             self.observed_generation = self.generation
             metrics.last_converged.set(time.time())
@@ -203,8 +199,41 @@ class Controller:
                     seconds=round(time.monotonic() - start, 3), drift=sum(
                         1 for d in current.drift if d.actionable or d.blocking))
 
+    def _execute(self, desired: spec.Desired, observed, current: Plan) -> tuple[int, list[str]]:
+        """Run the plan's steps (those not held or backing off); record each outcome in the holds. Returns the
+        number of steps that succeeded and the failures, one line each."""
+        assert self.sessions is not None and self.holds is not None
+        ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
+                          generation=self.generation, progress=self._progress, cancel=self.cancel)
+        self.busy_until = time.monotonic() + max(
+            [desired.policy.timeouts.weights_sync, desired.serving.health_timeout])
+        waiting = vetoes(current, self.holds, time.time())
+        outcome = execute(current, ctx, on_event=self._on_step, skip=lambda s: waiting.get(s.id))
+        self.busy_until = 0.0
+        ran, failures = 0, []
+        for r in outcome.results:
+            if r.result == "success":
+                self.holds.succeeded(r.step.id)
+                ran += 1
+            elif r.result in ("failed", "blocked"):
+                self.holds.failed(r.step.id, r.message, time.time())
+                failures.append(f"{r.step.id}: {r.message}")
+        return ran, failures
+
+    def _publish_holds(self) -> dict[str, str]:
+        """The held steps, also as the step_hold gauge (1 held, 0 for every step that has a record)."""
+        assert self.holds is not None
+        held = self.holds.held()
+        for kind_node in {(s.split("/")[0], s.split("/")[1]) for s in self.holds.records}:
+            metrics.step_hold.labels(kind=kind_node[0], node=kind_node[1]).set(0)
+        for sid in held:
+            metrics.step_hold.labels(kind=sid.split("/")[0], node=sid.split("/")[1]).set(1)
+        return held
+
     def _observe(self, desired: spec.Desired):
-        observed, durations = observe(desired, self.sessions, timeout=desired.policy.timeouts.command)
+        assert self.sessions is not None, "a valid desired state opens the sessions"
+        observed, durations = observe(desired, self.sessions, timeout=desired.policy.timeouts.command,
+                                      cancel=self.cancel)
         for name, seconds in durations.items():
             metrics.observe_duration.labels(node=name).observe(seconds)
         for name, obs in observed.nodes.items():
@@ -278,14 +307,16 @@ class Controller:
     # -- the loop ---------------------------------------------------------------------------------------------
 
     def install_signals(self) -> None:
+        """A handler runs on the main thread between two bytecodes, possibly while that very thread holds a lock:
+        the log writer's (structlog's PrintLogger), a metric's. Taking such a lock again deadlocks the process for
+        good (the cause of a SIGTERM that never ended the daemon). So the handlers only set events and wake the
+        loop (Requests' lock is re-entrant); the loop logs and counts."""
         def term(_sig, _frame) -> None:
-            self.log.info("daemon.stopping", reason="SIGTERM")
             self.stop.set()
             self.cancel.set()
             self.requests.request("signal")
 
         def hup(_sig, _frame) -> None:
-            metrics.events.labels(node="", source="signal").inc()
             self.requests.request("sighup")
 
         signal.signal(signal.SIGTERM, term)
@@ -302,7 +333,20 @@ class Controller:
             if fresh or time.monotonic() < self.busy_until:
                 systemd.watchdog()
 
-    def _shutdown(self, server, deadline: float = 10.0) -> None:
+    def _exit_by_deadline(self) -> None:
+        """Once asked to stop, end the process within SHUTDOWN_DEADLINE even if a thread is stuck (an SSH channel
+        that never answers, a lock never released): idempotent steps make any stop point safe, and systemd must
+        not have to SIGKILL. Writes straight to fd 2, taking no Python lock that a stuck thread may hold, and
+        dumps every thread's stack first, so the log says where it was stuck."""
+        self.stop.wait()
+        if self.stopped.wait(SHUTDOWN_DEADLINE):
+            return
+        os.write(2, f"daemon.shutdown_forced: not stopped {SHUTDOWN_DEADLINE:g}s after SIGTERM; "
+                    "thread stacks follow\n".encode())
+        faulthandler.dump_traceback(file=sys.stderr.fileno(), all_threads=True)
+        os._exit(0)
+
+    def _shutdown(self, server, deadline: float = CLOSE_DEADLINE) -> None:
         """Close streams, the listener and the sessions, but never let a half-dead SSH transport hold the exit
         past the deadline: everything left is a daemon thread and dies with the process."""
         for stop in self.streams.values():
@@ -330,29 +374,35 @@ class Controller:
             self.log.info("daemon.start", listen=listen, generation=self.generation, pid=os.getpid())
             watch_file(self.path, self.requests, self.stop)
             threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
+            threading.Thread(target=self._exit_by_deadline, name="exit-deadline", daemon=True).start()
             self.requests.request("start")
             next_resync = time.monotonic()
             while not self.stop.is_set():
                 self.heartbeat = time.monotonic()
                 resync = self.desired.policy.resync_interval if self.desired else 30.0
                 due = [next_resync]
-                if self.holds and self.holds.next_due():
-                    due.append(time.monotonic() + max(0.0, self.holds.next_due() - time.time()))
+                held_until = self.holds.next_due() if self.holds else None
+                if held_until:
+                    due.append(time.monotonic() + max(0.0, held_until - time.time()))
                 reasons = self.requests.wait(timeout=max(0.0, min(due) - time.monotonic()))
                 if self.stop.is_set():
                     break
+                if "sighup" in reasons:
+                    metrics.events.labels(node="", source="signal").inc()
                 if not reasons:
                     reasons = {"resync"}
                     metrics.events.labels(node="", source="resync").inc()
                 try:
                     self.reconcile(reasons)
-                except Exception as exc:  # noqa: BLE001 - the loop must survive anything a reconcile throws
+                except Exception as exc:
                     self.log.exception("reconcile.crashed", error=str(exc))
                     metrics.reconciles.labels(result="error").inc()
                 next_resync = time.monotonic() + resync
+            self.log.info("daemon.stopping", reason="signal")
             systemd.stopping()
             self._shutdown(server)
             self.log.info("daemon.stopped")
             return 0
         finally:
+            self.stopped.set()
             handle.close()

@@ -15,10 +15,15 @@ import ipaddress
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 from reconciler.observe import split_sections
 
 # --------------------------------------------------------------------------------------------------- the probe
+
+#: `docker inspect`'s Go template: one JSON object per running container (read by parse_containers).
+_INSPECT_FORMAT = ('{"name":{{json .Name}},"image":{{json .Config.Image}},"args":{{json .Args}},'
+                   '"entrypoint":{{json .Config.Entrypoint}},"labels":{{json .Config.Labels}}}')
 
 #: Read-only, no interpolated values (nothing to quote). Sections as in observe.py: `@@name` ... `@@rc N`.
 SCRIPT = r"""export LC_ALL=C
@@ -44,7 +49,7 @@ ip route get 1.1.1.1 2>&1; echo "@@rc $?"
 sec containers
 ids=$(docker ps -q --no-trunc 2>&1); rc=$?
 if [ $rc -eq 0 ] && [ -n "$ids" ]; then
-  docker inspect --format '{"name":{{json .Name}},"image":{{json .Config.Image}},"args":{{json .Args}},"entrypoint":{{json .Config.Entrypoint}},"labels":{{json .Config.Labels}}}' $ids 2>&1
+  docker inspect --format '""" + _INSPECT_FORMAT + r"""' $ids 2>&1
 elif [ $rc -ne 0 ]; then printf '%s\n' "$ids"; fi
 echo "@@rc $rc"
 sec images
@@ -61,7 +66,8 @@ sec hf_home
 printf '%s\n' "${HF_HOME:-}"; echo "@@rc 0"
 sec models
 for h in /srv/*/models /srv/*/*/models; do [ -d "$h" ] && printf 'home\t%s\n' "$h"; done
-for r in "${HF_HOME:+$HF_HOME/hub}" "$HOME/.cache/huggingface/hub" /srv/*/models /srv/*/models/hub /srv/*/*/models /srv/*/*/models/hub; do
+for r in "${HF_HOME:+$HF_HOME/hub}" "$HOME/.cache/huggingface/hub" \
+         /srv/*/models /srv/*/models/hub /srv/*/*/models /srv/*/*/models/hub; do
   [ -n "$r" ] && [ -d "$r" ] || continue
   printf 'root\t%s\n' "$r"
   for m in "$r"/models--*; do
@@ -480,144 +486,217 @@ def _c(text: str) -> str:
     return re.sub(r"[^\x20-\x7e]", "?", str(text))[:300]
 
 
-@dataclass
-class Discovery:
-    text: str
-    nodes: list[tuple[str, NodeFacts]]
+@dataclass(frozen=True)
+class _SshChoice:
+    """How the operator asked to reach the nodes (discover's own options), repeated in every node's `ssh`."""
+
+    user: str
+    known_hosts: str
+    identity: str | None
+    jump: bool
 
 
-def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, identity: str | None,
-           jump: bool, port: int = 8000, margin: int = 4 * 2**30) -> str:
-    """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`."""
-    facts = heads_and_workers
+@dataclass(frozen=True)
+class _NodeDraft:
+    """One node as it will be written: what was read from it, its name, and the fabric guessed for it."""
+
+    facts: NodeFacts
+    name: str
+    fabric: FabricGuess
+    address: ipaddress.IPv4Interface
+    address_note: str | None
+
+
+_HEADER = ["# Starter desired state written by `reconciler discover` (read-only probe of each node over SSH).",
+           "# Review every `# GUESS:` line, then: reconciler validate FILE && reconciler plan FILE.",
+           "# Values without a GUESS comment were read from the nodes as they are now."]
+
+_POLICY = ["policy:",
+           "  mode: enforce   # `observe` to only report drift for a first look",
+           "  resync_interval: 30s",
+           '  listen: "127.0.0.1:9464"']
+
+#: NVIDIA's netplan example subnet (connect-two-sparks), for a cluster where no node has a fabric address yet.
+_EXAMPLE_FABRIC = ipaddress.IPv4Interface("192.168.100.10/24")
+
+
+def _node_names(facts: list[NodeFacts]) -> list[str]:
+    """Names from the hostnames, made unique; `head`/`workerN` where a hostname is unreadable."""
     taken: set[str] = set()
     names = []
     for i, f in enumerate(facts):
         n = node_name(f.hostname, "head" if i == 0 else f"worker{i}", taken)
         taken.add(n)
         names.append(n)
+    return names
+
+
+def _guess_fabrics(facts: list[NodeFacts]) -> list[FabricGuess]:
+    """Each node's fabric netdev; the head's choice breaks the workers' ties (same port on identical machines)."""
     ssh_hosts = [f.host for f in facts]
     fabrics: list[FabricGuess] = []
-    for i, f in enumerate(facts):
+    for f in facts:
         fabrics.append(guess_fabric(f, ssh_hosts, prefer_name=fabrics[0].interface if fabrics else None))
+    return fabrics
 
-    # addresses: one subnet (the first observed one); nodes without one (or elsewhere) get the next free host
+
+def _next_free_address(ref: ipaddress.IPv4Interface, after: int, used: set[ipaddress.IPv4Address]) -> int | None:
+    """The first host address after `after` in ref's subnet that no node uses, wrapping around to the subnet's
+    start; None when every host address is taken (a /30, or the head at .254 of a /24 with no room above was
+    once an endless loop)."""
+    hosts = [int(h) for h in ref.network.hosts() if h not in used]
+    return next((h for h in hosts if h > after), hosts[0] if hosts else None)
+
+
+def _fabric_addresses(fabrics: list[FabricGuess]) -> tuple[list[ipaddress.IPv4Interface], list[str | None]]:
+    """(address, GUESS note or None) per node: one subnet (the first observed one); a node without an address
+    there gets the next free host address of it, and a note saying so."""
     ref = next((g.address for g in fabrics if g.address is not None), None)
-    addr_notes: list[str | None] = [None] * len(facts)
+    notes: list[str | None] = [None] * len(fabrics)
     if ref is None:
-        ref = ipaddress.IPv4Interface("192.168.100.10/24")
-        addr_notes = ["no fabric address on any node; NVIDIA's netplan example subnet"] * len(facts)
-        fabrics[0].address = None
+        ref = _EXAMPLE_FABRIC
+        notes = ["no fabric address on any node; NVIDIA's netplan example subnet"] * len(fabrics)
     used = {g.address.ip for g in fabrics if g.address is not None and g.address.network == ref.network}
     nxt = int(ref.ip)
-    final_addrs = []
+    addrs = []
     for i, g in enumerate(fabrics):
         if g.address is not None and g.address.network == ref.network:
-            final_addrs.append(g.address)
+            addrs.append(g.address)
             continue
         if g.address is not None:
-            addr_notes[i] = f"observed {g.address}, not in the fabric subnet {ref.network}"
-        while True:
-            nxt += 1
-            cand = ipaddress.IPv4Address(nxt)
-            if cand not in used and cand in ref.network and cand != ref.network.broadcast_address:
-                break
+            notes[i] = f"observed {g.address}, not in the fabric subnet {ref.network}"
+        free = _next_free_address(ref, nxt, used)
+        if free is None:  # the file will not validate (a shared address): the note says what to do
+            addrs.append(ref)
+            notes[i] = f"the fabric subnet {ref.network} has no free address: choose one in a larger subnet"
+            continue
+        nxt = free
+        cand = ipaddress.IPv4Address(nxt)
         used.add(cand)
-        final_addrs.append(ipaddress.IPv4Interface(f"{cand}/{ref.network.prefixlen}"))
-        addr_notes[i] = addr_notes[i] or "no IPv4 on it yet; next free address in the fabric subnet"
+        addrs.append(ipaddress.IPv4Interface(f"{cand}/{ref.network.prefixlen}"))
+        notes[i] = notes[i] or "no IPv4 on it yet; next free address in the fabric subnet"
+    return addrs, notes
 
-    model, src = pick_model(facts)
+
+def _draft_nodes(facts: list[NodeFacts]) -> list[_NodeDraft]:
+    fabrics = _guess_fabrics(facts)
+    addrs, notes = _fabric_addresses(fabrics)
+    return [_NodeDraft(f, name, g, addr, note)
+            for f, name, g, addr, note in zip(facts, _node_names(facts), fabrics, addrs, notes)]
+
+
+def _node_ssh_lines(node: _NodeDraft, is_head: bool, head_name: str, ssh: _SshChoice) -> list[str]:
+    f = node.facts
+    out = [f"  - name: {_y(node.name)}" + ("" if f.hostname else "   # GUESS: hostname unreadable"),
+           f"    role: {'head' if is_head else 'worker'}"
+           + ("   # GUESS: the first --head host runs rank 0 and the API" if is_head else ""),
+           "    ssh:",
+           f"      host: {_y(f.host)}",
+           f"      user: {_y(ssh.user)}"]
+    if not is_head and ssh.jump:
+        out.append(f"      jump: {_y(head_name)}            # through the head (--jump-through-head)")
+    out.append(f"      known_hosts: {_y(ssh.known_hosts)}")
+    if ssh.identity:
+        out.append(f"      identity_file: {_y(ssh.identity)}")
+    return out
+
+
+def _node_fabric_lines(node: _NodeDraft) -> list[str]:
+    f, g = node.facts, node.fabric
+    out = [f"    # {_c(note)}" for note in g.notes]
+    out.append("    fabric:")
+    out.append(f"      interface: {_y(g.interface)}   # GUESS: see the note above")
+    if g.rdma_device:
+        out.append(f"      rdma_device: {_y(g.rdma_device)}   # its RDMA port as read ({f.rdma_source})")
+    else:
+        out.append("      # rdma_device: omitted, no RDMA device maps to this netdev here")
+    guess = f"   # GUESS: {_c(node.address_note)}" if node.address_note else ""
+    out.append(f"      address: {_y(str(node.address))}{guess}")
+    mtu_note = ("" if g.observed_mtu == 9000 else
+                f"   # GUESS: observed {g.observed_mtu or 'nothing'}; 9000 is the Spark recipes' value "
+                f"(set by the link step)")
+    out.append(f"      mtu: 9000{mtu_note}")
+    if g.twins:
+        out.append(f"      # twins with IPv4 and an ACTIVE port: {', '.join(g.twins)}; for both rails set "
+                   f"serving.env.NCCL_IB_HCA: \"{','.join([g.rdma_device or ''] + g.twins)}\"")
+    return out
+
+
+def _node_state_lines(f: NodeFacts) -> list[str]:
+    """Internet, GPUs, and as comments what the node has and runs now, and what could not be read."""
+    mem = (f"MemTotal {f.mem_total / 2**30:.1f} GiB, MemAvailable {f.mem_available / 2**30:.1f} GiB"
+           if f.mem_total else "memory unknown")
+    return [f"    internet: {_y(f.internet)}   # from the routing table (`ip route get 1.1.1.1`); "
+            + ("a route exists" if f.internet else "no route: gets HF_HUB_OFFLINE=1"),
+            "    gpus: 1                        # GUESS: a DGX Spark has one GB10",
+            f"    # {mem}; running: {', '.join(c.name for c in f.containers) or 'nothing'}",
+            *(f"    # problem while reading this node: {_c(e)}" for e in f.errors)]
+
+
+def _nodes_section(nodes: list[_NodeDraft], ssh: _SshChoice) -> list[str]:
+    out = ["nodes:"]
+    for i, node in enumerate(nodes):
+        out += _node_ssh_lines(node, i == 0, nodes[0].name, ssh)
+        out += _node_fabric_lines(node)
+        out += _node_state_lines(node.facts)
+    return out
+
+
+def _placeholder_model_section(user: str) -> list[str]:
+    return ["# GUESS: no Hugging Face cache directory found under $HF_HOME/hub, ~/.cache/huggingface/hub,",
+            "# /srv/*/models or /srv/*/*/models/hub: put the model's id, revision and path here.",
+            "model:",
+            '  id: "org/model"   # GUESS: placeholder',
+            "  revision: main",
+            "  layout: hf-cache",
+            '  path: "/home/' + user + '/.cache/huggingface/hub"   # GUESS: the default cache']
+
+
+def _model_section(nodes: list[_NodeDraft], model: ModelDir, src: int) -> list[str]:
+    """The model found on node `src`; its path as one value when every node would use the same, else per node."""
+    paths = [model_root_for(n.facts, n.name, model, model.root) for n in nodes]
+    source = nodes[src]
+    seen = ", ".join(f"{m.model_id} ({m.size_kib / 2**20:.1f} GiB, {m.layout})" for m in source.facts.models)
+    out = [f"# models on {source.name}: {_c(seen)}",
+           "model:",
+           f"  id: {_y(model.model_id)}   # GUESS: the largest Hugging Face cache directory on {source.name}",
+           f"  revision: {_y(model.revision or 'main')}"
+           + ("   # refs/main of the cache" if model.revision else "   # GUESS: no refs/main"),
+           "  layout: hf-cache",
+           f"  source: {_y(source.name)}   # the node that holds the weights"]
+    if len({p for p, _ in paths}) == 1:
+        out.append(f"  path: {_y(paths[0][0])}   # GUESS: {_c(paths[0][1])}")
+    else:
+        out.append("  path:")
+        for (p, why), node in zip(paths, nodes):
+            out.append(f"    {_y(node.name)}: {_y(p)}   # GUESS: {_c(why)}")
+    return out
+
+
+def _serving_section(facts: list[NodeFacts], model: ModelDir | None, port: int, margin: int) -> list[str]:
     image, image_why = pick_image(facts[0])
     gmu, gmu_why = guess_gmu(facts, margin)
-
-    out = ["# Starter desired state written by `reconciler discover` (read-only probe of each node over SSH).",
-           "# Review every `# GUESS:` line, then: reconciler validate FILE && reconciler plan FILE.",
-           "# Values without a GUESS comment were read from the nodes as they are now.",
-           "nodes:"]
-    for i, (f, name, g, addr) in enumerate(zip(facts, names, fabrics, final_addrs)):
-        role = "head" if i == 0 else "worker"
-        out += [f"  - name: {_y(name)}" + ("" if f.hostname else "   # GUESS: hostname unreadable"),
-                f"    role: {role}" + ("   # GUESS: the first --head host runs rank 0 and the API" if i == 0 else ""),
-                "    ssh:",
-                f"      host: {_y(f.host)}",
-                f"      user: {_y(user)}"]
-        if i and jump:
-            out.append(f"      jump: {_y(names[0])}            # through the head (--jump-through-head)")
-        out.append(f"      known_hosts: {_y(known_hosts)}")
-        if identity:
-            out.append(f"      identity_file: {_y(identity)}")
-        for note in g.notes:
-            out.append(f"    # {_c(note)}")
-        out.append("    fabric:")
-        out.append(f"      interface: {_y(g.interface)}   # GUESS: see the note above")
-        if g.rdma_device:
-            out.append(f"      rdma_device: {_y(g.rdma_device)}   # its RDMA port as read ({f.rdma_source})")
-        else:
-            out.append("      # rdma_device: omitted, no RDMA device maps to this netdev here")
-        note = addr_notes[i]
-        out.append(f"      address: {_y(str(addr))}" + (f"   # GUESS: {_c(note)}" if note else ""))
-        mtu_note = ("" if g.observed_mtu == 9000 else
-                    f"   # GUESS: observed {g.observed_mtu or 'nothing'}; 9000 is the Spark recipes' value "
-                    f"(set by the link step)")
-        out.append(f"      mtu: 9000{mtu_note}")
-        if g.twins:
-            out.append(f"      # twins with IPv4 and an ACTIVE port: {', '.join(g.twins)}; for both rails set "
-                       f"serving.env.NCCL_IB_HCA: \"{','.join([g.rdma_device or ''] + g.twins)}\"")
-        out.append(f"    internet: {_y(f.internet)}   # from the routing table (`ip route get 1.1.1.1`); "
-                   + ("a route exists" if f.internet else "no route: gets HF_HUB_OFFLINE=1"))
-        out.append("    gpus: 1                        # GUESS: a DGX Spark has one GB10")
-        mem = (f"MemTotal {f.mem_total / 2**30:.1f} GiB, MemAvailable {f.mem_available / 2**30:.1f} GiB"
-               if f.mem_total else "memory unknown")
-        out.append(f"    # {mem}; running: {', '.join(c.name for c in f.containers) or 'nothing'}")
-        for e in f.errors:
-            out.append(f"    # problem while reading this node: {_c(e)}")
-
-    out.append("")
-    if model is None:
-        out += ["# GUESS: no Hugging Face cache directory found under $HF_HOME/hub, ~/.cache/huggingface/hub,",
-                "# /srv/*/models or /srv/*/*/models/hub: put the model's id, revision and path here.",
-                "model:",
-                '  id: "org/model"   # GUESS: placeholder',
-                "  revision: main",
-                "  layout: hf-cache",
-                '  path: "/home/' + user + '/.cache/huggingface/hub"   # GUESS: the default cache']
-    else:
-        paths = []
-        fallback = model.root
-        for f, name in zip(facts, names):
-            paths.append(model_root_for(f, name, model, fallback))
-        seen = ", ".join(f"{m.model_id} ({m.size_kib / 2**20:.1f} GiB, {m.layout})" for m in facts[src].models)
-        out += [f"# models on {names[src]}: {_c(seen)}",
-                "model:",
-                f"  id: {_y(model.model_id)}   # GUESS: the largest Hugging Face cache directory on {names[src]}",
-                f"  revision: {_y(model.revision or 'main')}"
-                + ("   # refs/main of the cache" if model.revision else "   # GUESS: no refs/main"),
-                "  layout: hf-cache",
-                f"  source: {_y(names[src])}   # the node that holds the weights"]
-        if len({p for p, _ in paths}) == 1:
-            out.append(f"  path: {_y(paths[0][0])}   # GUESS: {_c(paths[0][1])}")
-        else:
-            out.append("  path:")
-            for (p, why), name in zip(paths, names):
-                out.append(f"    {_y(name)}: {_y(p)}   # GUESS: {_c(why)}")
-
-    out += ["",
-            "serving:",
-            f"  image: {_y(image)}   # GUESS: {_c(image_why)}",
-            "  launcher: native",
-            "  container_name: vllm_serving",
-            f"  tensor_parallel_size: {len(facts)}   # GUESS: one GPU per node, every node serves",
-            "  pipeline_parallel_size: 1",
-            f"  port: {port}",
-            "  master_port: 29501",
-            f"  gpu_memory_utilization: {gmu:g}   # GUESS: {_c(gmu_why)}"]
+    out = ["serving:",
+           f"  image: {_y(image)}   # GUESS: {_c(image_why)}",
+           "  launcher: native",
+           "  container_name: vllm_serving",
+           f"  tensor_parallel_size: {len(facts)}   # GUESS: one GPU per node, every node serves",
+           "  pipeline_parallel_size: 1",
+           f"  port: {port}",
+           "  master_port: 29501",
+           f"  gpu_memory_utilization: {gmu:g}   # GUESS: {_c(gmu_why)}"]
     if model is not None:
         served = model.model_id.split("/", 1)[1]
         out.append(f"  served_model_name: {_y(served)}   # GUESS: the model's name")
-    head = facts[0]
+    return out + _docker_lines(facts[0])
+
+
+def _docker_lines(head: NodeFacts) -> list[str]:
+    """serving.docker from the head's docker runtimes and hard limits."""
     nofile = min(1048576, head.nofile_hard) if head.nofile_hard else 1048576
     ulimits = [f'nofile: "{nofile}:{nofile}"'] + (['memlock: "-1"'] if head.memlock_unlimited else [])
-    out += ["  docker:",
+    memlock = "unlimited" if head.memlock_unlimited else "limited"
+    return ["  docker:",
             f"    gpus: {_y('all') if head.nvidia_runtime else 'null'}"
             + ("   # the nvidia runtime is installed" if head.nvidia_runtime
                else "   # GUESS: docker has no nvidia runtime on the head: no --gpus"),
@@ -625,27 +704,40 @@ def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, i
             "    ipc: host",
             '    shm_size: "64g"',
             f"    ulimits: {{{', '.join(ulimits)}}}   # GUESS: capped by the head's hard limits "
-            f"(nofile {head.nofile_hard or 'unlimited'}, memlock {'unlimited' if head.memlock_unlimited else 'limited'})"]
+            f"(nofile {head.nofile_hard or 'unlimited'}, memlock {memlock})"]
 
+
+def _co_tenants_section(nodes: list[_NodeDraft], port: int) -> list[str]:
+    """What runs now may keep running, except another launcher's serving container or one on the serving port:
+    those are listed as comments, to be stopped."""
     allowed_lines: list[str] = []
     stop_lines: list[str] = []
-    for f, name in zip(facts, names):
-        keep = [c for c in f.containers if not c.managed and not holds_serving_port(c, port)]
-        stop = [c for c in f.containers if not c.managed and holds_serving_port(c, port)]
+    for node in nodes:
+        others = [c for c in node.facts.containers if not c.managed]
+        keep = [c for c in others if not holds_serving_port(c, port)]
+        stop = [c for c in others if holds_serving_port(c, port)]
         if keep:
-            allowed_lines.append(f"    {_y(name)}:   # GUESS: running now, allowed to keep running "
+            allowed_lines.append(f"    {_y(node.name)}:   # GUESS: running now, allowed to keep running "
                                  f"(remove to have it stopped)")
             allowed_lines += [f"      - {_y(c.name)}   # image {_c(c.image)}" for c in keep]
-        stop_lines += [f"  # {name}: {c.name} is NOT allowed   # GUESS: another launcher's serving container or it "
-                       f"holds :{port}; the reconciler STOPS it (never removes)" for c in stop]
-    out += ["", "co_tenants:", "  allowed:" if allowed_lines else "  allowed: {}", *allowed_lines, *stop_lines]
-    out += ["  protected: {}",
-            "  unlisted: stop   # GUESS: unlisted containers are stopped to free unified memory; `report` only reports",
-            "",
-            "policy:",
-            "  mode: enforce   # `observe` to only report drift for a first look",
-            "  resync_interval: 30s",
-            '  listen: "127.0.0.1:9464"']
+        stop_lines += [f"  # {node.name}: {c.name} is NOT allowed   # GUESS: another launcher's serving container "
+                       f"or it holds :{port}; the reconciler STOPS it (never removes)" for c in stop]
+    return ["co_tenants:", "  allowed:" if allowed_lines else "  allowed: {}", *allowed_lines, *stop_lines,
+            "  protected: {}",
+            "  unlisted: stop   # GUESS: unlisted containers are stopped to free unified memory; `report` only reports"]
+
+
+def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, identity: str | None,
+           jump: bool, port: int = 8000, margin: int = 4 * 2**30) -> str:
+    """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`."""
+    facts = heads_and_workers
+    nodes = _draft_nodes(facts)
+    model, src = pick_model(facts)
+    out = [*_HEADER, *_nodes_section(nodes, _SshChoice(user, known_hosts, identity, jump)), ""]
+    out += _placeholder_model_section(user) if model is None else _model_section(nodes, model, src)
+    out += ["", *_serving_section(facts, model, port, margin)]
+    out += ["", *_co_tenants_section(nodes, port)]
+    out += ["", *_POLICY]
     return "\n".join(out) + "\n"
 
 
@@ -669,8 +761,10 @@ def sessions_for(head: str, workers: list[str], *, user: str, known_hosts: str, 
     from reconciler import spec
     from reconciler.remote import Session
 
-    def node(name: str, role: str, host: str, via: str | None):
-        return spec.Node(name=name, role=role, fabric={"interface": "discover", "address": "192.0.2.1/32"},
+    placeholder = spec.Fabric(interface="discover", address=ipaddress.IPv4Interface("192.0.2.1/32"))
+
+    def node(name: str, role: Literal["head", "worker"], host: str, via: str | None) -> spec.Node:
+        return spec.Node(name=name, role=role, fabric=placeholder,
                          ssh=spec.Ssh(host=host, user=user, port=port, jump=via, known_hosts=known_hosts,
                                       identity_file=identity))
 

@@ -126,9 +126,9 @@ def serving_drift(desired: Desired, observed: Observed, image_id: str | None) ->
         obs = observed.node(node.name)
         if not obs.reachable or not obs.docker_reachable:
             continue
-        for c in obs.containers:  # managed containers that should not exist (node left the span, name changed)
-            if c.managed and c.running and (node.name not in specs or c.name != name):
-                out.append(Drift(node.name, "serving", f"container/{c.name}", "not running (no longer wanted)",
+        for other in obs.containers:  # managed containers that should not exist (node left the span, name changed)
+            if other.managed and other.running and (node.name not in specs or other.name != name):
+                out.append(Drift(node.name, "serving", f"container/{other.name}", "not running (no longer wanted)",
                                  "running"))
         spec = specs.get(node.name)
         if spec is None:
@@ -162,10 +162,9 @@ def image_holder(desired: Desired, observed: Observed) -> str | None:
                  and observed.node(n.name).images.get(desired.serving.image)), None)
 
 
-def diff(desired: Desired, observed: Observed) -> list[Drift]:
-    """Every difference between the declared and the observed cluster, in a stable order."""
+def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict[str, bool]]:
+    """Per node: reachability, the fabric link, co-tenants. Also which nodes are usable (SSH and docker answer)."""
     out: list[Drift] = []
-    serving = {n.name for n in desired.serving_nodes}
     reachable = {}
     for node in desired.nodes:
         obs = observed.node(node.name)
@@ -176,26 +175,32 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
             out += link_drift(node, obs)
         if not problems:
             out += co_tenant_drift(desired, node.name, obs)
-    # image: every serving node holds the head's (or the first holder's) image id
+    return out, reachable
+
+
+def _image_drift(desired: Desired, observed: Observed, ready: list[str], reference: str | None) -> list[Drift]:
+    """Every usable serving node holds the reference image id (the head's, or the first holder's)."""
+    out = []
     image = desired.serving.image
-    holder = image_holder(desired, observed)
-    reference = observed.node(holder).images[image] if holder else None
-    for name in sorted(serving, key=lambda n: [x.name for x in desired.nodes].index(n)):
-        if not reachable[name]:
-            continue
+    for name in ready:
         got = observed.node(name).images.get(image)
         if reference is None:
             out.append(Drift(name, "image", f"image/{image}", "present on some node", "on no reachable node",
                              actionable=False, blocking=True))
         elif got != reference:
             out.append(Drift(name, "image", f"image/{image}", reference[:19], got[:19] if got else "missing"))
-    # weights: every serving node matches the source's manifest
+    return out
+
+
+def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
+    """Every usable serving node but the source matches the source's manifest."""
+    out = []
     source = desired.source_node
     src_obs = observed.node(source)
-    for name in [n.name for n in desired.nodes if n.name in serving]:
-        if name == source or not reachable.get(name):
+    res = f"weights/{desired.model.id}"
+    for name in ready:
+        if name == source:
             continue
-        res = f"weights/{desired.model.id}"
         if not src_obs.reachable:
             out.append(Drift(name, "weights", res, f"copy of {source}", f"source {source} unreachable",
                              actionable=False, blocking=True))
@@ -207,21 +212,45 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
             if problem:
                 out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
                                  f"{src_obs.weights.total_bytes} bytes", problem))
+    return out
+
+
+def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, ready: list[str],
+                                       served: list[Drift], stopping: set[str]) -> list[Drift]:
+    """Memory only matters where serving must (re)start and no planned co-tenant stop frees memory there."""
+    out = []
+    for name in sorted({d.node for d in served if d.actionable} - stopping):
+        if name in ready:
+            out += _memory_drift(desired, name, observed.node(name))
+    return out
+
+
+def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, bool]) -> list[Drift]:
+    """The API on the head answers and lists the served model."""
+    head = desired.head.name
+    if not reachable.get(head):
+        return []
+    want = desired.serving.served_model_name or desired.model.id
+    health = observed.node(head).serving
+    if health is not None and health.healthy and want in health.models:
+        return []
+    seen = "not answering" if health is None or not health.reachable else (
+        "unhealthy" if not health.healthy else f"serving {', '.join(health.models) or 'nothing'}")
+    return [Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}", seen)]
+
+
+def diff(desired: Desired, observed: Observed) -> list[Drift]:
+    """Every difference between the declared and the observed cluster, in a stable order."""
+    out, reachable = _node_drift(desired, observed)
+    serving = {n.name for n in desired.serving_nodes}
+    ready = [n.name for n in desired.nodes if n.name in serving and reachable[n.name]]  # in file order
+    holder = image_holder(desired, observed)
+    reference = observed.node(holder).images[desired.serving.image] if holder else None
+    out += _image_drift(desired, observed, ready, reference)
+    out += _weights_drift(desired, observed, ready)
     served = serving_drift(desired, observed, reference)
     out += served
-    # memory: only matters where serving must (re)start and nothing planned frees memory there
     stopping = {d.node for d in out if d.kind == "co-tenant" and d.actionable}
-    for name in sorted({d.node for d in served if d.actionable} - stopping):
-        if reachable.get(name) and name in serving:
-            out += _memory_drift(desired, name, observed.node(name))
-    # health: the API on the head answers and lists the served model
-    head = desired.head.name
-    head_obs = observed.node(head)
-    if reachable.get(head):
-        want = desired.serving.served_model_name or desired.model.id
-        health = head_obs.serving
-        if health is None or not health.healthy or want not in health.models:
-            seen = "not answering" if health is None or not health.reachable else (
-                "unhealthy" if not health.healthy else f"serving {', '.join(health.models) or 'nothing'}")
-            out.append(Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}", seen))
+    out += _memory_drift_where_serving_starts(desired, observed, ready, served, stopping)
+    out += _health_drift(desired, observed, reachable)
     return out

@@ -9,9 +9,9 @@ failure means over time (holds, backoff across reconciles).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
@@ -40,9 +40,6 @@ class Outcome:
     def ok(self) -> bool:
         return all(r.result == "success" for r in self.results)
 
-    def by_result(self, result: str) -> list[StepResult]:
-        return [r for r in self.results if r.result == result]
-
 
 def step_timeout(ctx: StepContext, step: Step) -> float:
     """Long steps (weight sync, image copy, a cold start) have their own deadlines, not the short step timeout."""
@@ -56,6 +53,13 @@ def step_timeout(ctx: StepContext, step: Step) -> float:
 
 def _transient(exc: BaseException) -> bool:
     return bool(getattr(exc, "transient", False))
+
+
+def _interruptible(ctx: StepContext) -> Callable[[float], None]:
+    """Backoff between attempts that a shutdown ends at once (tenacity's default sleep would hold it)."""
+    def sleep(seconds: float) -> None:
+        ctx.cancel.wait(seconds)
+    return sleep
 
 
 def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict], None]) -> StepResult:
@@ -72,7 +76,7 @@ def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict], None]
         for attempt in Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(retries.attempts),
                                 wait=wait_exponential_jitter(initial=retries.backoff_initial,
                                                              max=min(retries.backoff_max, 30)),
-                                reraise=True, sleep=lambda s: ctx.cancel.wait(s)):
+                                reraise=True, sleep=_interruptible(ctx)):
             with attempt:
                 attempts += 1
                 if ctx.cancel.is_set():

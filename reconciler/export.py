@@ -60,8 +60,8 @@ def _serve_command(spec: vllm.LaunchSpec, size: int, worker: bool) -> list[str]:
 
 
 def _env(spec: vllm.LaunchSpec) -> list[dict]:
-    env = [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "MASTER_ADDR", "value": "$(LWS_LEADER_ADDRESS)"}]
+    env: list[dict] = [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                       {"name": "MASTER_ADDR", "value": "$(LWS_LEADER_ADDRESS)"}]
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items()) if k not in _PER_POD]
     return env
 

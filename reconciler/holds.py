@@ -47,9 +47,6 @@ class Holds:
     def succeeded(self, step_id: str) -> None:
         self.records.pop(step_id, None)
 
-    def reset(self) -> None:
-        self.records.clear()
-
     def wait_reason(self, step_id: str, now: float) -> str | None:
         """Why the step must not run now (backing off or held), or None when it may."""
         rec = self.records.get(step_id)

@@ -20,10 +20,8 @@ MAX_DEPTH = 64
 
 Loc = tuple[str | int, ...]
 
-try:  # libyaml when present: composing is then ~10x faster.
-    _BaseLoader = yaml.CSafeLoader
-except AttributeError:  # pragma: no cover - depends on the PyYAML build
-    _BaseLoader = yaml.SafeLoader
+# libyaml when present (it depends on the PyYAML build): composing is then ~10x faster.
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclass(frozen=True)
@@ -89,6 +87,7 @@ def format_loc(loc: Loc) -> str:
     return out
 
 
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("map", "seq", "str", "int", "float", "bool", "null")}
 
 
@@ -109,7 +108,7 @@ class _Builder:
             raise _fail(node.start_mark, f"document expands to more than {MAX_EXPANDED_NODES} values "
                         "(anchors/aliases used as a bomb?)", format_loc(loc))
         self.doc.value_positions.setdefault(loc, _pos(node.start_mark))
-        if node.tag == "tag:yaml.org,2002:timestamp":
+        if node.tag == _TIMESTAMP:
             return node.value  # a date-like scalar stays text; the model decides what it means
         if node.tag not in _PLAIN_TAGS:
             raise _fail(node.start_mark, f"YAML tag {node.tag!r} is not allowed in a desired state",
@@ -131,7 +130,13 @@ class _Builder:
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 raise _fail(key_node.start_mark, "mapping keys must be plain scalars", format_loc(loc))
-            key = self._scalars.construct_object(key_node)
+            if key_node.tag == _TIMESTAMP:
+                key = key_node.value  # a date-like key stays text, as a date-like value does
+            elif key_node.tag in _PLAIN_TAGS:
+                key = self._scalars.construct_object(key_node)
+            else:  # an unknown tag: yaml would raise ConstructorError out of the loader (found by the fuzz test)
+                raise _fail(key_node.start_mark, f"YAML tag {key_node.tag!r} is not allowed in a desired state",
+                            format_loc(loc))
             key = str(key) if not isinstance(key, str) else key
             child = loc + (key,)
             if key in out:
@@ -154,14 +159,15 @@ def load_text(text: bytes) -> Document:
         before = text[: exc.start]
         line = before.count(b"\n") + 1
         column = exc.start - (before.rfind(b"\n") + 1) + 1
-        raise LoadError([Problem(Position(line, column), "", f"not valid UTF-8 (byte 0x{text[exc.start]:02x})")])
+        problem = Problem(Position(line, column), "", f"not valid UTF-8 (byte 0x{text[exc.start]:02x})")
+        raise LoadError([problem]) from None
     try:
         nodes = list(yaml.compose_all(decoded, Loader=_BaseLoader))
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        raise _fail(mark, f"invalid YAML: {exc.problem or exc.context}")
+        raise _fail(mark, f"invalid YAML: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
-        raise _fail(None, f"invalid YAML: {exc}")
+        raise _fail(None, f"invalid YAML: {exc}") from None
     if len(nodes) > 1:
         raise _fail(nodes[1].start_mark, "only one YAML document is allowed (found a second '---')")
     if not nodes or nodes[0] is None:
@@ -181,11 +187,11 @@ def load_file(path: Path) -> Document:
         with open(path, "rb") as handle:
             text = handle.read(MAX_BYTES + 1)
     except IsADirectoryError:
-        raise _fail(None, "is a directory, not a file")
+        raise _fail(None, "is a directory, not a file") from None
     except FileNotFoundError:
-        raise _fail(None, "no such file")
+        raise _fail(None, "no such file") from None
     except PermissionError:
-        raise _fail(None, "permission denied")
+        raise _fail(None, "permission denied") from None
     except OSError as exc:
-        raise _fail(None, f"cannot read: {exc.strerror or exc}")
+        raise _fail(None, f"cannot read: {exc.strerror or exc}") from None
     return load_text(text)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
@@ -20,7 +22,7 @@ def redact_text(text: str) -> str:
     return _SECRET_ASSIGN.sub(lambda m: f"{m.group(1)}=***", text)
 
 
-def _redact(_logger, _name, event: dict) -> dict:
+def _redact(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for key, value in list(event.items()):
         if _SECRET_KEY.search(key):
             event[key] = "***"

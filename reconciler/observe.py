@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import json
 import posixpath
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from reconciler.observed import (Container, Link, Memory, NodeObservation, Observed, RdmaPort, Serving,
-                                 WeightFile, Weights)
+from reconciler.observed import (
+    Container,
+    Link,
+    Memory,
+    NodeObservation,
+    Observed,
+    RdmaPort,
+    Serving,
+    WeightFile,
+    Weights,
+)
 from reconciler.remote import RemoteError, Sessions, quote
 from reconciler.spec import Desired, Node
 
@@ -81,13 +91,13 @@ def probe_script(desired: Desired, node: Node) -> str:
         manifest_script(root),
     ]
     if node.role == "head":
-        port = desired.serving.port
+        api_port = desired.serving.port
         lines += [
             "sec health",
-            f"curl -s -o /dev/null -m 2 -w '%{{http_code}}' {q(f'http://127.0.0.1:{port}/health')}; "
+            f"curl -s -o /dev/null -m 2 -w '%{{http_code}}' {q(f'http://127.0.0.1:{api_port}/health')}; "
             "echo; echo \"@@rc $?\"",
             "sec models",
-            f"curl -s -m 2 {q(f'http://127.0.0.1:{port}/v1/models')}; echo; echo \"@@rc $?\"",
+            f"curl -s -m 2 {q(f'http://127.0.0.1:{api_port}/v1/models')}; echo; echo \"@@rc $?\"",
         ]
         if desired.serving.launcher == "ray":
             lines += ["sec ray",
@@ -103,7 +113,8 @@ class Section:
 
 def split_sections(output: str) -> dict[str, Section]:
     sections: dict[str, Section] = {}
-    name, body = None, []
+    name: str | None = None
+    body: list[str] = []
     for line in output.splitlines():
         if line.startswith("@@rc ") and name is not None:
             sections[name] = Section("\n".join(body).strip("\n"), int(line[5:].strip() or 1))
@@ -218,22 +229,25 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
         weights=parse_weights(weights_root(desired, node.name), sections.get("weights")), serving=serving)
 
 
-def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0) -> NodeObservation:
+def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,
+                 cancel: threading.Event | None = None) -> NodeObservation:
     try:
-        result = sessions[node.name].run_script(probe_script(desired, node), timeout=timeout)
+        result = sessions[node.name].run_script(probe_script(desired, node), timeout=timeout, cancel=cancel)
     except RemoteError as exc:
         return NodeObservation(name=node.name, reachable=False, error=exc.message)
     return parse_probe(desired, node, result.stdout)
 
 
-def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0) -> tuple[Observed, dict[str, float]]:
-    """Probe all nodes in parallel (an unreachable node never stalls the others); also return seconds per node."""
+def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0,
+            cancel: threading.Event | None = None) -> tuple[Observed, dict[str, float]]:
+    """Probe all nodes in parallel (an unreachable node never stalls the others); also return seconds per node.
+    `cancel` (the daemon's shutdown) ends a probe that waits on a hung node within a second, not its timeout."""
     durations: dict[str, float] = {}
 
     def one(node: Node) -> NodeObservation:
         start = time.perf_counter()
         try:
-            return observe_node(desired, sessions, node, timeout)
+            return observe_node(desired, sessions, node, timeout, cancel)
         finally:
             durations[node.name] = time.perf_counter() - start
 

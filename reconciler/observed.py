@@ -7,11 +7,11 @@ and plans exactly like the live state, which is what makes offline `plan --obser
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SNAPSHOT_VERSION = "spark-reconciler/observed/v1"
+SNAPSHOT_VERSION: Final = "spark-reconciler/observed/v1"
 
 LABEL_MANAGED = "spark-reconciler.managed"
 LABEL_SPEC_HASH = "spark-reconciler.spec-hash"

@@ -17,7 +17,6 @@ from reconciler.spec import Desired
 
 StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
                    "await-health"]
-STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -135,12 +134,10 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
         stop(d.node, d.resource.split("/", 1)[1], _explain(d), ())
 
     if restart:
-        hurdles = [d for d in drift if d.blocking and (d.node in serving or d.kind == "weights")]
-        hurdles += [d for d in drift if d.kind in ("weights", "image") and d.node in serving
-                    and not any(s.node == d.node and s.kind == d.kind for s in before)]
+        hurdles = _restart_hurdles(drift, serving, before)
         if hurdles:
-            for d in dict.fromkeys(hurdles):
-                blocked.append(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}"))
+            blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
+                           for d in dict.fromkeys(hurdles))
             return steps
         prereq = tuple(s.id for s in before)
         why = "; ".join(f"{d.node}: {_explain(d)}" for d in restart)
@@ -148,26 +145,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
             c = observed.node(node).container(name)
             if c is not None and c.managed:
                 stop(node, name, f"ordered restart ({why})", prereq)
-        stopped = prereq + tuple(s.id for s in steps)
-        workers = serving[1:]
-        if desired.serving.launcher == "native":
-            starts = [Step(f"start-serving/{w}", "start-serving", w, f"start rank {i + 1} (headless) first",
-                           stopped, params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
-            head_step = Step(f"start-serving/{head}", "start-serving", head, "start rank 0 last: it waits for "
-                             "the workers", stopped + tuple(s.id for s in starts), params={"rank": "0"})
-            steps += starts + [head_step]
-            last = head_step.id
-        else:
-            head_step = Step(f"start-serving/{head}", "start-serving", head, "start the Ray head first", stopped,
-                             params={"rank": "0"})
-            starts = [Step(f"start-serving/{w}", "start-serving", w, "join the Ray cluster", (head_step.id,),
-                           params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
-            launch = Step(f"launch-model/{head}", "launch-model", head, "vllm serve on the Ray head once all "
-                          "nodes joined", (head_step.id,) + tuple(s.id for s in starts))
-            steps += [head_step, *starts, launch]
-            last = launch.id
-        steps.append(Step(f"await-health/{head}", "await-health", head, "wait for /health and /v1/models",
-                          (last,)))
+        steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps))
     elif any(d.kind == "health" for d in drift):
         unseen = [n for n in serving if n in down]
         if unseen:  # waiting for health needs every serving node; say why instead of failing a step
@@ -177,3 +155,36 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
             steps.append(Step(f"await-health/{head}", "await-health", head,
                               "serving containers are up; wait for the API to become healthy"))
     return steps
+
+
+def _restart_hurdles(drift: list[Drift], serving: list[str], before: list[Step]) -> list[Drift]:
+    """What a serving restart must wait for: blocking drift on a serving node (or of the weights' source), and
+    weights or images a serving node lacks that no earlier step of this plan brings."""
+    hurdles = [d for d in drift if d.blocking and (d.node in serving or d.kind == "weights")]
+    hurdles += [d for d in drift if d.kind in ("weights", "image") and d.node in serving
+                and not any(s.node == d.node and s.kind == d.kind for s in before)]
+    return hurdles
+
+
+def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...]) -> list[Step]:
+    """Start serving on `serving` (head first in the list) once `stopped` are done, then wait for health.
+
+    native: the workers (headless) first, the head (rank 0) last, as it waits for them. Ray: the head's GCS
+    first, then the workers join, then `vllm serve` on the head."""
+    head, workers = serving[0], serving[1:]
+    if launcher == "native":
+        starts = [Step(f"start-serving/{w}", "start-serving", w, f"start rank {i + 1} (headless) first",
+                       stopped, params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
+        head_step = Step(f"start-serving/{head}", "start-serving", head, "start rank 0 last: it waits for "
+                         "the workers", stopped + tuple(s.id for s in starts), params={"rank": "0"})
+        steps = starts + [head_step]
+    else:
+        head_step = Step(f"start-serving/{head}", "start-serving", head, "start the Ray head first", stopped,
+                         params={"rank": "0"})
+        starts = [Step(f"start-serving/{w}", "start-serving", w, "join the Ray cluster", (head_step.id,),
+                       params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
+        launch = Step(f"launch-model/{head}", "launch-model", head, "vllm serve on the Ray head once all "
+                      "nodes joined", (head_step.id,) + tuple(s.id for s in starts))
+        steps = [head_step, *starts, launch]
+    return steps + [Step(f"await-health/{head}", "await-health", head, "wait for /health and /v1/models",
+                         (steps[-1].id,))]

@@ -11,6 +11,7 @@ leaves the head.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import shlex
 import socket
@@ -130,7 +131,7 @@ def sudo_argv(argv: Sequence[str]) -> list[str]:
 class Session:
     """A persistent SSH session to one node (through its jump host's session when it has one)."""
 
-    def __init__(self, node: Node, gateway: "Session | None" = None):
+    def __init__(self, node: Node, gateway: Session | None = None):
         self.node = node
         self.gateway = gateway
         self._conn: fabric.Connection | None = None
@@ -165,7 +166,8 @@ class Session:
         try:
             conn.client.load_host_keys(ssh.known_hosts)
         except OSError as exc:
-            raise HostKeyRejected(self.node.name, f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}")
+            raise HostKeyRejected(self.node.name,
+                                  f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}") from None
         conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         return conn
 
@@ -194,17 +196,14 @@ class Session:
                 raise Unreachable(name, f"SSH to {where} failed: {exc}") from None
             except RemoteError:
                 raise
-            except (OSError, EOFError, socket.timeout) as exc:
+            except (TimeoutError, OSError, EOFError) as exc:
                 raise Unreachable(name, f"cannot reach {where}: {exc}") from None
             self._conn = conn
             return conn
 
     def _close_locked(self) -> None:
         if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # noqa: BLE001 - closing a dead connection may fail in many ways
-                pass
+            _close_quietly(self._conn)
             self._conn = None
 
     def close(self) -> None:
@@ -215,10 +214,7 @@ class Session:
             finally:
                 self._lock.release()
         elif self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # noqa: BLE001
-                pass
+            _close_quietly(self._conn)
 
     # -- commands ---------------------------------------------------------------------------------------------
 
@@ -286,9 +282,9 @@ class Session:
             raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
         return result
 
-    def run_script(self, script: str, *, timeout: float) -> Result:
+    def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> Result:
         """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node."""
-        return self.run_command("sh -s", timeout=timeout, stdin=script.encode())
+        return self.run_command("sh -s", timeout=timeout, stdin=script.encode(), cancel=cancel)
 
     def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None, on_output=None,
                     cancel=None, keep_stdin: bool = False) -> Result:
@@ -329,6 +325,12 @@ class Session:
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code)
 
 
+def _close_quietly(conn: fabric.Connection) -> None:
+    """Closing a dead connection may fail in many ways; none of them matters to someone who is leaving it."""
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
 def pipe(src: Session, src_argv: Sequence[str], dst: Session, dst_argv: Sequence[str], *, timeout: float,
          progress=lambda done: None) -> int:
     """Stream the stdout of `src_argv` on one node into the stdin of `dst_argv` on another (`docker save | docker
@@ -359,8 +361,9 @@ def pipe(src: Session, src_argv: Sequence[str], dst: Session, dst_argv: Sequence
         if dst_code != 0:
             err = writer.recv_stderr(1 << 16).decode(errors="replace") if writer.recv_stderr_ready() else ""
             raise CommandFailed(dst.node.name, dst_argv, dst_code, out.decode(errors="replace"), err)
-    except (socket.timeout, SSHException, OSError, EOFError) as exc:
-        raise Unreachable(dst.node.name, f"stream {shlex.join(src_argv)} -> {shlex.join(dst_argv)} broke: {exc}")
+    except (TimeoutError, SSHException, OSError, EOFError) as exc:
+        raise Unreachable(dst.node.name,
+                          f"stream {shlex.join(src_argv)} -> {shlex.join(dst_argv)} broke: {exc}") from None
     finally:
         reader.close()
         writer.close()

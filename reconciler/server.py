@@ -21,7 +21,7 @@ def serve(listen: str, status: Callable[[], dict]) -> ThreadingHTTPServer:
     host = host.strip("[]")
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 body, kind = generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -52,9 +52,9 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         containers = [c for c in node.containers if c.name != spec.container_name] + [started]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "await-health":
-        want = desired.serving.served_model_name or desired.model.id
+        served = desired.serving.served_model_name or desired.model.id
         nodes[step.node] = node.model_copy(update={"serving": Serving(reachable=True, healthy=True,
-                                                                      models=[want])})
+                                                                      models=[served])})
     return obs.model_copy(update={"nodes": nodes})
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from reconciler import loader
 from reconciler.loader import Loc
@@ -310,8 +312,6 @@ class Retries(_Model):
 class WeightsPolicy(_Model):
     parallel_streams: int = Field(4, ge=1, le=32)
     bandwidth_limit: ByteSize | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
-    full_verify_interval: Duration = Field(Duration(24 * 3600),
-                                           description="How often the target's bytes are re-hashed.")
 
 
 class Policy(_Model):
@@ -335,7 +335,7 @@ class Desired(_Model):
     policy: Policy = Field(default_factory=Policy)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Desired":
+    def _consistent(self) -> Desired:
         problems = consistency_problems(self)
         if problems:
             raise ConsistencyError(problems)
@@ -378,75 +378,128 @@ class ConsistencyError(ValueError):
         self.problems = problems
 
 
-def consistency_problems(d: Desired) -> list[tuple[Loc, str]]:
-    """Rules across fields, each with the path it is about. Pure; returns all problems, not the first."""
-    out: list[tuple[Loc, str]] = []
-    names = [n.name for n in d.nodes]
-    index = {n.name: i for i, n in enumerate(d.nodes)}
-    heads = [i for i, n in enumerate(d.nodes) if n.role == "head"]
-    if len(heads) != 1:
-        where = ("nodes", heads[1], "role") if len(heads) > 1 else ("nodes",)
-        out.append((where, f"exactly one node must have role head (found {len(heads)})"))
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            out.append((("nodes", i, "name"), f"duplicate node name {name!r}"))
-    for i, n in enumerate(d.nodes):
-        jump = n.ssh.jump
+_Problem = tuple[Loc, str]  # a field path and what is wrong there
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What every cross-field rule looks up: computed once per check."""
+
+    d: Desired
+    names: list[str]
+    index: dict[str, int]  # node name -> position in `nodes` (the last one for a duplicate name)
+    heads: list[int]  # positions of the nodes with role head
+
+    @classmethod
+    def of(cls, d: Desired) -> _Facts:
+        return cls(d, [n.name for n in d.nodes], {n.name: i for i, n in enumerate(d.nodes)},
+                   [i for i, n in enumerate(d.nodes) if n.role == "head"])
+
+
+def _one_head(f: _Facts) -> list[_Problem]:
+    if len(f.heads) == 1:
+        return []
+    where = ("nodes", f.heads[1], "role") if len(f.heads) > 1 else ("nodes",)
+    return [(where, f"exactly one node must have role head (found {len(f.heads)})")]
+
+
+def _unique_node_names(f: _Facts) -> list[_Problem]:
+    return [(("nodes", i, "name"), f"duplicate node name {name!r}")
+            for i, name in enumerate(f.names) if name in f.names[:i]]
+
+
+def _jump_cycle_through(f: _Facts, node: Node) -> str | None:
+    """The node where following `ssh.jump` from `node` comes back to a node already passed, if it does."""
+    seen, cur = {node.name}, node.ssh.jump
+    while cur is not None and cur in f.index:
+        if cur in seen:
+            return cur
+        seen.add(cur)
+        cur = f.d.nodes[f.index[cur]].ssh.jump
+    return None
+
+
+def _jump_hosts(f: _Facts) -> list[_Problem]:
+    out: list[_Problem] = []
+    for i, n in enumerate(f.d.nodes):
+        jump, where = n.ssh.jump, ("nodes", i, "ssh", "jump")
         if jump is None:
             continue
         if jump == n.name:
-            out.append((("nodes", i, "ssh", "jump"), "a node cannot be its own jump host"))
-        elif jump not in index:
-            out.append((("nodes", i, "ssh", "jump"),
-                        f"jump host {jump!r} is not a node (known: {', '.join(sorted(set(names)))})"))
-        else:
-            seen, cur = {n.name}, jump
-            while cur is not None and cur in index:
-                if cur in seen:
-                    out.append((("nodes", i, "ssh", "jump"), f"jump hosts form a cycle through {cur!r}"))
-                    break
-                seen.add(cur)
-                cur = d.nodes[index[cur]].ssh.jump
-    # fabric: one subnet, unique addresses
-    if d.nodes:
-        net0 = d.nodes[0].fabric.address.network
-        for i, n in enumerate(d.nodes[1:], start=1):
-            if n.fabric.address.network != net0:
-                out.append((("nodes", i, "fabric", "address"),
-                            f"{n.fabric.address} is not in the fabric subnet {net0} of node {d.nodes[0].name!r}"))
-        addrs = [n.fabric.address.ip for n in d.nodes]
-        for i, a in enumerate(addrs):
-            if a in addrs[:i]:
-                out.append((("nodes", i, "fabric", "address"), f"fabric address {a} is used by another node"))
-    # model
-    if d.model.source is not None and d.model.source not in index:
-        out.append((("model", "source"), f"weights source {d.model.source!r} is not a node"))
-    # serving span
-    s = d.serving
-    need = s.tensor_parallel_size * s.pipeline_parallel_size
-    total = sum(n.gpus for n in d.nodes)
+            out.append((where, "a node cannot be its own jump host"))
+        elif jump not in f.index:
+            out.append((where, f"jump host {jump!r} is not a node (known: {', '.join(sorted(set(f.names)))})"))
+        elif (cycle := _jump_cycle_through(f, n)) is not None:
+            out.append((where, f"jump hosts form a cycle through {cycle!r}"))
+    return out
+
+
+def _one_fabric_subnet(f: _Facts) -> list[_Problem]:
+    if not f.d.nodes:
+        return []
+    first = f.d.nodes[0]
+    net0 = first.fabric.address.network
+    return [(("nodes", i, "fabric", "address"),
+             f"{n.fabric.address} is not in the fabric subnet {net0} of node {first.name!r}")
+            for i, n in enumerate(f.d.nodes[1:], start=1) if n.fabric.address.network != net0]
+
+
+def _unique_fabric_addresses(f: _Facts) -> list[_Problem]:
+    addrs = [n.fabric.address.ip for n in f.d.nodes]
+    return [(("nodes", i, "fabric", "address"), f"fabric address {a} is used by another node")
+            for i, a in enumerate(addrs) if a in addrs[:i]]
+
+
+def _weights_source_is_a_node(f: _Facts) -> list[_Problem]:
+    source = f.d.model.source
+    if source is not None and source not in f.index:
+        return [(("model", "source"), f"weights source {source!r} is not a node")]
+    return []
+
+
+def _gpus_needed(s: Serving) -> int:
+    return s.tensor_parallel_size * s.pipeline_parallel_size
+
+
+def _listed_serving_nodes(f: _Facts) -> list[_Problem]:
+    """serving.nodes, when given: real nodes, each once, the head among them, exactly tp x pp GPUs."""
+    s, d = f.d.serving, f.d
+    if s.nodes is None:
+        return []
+    out: list[_Problem] = []
+    for j, name in enumerate(s.nodes):
+        if name not in f.index:
+            out.append((("serving", "nodes", j), f"{name!r} is not a node"))
+        elif name in s.nodes[:j]:
+            out.append((("serving", "nodes", j), f"{name!r} is listed twice"))
+    if f.heads and d.nodes[f.heads[0]].name not in s.nodes:
+        out.append((("serving", "nodes"), "the head must be one of the serving nodes (it runs rank 0 and the API)"))
+    need, span = _gpus_needed(s), sum(d.nodes[f.index[n]].gpus for n in set(s.nodes) if n in f.index)
+    if span != need:
+        out.append((("serving", "tensor_parallel_size"), f"tensor_parallel_size x pipeline_parallel_size = "
+                                                         f"{need} but the serving nodes have {span} GPUs"))
+    return out
+
+
+def _default_serving_span(f: _Facts) -> list[_Problem]:
+    """Without serving.nodes: the cluster has tp x pp GPUs, and whole nodes (head first) add up to exactly that."""
+    s, d = f.d.serving, f.d
     if s.nodes is not None:
-        for j, name in enumerate(s.nodes):
-            if name not in index:
-                out.append((("serving", "nodes", j), f"{name!r} is not a node"))
-            elif name in s.nodes[:j]:
-                out.append((("serving", "nodes", j), f"{name!r} is listed twice"))
-        if heads and d.nodes[heads[0]].name not in s.nodes:
-            out.append((("serving", "nodes"), "the head must be one of the serving nodes (it runs rank 0 and "
-                                              "the API)"))
-        span = sum(d.nodes[index[n]].gpus for n in set(s.nodes) if n in index)
-        if span != need:
-            out.append((("serving", "tensor_parallel_size"), f"tensor_parallel_size x pipeline_parallel_size = "
-                                                             f"{need} but the serving nodes have {span} GPUs"))
-    elif need > total:
-        out.append((("serving", "tensor_parallel_size"),
-                    f"tensor_parallel_size x pipeline_parallel_size = {need} exceeds the cluster's {total} GPUs"))
-    elif heads and len(heads) == 1:
-        chosen = d.serving_nodes
-        if sum(n.gpus for n in chosen) != need:
-            out.append((("serving", "tensor_parallel_size"),
-                        f"tensor_parallel_size x pipeline_parallel_size = {need} does not match the GPUs of "
-                        f"whole nodes (head first): set serving.nodes explicitly"))
+        return []
+    need, total = _gpus_needed(s), sum(n.gpus for n in d.nodes)
+    if need > total:
+        return [(("serving", "tensor_parallel_size"),
+                 f"tensor_parallel_size x pipeline_parallel_size = {need} exceeds the cluster's {total} GPUs")]
+    if len(f.heads) == 1 and sum(n.gpus for n in d.serving_nodes) != need:
+        return [(("serving", "tensor_parallel_size"),
+                 f"tensor_parallel_size x pipeline_parallel_size = {need} does not match the GPUs of "
+                 f"whole nodes (head first): set serving.nodes explicitly")]
+    return []
+
+
+def _distinct_ports(f: _Facts) -> list[_Problem]:
+    s = f.d.serving
+    out: list[_Problem] = []
     ports = {"port": s.port, "master_port": s.master_port, "ray_port": s.ray_port}
     for value in set(ports.values()):
         same = [k for k, v in ports.items() if v == value]
@@ -455,25 +508,74 @@ def consistency_problems(d: Desired) -> list[tuple[Loc, str]]:
             for key in written:
                 others = ", ".join(f"serving.{k}" for k in same if k != key)
                 out.append((("serving", key), f"port {value} is also {others}"))
-    # per-node model paths cover the serving nodes
-    if isinstance(d.model.path, dict):
-        for key in d.model.path:
-            if key not in index:
-                out.append((("model", "path", key, KEY), f"{key!r} is not a node"))
-        for n in (d.serving_nodes if len(heads) == 1 and not out else []):
-            if n.name not in d.model.path:
-                out.append((("model", "path"), f"no model path for serving node {n.name!r}"))
-        if d.model.source and d.model.source in index and d.model.source not in d.model.path:
-            out.append((("model", "path"), f"no model path for the source node {d.model.source!r}"))
-    for table in ("allowed", "protected"):
-        for key in getattr(d.co_tenants, table):
-            if key != "*" and key not in index:
-                out.append((("co_tenants", table, key, KEY), f"{key!r} is not a node"))
-        for key, patterns in getattr(d.co_tenants, table).items():
-            for j, p in enumerate(patterns):
-                if fnmatch.fnmatchcase(s.container_name, p):
-                    out.append((("co_tenants", table, key, j),
-                                f"{p!r} matches the managed serving container {s.container_name!r}"))
+    return out
+
+
+def _model_path_keys_are_nodes(f: _Facts) -> list[_Problem]:
+    path = f.d.model.path
+    if not isinstance(path, dict):
+        return []
+    return [(("model", "path", key, KEY), f"{key!r} is not a node") for key in path if key not in f.index]
+
+
+def _model_path_for_every_serving_node(f: _Facts) -> list[_Problem]:
+    """Needs the derived serving nodes, so it runs only on an otherwise consistent file (see _RULES)."""
+    path = f.d.model.path
+    if not isinstance(path, dict) or len(f.heads) != 1:
+        return []
+    return [(("model", "path"), f"no model path for serving node {n.name!r}")
+            for n in f.d.serving_nodes if n.name not in path]
+
+
+def _model_path_for_the_source(f: _Facts) -> list[_Problem]:
+    path, source = f.d.model.path, f.d.model.source
+    if isinstance(path, dict) and source and source in f.index and source not in path:
+        return [(("model", "path"), f"no model path for the source node {source!r}")]
+    return []
+
+
+def _co_tenant_keys_are_nodes(f: _Facts, table: str) -> list[_Problem]:
+    return [(("co_tenants", table, key, KEY), f"{key!r} is not a node")
+            for key in getattr(f.d.co_tenants, table) if key != "*" and key not in f.index]
+
+
+def _co_tenants_spare_the_serving_container(f: _Facts, table: str) -> list[_Problem]:
+    name = f.d.serving.container_name
+    return [(("co_tenants", table, key, j), f"{p!r} matches the managed serving container {name!r}")
+            for key, patterns in getattr(f.d.co_tenants, table).items()
+            for j, p in enumerate(patterns) if fnmatch.fnmatchcase(name, p)]
+
+
+def _co_tenants(f: _Facts) -> list[_Problem]:
+    return [problem for table in ("allowed", "protected")
+            for problem in _co_tenant_keys_are_nodes(f, table) + _co_tenants_spare_the_serving_container(f, table)]
+
+
+# (rule, runs only when every rule before it found nothing), in the order the problems are reported.
+_RULES: tuple[tuple[Callable[[_Facts], list[_Problem]], bool], ...] = (
+    (_one_head, False),
+    (_unique_node_names, False),
+    (_jump_hosts, False),
+    (_one_fabric_subnet, False),
+    (_unique_fabric_addresses, False),
+    (_weights_source_is_a_node, False),
+    (_listed_serving_nodes, False),
+    (_default_serving_span, False),
+    (_distinct_ports, False),
+    (_model_path_keys_are_nodes, False),
+    (_model_path_for_every_serving_node, True),
+    (_model_path_for_the_source, False),
+    (_co_tenants, False),
+)
+
+
+def consistency_problems(d: Desired) -> list[_Problem]:
+    """Rules across fields, each with the path it is about. Pure; returns all problems, not the first."""
+    facts = _Facts.of(d)
+    out: list[_Problem] = []
+    for rule, only_if_consistent_so_far in _RULES:
+        if not (only_if_consistent_so_far and out):
+            out += rule(facts)
     return out
 
 
@@ -492,7 +594,7 @@ class InvalidDesiredState(Exception):
         return [p.render(self.filename) for p in self.problems]
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     kind, msg = err["type"], err["msg"]
     if kind == "missing":
         return "required field is missing"
@@ -510,7 +612,7 @@ def _message(err: dict[str, Any]) -> str:
 _BRANCH_MISMATCH = {"dict_type", "string_type", "list_type", "int_type", "none_required"}
 
 
-def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, dict[str, Any]]]:
+def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, ErrorDetails]]:
     """(path, is-about-the-key, error) per problem, without pydantic's union-branch noise: for `str | dict`
     fields keep the branch that fits the input."""
     errs = []
@@ -569,10 +671,11 @@ def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         causes = [(e.get("ctx") or {}).get("error") for e in errors]
-        if not all(isinstance(c, ConsistencyError) for c in causes):
+        consistency = [c for c in causes if isinstance(c, ConsistencyError)]
+        if len(consistency) != len(causes):
             return []
         out = []
-        for cause in causes:
+        for cause in consistency:
             for loc, message in cause.problems:
                 loc = loc[:-1] if loc[-1:] == (KEY,) else loc
                 if any(loc[: len(b) - 1] == b[:-1] or b[: len(loc)] == loc for b in broken):

@@ -59,14 +59,18 @@ def watch_file(path: Path, requests: Requests, stop: threading.Event) -> threadi
 _DOCKER_EVENTS = ["docker", "events", "--filter", "type=container", *[
     arg for e in ("die", "stop", "start", "destroy", "oom", "kill") for arg in ("--filter", f"event={e}")],
     "--format", "docker {{.Status}} {{.Actor.Attributes.name}}"]
+_DOCKER_EVENTS_SH = quote(_DOCKER_EVENTS)
 
 
 def event_command(interface: str) -> str:
     """Both streams in one channel. When the channel closes, stdin hits EOF and the whole group is killed, so
-    nothing keeps running on the node after the daemon is gone."""
-    link = "ip -o monitor link | while read -r line; do printf 'link %s\\n' \"$line\"; done"
-    return (f"{quote(_DOCKER_EVENTS)} & {link} & cat >/dev/null; kill 0"
-            if interface else f"{quote(_DOCKER_EVENTS)} & cat >/dev/null; kill 0")
+    nothing keeps running on the node after the daemon is gone. When either stream ends (`docker events` exits
+    with its dockerd), the group is killed too: the channel closes and the caller reconnects, instead of keeping
+    a channel whose docker half is gone for good after a dockerd restart."""
+    streams = [_DOCKER_EVENTS_SH]
+    if interface:
+        streams.append("ip -o monitor link | while read -r line; do printf 'link %s\\n' \"$line\"; done")
+    return "".join(f"({s}; kill 0) & " for s in streams) + "cat >/dev/null; kill 0"
 
 
 def stream_events(session: Session, interface: str, requests: Requests, stop: threading.Event) -> threading.Thread:
@@ -86,6 +90,8 @@ def stream_events(session: Session, interface: str, requests: Requests, stop: th
                     delay = 1.0
             except RemoteError as exc:
                 logger.info("events.reconnect", error=exc.message, retry_in=delay)
+                # A stream that ends is news in itself (its dockerd stopped, the node went away): look now.
+                requests.request(f"events-lost:{node}")
             if stop.wait(delay):
                 return
             delay = min(delay * 2, 30.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from reconciler.observed import LABEL_GENERATION, LABEL_MANAGED, LABEL_ROLE, LABEL_SPEC_HASH
 from reconciler.spec import Desired, Node
@@ -30,7 +30,6 @@ class LaunchSpec:
     env: dict[str, str]
     command: tuple[str, ...]
     serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
-    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def spec_hash(self) -> str:

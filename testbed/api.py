@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import dockerd, faults, net, scenarios, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
-from .proc import TestbedError, alive, load_pids, run, stop_pid  # noqa: F401 (re-exported for tests)
+from .proc import TestbedError, alive, load_pids, run, stop_pid
 
 DEFAULT_WEIGHTS = "64M"
 REQUIRED = ("ip", "nsenter", "setpriv", "unshare", "mkfs.ext4", "containerd", "dockerd", "docker", "runc",
@@ -50,7 +50,7 @@ def _preflight() -> None:
 
 
 def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT_WEIGHTS,
-       worker_disk: str | int | None = None) -> "Testbed":
+       worker_disk: str | int | None = None) -> Testbed:
     """Bring the testbed up (or, if it is already up with the same node count, just apply *scenario*)."""
     _preflight()
     lay = layout(nodes)
@@ -90,7 +90,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     return Testbed(lay)
 
 
-def reset(scenario: str = "seed") -> "Testbed":
+def reset(scenario: str = "seed") -> Testbed:
     """Back to *scenario* without a teardown: restarts stopped daemons, restores links, removes containers."""
     cfg = _load_config()
     if not cfg:
@@ -115,7 +115,7 @@ def down() -> list[str]:
             dockerd.stop(n, containerd=True)
         except TestbedError:
             pass
-    for name, e in load_pids().items():          # anything else recorded
+    for e in load_pids().values():               # anything else recorded
         stop_pid(e["pid"], e.get("starttime"))
     for ns in net.list_netns():                   # sessions, shims and containers left in a node's namespace
         if ns.startswith("sb-"):
@@ -134,7 +134,7 @@ def down() -> list[str]:
 
 
 def _sshd_running_elsewhere() -> bool:
-    return subprocess.run(["pgrep", "-x", "sshd"], capture_output=True).returncode == 0
+    return subprocess.run(["pgrep", "-x", "sshd"], capture_output=True, check=False).returncode == 0
 
 
 def leftovers() -> list[str]:
@@ -199,7 +199,7 @@ def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool 
     else:
         enter = ["ip", "netns", "exec", n.netns]
     full = enter + as_user + env + ["/bin/sh", "-c", f"cd ~ 2>/dev/null; {cmd}"]
-    p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
+    p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input, check=False)
     if check and p.returncode != 0:
         raise TestbedError(f"{node}$ {cmd} -> exit {p.returncode}: {p.stderr.strip()[-2000:]}")
     return p
@@ -332,7 +332,7 @@ class Testbed:
     def fault(self, kind: str, node: str | None = None, **kw) -> str:
         return fault(kind, node, **kw)
 
-    def reset(self, scenario: str = "seed") -> "Testbed":
+    def reset(self, scenario: str = "seed") -> Testbed:
         return reset(scenario)
 
     def status(self) -> dict:
@@ -355,5 +355,17 @@ def timed_up(**kw) -> tuple[Testbed, float]:
     return tb, time.monotonic() - t
 
 
-__all__ = ["up", "down", "reset", "status", "exec_", "fault", "attach", "leftovers", "desired_state", "Testbed",
-           "TestbedError", "timed_up"]
+__all__ = [
+    "Testbed",
+    "TestbedError",
+    "attach",
+    "desired_state",
+    "down",
+    "exec_",
+    "fault",
+    "leftovers",
+    "reset",
+    "status",
+    "timed_up",
+    "up",
+]

@@ -122,7 +122,7 @@ def run() -> int:
               "and holds the weights; the worker's fabric port is down, with no weights and no serving image")
 
         say(f"reconciler plan {DESIRED.relative_to(REPO)}")
-        plan = subprocess.run([_cli(), "plan", str(DESIRED)], capture_output=True, text=True, timeout=120)
+        plan = subprocess.run([_cli(), "plan", str(DESIRED)], capture_output=True, text=True, timeout=120, check=False)
         print(plan.stdout + plan.stderr, end="")
 
         say("Starting the daemon: reconciler run (console log); step progress below")
@@ -132,7 +132,7 @@ def run() -> int:
         t = time.monotonic()
         wait_for("convergence", phase_is("Converged"), 600)
         say(f"Converged in {time.monotonic() - t:.1f}s")
-        print(subprocess.run([_cli(), "status"], capture_output=True, text=True, timeout=30).stdout)
+        print(subprocess.run([_cli(), "status"], capture_output=True, text=True, timeout=30, check=False).stdout)
         print(f"metrics: {URL}/metrics  (Prometheus text; e.g. curl -s {URL}/metrics | grep reconciler_)")
 
         say("Fault: the worker's fabric link goes down (python -m testbed fault link-down --node worker)")
@@ -148,7 +148,7 @@ def run() -> int:
         link = api.exec_("worker", "ip -br link show dev enp1s0f1np1", check=True).stdout.strip()
         print(f"worker fabric now: {link}")
         say(f"Repaired: back to Converged {time.monotonic() - t:.1f}s after the fault")
-        print(subprocess.run([_cli(), "status"], capture_output=True, text=True, timeout=30).stdout)
+        print(subprocess.run([_cli(), "status"], capture_output=True, text=True, timeout=30, check=False).stdout)
 
         say("Stopping the daemon (SIGTERM)")
         print(f"daemon exited with {daemon.stop()}")

@@ -138,7 +138,7 @@ def copy_image(src: Node, dst: Node, ref: str) -> None:
     s = subprocess.Popen([DOCKER, "-H", src.docker_host, "save", ref], stdout=subprocess.PIPE)
     try:
         load = subprocess.run([DOCKER, "-H", dst.docker_host, "load", "-q"], stdin=s.stdout,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, check=False)
     finally:
         s.stdout.close()
         s.wait()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import dockerd, net, scenarios, sshd, storage
 from .layout import FABRIC_IFACE, MODELS, SERVED_MODEL, Layout

@@ -17,8 +17,18 @@ from __future__ import annotations
 import json
 import time
 
-from .layout import (FABRIC_IFACE, FABRIC_MTU, INNER_IFACE, MGMT_IFACE, ROOT_MGMT_ADDR, ROOT_MGMT_IFACE,
-                     SWITCH_NS, TESTBED_SUPERNETS, Layout, Node)
+from .layout import (
+    FABRIC_IFACE,
+    FABRIC_MTU,
+    INNER_IFACE,
+    MGMT_IFACE,
+    ROOT_MGMT_ADDR,
+    ROOT_MGMT_IFACE,
+    SWITCH_NS,
+    TESTBED_SUPERNETS,
+    Layout,
+    Node,
+)
 from .proc import ok, run
 
 

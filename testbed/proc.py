@@ -11,8 +11,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from .layout import state_dir
 
@@ -28,7 +29,7 @@ def run(cmd: Sequence[str], *, check: bool = True, input: str | bytes | None = N
     """Run a command; on failure raise TestbedError with its stderr (the message one needs to debug)."""
     text = not isinstance(input, bytes)
     p = subprocess.run(list(cmd), input=input, capture_output=capture, text=text, timeout=timeout,
-                       env=env)
+                       env=env, check=False)
     if check and p.returncode != 0:
         err = p.stderr if capture else ""
         raise TestbedError(f"{' '.join(map(str, cmd))!s} -> exit {p.returncode}: {str(err).strip()[-2000:]}")
@@ -37,7 +38,7 @@ def run(cmd: Sequence[str], *, check: bool = True, input: str | bytes | None = N
 
 def ok(cmd: Sequence[str], timeout: float = 30) -> bool:
     try:
-        return subprocess.run(list(cmd), capture_output=True, timeout=timeout).returncode == 0
+        return subprocess.run(list(cmd), capture_output=True, timeout=timeout, check=False).returncode == 0
     except subprocess.TimeoutExpired:
         return False
 

@@ -54,7 +54,7 @@ def run_cotenant(node: Node, name: str) -> None:
 
 def build_images(lay: Layout) -> None:
     """Build both stand-in images into the head's engine (docker's layer cache makes a rebuild cheap)."""
-    from . import images   # written alongside (testbed/images); imported late so the rest works without it
+    from . import images  # written alongside (testbed/images); imported late so the rest works without it
     images.build(lay.head.docker_host, None)
     for ref in (SERVING_IMAGE, COTENANT_IMAGE):
         if dockerd.image_id(lay.head, ref) is None:
@@ -114,11 +114,52 @@ def _role_key(node: Node) -> str:
     return "head" if node.index == 0 else "worker"
 
 
-def apply(lay: Layout, scenario: str, weights_size: int) -> None:
-    if scenario not in SCENARIOS:
-        raise ValueError(f"scenario must be one of {SCENARIOS}, not {scenario!r}")
-    head = lay.head
-    # daemons and management paths back (a test may have stopped them with a fault)
+ALL_MODELS = [(m, layout) for m in MODELS for layout in ("hf-cache", "plain")]
+
+
+def _seed_node(head: Node, n: Node, weights_size: int) -> None:
+    """The head: fabric up, every model in both layouts, all co-tenants. A worker: fabric down, no weights,
+    no serving image, only vllm_embeddings."""
+    role = _role_key(n)
+    if role == "head":
+        net.fabric_configure(n)
+    else:
+        net.fabric_unconfigure(n)
+    ensure_weights(n, ALL_MODELS if role == "head" else [], weights_size)
+    if role == "worker":
+        _remove_image(n, SERVING_IMAGE)
+        dockerd.copy_image(head, n, COTENANT_IMAGE)
+    for c in SEED_COTENANTS[role]:
+        run_cotenant(n, c)
+
+
+def _converged_node(head: Node, n: Node, weights_size: int) -> None:
+    """Fabric up, the served model and the serving image in place, only the allowed co-tenants running."""
+    role = _role_key(n)
+    net.fabric_configure(n)
+    ensure_weights(n, ALL_MODELS if role == "head" else [(SERVED_MODEL, "hf-cache")], weights_size)
+    if role == "worker":
+        dockerd.copy_image(head, n, SERVING_IMAGE)
+        dockerd.copy_image(head, n, COTENANT_IMAGE)
+    for c in CONVERGED_COTENANTS[role]:
+        run_cotenant(n, c)
+
+
+def _empty_node(head: Node, n: Node, weights_size: int) -> None:
+    """Fabric down, no weights; a worker also loses both stand-in images (the head's are the build cache)."""
+    net.fabric_unconfigure(n)
+    ensure_weights(n, [], weights_size)
+    if _role_key(n) == "worker":
+        _remove_image(n, SERVING_IMAGE)
+        _remove_image(n, COTENANT_IMAGE)
+
+
+_SET_UP_NODE = {"seed": _seed_node, "converged": _converged_node, "empty": _empty_node}
+
+
+def _restore(lay: Layout) -> None:
+    """Daemons and management paths back (a test may have stopped them with a fault); then no containers, no
+    disk fill and no crash marker on any node."""
     for n in lay.nodes:
         net.set_mgmt(n, True)
         sshd.start(n)
@@ -127,38 +168,17 @@ def apply(lay: Layout, scenario: str, weights_size: int) -> None:
         dockerd.remove_all_containers(n)
         (n.model_root / FILL_FILE).unlink(missing_ok=True)
         (n.model_root / CRASH_MARKER).unlink(missing_ok=True)
+
+
+def apply(lay: Layout, scenario: str, weights_size: int) -> None:
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, not {scenario!r}")
+    head = lay.head
+    _restore(lay)
     if scenario != "empty" or dockerd.image_id(head, COTENANT_IMAGE) is None:
         build_images(lay)
-
-    all_models = [(m, layout) for m in MODELS for layout in ("hf-cache", "plain")]
-    served = [(SERVED_MODEL, "hf-cache")]
     for n in lay.nodes:
-        role = _role_key(n)
-        if scenario == "seed":
-            if role == "head":
-                net.fabric_configure(n)
-            else:
-                net.fabric_unconfigure(n)
-            ensure_weights(n, all_models if role == "head" else [], weights_size)
-            if role == "worker":
-                _remove_image(n, SERVING_IMAGE)
-                dockerd.copy_image(head, n, COTENANT_IMAGE)
-            for c in SEED_COTENANTS[role]:
-                run_cotenant(n, c)
-        elif scenario == "converged":
-            net.fabric_configure(n)
-            ensure_weights(n, all_models if role == "head" else served, weights_size)
-            if role == "worker":
-                dockerd.copy_image(head, n, SERVING_IMAGE)
-                dockerd.copy_image(head, n, COTENANT_IMAGE)
-            for c in CONVERGED_COTENANTS[role]:
-                run_cotenant(n, c)
-        else:  # empty
-            net.fabric_unconfigure(n)
-            ensure_weights(n, [], weights_size)
-            if role == "worker":
-                _remove_image(n, SERVING_IMAGE)
-                _remove_image(n, COTENANT_IMAGE)
+        _SET_UP_NODE[scenario](head, n, weights_size)
     # dangling layers of removed images are not "holding the image"; prune so `docker images` is exact
     for n in lay.workers:
         dockerd.docker(n, "image", "prune", "-f", check=False)

@@ -30,6 +30,11 @@ def read_link(ctx: StepContext, node: str) -> Link:
     return parse_link(iface, sections.get("link"), sections.get("rdma"))
 
 
+def _rdma_active(link: Link) -> bool:
+    """The port can vanish while we wait (a driver reload): then it is not active, and the wait goes on."""
+    return link.rdma is not None and link.rdma.active
+
+
 def _peer(ctx: StepContext, node: str) -> str | None:
     """Whom to ping: the head for a worker, the first other serving node for the head."""
     d = ctx.desired
@@ -60,7 +65,7 @@ def converge_link(ctx: StepContext, step: Step) -> None:
     if link.mtu != want.mtu or str(want.address) not in link.addresses:
         raise StepFailed(f"{want.interface} on {node}: mtu {link.mtu}, addresses {link.addresses} after the change")
     if want.rdma_device and link.rdma is not None:
-        wait_for(lambda: read_link(ctx, node).rdma.active, timeout=ctx.remaining(30),
+        wait_for(lambda: _rdma_active(read_link(ctx, node)), timeout=ctx.remaining(30),
                  what=f"RDMA port {want.rdma_device} on {node} to become ACTIVE", cancel=ctx.cancel)
     peer = _peer(ctx, node)
     if peer is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import paramiko
@@ -25,7 +26,7 @@ from reconciler.drift import weights_difference
 from reconciler.observe import PARTIAL_DIR, manifest_script, parse_weights, split_sections, weights_root
 from reconciler.observed import Weights
 from reconciler.plan import Step
-from reconciler.remote import CommandFailed, quote
+from reconciler.remote import CommandFailed
 from reconciler.steps import StepContext, StepFailed
 
 # One file per target: syncs to several workers run in parallel and must not overwrite each other's key.
@@ -66,7 +67,8 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
                 files_from: str | None) -> list[str]:
     t = ctx.desired.node(target)
     ssh = (f"ssh -p {t.ssh.port} -o BatchMode=yes -o StrictHostKeyChecking=yes "
-           f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)} -o Compression=no -c aes128-gcm@openssh.com")
+           f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)} "
+           "-o Compression=no -c aes128-gcm@openssh.com")
     argv = ["rsync", "-a", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}", "--info=progress2",
             "--no-inc-recursive", "-e", ssh]
     limit = ctx.desired.policy.weights.bandwidth_limit
@@ -88,6 +90,62 @@ def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandF
     return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
 
 
+def _files_to_copy(expected: Weights, before: Weights) -> list[tuple[str, int]]:
+    """(path, bytes) to move: regular files only (a link's size is its target's, which is counted once, as a
+    blob), and only those the target does not already hold at the right size."""
+    have = {f.path: f.size for f in before.files}
+    return [(f.path, f.size or 0) for f in expected.files if f.link_target is None and have.get(f.path) != f.size]
+
+
+def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int) -> list[list[str]]:
+    """The files of each parallel rsync stream, split by size; [] for one stream over the whole tree.
+    Everything not in a group (symlinks, empty files, refs) goes with the last stream, after the data."""
+    groups = _groups([(p, s) for p, s in todo if s > 0], streams) if streams > 1 and len(todo) > 1 else []
+    if groups:
+        rest = sorted({f.path for f in expected.files} - {p for g in groups for p in g})
+        groups[-1] = groups[-1] + rest
+    return groups
+
+
+def _trust_target_on_source(ctx: StepContext, source: str, target: str) -> None:
+    """Write the target's verified host key, under its fabric address, to its known_hosts file on the source."""
+    ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/$0"',
+                              FABRIC_KNOWN_HOSTS.format(node=target).removeprefix("~/.ssh/")],
+                             stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
+
+
+def _upload_file_list(ctx: StepContext, source: str, target: str, index: int, files: list[str]) -> str:
+    """Write a stream's file list on the source; returns its path relative to $HOME (rsync's cwd). A file, not
+    stdin: the supervised rsync's stdin is the channel watch."""
+    listing = f".cache/spark-reconciler/rsync-{target}-{index}.list"
+    ctx.sessions[source].run(["sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"',
+                              listing], stdin=b"\0".join(f.encode() for f in files) + b"\0",
+                             timeout=ctx.command_timeout)
+    return listing
+
+
+def _run_streams(run: Callable[[int, list[str] | None], None], groups: list[list[str]]) -> list[BaseException]:
+    """One `run` per group, in parallel threads (one `run` over the whole tree without groups); returns what
+    they raised, for the caller to re-raise in the step's thread."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int, files: list[str] | None) -> None:
+        try:
+            run(i, files)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller, in the step's thread
+            errors.append(exc)
+
+    if not groups:
+        guarded(0, None)
+        return errors
+    threads = [threading.Thread(target=guarded, args=(i, g), daemon=True) for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def sync_weights(ctx: StepContext, step: Step) -> None:
     target, source = step.node, step.params["source"]
     src_root, dst_root = weights_root(ctx.desired, source), weights_root(ctx.desired, target)
@@ -97,16 +155,11 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     before = read_manifest(ctx, target)
     if weights_difference(expected, before) is None:
         return
-    have = {f.path: f.size for f in before.files}
-    # bytes to move: regular files only (a link's size is its target's, which is counted once, as a blob)
-    todo = [(f.path, f.size or 0) for f in expected.files if f.link_target is None and have.get(f.path) != f.size]
+    todo = _files_to_copy(expected, before)
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
-    ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/$0"',
-                              FABRIC_KNOWN_HOSTS.format(node=target).removeprefix("~/.ssh/")],
-                             stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
-    streams = ctx.desired.policy.weights.parallel_streams
-    groups = _groups([(p, s) for p, s in todo if s > 0], streams) if streams > 1 and len(todo) > 1 else []
+    _trust_target_on_source(ctx, source, target)
+    groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams)
     done = [0] * max(1, len(groups))
     lock = threading.Lock()
     ctx.progress("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
@@ -121,42 +174,16 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                     ctx.progress("weights.progress", {"node": target, "bytes_done": min(sum(done), total),
                                                       "bytes_total": total})
 
-        listing = None
-        if files is not None:  # the file list goes to a file: the supervised rsync's stdin is the channel watch
-            listing = f".cache/spark-reconciler/rsync-{target}-{index}.list"  # relative to $HOME, rsync's cwd
-            ctx.sessions[source].run(["sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"',
-                                      listing], stdin=b"\0".join(f.encode() for f in files) + b"\0",
-                                     timeout=ctx.command_timeout)
+        listing = None if files is None else _upload_file_list(ctx, source, target, index, files)
         ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing),
                                  timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True)
 
-    errors: list[BaseException] = []
-    if groups:
-        # everything not in a group (symlinks, empty files, refs) goes with the last stream, after the data
-        rest = sorted({f.path for f in expected.files} - {p for g in groups for p in g})
-        groups[-1] = groups[-1] + rest
-
-        def guarded(i: int, files: list[str]) -> None:
-            try:
-                run(i, files)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the step's thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=guarded, args=(i, g), daemon=True) for i, g in enumerate(groups)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    else:
-        try:
-            run(0, None)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+    errors = _run_streams(run, groups)
     if errors:
-        exc = errors[0]
-        if isinstance(exc, CommandFailed):
-            raise StepFailed(_explain_failure(ctx, target, dst_root, exc, total - sum(done))) from None
-        raise exc
+        first = errors[0]
+        if isinstance(first, CommandFailed):
+            raise StepFailed(_explain_failure(ctx, target, dst_root, first, total - sum(done))) from None
+        raise first
     after = read_manifest(ctx, target)
     problem = weights_difference(expected, after)
     if problem:

@@ -105,9 +105,9 @@ def _stdlib_files() -> list[tuple[str, str]]:
     return out
 
 
-def _inputs() -> tuple[list[tuple[str, str]], list[tuple[str, bytes, int]], list[tuple[str, str]], str]:
-    """(host files to copy as (src, dest)), (generated files (dest, content, mode)), (symlinks (dest, target)),
-    and a hash of all inputs (cheap: stat for host files, content for our own sources)."""
+def _host_copies() -> tuple[list[tuple[str, str]], str]:
+    """(src, dest) of the host files the image copies (python, its stdlib, the tools, their libraries) and the
+    busybox binary; raises BuildError naming the package when one is missing."""
     for p in [PYTHON, *HOST_BINARIES]:
         if not os.path.exists(p):
             raise BuildError(f"{p} missing: apt-get install -y python3.11-minimal bash coreutils")
@@ -122,7 +122,11 @@ def _inputs() -> tuple[list[tuple[str, str]], list[tuple[str, bytes, int]], list
     elf = [PYTHON, *HOST_BINARIES] + [s for s, _ in copies if s.endswith(".so")]
     for lib in sorted(_ldd(elf)):
         copies.append((os.path.realpath(lib), _lib_dest(lib)))
+    return copies, busybox
 
+
+def _generated_files() -> list[tuple[str, bytes, int]]:
+    """(dest, content, mode): the stand-in sources, a wrapper per program, and the few /etc files."""
     gen: list[tuple[str, bytes, int]] = []
     for src in sorted(STANDIN_DIR.glob("*.py")):
         if src.name == "__init__.py":
@@ -138,12 +142,17 @@ def _inputs() -> tuple[list[tuple[str, str]], list[tuple[str, bytes, int]], list
         ("/etc/os-release", b'PRETTY_NAME="spark-testbed stand-in (Debian-derived)"\nID=spark-testbed\n', 0o644),
         ("/etc/nsswitch.conf", b"passwd: files\ngroup: files\nhosts: files dns\n", 0o644),
     ]
+    return gen
+
+
+def _links(busybox: str, taken: set[str]) -> list[tuple[str, str]]:
+    """(dest, target): the usr-merge links, python3, and a link per busybox applet no other file provides."""
     links: list[tuple[str, str]] = [
         ("/bin", "usr/bin"), ("/sbin", "usr/sbin"), ("/lib", "usr/lib"), ("/lib64", "usr/lib64"),
         ("/usr/bin/python3", "python3.11"), ("/usr/bin/python", "python3.11"),
     ]
     applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
-    have = {d for _, d in copies} | {d for d, _, _ in gen} | {d for d, _ in links}
+    have = taken | {d for d, _ in links}
     for a in applets:
         if a in ("busybox", "[[") or "/" in a:
             continue
@@ -151,7 +160,12 @@ def _inputs() -> tuple[list[tuple[str, str]], list[tuple[str, bytes, int]], list
         if dest not in have:
             links.append((dest, "busybox"))
             have.add(dest)
+    return links
 
+
+def _inputs_hash(copies: list[tuple[str, str]], gen: list[tuple[str, bytes, int]],
+                 links: list[tuple[str, str]]) -> str:
+    """Cheap: stat for host files, content for our own sources."""
     h = hashlib.sha256(f"builder {BUILDER_VERSION}\n".encode())
     for src, dest in copies:
         st = os.stat(src)
@@ -161,7 +175,16 @@ def _inputs() -> tuple[list[tuple[str, str]], list[tuple[str, bytes, int]], list
     for dest, target in links:
         h.update(f"L{dest}\0{target}\n".encode())
     h.update(json.dumps(IMAGES, sort_keys=True).encode() + json.dumps(ENV).encode())
-    return copies, gen, links, h.hexdigest()
+    return h.hexdigest()
+
+
+def _inputs() -> tuple[list[tuple[str, str]], list[tuple[str, bytes, int]], list[tuple[str, str]], str]:
+    """(host files to copy as (src, dest)), (generated files (dest, content, mode)), (symlinks (dest, target)),
+    and a hash of all inputs (cheap: stat for host files, content for our own sources)."""
+    copies, busybox = _host_copies()
+    gen = _generated_files()
+    links = _links(busybox, {d for _, d in copies} | {d for d, _, _ in gen})
+    return copies, gen, links, _inputs_hash(copies, gen, links)
 
 
 def _tarinfo(name: str, kind: bytes, mode: int, mtime: int, size: int = 0, linkname: str = "") -> tarfile.TarInfo:

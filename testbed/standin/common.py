@@ -114,7 +114,7 @@ class LineConn:
         self.sock.close()
 
 
-def heartbeats(conn: "LineConn", interval: float, peer_timeout: float):
+def heartbeats(conn: LineConn, interval: float, peer_timeout: float):
     """Yield the peer's messages while pinging it every `interval`; yield None (and stop) once it has been
     silent for `peer_timeout` or closed the connection: how the stand-ins notice a dead peer, like NCCL/Ray do."""
     last_sent, last_heard = 0.0, time.monotonic()

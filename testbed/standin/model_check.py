@@ -31,7 +31,8 @@ def hub_cache_dir(download_dir: str | None = None) -> str:
 
 
 def offline() -> bool:
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def resolve(model: str, revision: str | None = None, download_dir: str | None = None) -> str:

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import LineConn, Terminated, heartbeats, connect, env_float, env_int, install_signal_handlers, listen
+from common import LineConn, Terminated, connect, env_float, env_int, heartbeats, install_signal_handlers, listen
 from ray_client import RayError, cluster_file, ray_request, ray_tmpdir
 
 VERSION = "2.49.0+standin"
@@ -112,7 +112,8 @@ class Head:
 
     def status(self) -> dict:
         with self.lock:
-            return {"op": "status", "nodes": [self.me] + list(self.nodes.values()), "address": f"{self.ip}:{self.args.port}"}
+            return {"op": "status", "nodes": [self.me] + list(self.nodes.values()),
+                    "address": f"{self.ip}:{self.args.port}"}
 
     def run(self) -> int:
         try:
@@ -175,7 +176,7 @@ class Head:
         with self.lock:
             targets = list(self.conns.items())
             ids = {}
-            for nid, conn in targets:
+            for nid, _ in targets:
                 rid = next(self.req_ids)
                 ids[rid] = nid
                 self.pending[rid] = None  # type: ignore[assignment]
@@ -217,39 +218,36 @@ class Head:
 # ------------------------------------------------------------------------------------------------ worker node
 
 
-def run_worker(args) -> int:
-    host, _, port = args.address.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        port = int(port)
-    except ValueError:
-        out(f"ValueError: invalid --address {args.address!r}")
-        return 1
-    ip = args.node_ip_address or "127.0.0.1"
-    gpus = args.num_gpus if args.num_gpus is not None else env_int("STANDIN_GPUS_PER_NODE", 1)
+def _connect_to_gcs(host: str, port: int):
+    """A socket to the head's GCS, retried until STANDIN_RAY_CONNECT_TIMEOUT_S; None (with Ray's message)
+    when it never answers."""
     deadline = time.monotonic() + env_float("STANDIN_RAY_CONNECT_TIMEOUT_S", 30.0)
     while True:
         try:
-            sock = connect(host, port, timeout=2.0)
-            break
+            return connect(host, port, timeout=2.0)
         except OSError as e:
             if time.monotonic() > deadline:
                 out(f"ConnectionError: Unable to connect to GCS at {host}:{port}. Check that (1) Ray GCS with matching "
                     f"version started successfully at the specified address, and (2) there is no firewall setting "
                     f"preventing access. ({e.strerror or e})")
-                return 1
+                return None
             time.sleep(0.5)
-    conn = LineConn(sock)
-    nid = node_id(ip)
-    conn.send({"op": "join", "node_id": nid, "ip": ip, "gpus": gpus, "cpus": args.num_cpus or os.cpu_count() or 1})
+
+
+def _joined(conn: LineConn, join: dict, gcs: str) -> bool:
+    """Send the join request; True when the head answers `joined` within 10 s."""
+    conn.send(join)
     try:
         msg = conn.recv(10.0)
     except TimeoutError:
         msg = None
     if not msg or msg.get("op") != "joined":
-        out(f"ConnectionError: GCS at {host}:{port} refused the node: {msg}")
-        return 1
-    write_pidfile()
+        out(f"ConnectionError: GCS at {gcs} refused the node: {msg}")
+        return False
+    return True
+
+
+def _worker_banner(ip: str) -> None:
     out(f"Local node IP: {ip}")
     out()
     out("--------------------")
@@ -261,6 +259,10 @@ def run_worker(args) -> int:
     out()
     out("--block")
     out("  This command will now block forever until terminated by a signal.")
+
+
+def _serve_head(conn: LineConn, gcs: str, ip: str) -> int:
+    """Ping the head every heartbeat and answer its model checks; exit 1 like a raylet when it goes silent."""
     hb = env_float("STANDIN_HEARTBEAT_S", 1.0)
     timeout = env_float("STANDIN_PEER_TIMEOUT_S", 5.0)
     last = time.monotonic()
@@ -278,13 +280,35 @@ def run_worker(args) -> int:
             else:
                 continue
         if m is None:
-            out(f"[raylet] Failed to connect to GCS at {host}:{port} (connection lost); the raylet is exiting. "
+            out(f"[raylet] Failed to connect to GCS at {gcs} (connection lost); the raylet is exiting. "
                 "This usually happens when the head node dies.")
             return 1
         last = time.monotonic()
         if m.get("op") == "check_model":
             res = local_check(m, ip)
             conn.send({**res, "op": "check_result", "req": m.get("req")})
+
+
+def run_worker(args) -> int:
+    host, _, port_text = args.address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        out(f"ValueError: invalid --address {args.address!r}")
+        return 1
+    ip = args.node_ip_address or "127.0.0.1"
+    gpus = args.num_gpus if args.num_gpus is not None else env_int("STANDIN_GPUS_PER_NODE", 1)
+    sock = _connect_to_gcs(host, port)
+    if sock is None:
+        return 1
+    conn = LineConn(sock)
+    join = {"op": "join", "node_id": node_id(ip), "ip": ip, "gpus": gpus, "cpus": args.num_cpus or os.cpu_count() or 1}
+    if not _joined(conn, join, f"{host}:{port}"):
+        return 1
+    write_pidfile()
+    _worker_banner(ip)
+    return _serve_head(conn, f"{host}:{port}", ip)
 
 
 # ------------------------------------------------------------------------------------------------ commands

@@ -61,14 +61,8 @@ _MESSAGES = {
 }
 
 
-def verify_shard(path) -> dict:
-    """Parse and check a safetensors file; return its header (tensor name -> info, plus ``__metadata__``).
-
-    Checks: the file exists (a broken symlink raises FileNotFoundError, as open() would), the 8-byte header length,
-    the JSON header, every tensor's dtype/shape/offsets (contiguous, no overlap) and that the data section is exactly
-    as long as the offsets say (a truncated shard raises ShardError("MetadataIncompleteBuffer")).
-    """
-    path = os.fspath(path)
+def _read_header(path: str) -> tuple[bytes, int]:
+    """The raw JSON header and the file's size, after the checks on the 8-byte header length."""
     size = os.stat(path).st_size  # follows symlinks: FileNotFoundError on a dangling one
     with open(path, "rb") as f:
         head = f.read(8)
@@ -82,6 +76,11 @@ def verify_shard(path) -> dict:
         raw = f.read(n)
     if len(raw) < n:
         raise ShardError("InvalidHeaderLength")
+    return raw, size
+
+
+def _parse_header(raw: bytes) -> dict:
+    """UTF-8, starting with `{`, a JSON object whose `__metadata__` (if any) maps str to str."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -97,34 +96,51 @@ def verify_shard(path) -> dict:
     meta = header.get("__metadata__", {})
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise ShardError("InvalidHeaderDeserialization", "__metadata__ must map str to str")
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
-            raise ShardError("InvalidHeaderDeserialization", name)
-        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPE_SIZES:
-            raise ShardError("InvalidHeaderDeserialization", f"unknown dtype {dtype!r} for {name}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ShardError("InvalidHeaderDeserialization", f"bad shape for {name}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
-            raise ShardError("InvalidHeaderDeserialization", f"bad data_offsets for {name}")
-        begin, end = offs
-        if end < begin:
-            raise ShardError("InvalidOffset", name)
-        count = 1
-        for d in shape:
-            count *= d
-        if count * DTYPE_SIZES[dtype] != end - begin:
-            raise ShardError("TensorInvalidInfo", name)
-        spans.append((begin, end, name))
-    spans.sort()
+    return header
+
+
+def _tensor_span(name: str, info: object) -> tuple[int, int, str]:
+    """(begin, end, name) of one tensor's data, after checking its dtype, shape and offsets agree."""
+    if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+        raise ShardError("InvalidHeaderDeserialization", name)
+    dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise ShardError("InvalidHeaderDeserialization", f"unknown dtype {dtype!r} for {name}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ShardError("InvalidHeaderDeserialization", f"bad shape for {name}")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
+        raise ShardError("InvalidHeaderDeserialization", f"bad data_offsets for {name}")
+    begin, end = offs
+    if end < begin:
+        raise ShardError("InvalidOffset", name)
+    count = 1
+    for d in shape:
+        count *= d
+    if count * DTYPE_SIZES[dtype] != end - begin:
+        raise ShardError("TensorInvalidInfo", name)
+    return begin, end, name
+
+
+def _data_length(spans: list[tuple[int, int, str]]) -> int:
+    """The length of the data section the tensors cover, which must be contiguous from 0 with no overlap."""
     pos = 0
-    for begin, end, name in spans:
+    for begin, end, name in sorted(spans):
         if begin != pos:
             raise ShardError("InvalidOffset", name)
         pos = end
-    if 8 + n + pos != size:
+    return pos
+
+
+def verify_shard(path) -> dict:
+    """Parse and check a safetensors file; return its header (tensor name -> info, plus ``__metadata__``).
+
+    Checks: the file exists (a broken symlink raises FileNotFoundError, as open() would), the 8-byte header length,
+    the JSON header, every tensor's dtype/shape/offsets (contiguous, no overlap) and that the data section is exactly
+    as long as the offsets say (a truncated shard raises ShardError("MetadataIncompleteBuffer")).
+    """
+    raw, size = _read_header(os.fspath(path))
+    header = _parse_header(raw)
+    spans = [_tensor_span(name, info) for name, info in header.items() if name != "__metadata__"]
+    if 8 + len(raw) + _data_length(spans) != size:
         raise ShardError("MetadataIncompleteBuffer")
     return header

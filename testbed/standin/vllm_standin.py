@@ -25,13 +25,13 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (
-    heartbeats,
     LineConn,
     QuietHandler,
     Terminated,
     connect,
     env_float,
     env_int,
+    heartbeats,
     install_signal_handlers,
     listen,
     log,
@@ -160,7 +160,8 @@ class Engine:
     def validate(self):
         a = self.args
         if not 0 < a.gpu_memory_utilization <= 1:
-            raise EngineError(f"ValueError: GPU memory utilization must be within (0, 1]. Got {a.gpu_memory_utilization}.")
+            raise EngineError("ValueError: GPU memory utilization must be within (0, 1]. "
+                              f"Got {a.gpu_memory_utilization}.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             if getattr(a, name) < 1:
                 raise EngineError(f"ValueError: {name} must be >= 1, got {getattr(a, name)}")
@@ -308,7 +309,8 @@ class Engine:
                 text = (f"Worker proc on node rank {rank} died unexpectedly (connection to {peer} lost), "
                         "shutting down executor.")
                 log("ERROR", "multiproc_executor.py:154", text)
-                log("ERROR", "core_client.py:564", "Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")
+                log("ERROR", "core_client.py:564",
+                    "Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")
                 self.fail(text)
                 conn.close()
                 return
@@ -430,6 +432,41 @@ class Engine:
 # ------------------------------------------------------------------------------------------------ HTTP
 
 
+def _models(engine: Engine) -> dict:
+    """/v1/models: every served name, as vLLM lists them."""
+    data = [
+        {"id": name, "object": "model", "created": int(engine.started), "owned_by": "vllm",
+         "root": engine.model, "parent": None, "max_model_len": engine.max_len, "permission": []}
+        for name in engine.served
+    ]
+    return {"object": "list", "data": data}
+
+
+def _complete(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON) for a completion or chat request to a healthy engine: up to 64 words of "stand-in",
+    counted in the engine's metrics."""
+    model = body.get("model") or engine.served[0]
+    if model not in engine.served:
+        return 404, {"error": {"message": f"The model `{model}` does not exist.",
+                               "type": "NotFoundError", "param": None, "code": 404}}
+    n = max(1, min(int(body.get("max_tokens") or 16), 64))
+    text = " ".join(["stand-in"] * n)
+    prompt_tokens = len(str(body.get("prompt") or body.get("messages") or "").split())
+    with engine.lock:
+        engine.requests += 1
+        engine.prompt_tokens += prompt_tokens
+        engine.gen_tokens += n
+    rid = uuid.uuid4().hex
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    if path == "/v1/completions":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        return 200, {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+                     "model": model, "choices": [choice], "usage": usage}
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+    return 200, {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+                 "model": model, "choices": [choice], "usage": usage}
+
+
 def make_handler(engine: Engine):
     class Handler(QuietHandler):
         def do_GET(self):
@@ -444,12 +481,7 @@ def make_handler(engine: Engine):
             elif path == "/version":
                 self.reply(200, {"version": VERSION})
             elif path == "/v1/models":
-                data = [
-                    {"id": name, "object": "model", "created": int(engine.started), "owned_by": "vllm",
-                     "root": engine.model, "parent": None, "max_model_len": engine.max_len, "permission": []}
-                    for name in engine.served
-                ]
-                self.reply(200, {"object": "list", "data": data})
+                self.reply(200, _models(engine))
             elif path == "/metrics":
                 self.reply(200, metrics(engine), "text/plain; version=0.0.4; charset=utf-8")
             else:
@@ -468,28 +500,7 @@ def make_handler(engine: Engine):
             if body is None:
                 self.reply(400, {"error": {"message": "Invalid JSON", "type": "BadRequestError", "code": 400}})
                 return
-            model = body.get("model") or engine.served[0]
-            if model not in engine.served:
-                self.reply(404, {"error": {"message": f"The model `{model}` does not exist.",
-                                           "type": "NotFoundError", "param": None, "code": 404}})
-                return
-            n = max(1, min(int(body.get("max_tokens") or 16), 64))
-            text = " ".join(["stand-in"] * n)
-            prompt_tokens = len(str(body.get("prompt") or body.get("messages") or "").split())
-            with engine.lock:
-                engine.requests += 1
-                engine.prompt_tokens += prompt_tokens
-                engine.gen_tokens += n
-            rid = uuid.uuid4().hex
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-            if path == "/v1/completions":
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-                self.reply(200, {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-                                 "model": model, "choices": [choice], "usage": usage})
-            else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                self.reply(200, {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-                                 "model": model, "choices": [choice], "usage": usage})
+            self.reply(*_complete(engine, path, body))
 
     return Handler
 

@@ -10,7 +10,6 @@ Set SPARK_TESTBED_KEEP=1 to leave the testbed up after the session (to poke at i
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -27,10 +26,8 @@ def testbed():
 
     guard = open("/run/spark-testbed.lock", "a")  # noqa: SIM115 - released when the session ends
     fcntl.flock(guard, fcntl.LOCK_EX)
-    t = time.monotonic()
     try:
         tb = api.up(nodes=2, scenario="seed")
-        tb.bringup_seconds = time.monotonic() - t
         yield tb
     finally:
         try:

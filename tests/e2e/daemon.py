@@ -14,7 +14,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from reconciler.controller import SHUTDOWN_DEADLINE
+
 CLI = str(Path(sys.executable).with_name("reconciler"))
+# Scheduling slack on a loaded 2-core machine on top of the product's own deadline; a deadline to wait with, not a
+# duration the test measures.
+SHUTDOWN_SLACK = 5.0
 
 
 def free_port() -> int:
@@ -60,7 +65,7 @@ class Daemon:
         self.extra = extra
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Daemon":
+    def start(self) -> Daemon:
         env = dict(os.environ, NOTIFY_SOCKET=self.notify_path)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([CLI, "run", str(self.desired), "--state-dir", str(self.state_dir),
@@ -74,7 +79,7 @@ class Daemon:
         while not self._reading.is_set():
             try:
                 self.notifications.append(self.notify.recv(4096).decode())
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -132,7 +137,19 @@ class Daemon:
         return code
 
     def close(self) -> None:
-        self.stop()
-        self._reading.set()
-        self._reader.join(2)
-        self.notify.close()
+        """Stop the daemon as systemd does. Every test that leaves it running ends by checking the shutdown
+        contract (docs/reliability.md): SIGTERM -> exit 0 within the deadline, by the orderly path (the
+        product's last-resort exit prints `daemon.shutdown_forced` and every thread's stack: a stuck thread)."""
+        running = self.proc is not None and self.proc.poll() is None
+        try:
+            code = self.stop(timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK)
+        except subprocess.TimeoutExpired:
+            code = None  # stop() killed it
+        finally:
+            self._reading.set()
+            self._reader.join(2)
+            self.notify.close()
+        if running:
+            assert code == 0, f"SIGTERM: exit {code}, not 0 within {SHUTDOWN_DEADLINE:g}s (+{SHUTDOWN_SLACK:g}s slack)"
+            forced = self.log_path.read_text(errors="replace").count("daemon.shutdown_forced")
+            assert forced == 0, f"the shutdown had to be forced: a thread was stuck (stacks in {self.log_path})"

@@ -21,7 +21,7 @@ def test_bench_quick(testbed, tmp_path):
     env = {**os.environ, "BENCH_TESTBED_LOCK_HELD": "1"}
     try:
         p = subprocess.run([sys.executable, "-m", "bench", "all", "--quick", "--results", str(tmp_path)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     finally:
         api.up(nodes=2, scenario="seed")  # the benchmarks bring the testbed down; the session goes on with it
     assert p.returncode == 0, p.stderr[-4000:]
@@ -32,7 +32,7 @@ def test_bench_quick(testbed, tmp_path):
         assert d["leftovers"] == [], (name, d["leftovers"])
 
     noop = r["noop"]
-    for k in ("project", "proposed", "floor", "ansible"):
+    for k in ("project", "floor", "ansible"):
         assert 0 < noop[k]["median"] <= noop[k]["p95"] < 60, (k, noop[k])
     assert noop["ansible"]["median"] > noop["project"]["median"]   # sanity, not the 50x target
     for mode in ("events", "resync_5s"):

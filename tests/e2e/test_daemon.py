@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.daemon import CLI, Daemon, holds_for, wait_until
+from reconciler.controller import SHUTDOWN_DEADLINE
+from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, holds_for, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +63,7 @@ def test_daemon_converges_the_seed_and_reports_ready(daemon):
     for family in metrics.REGISTRY.collect():
         assert f"# HELP {family.name}" in exposition and f"# TYPE {family.name}" in exposition, family.name
     assert 'reconciler_node_reachable{node="worker"} 1.0' in exposition
-    status = subprocess.run([CLI, "status", "--url", daemon.url], capture_output=True, text=True)
+    status = subprocess.run([CLI, "status", "--url", daemon.url], capture_output=True, text=True, check=False)
     assert status.returncode == 0 and "Converged" in status.stdout and "FabricLinkUp" in status.stdout
 
 
@@ -112,7 +112,6 @@ def test_push_events_detect_and_repair_drift_long_before_the_resync(daemon, seed
     tb = seed_testbed
     old_serving = tb.docker("worker", "inspect", "--format", "{{.Id}}", "vllm_serving").stdout.strip()
     events = daemon.metric("reconciler_events_total", node="worker")
-    start = time.monotonic()
     if fault == "kill-serving":
         tb.fault("kill-container", "worker", name="vllm_serving")
     elif fault == "link-down":
@@ -121,9 +120,8 @@ def test_push_events_detect_and_repair_drift_long_before_the_resync(daemon, seed
         tb.fault("rogue-container", "worker", name="rogue")
     wait_until(lambda: daemon.metric("reconciler_events_total", node="worker") > events, 10,
                "an event from the worker's stream")
+    # the deadline is far below the 1h resync: only the push path explains a repair within it
     wait_until(lambda: _repaired(tb, fault, old_serving), 60, f"the {fault} repair")
-    elapsed = time.monotonic() - start
-    assert elapsed < 60, "repaired well before the 1h resync: only the push path explains it"
     daemon.wait_phase("Converged", timeout=30)
     assert served(tb) == ["tiny-moe"]
 
@@ -161,7 +159,7 @@ def test_a_step_that_keeps_failing_is_held_not_hammered(seed_testbed, tmp_path):
 def test_second_daemon_on_the_same_file_is_refused(daemon):
     daemon.wait_phase("Converged", timeout=90)
     second = subprocess.run([CLI, "run", str(daemon.desired), "--state-dir", str(daemon.state_dir),
-                             "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+                             "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=30, check=False)
     assert second.returncode == 1
     assert "already runs" in second.stderr and str(daemon.desired) in second.stderr
 
@@ -186,9 +184,7 @@ def test_sigterm_during_a_weight_sync_exits_cleanly_and_the_next_start_resumes(s
                                for e in first.log_events()), 60, "the weight sync to start")
         wait_until(lambda: any(p.startswith("blobs/") and full.get(p) == size
                                for p, size in _regular_files(tb, "worker", dst).items()), 60, "a first complete blob")
-        started = time.monotonic()
-        assert first.stop() == 0
-        assert time.monotonic() - started < 15, "SIGTERM ends the daemon quickly, mid-sync"
+        assert first.stop(timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0, "SIGTERM ends the daemon mid-sync"
         assert any(m.startswith("STOPPING=1") for m in first.messages())
     finally:
         first.close()

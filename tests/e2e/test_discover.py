@@ -21,7 +21,7 @@ CLI = str(Path(sys.executable).with_name("reconciler"))
 
 
 def reconciler(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def discover(tb, out: Path) -> subprocess.CompletedProcess:

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +67,12 @@ def docker(host: str, *args: str, check: bool = True, timeout: float = 60) -> su
     return res
 
 
+def stopped_by_sigterm(engine, name: str) -> bool:
+    """`docker stop` ended the container by its own SIGTERM handling, not by the SIGKILL after the grace period
+    (exit 137): the property a fast stop depends on, without timing it."""
+    return docker(engine, "inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() != "137"
+
+
 @pytest.fixture(scope="module")
 def images(engine):
     return build(engine)  # archive cached in $SPARK_TESTBED_IMAGE_CACHE (default /var/cache/spark-testbed/images)
@@ -76,10 +81,10 @@ def images(engine):
 def test_build_ids_are_stable_distinct_and_cached(engine, images):
     assert set(images) == set(IMAGES)
     assert len(set(images.values())) == 2
-    t0 = time.monotonic()
+    path = archive()[0]
+    written = path.stat().st_mtime_ns
     assert build(engine) == images
-    assert time.monotonic() - t0 < 5
-    assert archive()[1] == images
+    assert archive() == (path, images) and path.stat().st_mtime_ns == written, "cached: the archive is not rebuilt"
     out = docker(engine, "image", "inspect", "vllm-standin:latest").stdout
     info = json.loads(out)[0]
     assert info["Id"] == images["vllm-standin:latest"]
@@ -110,13 +115,11 @@ def test_two_containers_rendezvous_and_stop_fast(engine, images, tmp_path):
            *flags, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "dense")
     wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=30, what="head healthy")
     assert json.loads(http_get(f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"] == "dense"
-    t0 = time.monotonic()
     docker(engine, "stop", "tbw")
-    assert time.monotonic() - t0 < 5
+    assert stopped_by_sigterm(engine, "tbw")
     wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 503, timeout=15, what="head unhealthy")
-    t0 = time.monotonic()
     docker(engine, "stop", "tbh")
-    assert time.monotonic() - t0 < 5
+    assert stopped_by_sigterm(engine, "tbh")
     docker(engine, "rm", "tbh", "tbw")
 
 
@@ -143,8 +146,7 @@ def test_cotenant_image(engine, images):
     docker(engine, "run", "-d", "--name", "ct", "--network", "host", "cotenant-standin:latest", "cotenant", "--port",
            str(port), "--hold-mb", "16", "--label", "reranker", "--host", "127.0.0.1")
     wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, timeout=20, what="cotenant")
-    t0 = time.monotonic()
     docker(engine, "stop", "ct")
-    assert time.monotonic() - t0 < 5
+    assert stopped_by_sigterm(engine, "ct")
     assert docker(engine, "inspect", "-f", "{{.State.ExitCode}}", "ct").stdout.strip() == "0"
     docker(engine, "rm", "ct")

@@ -13,14 +13,14 @@ import random
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.daemon import CLI, Daemon, wait_until
+from reconciler.controller import SHUTDOWN_DEADLINE
+from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -213,7 +213,7 @@ def sync_resume_trial(tb, work: Path, sig: int) -> dict:
         wait_until(lambda: first.metric("reconciler_weights_sync_bytes_total") >= total * 0.5, 60,
                    "half of the weights", interval=0.05)
         t = time.monotonic()
-        code = first.stop(sig, timeout=30)
+        code = first.stop(sig, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK)  # raises past the deadline
         stop_s = time.monotonic() - t
         before = fabric_rx(tb) - rx0
     finally:
@@ -246,7 +246,7 @@ def test_kill9_anywhere_then_restart_converges(seed_testbed, tmp_path, trial):
 def test_weight_sync_resumes_after_the_daemon_dies(seed_testbed, tmp_path, sig):
     r = sync_resume_trial(seed_testbed, tmp_path, sig)
     if sig == signal.SIGTERM:
-        assert r["exit"] == 0 and r["stop_s"] < 10, r
+        assert r["exit"] == 0, r  # within the shutdown deadline: stop() waits no longer
     assert r["kept_partial"] > 0 or r["sent_before"] >= r["total"] * 0.5, r
     # resumed, not restarted: what crossed the fabric after the restart is well below the whole model
     assert r["resent_after"] < r["total"] * 0.75, r
@@ -259,9 +259,7 @@ def test_sigterm_during_serving_start_then_restart(tmp_path, seed_testbed):
     first = daemon(desired, tmp_path / "state")
     try:
         wait_until(lambda: step_starts(first, "start-serving"), 60, "a serving start", interval=0.02)
-        t = time.monotonic()
-        assert first.stop(signal.SIGTERM, timeout=30) == 0
-        assert time.monotonic() - t < 15
+        assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
     finally:
         first.close()
     assert serving_ok(tb) == []
@@ -279,7 +277,7 @@ def test_a_second_daemon_is_refused(tmp_path, seed_testbed):
     try:
         wait_until(first.status, 30, "the first daemon's status")
         second = subprocess.run([CLI, "run", str(desired), "--state-dir", str(tmp_path / "state"), "--listen",
-                                 "127.0.0.1:0"], capture_output=True, text=True, timeout=30)
+                                 "127.0.0.1:0"], capture_output=True, text=True, timeout=30, check=False)
         assert second.returncode == 1
         assert "already runs" in second.stderr and str(first.proc.pid) in second.stderr, second.stderr
         assert first.proc.poll() is None
@@ -322,7 +320,7 @@ def test_link_flap_storm_no_restart_storm(serving):
 def drop_sessions(tb, node: str) -> None:
     """After sshd-stop: end the node's open SSH sessions too (as a reboot would; sshd-stop alone keeps them)."""
     ns = tb.node(node).netns
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
     for pid in pids:
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
@@ -507,7 +505,7 @@ def test_serving_that_keeps_crashing_is_held_not_looped(seed_testbed, tmp_path):
 class CaplessDaemon(Daemon):
     """uid 0 without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH: `chmod 000` really makes the file unreadable."""
 
-    def start(self) -> "CaplessDaemon":
+    def start(self) -> CaplessDaemon:
         env = dict(os.environ, NOTIFY_SOCKET=self.notify_path)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         drop = "-dac_override,-dac_read_search"

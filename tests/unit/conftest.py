@@ -108,3 +108,38 @@ def problems() -> Callable[[str | bytes], list[str]]:
         return []
 
     return run
+
+
+class TooMuchWork(AssertionError):
+    """Raised by the work meter: the loader built more values than its caps allow."""
+
+
+@pytest.fixture
+def build_meter(monkeypatch) -> Callable[[], int]:
+    """Count the values the YAML loader builds for a document (the last one loaded), and stop it as soon as it
+    exceeds its caps.
+
+    Bounded *work*, not wall time, is what a cap promises (timing fails under load). And a regression in the
+    alias cap must fail in milliseconds, not eat all memory until the OOM killer ends pytest: the meter raises
+    once one document goes past the expansion cap plus the depth of one path, whatever the loader does."""
+    from reconciler import loader
+
+    limit = loader.MAX_EXPANDED_NODES + loader.MAX_DEPTH + 1
+    real = loader._Builder.build
+    meter = _Meter()
+
+    def counted(self, node, loc):
+        if meter.builder is not self:
+            meter.builder, meter.built = self, 0
+        meter.built += 1
+        if meter.built > limit:
+            raise TooMuchWork(f"the loader built more than {limit} values: its expansion cap does not hold")
+        return real(self, node, loc)
+
+    monkeypatch.setattr(loader._Builder, "build", counted)
+    return lambda: meter.built
+
+
+class _Meter:
+    builder: object = None
+    built: int = 0

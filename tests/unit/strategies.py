@@ -5,8 +5,17 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from reconciler import spec
-from reconciler.observed import (Container, Link, Memory, NodeObservation, Observed, RdmaPort, Serving,
-                                 WeightFile, Weights)
+from reconciler.observed import (
+    Container,
+    Link,
+    Memory,
+    NodeObservation,
+    Observed,
+    RdmaPort,
+    Serving,
+    WeightFile,
+    Weights,
+)
 from reconciler.vllm import launch_specs
 
 GIB = 2**30

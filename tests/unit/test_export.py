@@ -36,42 +36,61 @@ def json_fixture(name: str) -> str:
 
 # ------------------------------------------------------------------------------------------ schema validation
 
-def validate(schema: dict, value, path: str = "$") -> list[str]:
-    """The JSON-Schema keywords lws-crd-subset.schema.json uses (type, enum, minimum, maximum, required,
-    properties, additionalProperties, items, x-kubernetes-int-or-string)."""
-    errs: list[str] = []
-    if schema.get("x-kubernetes-int-or-string"):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            errs.append(f"{path}: not int-or-string: {value!r}")
-        return errs
+_PY_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
+
+
+def _wrong_type(schema: dict, value, path: str) -> str | None:
+    """The error when `value` is not of the schema's `type` (then no other keyword is checked)."""
     kind = schema.get("type")
-    checks = {"object": dict, "array": list, "string": str, "boolean": bool}
-    if kind == "integer":
-        if isinstance(value, bool) or not isinstance(value, int):
-            return [f"{path}: not an integer: {value!r}"]
-        if schema.get("format") == "int32" and not -2**31 <= value < 2**31:
-            errs.append(f"{path}: out of int32")
-    elif kind in checks and not isinstance(value, checks[kind]):
-        return [f"{path}: not {kind}: {value!r}"]
+    if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"{path}: not an integer: {value!r}"
+    if kind in _PY_TYPES and not isinstance(value, _PY_TYPES[kind]):
+        return f"{path}: not {kind}: {value!r}"
+    return None
+
+
+def _value_errors(schema: dict, value, path: str) -> list[str]:
+    """format int32, enum, minimum, maximum."""
+    errs: list[str] = []
+    if schema.get("type") == "integer" and schema.get("format") == "int32" and not -2**31 <= value < 2**31:
+        errs.append(f"{path}: out of int32")
     if "enum" in schema and value not in schema["enum"]:
         errs.append(f"{path}: {value!r} not in {schema['enum']}")
     if "minimum" in schema and value < schema["minimum"]:
         errs.append(f"{path}: below {schema['minimum']}")
     if "maximum" in schema and value > schema["maximum"]:
         errs.append(f"{path}: above {schema['maximum']}")
+    return errs
+
+
+def _object_errors(schema: dict, value: dict, path: str) -> list[str]:
+    """required, properties, additionalProperties (false: the API server would prune the field)."""
+    errs = [f"{path}: missing required {key}" for key in schema.get("required", []) if key not in value]
+    props = schema.get("properties", {})
+    extra = schema.get("additionalProperties", True)
+    for key, v in value.items():
+        if key in props:
+            errs += validate(props[key], v, f"{path}.{key}")
+        elif extra is False:
+            errs.append(f"{path}: unknown field {key!r} (the API server would prune it)")
+        elif isinstance(extra, dict):
+            errs += validate(extra, v, f"{path}.{key}")
+    return errs
+
+
+def validate(schema: dict, value, path: str = "$") -> list[str]:
+    """The JSON-Schema keywords lws-crd-subset.schema.json uses (type, enum, minimum, maximum, required,
+    properties, additionalProperties, items, x-kubernetes-int-or-string)."""
+    if schema.get("x-kubernetes-int-or-string"):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return [f"{path}: not int-or-string: {value!r}"]
+        return []
+    wrong = _wrong_type(schema, value, path)
+    if wrong:
+        return [wrong]
+    errs = _value_errors(schema, value, path)
     if isinstance(value, dict):
-        for key in schema.get("required", []):
-            if key not in value:
-                errs.append(f"{path}: missing required {key}")
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, v in value.items():
-            if key in props:
-                errs += validate(props[key], v, f"{path}.{key}")
-            elif extra is False:
-                errs.append(f"{path}: unknown field {key!r} (the API server would prune it)")
-            elif isinstance(extra, dict):
-                errs += validate(extra, v, f"{path}.{key}")
+        errs += _object_errors(schema, value, path)
     if isinstance(value, list) and "items" in schema:
         for i, v in enumerate(value):
             errs += validate(schema["items"], v, f"{path}[{i}]")

@@ -103,9 +103,8 @@ def test_several_independent_cross_field_errors_are_all_reported_at_once(edit, p
 
 
 def test_field_errors_do_not_hide_cross_field_errors(edit, problems):
-    """BUG (reported): the issue asks for *every* error at once, but the cross-field rules live in a pydantic
-    `mode="after"` model validator, which never runs when any field failed; two heads go unreported next to a
-    typo in policy."""
+    """Every error at once: the cross-field rules once lived in a pydantic `mode="after"` model validator, which
+    never runs when any field failed, so two heads went unreported next to a typo in policy."""
     lines = problems(edit(("    role: worker", "    role: head"), ("resync_interval: 30s", "resync_interval: 30")))
     _assert_reported(lines, [
         ("11:11", "nodes[1].role", "exactly one node must have role head (found 2)"),
@@ -309,7 +308,7 @@ def test_rule(name, subs, where, message, edit, problems, base_yaml):
 
 
 def test_unknown_node_key_in_model_path_is_reported_at_the_key(edit, problems):
-    """BUG (reported): a problem about a mapping *key* is placed at its value, which in block style is the next
+    """A problem about a mapping *key* is placed at the key, not at its value, which in block style is the next
     line (same for invalid env var names and co_tenants node keys: see the corpus)."""
     lines = problems(edit(("  path: /home/spark/.cache/huggingface/hub",
                            "  path:\n    head-a: /a\n    worker-b: /b\n    nobody:\n      /c")))
@@ -317,15 +316,15 @@ def test_unknown_node_key_in_model_path_is_reported_at_the_key(edit, problems):
 
 
 def test_port_collision_points_at_the_field_that_was_written(edit, problems):
-    """BUG (reported): `master_port: 8000` with the default port 8000 is reported as serving.port and placed on the
-    `serving:` line (serving.port is not in the file); it must point at the master_port line the operator wrote."""
+    """`master_port: 8000` with the default port 8000 was once reported as serving.port and placed on the
+    `serving:` line (serving.port is not in the file); it points at the master_port line the operator wrote."""
     lines = problems(edit(("  port: 8000\n", "  master_port: 8000\n")))
     assert any(l.startswith("X:26:16: serving.master_port: ") and "8000" in l for l in lines), lines
 
 
 @pytest.mark.parametrize("listen", ["999.1.1.1:9464", "127.0.0.1:70000", "1.2.3:80", "[::1]:99999"])
 def test_listen_rejects_impossible_addresses_and_ports(listen, edit, problems):
-    """BUG (reported): the HOST:PORT pattern accepts any digits and dots and any 5-digit port."""
+    """The HOST:PORT pattern once accepted any digits and dots and any 5-digit port."""
     lines = problems(edit(("listen: 127.0.0.1:9464", f"listen: \"{listen}\"")))
     assert any(l.startswith("X:37:11: policy.listen: ") for l in lines), lines
 
@@ -402,7 +401,7 @@ def test_durations_parse_and_round_trip_through_model_dump(text, seconds):
 
 @pytest.mark.parametrize("text", ["1500ms", "2s500ms", "1m250ms"])
 def test_durations_with_milliseconds_above_a_second_round_trip(text):
-    """BUG (reported): format_duration drops the sub-second part of values >= 1 s ("1500ms" dumps as "1s")."""
+    """format_duration once dropped the sub-second part of values >= 1 s ("1500ms" dumped as "1s")."""
     policy = spec.Policy(resync_interval=text)
     again = spec.Policy.model_validate(policy.model_dump(mode="json"))
     assert again.resync_interval == pytest.approx(policy.resync_interval)
@@ -465,7 +464,8 @@ def test_defaults(base_yaml):
 
 
 def test_minimal_single_node_file_takes_all_defaults():
-    d = spec.loads("nodes:\n  - {name: solo, role: head, ssh: {host: h}, fabric: {interface: e0, address: 10.0.0.1/24}}\n"
+    d = spec.loads("nodes:\n"
+                   "  - {name: solo, role: head, ssh: {host: h}, fabric: {interface: e0, address: 10.0.0.1/24}}\n"
                    "model: {id: a/b, path: /m}\nserving: {image: vllm}\n")
     assert d.head.name == "solo" and [n.name for n in d.serving_nodes] == ["solo"]
     assert d.source_node == "solo" and d.policy.listen.startswith("127.0.0.1:")

