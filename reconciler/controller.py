@@ -74,6 +74,7 @@ class Controller:
         self.stop = threading.Event()
         self.cancel = threading.Event()
         self.stopped = threading.Event()
+        self._held_published: set[tuple[str, str]] = set()  # (kind, node) shown as held on the step_hold gauge
         self.log = log.get().bind(file=str(self.path))
         self.desired: spec.Desired | None = None
         self.content_hash: str | None = None
@@ -97,18 +98,26 @@ class Controller:
         return self.state_dir / f"state-{key}.json"
 
     def _load_generations(self) -> tuple[int, int]:
+        """Also restores when the cluster last converged: a restart must not make Grafana's "since last
+        converged" read as 1970 until the first converged reconcile."""
+        self.last_converged = 0.0
         try:
             data = json.loads(self._state_file().read_text())
             self._stored_hash = data.get("hash")
+            self.last_converged = float(data.get("lastConverged") or 0.0)
             return int(data.get("generation", 0)), int(data.get("observedGeneration", 0))
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             self._stored_hash = None
             return 0, 0
+        finally:
+            if self.last_converged > 0:
+                metrics.last_converged.set(self.last_converged)
 
     def _save_generations(self) -> None:
         tmp = self._state_file().with_suffix(".tmp")
         tmp.write_text(json.dumps({"hash": self.content_hash, "generation": self.generation,
-                                   "observedGeneration": self.observed_generation}))
+                                   "observedGeneration": self.observed_generation,
+                                   "lastConverged": self.last_converged}))
         tmp.replace(self._state_file())
 
     # -- the desired state ------------------------------------------------------------------------------------
@@ -189,7 +198,8 @@ class Controller:
         held = self._publish_holds()
         if not current.changes:
             self.observed_generation = self.generation
-            metrics.last_converged.set(time.time())
+            self.last_converged = time.time()
+            metrics.last_converged.set(self.last_converged)
             self._save_generations()
         self._publish(observed, current, failures, held)
         result = "error" if failures else ("success" if ran else "noop")
@@ -221,13 +231,17 @@ class Controller:
         return ran, failures
 
     def _publish_holds(self) -> dict[str, str]:
-        """The held steps, also as the step_hold gauge (1 held, 0 for every step that has a record)."""
+        """The held steps, also as the step_hold gauge: 1 while held, back to 0 once no longer held — also when
+        the hold ended by a success or a new generation, which drop the step's record (the gauge once stayed 1
+        until the daemon restarted, and ReconcilerStepHeld kept firing)."""
         assert self.holds is not None
         held = self.holds.held()
-        for kind_node in {(s.split("/")[0], s.split("/")[1]) for s in self.holds.records}:
-            metrics.step_hold.labels(kind=kind_node[0], node=kind_node[1]).set(0)
-        for sid in held:
-            metrics.step_hold.labels(kind=sid.split("/")[0], node=sid.split("/")[1]).set(1)
+        now = {(sid.split("/")[0], sid.split("/")[1]) for sid in held}
+        for kind, node in self._held_published - now:
+            metrics.step_hold.labels(kind=kind, node=node).set(0)
+        for kind, node in now:
+            metrics.step_hold.labels(kind=kind, node=node).set(1)
+        self._held_published = now
         return held
 
     def _observe(self, desired: spec.Desired):

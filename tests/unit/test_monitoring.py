@@ -1,5 +1,10 @@
 """The monitoring files: Prometheus alert rules (and their promtool unit tests), the Grafana dashboard and
-the Grafana provisioning (datasource, dashboard provider, Grafana-managed alert rules), and the runbook.
+the Grafana provisioning (datasource, dashboard provider, Grafana-managed alert rules), the runbook, and the copy
+commands and scrape config of docs/operations.md that must agree with them.
+
+What the dashboard shows is checked twice: here, panel queries evaluated by promtool and mapped through the panels'
+own value mappings and thresholds by tests/e2e/grafana.py (itself tested below on hand-made panel snippets); end to
+end, every panel against a real Prometheus scraping the daemon (tests/e2e/test_grafana_panels.py).
 
 promtool is required, not optional: `make test` installs it (Debian's `prometheus` package, via
 testbed/install-deps.sh). Every metric name used in a query must be one `reconciler.metrics.REGISTRY` exports
@@ -18,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e import grafana
+
 ROOT = Path(__file__).resolve().parents[2]
 MON = ROOT / "monitoring"
 ALERTS = MON / "alerts.yaml"
@@ -28,6 +35,8 @@ DATASOURCES = PROVISIONING / "datasources" / "prometheus.yaml"
 DASHBOARD_PROVIDERS = PROVISIONING / "dashboards" / "spark-reconciler.yaml"
 GRAFANA_ALERTS = PROVISIONING / "alerting" / "spark-reconciler.yaml"
 TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
+README = ROOT / "README.md"
 RUNBOOK_PREFIX = "https://github.com/spark-reconciler/spark-reconciler/blob/main/docs/troubleshooting.md#"
 
 LOW_MEMORY_BYTES = 8 * 2**30  # the ReconcilerLowMemory threshold, documented in alerts.yaml and the runbook
@@ -362,6 +371,18 @@ def test_datasource_provisioning():
     assert ds["type"] == "prometheus" and ds["url"] == "http://127.0.0.1:9090" and ds["uid"]
 
 
+def test_datasource_is_not_marked_default():
+    """`isDefault: true` stops Grafana ("Only one datasource per organization can be marked as default") where
+    another provisioned datasource is the default, and takes the default over from the user's otherwise."""
+    [ds] = load_yaml(DATASOURCES)["datasources"]
+    assert not ds.get("isDefault", False)
+
+
+def test_datasource_file_says_what_to_change_in_a_container():
+    text = DATASOURCES.read_text()
+    assert "host.docker.internal" in text and "--network host" in text
+
+
 def test_dashboard_provisioning():
     doc = load_yaml(DASHBOARD_PROVIDERS)
     assert doc["apiVersion"] == 1
@@ -416,3 +437,402 @@ def test_grafana_alert_rules_are_equivalent_to_the_prometheus_rules():
 def test_troubleshooting_internal_links_resolve():
     links = set(re.findall(r"\]\(#([^)]+)\)", TROUBLESHOOTING.read_text()))
     assert links and links - troubleshooting_anchors() == set()
+
+
+# ------------------------------------------------------------------------ provisioning files agree (issue 20)
+
+def datasource_uid() -> str:
+    [ds] = load_yaml(DATASOURCES)["datasources"]
+    return ds["uid"]
+
+
+def test_the_dashboard_preselects_the_provisioned_datasource():
+    """Not the default datasource any more: the dashboard's $datasource names it (by uid and name; Grafana falls
+    back to the default datasource when neither exists, e.g. with your own datasource)."""
+    [ds] = load_yaml(DATASOURCES)["datasources"]
+    [variable] = [v for v in dashboard()["templating"]["list"] if v["name"] == "datasource"]
+    assert variable["current"]["value"] == ds["uid"] and variable["current"]["text"] == ds["name"]
+
+
+def test_every_grafana_rule_queries_the_provisioned_datasource():
+    """A rule whose datasourceUid names no datasource fires DatasourceError; `__expr__` (server-side
+    expressions: reduce, math) is Grafana's expression engine, not a datasource."""
+    uid = datasource_uid()
+    queries = 0
+    for rule in grafana_rules():
+        for d in rule["data"]:
+            if "expr" in d["model"]:
+                assert d["datasourceUid"] == uid, (rule["title"], d["refId"], d["datasourceUid"])
+                queries += 1
+            else:
+                assert d["datasourceUid"] == "__expr__", (rule["title"], d["refId"], d["datasourceUid"])
+    assert queries == len(grafana_rules())
+
+
+def documented_sed() -> re.Match:
+    text = OPERATIONS.read_text()
+    m = re.search(r"sed '(s/([^/']+)/([^/']+)/)' (monitoring/grafana/provisioning/alerting/spark-reconciler\.yaml)",
+                  text)
+    assert m, "docs/operations.md shows no `sed 's/UID/YOUR_UID/' ...alerting/spark-reconciler.yaml`"
+    return m
+
+
+def test_the_datasource_uid_is_written_once_and_the_documented_sed_retargets_every_rule():
+    uid = datasource_uid()
+    text = GRAFANA_ALERTS.read_text()
+    assert text.count(uid) == 1, "the uid is written once (a YAML anchor the other rules refer to)"
+    m = documented_sed()
+    assert m.group(2) == uid, f"the documented sed replaces {m.group(2)!r}, the datasource uid is {uid!r}"
+    assert m.group(4) == str(GRAFANA_ALERTS.relative_to(ROOT))
+    sed = shutil.which("sed")
+    assert sed
+    result = subprocess.run([sed, m.group(1).replace(m.group(3), "my-own-prometheus"), str(GRAFANA_ALERTS)],
+                            capture_output=True, text=True, timeout=30, check=True)
+    retargeted = yaml.safe_load(result.stdout)
+    original = load_yaml(GRAFANA_ALERTS)
+    rules = [r for g in retargeted["groups"] for r in g["rules"]]
+    for rule, before in zip(rules, grafana_rules(), strict=True):
+        for d, d0 in zip(rule["data"], before["data"], strict=True):
+            assert d["datasourceUid"] == ("__expr__" if d0["datasourceUid"] == "__expr__" else "my-own-prometheus")
+    # nothing else changed
+    for rule in rules:
+        for d in rule["data"]:
+            if d["datasourceUid"] == "my-own-prometheus":
+                d["datasourceUid"] = uid
+    assert retargeted == original
+
+
+def test_the_grafana_rules_and_the_prometheus_rules_are_the_same_alerts():
+    prom = {r["alert"]: r for r in prometheus_rules()}
+    graf = {r["title"]: r for r in grafana_rules()}
+    assert sorted(graf) == sorted(prom)
+    for name, rule in graf.items():
+        data = {d["refId"]: d for d in rule["data"]}
+        assert grafana_equivalent(data["A"]["model"]["expr"], data["C"]["model"]["expression"]) == \
+            norm(prom[name]["expr"]), name
+        assert duration_seconds(rule.get("for")) == duration_seconds(prom[name].get("for")), name
+        # the same labels named in the texts (Grafana's value is $values.B, Prometheus' $value)
+        for key in ("summary", "description"):
+            used = set(re.findall(r"\$labels\.(\w+)", rule["annotations"][key]))
+            assert used == set(re.findall(r"\$labels\.(\w+)", prom[name]["annotations"][key])), (name, key)
+
+
+def test_serving_unhealthy_does_not_call_the_reconciler_vllm():
+    """reconciler_serving_healthy has no labels of its own: $labels.instance is the reconciler's address (job
+    spark-reconciler), not vLLM's, and the texts must say so."""
+    from reconciler import metrics
+
+    assert metrics.serving_healthy._labelnames == ()
+    [prom] = [r for r in prometheus_rules() if r["alert"] == "ReconcilerServingUnhealthy"]
+    [graf] = [r for r in grafana_rules() if r["title"] == "ReconcilerServingUnhealthy"]
+    for ann in (prom["annotations"], graf["annotations"]):
+        assert "served by {{ $labels.instance }}" not in ann["summary"]
+        assert "reconciler at {{ $labels.instance }}" in ann["summary"], ann["summary"]
+
+
+# ---------------------------------------------------------------------------- docs/operations.md (issue 20)
+
+def operations_text() -> str:
+    return re.sub(r"\\\n\s*", " ", OPERATIONS.read_text())  # shell line continuations joined
+
+
+def test_docs_install_every_provisioning_file_where_grafana_reads_it():
+    text = operations_text()
+    for src, kind in ((DATASOURCES, "datasources"), (DASHBOARD_PROVIDERS, "dashboards"),
+                      (GRAFANA_ALERTS, "alerting")):
+        rel = re.escape(str(src.relative_to(ROOT)))
+        assert re.search(rf"\binstall -D -m 0644 {rel} /etc/grafana/provisioning/{kind}/[\w.-]+\.yaml\b", text), \
+            f"docs/operations.md does not install {src.relative_to(ROOT)} into /etc/grafana/provisioning/{kind}/"
+
+
+def test_the_dashboard_provider_path_is_where_the_docs_copy_the_dashboard():
+    [provider] = load_yaml(DASHBOARD_PROVIDERS)["providers"]
+    path = provider["options"]["path"]
+    copies = re.findall(r"\binstall -D -m 0644 monitoring/grafana/dashboard\.json (\S+)", operations_text())
+    assert copies, "docs/operations.md does not say where dashboard.json goes"
+    for dest in copies:
+        assert str(Path(dest).parent) == path and dest.endswith(".json"), (dest, path)
+    # the container mounts the provider's directory (or a parent of it) where Grafana looks
+    mounts = re.findall(r"-v (/\S+):(/\S+?)(?::ro)?\s", operations_text())
+    assert any(path.startswith(inner) and outer == inner for outer, inner in mounts), mounts
+    assert ("/etc/grafana/provisioning", "/etc/grafana/provisioning") in mounts
+
+
+def docs_prometheus_config() -> dict:
+    blocks = re.findall(r"```yaml\n(.*?)```", OPERATIONS.read_text(), flags=re.S)
+    [block] = [b for b in blocks if "scrape_configs:" in b]
+    return yaml.safe_load(block)
+
+
+def test_docs_scrape_both_jobs_the_rules_and_the_panels_select():
+    from reconciler.spec import Policy
+
+    config = docs_prometheus_config()
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"spark-reconciler", "vllm"}
+    [[reconciler_target]] = [c["targets"] for c in jobs["spark-reconciler"]["static_configs"]]
+    assert reconciler_target == Policy.model_fields["listen"].default
+    serving_port = load_yaml(ROOT / "desired-state" / "cluster.yaml")["serving"]["port"]
+    [[vllm_target]] = [c["targets"] for c in jobs["vllm"]["static_configs"]]
+    assert vllm_target.endswith(f":{serving_port}") and jobs["vllm"].get("metrics_path", "/metrics") == "/metrics"
+    selected = set(re.findall(r'job="([^"]+)"', ALERTS.read_text() + DASHBOARD.read_text()))
+    assert selected <= set(jobs), f"jobs selected by the rules or panels but not scraped: {selected - set(jobs)}"
+    [vllm_row] = [p for p in dashboard()["panels"] if p["type"] == "row" and p["title"] == "vLLM"]
+    for panel in vllm_row["panels"]:
+        for t in panel["targets"]:
+            for name in metric_names(t["expr"]):
+                assert re.search(rf'{re.escape(name)}\{{job="vllm"\}}', t["expr"]), (panel["title"], name)
+
+
+def section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = re.search(r"^#{1,3} ", text[start + len(heading):], flags=re.M)
+    return text[start:start + len(heading) + (end.start() if end else len(text))]
+
+
+def test_docs_name_one_default_alert_path_and_say_not_to_load_both():
+    alerts = section(OPERATIONS.read_text(), "### Alerts: one path")
+    default = re.search(r"\*\*Default: (.*?)\*\*", alerts)
+    assert default and "Prometheus" in default.group(1) and "Alertmanager" in default.group(1)
+    assert "monitoring/alerts.yaml" in alerts and "promtool" in alerts and "without" in alerts  # the why
+    assert re.search(r"\*\*Alternative, for sites without Alertmanager: Grafana-managed rules", alerts)
+    assert re.search(r"never both", alerts, flags=re.I)
+    readme = section(README.read_text(), "7. **Prometheus and Grafana.**")
+    assert re.search(r"never\s+both", readme, flags=re.I) and "Alertmanager" in readme
+    assert "docs/operations.md#grafana-copy-paste" in readme
+    assert "grafana-copy-paste" in {github_anchor(h) for h in re.findall(r"^#+ (.+)$", OPERATIONS.read_text(),
+                                                                          flags=re.M)}
+    for path in (ALERTS, GRAFANA_ALERTS):
+        assert re.search(r"never both", path.read_text(), flags=re.I), path
+
+
+# ------------------------------------------------------------------- what the panels show (issue 20)
+
+def panel_titled(title: str) -> dict:
+    [panel] = [p for p in grafana.panels(dashboard()) if p["title"] == title]
+    return panel
+
+
+def promtool_eval(tmp_path: Path, input_series: list[dict], cases: list[dict]) -> None:
+    """Evaluate PromQL with promtool's unit-test runner (no server): each case's exp_samples must match."""
+    (tmp_path / "no-rules.yaml").write_text("groups: []\n")
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["no-rules.yaml"], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": input_series, "promql_expr_test": cases}]}))
+    result = run_promtool("test", "rules", "eval.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_panel_titles_are_unique():
+    titles = [p["title"] for p in grafana.panels(dashboard())]
+    assert len(titles) == len(set(titles)), titles
+
+
+def test_every_coloured_panel_states_its_colours():
+    """No panel relies on Grafana's defaults (thresholds green, red from 80: a generation of 80 would be red)."""
+    for panel in grafana.panels(dashboard()):
+        colours = panel["type"] in ("state-timeline", "bargauge", "gauge") or (
+            panel["type"] == "stat" and panel.get("options", {}).get("colorMode", "value") != "none")
+        if not colours:
+            continue
+        defaults = panel["fieldConfig"]["defaults"]
+        assert "mode" in defaults.get("color", {}), panel["title"]
+        if defaults["color"]["mode"] == "thresholds":
+            assert defaults.get("thresholds", {}).get("steps"), panel["title"]
+
+
+# What True means for each condition type, as kubectl users read conditions (issue 20).
+CONDITION_MEANING = {
+    "Ready": "good", "DesiredStateValid": "good", "Reachable": "good", "DockerReachable": "good",
+    "FabricLinkUp": "good", "WeightsInSync": "good", "ImageInSync": "good", "ServingRunning": "good",
+    "StepsHeld": "bad", "Progressing": "working",
+}
+LOOK = {  # (meaning of True, status) -> (text, colour) on the dashboard
+    ("good", "True"): ("True", "green"), ("good", "False"): ("False", "red"),
+    ("bad", "True"): ("True", "red"), ("bad", "False"): ("False", "green"),
+    ("working", "True"): ("True", "blue"), ("working", "False"): ("False", "transparent"),
+}
+
+
+def exported_conditions() -> dict[str, bool]:
+    """Condition type -> cluster-level (node=""), as reconciler.conditions computes them."""
+    from reconciler import conditions
+
+    out = conditions.conditions(conditions.Snapshot(generation=1, observed_generation=1), ["n1"], [], 0.0)
+    return {c["type"]: c["node"] == "" for c in out}
+
+
+def test_every_condition_type_has_a_meaning_for_the_colours():
+    assert set(exported_conditions()) == set(CONDITION_MEANING), "a new condition type: say what True means"
+
+
+def look(meaning: str, status: str) -> tuple[str, str]:
+    return ("Unknown", "orange") if status == "Unknown" else LOOK[(meaning, status)]
+
+
+@pytest.mark.parametrize(("title", "column"), [("Node conditions", None), ("Current conditions", "status")])
+def test_conditions_are_coloured_by_what_they_mean(tmp_path, title, column):
+    """The panel's query, evaluated by promtool on every (type, status), gives the value whose mapping shows the
+    status as text in the colour its meaning asks for: StepsHeld=True red, Progressing=False never red, ..."""
+    panel = panel_titled(title)
+    [target] = panel["targets"]
+    expr = grafana.interpolate(target["expr"], {"node": grafana.ALL})
+    config = grafana.field_config(panel, column or "n1 Ready", target["refId"])
+    if column:
+        assert grafana._colours_values(panel, config), f"{title}: the {column} cell is not coloured"
+        assert grafana._value_column(panel, target["refId"]) == column
+    by_look: dict[tuple[str, str], float] = {}
+    for mapping in config["mappings"]:
+        for key, result in mapping["options"].items():
+            assert (result["text"], result["color"]) not in by_look, "two values look the same"
+            by_look[(result["text"], result["color"])] = float(key)
+
+    statuses = ("True", "False", "Unknown")
+    series, cases = [], []
+    types = exported_conditions()
+    for type_, cluster in types.items():
+        for i, status in enumerate(statuses):
+            labels = (f'node="{"" if cluster else "n1"}",type="{type_}",status="{status}",'
+                      'job="spark-reconciler",instance="127.0.0.1:9464"')
+            series.append({"series": f"reconciler_condition{{{labels}}}",
+                           "values": " ".join("1" if j == i else "0" for j in range(len(statuses)))})
+    for i, status in enumerate(statuses):  # at minute i every condition has status i
+        samples = []
+        for type_, cluster in types.items():
+            if cluster and "node!=\"\"" in target["expr"]:
+                continue
+            text, colour = look(CONDITION_MEANING[type_], status)
+            value = by_look[(text, colour)]
+            shown = grafana.display(value, config)
+            assert (shown.text, shown.colour) == (text, colour), (type_, status, shown)
+            samples.append({"labels": f'{{type="{type_}"}}' if cluster else f'{{node="n1", type="{type_}"}}',
+                            "value": value})
+        cases.append({"expr": expr, "eval_time": f"{i}m", "exp_samples": samples})
+    promtool_eval(tmp_path, series, cases)
+
+
+def test_since_last_converged_shows_no_value_until_the_first_convergence(tmp_path):
+    panel = panel_titled("Since last converged")
+    [target] = panel["targets"]
+    promtool_eval(tmp_path, [{"series": 'reconciler_last_converged_timestamp_seconds{job="spark-reconciler"}',
+                              "values": "0 0 60"}], [
+        {"expr": target["expr"], "eval_time": "1m", "exp_samples": []},  # 0: no value, not 1970
+        {"expr": target["expr"], "eval_time": "2m", "exp_samples": [{"labels": '{job="spark-reconciler"}',
+                                                                      "value": 60}]},
+    ])
+    view = grafana.render(panel, {}, lambda e: [], lambda e: [])
+    assert view.shown_when_empty == grafana.Shown("not yet converged since start", "text")
+    config = grafana.field_config(panel, "since converged", "A")
+    assert panel["fieldConfig"]["defaults"]["noValue"] == "not yet converged since start"
+    assert [grafana.display(v, config).colour for v in (60, 900, 3599, 3600)] == ["green", "orange", "orange", "red"]
+
+
+def test_events_by_source_keeps_cluster_wide_events_when_a_node_is_selected(tmp_path):
+    panel = panel_titled("Events by source")
+    [target] = panel["targets"]
+    expr = grafana.interpolate(target["expr"], {"node": grafana.regex_value(["worker"]), "__rate_interval": "5m"})
+    series = [{"series": f'reconciler_events_total{{node="{node}",source="{source}",job="spark-reconciler"}}',
+               "values": f"0+{per_minute}x10"}
+              for node, source, per_minute in (("", "resync", 60), ("", "file", 60), ("worker", "docker", 60),
+                                               ("head", "docker", 120), ("head", "link", 60))]
+    promtool_eval(tmp_path, series, [{"expr": expr, "eval_time": "10m", "exp_samples": [
+        {"labels": '{source="resync"}', "value": 1}, {"labels": '{source="file"}', "value": 1},
+        {"labels": '{source="docker"}', "value": 1}]}])  # the worker's docker events only; no link events
+
+
+def test_panels_that_can_be_empty_say_why():
+    for title in ("Since last converged", "Held steps", "Step duration by kind (p95 and mean)", "Step results",
+                  "Weight-sync rate", "vLLM requests running / waiting", "vLLM KV cache usage",
+                  "vLLM token throughput"):
+        assert panel_titled(title)["fieldConfig"]["defaults"].get("noValue"), title
+
+
+# ------------------------------------------------- the Grafana model of tests/e2e/grafana.py, on snippets
+
+THRESHOLDS = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "orange", "value": 900},
+                                            {"color": "red", "value": 3600}]}
+
+
+def stat(**defaults) -> dict:
+    return {"id": 1, "type": "stat", "title": "t", "fieldConfig": {"defaults": defaults, "overrides": []},
+            "targets": [{"refId": "A", "expr": "x", "instant": True, "range": False, "legendFormat": "{{n}}"}]}
+
+
+def test_thresholds_take_the_last_step_at_or_below_the_value_and_the_base_step_is_minus_infinity():
+    config = {"color": {"mode": "thresholds"}, "thresholds": THRESHOLDS}
+    assert [grafana.display(v, config).colour for v in (-1e9, 0, 899.9, 900, 3599, 3600, 1e12)] == \
+        ["green", "green", "green", "orange", "orange", "red", "red"]
+    unsorted = {"color": {"mode": "thresholds"},
+                "thresholds": {"mode": "absolute", "steps": list(reversed(THRESHOLDS["steps"]))}}
+    assert grafana.display(1000, unsorted).colour == "orange"
+    for nothing in (None, float("nan")):  # null and NaN take the base step
+        assert grafana.display(nothing, config).colour == "green"
+
+
+def test_value_mappings_come_before_thresholds():
+    config = {"color": {"mode": "thresholds"}, "thresholds": THRESHOLDS, "mappings": [
+        {"type": "value", "options": {"1": {"text": "Yes", "color": "blue"}, "2": {"text": "two"}}},
+        {"type": "range", "options": {"from": 1000, "to": 2000, "result": {"text": "mid", "color": "purple"}}},
+        {"type": "special", "options": {"match": "null", "result": {"text": "none yet", "color": "text"}}},
+    ]}
+    assert grafana.display(1.0, config) == grafana.Shown("Yes", "blue")  # String(1.0) is "1" in JavaScript
+    assert grafana.display(2, config) == grafana.Shown("two", "green")   # text only: the colour of the threshold
+    assert grafana.display(1500, config) == grafana.Shown("mid", "purple")
+    assert grafana.display(2500, config) == grafana.Shown("2500", "orange")
+    assert grafana.display(None, config) == grafana.Shown("none yet", "text")
+    first = {"mappings": [{"type": "range", "options": {"from": 0, "to": 10, "result": {"color": "red"}}},
+                          {"type": "value", "options": {"1": {"color": "green"}}}]}
+    assert grafana.display(1, first).colour == "red", "the first mapping that matches wins"
+
+
+def test_missing_colours_take_grafanas_defaults():
+    assert grafana.display(79, grafana.field_config(stat(), "x", "A")).colour == "green"
+    assert grafana.display(80, grafana.field_config(stat(), "x", "A")).colour == "red"
+    assert grafana.field_config({"type": "timeseries"}, "x", "A")["color"]["mode"] == "palette-classic"
+    fixed = grafana.field_config(stat(color={"mode": "fixed", "fixedColor": "purple"}), "x", "A")
+    assert grafana.display(1e9, fixed).colour == "purple"
+
+
+def test_overrides_apply_to_the_fields_they_match():
+    panel = stat(color={"mode": "fixed", "fixedColor": "text"})
+    panel["fieldConfig"]["overrides"] = [
+        {"matcher": {"id": "byName", "options": "Blocked"},
+         "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}]},
+        {"matcher": {"id": "byRegexp", "options": "/Held$/"},
+         "properties": [{"id": "custom.cellOptions", "value": {"type": "color-background"}}]},
+        {"matcher": {"id": "byFrameRefID", "options": "B"},
+         "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "blue"}}]},
+    ]
+    assert grafana.display(1, grafana.field_config(panel, "Blocked", "A")).colour == "red"
+    assert grafana.display(1, grafana.field_config(panel, "Converged", "A")).colour == "text"
+    assert grafana.field_config(panel, "head StepsHeld", "A")["custom"]["cellOptions"]["type"] == "color-background"
+    assert grafana.display(1, grafana.field_config(panel, "Converged", "B")).colour == "blue"
+    panel["fieldConfig"]["overrides"] = [{"matcher": {"id": "byValue", "options": {}}, "properties": []}]
+    with pytest.raises(ValueError, match="not modelled"):
+        grafana.field_config(panel, "x", "A")
+
+
+def test_render_names_series_by_legend_and_says_what_an_empty_panel_shows():
+    panel = stat(color={"mode": "thresholds"}, thresholds=THRESHOLDS, noValue="nothing yet")
+    shown = grafana.render(panel, {}, lambda e: [({"n": "a"}, 1000.0)], lambda e: [])
+    [series] = shown.series
+    assert (series.name, series.text, series.colour) == ("a", "1000", "orange")
+    empty = grafana.render(panel, {}, lambda e: [], lambda e: [])
+    assert empty.empty == ["A"] and empty.shown_when_empty == grafana.Shown("nothing yet", "green")
+    panel["options"] = {"colorMode": "none"}
+    assert grafana.render(panel, {}, lambda e: [({"n": "a"}, 1.0)], lambda e: []).series[0].colour is None
+    timeline = dict(stat(), type="state-timeline")
+    timeline["targets"] = [{"refId": "A", "expr": "y", "range": True, "legendFormat": "{{n}}"}]
+    [last] = grafana.render(timeline, {}, lambda e: [], lambda e: [({"n": "b"}, [0.0, 5.0, float("nan")])]).series
+    assert last.value == 5.0, "a range query shows its last number"
+
+
+def test_template_variables_are_replaced_as_grafana_does():
+    variables = {"node": grafana.regex_value(None), "__rate_interval": "1m"}
+    assert grafana.interpolate('rate(x{node=~"$node|"}[$__rate_interval])', variables) == \
+        'rate(x{node=~".*|"}[1m])'
+    assert grafana.interpolate("${node} [[node]] ${node:regex}", {"node": "a"}) == "a a a"
+    assert grafana.regex_value(["worker"]) == "worker"
+    assert grafana.regex_value(["a.b", "c"]) == "(a\\\\.b|c)"
+    with pytest.raises(KeyError):
+        grafana.interpolate("$unknown", {})
