@@ -215,11 +215,26 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
     return out
 
 
+def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) -> set[str]:
+    """Nodes where the plan stops something that holds memory: an unallowed co-tenant, or our own running serving
+    container (a serving restart stops it first). On unified memory (GB10) the running vLLM's share shows up as
+    used in MemAvailable, so counting only MemAvailable would make every serving change wait for memory that
+    only its own stop frees: a deadlock. The start step's preflight still checks the real MemAvailable after
+    the stop."""
+    stopping = {d.node for d in drift if d.kind == "co-tenant" and d.actionable}
+    name = desired.serving.container_name
+    for node in desired.serving_nodes:
+        own = observed.node(node.name).container(name)
+        if own is not None and own.managed and own.running:
+            stopping.add(node.name)
+    return stopping
+
+
 def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, ready: list[str],
-                                       served: list[Drift], stopping: set[str]) -> list[Drift]:
-    """Memory only matters where serving must (re)start and no planned co-tenant stop frees memory there."""
+                                       served: list[Drift], freeing: set[str]) -> list[Drift]:
+    """Memory only matters where serving must (re)start and no planned stop frees memory there."""
     out = []
-    for name in sorted({d.node for d in served if d.actionable} - stopping):
+    for name in sorted({d.node for d in served if d.actionable} - freeing):
         if name in ready:
             out += _memory_drift(desired, name, observed.node(name))
     return out
@@ -232,11 +247,17 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
         return []
     want = desired.serving.served_model_name or desired.model.id
     health = observed.node(head).serving
-    if health is not None and health.healthy and want in health.models:
+    if health is not None and health.healthy and want in health.models and health.completion_error is None:
         return []
-    seen = "not answering" if health is None or not health.reachable else (
-        "unhealthy" if not health.healthy else f"serving {', '.join(health.models) or 'nothing'}")
-    return [Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}", seen)]
+    if health is None or not health.reachable:
+        seen = "not answering"
+    elif not health.healthy:
+        seen = "unhealthy"
+    elif want not in health.models:
+        seen = f"serving {', '.join(health.models) or 'nothing'}"
+    else:
+        seen = f"/health 200 but a completion failed: {health.completion_error}"
+    return [Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}, completing", seen)]
 
 
 def diff(desired: Desired, observed: Observed) -> list[Drift]:
@@ -250,7 +271,7 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     out += _weights_drift(desired, observed, ready)
     served = serving_drift(desired, observed, reference)
     out += served
-    stopping = {d.node for d in out if d.kind == "co-tenant" and d.actionable}
-    out += _memory_drift_where_serving_starts(desired, observed, ready, served, stopping)
+    out += _memory_drift_where_serving_starts(desired, observed, ready, served,
+                                              _freeing_memory(desired, observed, out))
     out += _health_drift(desired, observed, reachable)
     return out

@@ -53,6 +53,38 @@ def manifest_script(root: str) -> str:
             "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
 
 
+COMPLETION_DEADLINE = 5  # seconds: one token of a loaded model answers in milliseconds; a wedged rank never does
+
+
+def completion_argv(desired: Desired) -> list[str]:
+    """One short completion through the head's OpenAI API (`curl`, body then the HTTP code on its own line).
+
+    /health only says the API process is up: with a rank unreachable over the fabric, vLLM's /health kept
+    answering 200 while completions hung (docs/testbed.md). One token through the whole tensor-parallel group is
+    the check that cannot be fooled. The served name is validated by spec; the body is JSON, quoted once."""
+    name = desired.serving.served_model_name or desired.model.id
+    body = json.dumps({"model": name, "prompt": "ping", "max_tokens": 1, "temperature": 0})
+    url = f"http://127.0.0.1:{desired.serving.port}/v1/completions"
+    return ["curl", "-s", "-m", str(COMPLETION_DEADLINE), "-H", "Content-Type: application/json",
+            "-w", "\\n%{http_code}", "-d", body, url]
+
+
+def parse_completion(sec: Section | None) -> str | None:
+    """None when the completion answered with a choice; else a short reason (node bytes never raise)."""
+    if sec is None:
+        return "not tried"
+    body, _, code = sec.body.strip().rpartition("\n")
+    if sec.rc == 28:
+        return f"no answer within {COMPLETION_DEADLINE}s"
+    if code.strip() != "200":
+        return f"HTTP {code.strip() or 'none'} (curl exit {sec.rc})"
+    try:
+        choices = json.loads(body).get("choices")
+    except (ValueError, AttributeError):
+        return "the answer is not JSON"
+    return None if isinstance(choices, list) and choices else "the answer has no choices"
+
+
 def probe_script(desired: Desired, node: Node) -> str:
     """The script for one node. Every interpolated value is validated by spec and quoted by remote.quote."""
     q = lambda *argv: quote(argv)  # noqa: E731 - local shorthand
@@ -98,6 +130,8 @@ def probe_script(desired: Desired, node: Node) -> str:
             "echo; echo \"@@rc $?\"",
             "sec models",
             f"curl -s -m 2 {q(f'http://127.0.0.1:{api_port}/v1/models')}; echo; echo \"@@rc $?\"",
+            "sec completion",
+            quote(completion_argv(desired)) + "; echo; echo \"@@rc $?\"",
         ]
         if desired.serving.launcher == "ray":
             lines += ["sec ray",
@@ -196,7 +230,8 @@ def parse_weights(root: str, sec: Section | None) -> Weights:
     return Weights(root=root, present=bool(files), files=files)
 
 
-def parse_serving(health: Section | None, models: Section | None, ray: Section | None) -> Serving:
+def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
+                  completion: Section | None = None) -> Serving:
     code = health.body.strip() if health else ""
     served: list[str] = []
     if models is not None and models.body.strip().startswith("{"):
@@ -207,7 +242,9 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
     ray_nodes = None
     if ray is not None and ray.rc == 0:
         ray_nodes = sum(1 for line in ray.body.splitlines() if line.strip().split(" ")[-1].startswith("node_"))
-    return Serving(reachable=code not in ("", "000"), healthy=code == "200", models=served, ray_nodes=ray_nodes)
+    healthy = code == "200"
+    return Serving(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
+                   completion_error=parse_completion(completion) if healthy and served else None)
 
 
 def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
@@ -220,7 +257,8 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     images = {desired.serving.image: image_id} if image_id else {}
     serving = None
     if node.role == "head":
-        serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"))
+        serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
+                                sections.get("completion"))
     return NodeObservation(
         name=node.name, reachable=True, docker_reachable=docker_ok, docker_error=docker_error,
         containers=containers, images=images,

@@ -98,6 +98,8 @@ class Serving(_Model):
     healthy: bool = False
     models: list[str] = Field(default_factory=list)
     ray_nodes: int | None = None
+    completion_error: str | None = Field(None, description="why one short completion failed; None: it answered "
+                                         "or was not tried (the API was not healthy)")
 
 
 class NodeObservation(_Model):

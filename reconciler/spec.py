@@ -220,8 +220,9 @@ class Node(_Model):
     role: Literal["head", "worker"]
     ssh: Ssh
     fabric: Fabric
-    internet: bool = Field(True, description="False for a node that must never reach the internet "
-                                             "(gets HF_HUB_OFFLINE=1).")
+    internet: bool = Field(True, description="False for a node that must never reach the internet. Informative: "
+                                             "serving gets HF_HUB_OFFLINE=1 on every node, as the weights "
+                                             "come from the reconciler, never from the Hub.")
     gpus: int = Field(1, ge=1, le=16, description="GPUs on this node (a Spark has one GB10).")
 
 

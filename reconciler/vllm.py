@@ -104,8 +104,10 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
     }
     if node.fabric.rdma_device:
         env |= {"NCCL_IB_HCA": node.fabric.rdma_device, "NCCL_IB_DISABLE": "0"}
-    if not node.internet:
-        env["HF_HUB_OFFLINE"] = "1"
+    # Every node, not only the internet-less one: the reconciler has put the exact revision there, and vLLM
+    # 0.32 still asks the Hub at start for files a snapshot lacks (hf_quant_config.json in get_config), so a Hub
+    # or DNS outage crashed a head that had every file (docs/testbed.md, "What the real vLLM revealed").
+    env["HF_HUB_OFFLINE"] = "1"
     if desired.serving.launcher == "ray":
         env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip)}
     return env | dict(desired.serving.env)

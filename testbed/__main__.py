@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("reset", help="back to a scenario without a full teardown")
     s.add_argument("--scenario", choices=SCENARIOS, default="seed")
 
+    sub.add_parser("real-vllm", help="serve with the real vLLM: its image and model on the head (built once)")
+
     s = sub.add_parser("fault", help="inject a fault")
     s.add_argument("kind", choices=sorted(FAULTS))
     s.add_argument("--node", default=None, help="default: the (first) worker")
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             t = time.monotonic()
             api.reset(a.scenario)
             print(f"reset to {a.scenario} in {time.monotonic() - t:.1f}s")
+        elif a.cmd == "real-vllm":
+            t = time.monotonic()
+            path = api.real_vllm()
+            print(f"real vLLM image and model on the head in {time.monotonic() - t:.1f}s; desired state: {path}")
         elif a.cmd == "fault":
             kw = {"count": a.count, "interval": a.interval, "value": a.value, "name": a.name, "mode": a.mode,
                   "model": a.model, "layout": a.layout, "index": a.index, "leave": a.leave, "dev": a.dev,

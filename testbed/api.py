@@ -216,7 +216,37 @@ def fault(kind: str, node: str | None = None, **kwargs) -> str:
 
 # ---- desired state -------------------------------------------------------------------------------------------
 
-def desired_state(lay: Layout, state: Path | None = None) -> str:
+@dataclass(frozen=True)
+class Serving:
+    """What differs between the stand-in's desired state and the real vLLM's."""
+
+    model_id: str
+    revision: str
+    served_name: str
+    image: str
+    image_note: str
+    gpu_memory_utilization: str
+    health_timeout: str
+    extra: tuple[str, ...] = ()
+
+
+STANDIN_SERVING = Serving(SERVED_MODEL, MODELS[SERVED_MODEL], "tiny-moe", scenarios.SERVING_IMAGE,
+                          "the vLLM stand-in, built locally; on the head only in seed",
+                          "0.05      # the stand-in holds no GPU memory; keeps the preflight honest", "2m")
+
+
+def real_serving() -> Serving:
+    """The real vLLM (CPU build) serving the tiny Llama: eager mode (no torch.compile: ~50 s less per start on
+    2 cores; the compile cache is measured in bench/), gpu_memory_utilization sized for vLLM's CPU backend, which
+    asks gmu x MemTotal for weights + KV cache."""
+    from .realvllm import image
+    return Serving(image.MODEL_ID, image.MODEL_REVISION, image.SERVED_NAME, image.IMAGE,
+                   "the real vLLM, CPU build (testbed/realvllm); on the head only until the reconciler copies it",
+                   "0.1       # vLLM CPU: gmu x MemTotal for weights + KV cache", "5m",
+                   ('  extra_args: ["--enforce-eager", "--max-num-seqs", "4"]',))
+
+
+def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STANDIN_SERVING) -> str:
     """The desired state for this testbed, in the core's spec shape (desired-state/testbed.yaml is n=2)."""
     st = state or state_dir()
     kh, key = st / "known_hosts", st / "id_ed25519"
@@ -245,25 +275,26 @@ def desired_state(lay: Layout, state: Path | None = None) -> str:
                 "    gpus: 1"]
     out += ["",
             "model:                             # generated on the head in both layouts; workers start without it",
-            f"  id: {SERVED_MODEL}",
-            f'  revision: "{MODELS[SERVED_MODEL]}"',
+            f"  id: {serving.model_id}",
+            f'  revision: "{serving.revision}"',
             "  layout: hf-cache",
             f"  source: {lay.head.name}",
             "  path:"]
     out += [f"    {n.name}: {n.model_root}/hub" for n in lay.nodes]
     out += ["",
             "serving:",
-            f'  image: "{scenarios.SERVING_IMAGE}"   # the vLLM stand-in, built locally; on the head only in seed',
+            f'  image: "{serving.image}"   # {serving.image_note}',
             "  launcher: native",
             "  container_name: vllm_serving",
             f"  tensor_parallel_size: {len(lay.nodes)}",
             "  pipeline_parallel_size: 1",
             "  port: 8000",
             "  master_port: 29501",
-            "  gpu_memory_utilization: 0.05      # the stand-in holds no GPU memory; keeps the preflight honest",
+            f"  gpu_memory_utilization: {serving.gpu_memory_utilization}",
             "  max_model_len: 4096",
-            "  served_model_name: tiny-moe",
-            "  health_timeout: 2m",
+            f"  served_model_name: {serving.served_name}",
+            f"  health_timeout: {serving.health_timeout}",
+            *serving.extra,
             "  docker:",
             "    gpus: null                      # no GPU here",
             "    privileged: false",
@@ -284,6 +315,28 @@ def desired_state(lay: Layout, state: Path | None = None) -> str:
             "  timeouts: {stop_grace: 5s}",
             '  listen: "127.0.0.1:9464"']
     return "\n".join(out) + "\n"
+
+
+def real_vllm() -> Path:
+    """Make the current scenario serve with the real vLLM: its image on the head (built once, cached), the tiny
+    model as an HF cache on the head, neither on the workers (the reconciler copies both, as on real Sparks).
+    Returns the desired-state file for it (STATE/testbed-real.yaml). A later `reset` puts the stand-in back."""
+    from . import weights
+    from .realvllm import image
+    lay = current_layout()
+    image.build(lay.head.docker_host)
+    snapshot = weights.install_snapshot(lay.head.model_root, image.MODEL_ID, image.MODEL_REVISION,
+                                        image.ensure_model())
+    uid, gid = scenarios.spark_ids()
+    for dirpath, dirnames, filenames in os.walk(snapshot.parent.parent):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
+    for n in lay.workers:
+        dockerd.docker(n, "rmi", "-f", image.IMAGE, check=False)
+        dockerd.docker(n, "image", "prune", "-f", check=False)
+    out = state_dir() / "testbed-real.yaml"
+    out.write_text(desired_state(lay, serving=real_serving()))
+    return out
 
 
 # ---- a handle for tests and benchmarks -----------------------------------------------------------------------
@@ -337,6 +390,9 @@ class Testbed:
 
     def status(self) -> dict:
         return status()
+
+    def real_vllm(self) -> Path:
+        return real_vllm()
 
     def down(self) -> list[str]:
         return down()

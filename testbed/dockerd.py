@@ -62,20 +62,32 @@ def engine_id(node: Node) -> str | None:
     return p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else None
 
 
+# Each node's engine gets its own IPC namespace and its own /dev/shm, as separate machines have. Without them a
+# container run with `--ipc host` on the head and one on the worker shared the machine's /dev/shm: vLLM's
+# in_the_same_node_as() (a shared-memory probe) then took the two ranks for one node and waited forever for a
+# local shared-memory reader that was on the other "machine" (docs/testbed.md). unshare execs (no fork), so the
+# recorded pid is containerd's; dockerd joins the same namespaces, and the shims containerd starts inherit them.
+SHM_SIZE = "2g"
+_OWN_SHM = ["unshare", "--mount", "--ipc", "--propagation", "slave", "--", "sh", "-c",
+            f"mount -t tmpfs -o mode=1777,nosuid,nodev,size={SHM_SIZE} shm /dev/shm && exec \"$0\" \"$@\""]
+
+
 def start(node: Node, timeout: float = 60) -> None:
     """Start containerd (if needed) then dockerd; return once ``docker info`` answers."""
     if running(node) and engine_id(node):
         return
     ctr_conf, daemon_json = _write_configs(node)
-    nsenter = ["nsenter", f"--net=/run/netns/{node.netns}", "--"]
+    netns = f"--net=/run/netns/{node.netns}"
     ctr = load_pids().get(f"{node.name}/containerd")
     if not (ctr and alive(ctr["pid"], ctr.get("starttime"))):
         _ctr_dir(node).mkdir(parents=True, exist_ok=True)
-        spawn(f"{node.name}/containerd", nsenter + ["containerd", "--config", str(ctr_conf)],
-              log=node.state / "containerd.log")
+        pid = spawn(f"{node.name}/containerd", ["nsenter", netns, "--", *_OWN_SHM, "containerd", "--config",
+                                                str(ctr_conf)], log=node.state / "containerd.log")
+        ctr = {"pid": pid}
         wait_for(lambda: _ctr_sock(node).is_socket(), timeout=timeout, what=f"containerd on {node.name}")
     (node.state / "dockerd.pid").unlink(missing_ok=True)
-    spawn(f"{node.name}/dockerd", nsenter + [
+    ns = f"/proc/{ctr['pid']}/ns"
+    spawn(f"{node.name}/dockerd", ["nsenter", netns, f"--mount={ns}/mnt", f"--ipc={ns}/ipc", "--",
         "dockerd", "--config-file", str(daemon_json),
         "--host", node.docker_host, "--group", "docker",
         "--containerd", str(_ctr_sock(node)), "--containerd-namespace", "moby",

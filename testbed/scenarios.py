@@ -98,11 +98,11 @@ def ensure_weights(node: Node, wanted: list[tuple[str, str]], weights_size: int)
         weights.generate(node.model_root, model_id, MODELS[model_id], lay, shards, shard_bytes)
     for dirpath, dirnames, filenames in os.walk(node.model_root):
         for n in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, n), *_spark_ids())
+            os.lchown(os.path.join(dirpath, n), *spark_ids())
     mf.write_text(json.dumps({"key": key, "files": _manifest(node.model_root)}))
 
 
-def _spark_ids() -> tuple[int, int]:
+def spark_ids() -> tuple[int, int]:
     import pwd
     pw = pwd.getpwnam(SSH_USER)
     return pw.pw_uid, pw.pw_gid

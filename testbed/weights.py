@@ -30,6 +30,7 @@ __all__ = [
     "INDEX_NAME",
     "ShardError",
     "generate",
+    "install_snapshot",
     "model_dir",
     "parse_size",
     "shard_names",
@@ -299,6 +300,18 @@ def generate(root: Path, model_id: str, revision: str, layout: str, shards: int,
     if blobs is not None:
         _write_ref(target, revision)
         _prune_blobs(target, blobs)
+    return target
+
+
+def install_snapshot(root: Path, model_id: str, revision: str, files: dict[str, bytes]) -> Path:
+    """Lay out a real checkpoint's files (e.g. the real vLLM's tiny model) as huggingface_hub caches them:
+    safetensors as LFS blobs, the rest as git blobs, refs/main = revision. Returns the snapshot directory."""
+    target = model_dir(Path(root), model_id, revision, "hf-cache")
+    blobs = _model_dirs(target, "hf-cache")
+    assert blobs is not None
+    for fname, data in sorted(files.items()):
+        _place(target, blobs, fname, [data], lfs=fname.endswith(".safetensors"))
+    _write_ref(target, revision)
     return target
 
 

@@ -3,7 +3,8 @@
 The launch itself is rendered by `reconciler.vllm` (pure); here it is run: a memory preflight (GB10 memory is
 unified, and a start that overshoots wedges the node), removal of our own stopped container of the same name (no
 "name already in use"), `docker run` with the labels that carry the spec hash, and for the head the wait for
-/health and /v1/models under its own deadline: a 119 GB cold start takes many minutes, far beyond a step timeout.
+/health, /v1/models and one completion under its own deadline: a 119 GB cold start takes many minutes, far
+beyond a step timeout.
 A container that exits while we wait fails the step at once with its last log lines.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from reconciler.observe import Section, completion_argv, parse_completion
 from reconciler.plan import Step
 from reconciler.remote import quote
 from reconciler.steps import StepBlocked, StepContext, StepFailed, wait_for
@@ -115,7 +117,8 @@ def launch_model(ctx: StepContext, step: Step) -> None:
 
 
 def await_health(ctx: StepContext, step: Step) -> None:
-    """Wait for /health == 200 and the served name in /v1/models, under serving.health_timeout."""
+    """Wait for /health == 200, the served name in /v1/models and one answered completion (the whole
+    tensor-parallel group works, not only the API process), under serving.health_timeout."""
     d = ctx.desired
     head, want = step.node, d.serving.served_model_name or d.model.id
     base = f"http://127.0.0.1:{d.serving.port}"
@@ -135,9 +138,12 @@ def await_health(ctx: StepContext, step: Step) -> None:
         body = session.run(["curl", "-s", "-m", "2", f"{base}/v1/models"], timeout=ctx.command_timeout,
                            check=False).stdout
         try:
-            return want in [m["id"] for m in json.loads(body).get("data", [])]
+            if want not in [m["id"] for m in json.loads(body).get("data", [])]:
+                return False
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
+        done = session.run(completion_argv(d), timeout=ctx.command_timeout, check=False)
+        return parse_completion(Section(done.stdout, done.exit_code)) is None
 
     wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=1.0, cancel=ctx.cancel,
-             what=f"{base}/health on {head} and {want!r} in /v1/models")
+             what=f"{base}/health on {head}, {want!r} in /v1/models and one completion")
