@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--scenario", choices=SCENARIOS, default="seed")
     s.add_argument("--weights-size", default=api.DEFAULT_WEIGHTS, help="bytes per model, e.g. 64M, 1G")
     s.add_argument("--worker-disk", default=None, help="size of each worker's model filesystem, e.g. 2G")
+    s.add_argument("--node-memory", default="8G", help="each node's unified-memory budget (its MemTotal), e.g. 8G")
 
     sub.add_parser("down", help="remove every process, namespace, mount and file the testbed made")
     sub.add_parser("status", help="what is up (JSON)")
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "up":
             t = time.monotonic()
-            tb = api.up(a.nodes, a.scenario, a.weights_size, a.worker_disk)
+            tb = api.up(a.nodes, a.scenario, a.weights_size, a.worker_disk, a.node_memory)
             print(f"testbed up ({len(tb.nodes)} nodes, scenario {a.scenario}) in {time.monotonic() - t:.1f}s; "
                   f"desired state: {tb.desired_state}")
         elif a.cmd == "down":

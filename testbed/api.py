@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import dockerd, faults, net, scenarios, sshd, storage
+from . import dockerd, faults, memory, net, scenarios, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
 from .proc import TestbedError, alive, load_pids, run, stop_pid
 
@@ -50,7 +50,7 @@ def _preflight() -> None:
 
 
 def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT_WEIGHTS,
-       worker_disk: str | int | None = None) -> Testbed:
+       worker_disk: str | int | None = None, node_memory: str | int = memory.DEFAULT_NODE_MEMORY) -> Testbed:
     """Bring the testbed up (or, if it is already up with the same node count, just apply *scenario*)."""
     _preflight()
     lay = layout(nodes)
@@ -80,8 +80,10 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     storage.setup_shared_root()
     for n in lay.nodes:
         storage.setup_node(n, head_disk if n.index == 0 else wdisk)
+    memory.setup(lay, storage.parse_size(node_memory))
     for n in lay.nodes:              # after the mounts: each sshd gets its own mount namespace
         sshd.start(n)
+        memory.attach_sshd(n, load_pids()[f"{n.name}/sshd"]["pid"])
     sshd.write_known_hosts(lay)
     for n in lay.nodes:
         dockerd.start(n)
@@ -123,6 +125,7 @@ def down() -> list[str]:
                 stop_pid(int(pid), timeout=5)
     for n in lay.nodes:
         dockerd.kill_cgroup(n)
+    memory.teardown(lay)
     storage.teardown()
     net.teardown(lay)
     sshd.remove_netns_etc()
@@ -199,7 +202,8 @@ def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool 
     else:
         enter = ["ip", "netns", "exec", n.netns]
     full = enter + as_user + env + ["/bin/sh", "-c", f"cd ~ 2>/dev/null; {cmd}"]
-    p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input, check=False)
+    p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input, check=False,
+                       preexec_fn=lambda: memory.join(n, os.getpid()))
     if check and p.returncode != 0:
         raise TestbedError(f"{node}$ {cmd} -> exit {p.returncode}: {p.stderr.strip()[-2000:]}")
     return p

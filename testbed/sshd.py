@@ -15,6 +15,7 @@ import pwd
 import subprocess
 from pathlib import Path
 
+from . import memory
 from .layout import SSH_USER, SUDOERS, Layout, Node, state_dir
 from .proc import TestbedError, alive, load_pids, record_pid, run, stop_recorded, wait_for
 
@@ -182,6 +183,7 @@ def start(node: Node, timeout: float = 20) -> None:
         return pidfile.exists() and pidfile.read_text().strip() == str(p.pid)
     wait_for(ready, timeout=timeout, what=f"sshd on {node.name}")
     record_pid(_pid_name(node), p.pid)
+    memory.attach_sshd(node, p.pid)
 
 
 def stop(node: Node) -> None:

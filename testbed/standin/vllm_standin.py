@@ -145,6 +145,7 @@ class Engine:
         self.ready_timeout = env_float("VLLM_ENGINE_READY_TIMEOUT_S", 600.0)
         self.gpus = env_int("STANDIN_GPUS_PER_NODE", 1)
         self.exit_code: int | None = None
+        self.kv_cache = bytearray()
 
     @property
     def world(self) -> int:
@@ -234,6 +235,9 @@ class Engine:
                 raise EngineError(f"RuntimeError: {self.reason}")
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
         log("INFO", "gpu_model_runner.py:2007", f"Model loading took 0.0 GiB and {delay:.2f} seconds")
+        self.kv_cache = hold_memory(self.args.gpu_memory_utilization)
+        log("INFO", "gpu_worker.py:298", f"Available KV cache memory: {len(self.kv_cache) / 2**30:.2f} GiB "
+            f"(gpu_memory_utilization {self.args.gpu_memory_utilization:g} of {node_memory() / 2**30:.2f} GiB)")
         log("INFO", "kv_cache_utils.py:1087", f"GPU KV cache size: 65,536 tokens; max_model_len {self.max_len}")
 
     # ---- rendezvous (mp executor, --nnodes > 1)
@@ -430,6 +434,37 @@ class Engine:
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
+
+
+def node_memory() -> int:
+    """The memory of the machine this rank runs on, as vLLM sees a GB10's: one pool. In the testbed a node is a
+    memory cgroup with a limit (testbed/memory.py), which a container sees as hierarchical_memory_limit."""
+    total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    try:
+        with open("/sys/fs/cgroup/memory/memory.stat") as f:
+            for line in f:
+                if line.startswith("hierarchical_memory_limit "):
+                    total = min(total, int(line.split()[1]))
+    except OSError:
+        pass
+    return total
+
+
+def hold_memory(gpu_memory_utilization: float) -> bytearray:
+    """Hold gpu_memory_utilization x the node's memory, touched page by page so it is resident: what vLLM
+    takes for weights and KV cache on unified memory. More than the node has left meets its OOM killer."""
+    n = int(gpu_memory_utilization * node_memory())
+    held = bytearray(n)
+    chunk = 64 << 20  # one chunk at a time: the heartbeat threads get the GIL in between
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        held[start:end:4096] = b"\x01" * len(range(start, end, 4096))
+        time.sleep(0)
+    return held
 
 
 def _models(engine: Engine) -> dict:

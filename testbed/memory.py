@@ -1,0 +1,146 @@
+"""Unified memory per node: each node has its own memory budget, and its /proc/meminfo says so.
+
+A GB10 has one pool of memory for the CPU and the GPU: what vLLM holds for weights and KV cache shows up as used
+in MemAvailable, next to the co-tenants and everything else on that machine. On one machine running two nodes,
+every node saw the host's /proc/meminfo and nothing the node ran counted against it. Now:
+
+* **a memory cgroup per node** (`spark-testbed-NODE`, cgroup v1's memory controller) with the node's budget as its
+  limit. dockerd's `--cgroup-parent` puts every container of the node below it, and the node's sshd (so every SSH
+  session, so every probe) is moved into it: the cgroup's usage is what the node's processes and containers
+  really hold, and the limit is real (a node that overshoots meets the OOM killer, as a GB10 does).
+* **lxcfs** (Debian's package; it is what LXC and Kubernetes use for exactly this) serves a `proc/meminfo`
+  computed from the cgroup of the process that reads it: MemTotal = the budget, MemAvailable = budget - usage
+  (+ reclaimable cache). It is bind-mounted over /proc/meminfo in each sshd's mount namespace, so the
+  reconciler's probe (`grep MemTotal /proc/meminfo` over SSH) reads the node's own numbers. A kept-current file
+  was the alternative: it would lag, and a reader could see it half-written; lxcfs answers each read fresh.
+
+Docker's cgroupfs driver puts a relative `--cgroup-parent` below dockerd's own cgroup, so the node cgroups live
+below the memory cgroup of the process that started the testbed (in a sandbox that is not the root); the paths
+are recorded in STATE/memory.json at `up`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from .layout import Layout, Node, state_dir
+from .proc import TestbedError, alive, load_pids, spawn, stop_recorded, wait_for
+
+DEFAULT_NODE_MEMORY = 8 << 30
+V1_MEMORY = Path("/sys/fs/cgroup/memory")
+LXCFS_PID = "lxcfs"
+
+
+def _record() -> Path:
+    return state_dir() / "memory.json"
+
+
+def _view_dir() -> Path:
+    return state_dir() / "lxcfs"
+
+
+def _own_memory_cgroup() -> str:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return path
+    raise TestbedError("per-node memory needs cgroup v1's memory controller (/proc/self/cgroup names none)")
+
+
+def cgroup_dir(node: Node) -> Path | None:
+    """The node's memory cgroup, or None when the testbed was brought up without per-node memory."""
+    try:
+        paths = json.loads(_record().read_text())
+    except (OSError, ValueError):
+        return None
+    return Path(paths[node.name]) if node.name in paths else None
+
+
+def budget(node: Node) -> int | None:
+    d = cgroup_dir(node)
+    return int((d / "memory.limit_in_bytes").read_text()) if d else None
+
+
+def setup(lay: Layout, node_memory: int) -> None:
+    """Create each node's cgroup with its budget, start the meminfo view, record the paths."""
+    if not V1_MEMORY.is_dir():
+        raise TestbedError(f"per-node memory needs cgroup v1's memory controller at {V1_MEMORY}")
+    base = V1_MEMORY / _own_memory_cgroup().lstrip("/")
+    paths = {}
+    for n in lay.nodes:
+        d = base / f"spark-testbed-{n.name}"
+        d.mkdir(exist_ok=True)
+        set_budget(d, node_memory)
+        paths[n.name] = str(d)
+    _record().write_text(json.dumps(paths, indent=1))
+    _start_view()
+
+
+def set_budget(d: Path, nbytes: int) -> None:
+    try:
+        (d / "memory.limit_in_bytes").write_text(str(nbytes))
+    except OSError as e:  # EBUSY: the node already holds more than that
+        raise TestbedError(f"cannot set {d.name}'s memory to {nbytes} bytes: {e.strerror} "
+                           f"(it holds {(d / 'memory.usage_in_bytes').read_text().strip()} bytes)") from None
+
+
+def _start_view() -> None:
+    e = load_pids().get(LXCFS_PID)
+    view = _view_dir()
+    if e and alive(e["pid"], e.get("starttime")) and (view / "proc" / "meminfo").exists():
+        return
+    view.mkdir(parents=True, exist_ok=True)
+    spawn(LXCFS_PID, ["lxcfs", "--foreground", str(view)], log=state_dir() / "lxcfs.log")
+    wait_for(lambda: (view / "proc" / "meminfo").exists(), timeout=20, what="lxcfs's proc/meminfo")
+
+
+def join(node: Node, pid: int) -> None:
+    """Move a process (and so everything it starts later) into the node's memory cgroup."""
+    d = cgroup_dir(node)
+    if d is not None:
+        (d / "cgroup.procs").write_text(str(pid))
+
+
+def attach_sshd(node: Node, pid: int) -> None:
+    """The node's sshd into its cgroup, and the node's meminfo over /proc/meminfo in its mount namespace."""
+    if cgroup_dir(node) is None:
+        return
+    join(node, pid)
+    if " /proc/meminfo " in Path(f"/proc/{pid}/mountinfo").read_text():
+        return  # already bound (`up` again on a running testbed)
+    meminfo = _view_dir() / "proc" / "meminfo"
+    res = subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "mount", "--bind", str(meminfo),
+                          "/proc/meminfo"], capture_output=True, text=True, timeout=20, check=False)
+    if res.returncode != 0:
+        raise TestbedError(f"binding the node meminfo into {node.name}'s sshd failed: {res.stderr.strip()}")
+
+
+def teardown(lay: Layout) -> None:
+    """Stop lxcfs, unmount its view, remove the node cgroups (their processes are gone by now)."""
+    stop_recorded(LXCFS_PID, timeout=10)
+    view = _view_dir()
+    if view.is_dir():
+        subprocess.run(["umount", "-l", str(view)], capture_output=True, check=False)
+    for n in lay.nodes:
+        d = cgroup_dir(n)
+        if d is None:
+            continue
+        for sub in sorted(d.glob("**/"), key=lambda p: len(str(p)), reverse=True):
+            try:  # a cgroup stays busy for a moment after its last process exits
+                wait_for(lambda sub=sub: _rmdir(sub), timeout=5, what=f"removal of {sub}")
+            except TestbedError:
+                pass  # left for the next `up` to reuse; `leftovers` does not count cgroups
+    _record().unlink(missing_ok=True)
+
+
+def _rmdir(path: Path) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True

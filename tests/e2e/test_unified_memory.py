@@ -1,0 +1,82 @@
+"""Unified memory end to end: each node's MemTotal is its own budget, and a serving change restarts in order.
+
+On a GB10 the running vLLM's share of the one memory pool shows up as used in MemAvailable. The testbed now
+has the same physics (testbed/memory.py: a memory cgroup per node, lxcfs's meminfo over /proc/meminfo in each
+node's SSH sessions; the stand-in holds gpu_memory_utilization x the node's memory). With gmu 0.6 the running
+serving holds 60% of each node, so a restart needs the memory only its own stop frees: the first serving change
+after a deploy deadlocked here before the fix ("serving restart waits for memory ..."), as on real Sparks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.test_converge import containers, reconciler, variant
+
+pytestmark = pytest.mark.e2e
+
+GIB = 2**30
+GMU = 0.6
+
+
+def meminfo(tb, node: str) -> dict[str, int]:
+    out = tb.exec(node, "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo", check=True).stdout
+    return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in out.splitlines()}
+
+
+def completion(tb, model: str) -> dict:
+    body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 2})
+    out = tb.exec("head", f"curl -s -m 30 -H 'Content-Type: application/json' -d '{body}' "
+                          "http://127.0.0.1:8000/v1/completions", check=True).stdout
+    return json.loads(out)
+
+
+def test_each_node_sees_its_own_budget_and_what_it_holds(seed_testbed):
+    tb = seed_testbed
+    budget = {n: meminfo(tb, n)["MemTotal"] for n in ("head", "worker")}
+    assert budget["head"] == budget["worker"] == 8 * GIB, "the default node budget, not the host's memory"
+    before = meminfo(tb, "worker")["MemAvailable"]
+    tb.exec("worker", "docker run -d --name holder --network host cotenant-standin:latest "
+                      "cotenant --port 8097 --hold-mb 512 --label holder", check=True)
+    try:  # it listens once its memory is held and touched
+        tb.exec("worker", "curl -sf --retry 200 --retry-connrefused --retry-delay 0 --retry-max-time 30 "
+                          "-o /dev/null http://127.0.0.1:8097/health", check=True)
+        held = before - meminfo(tb, "worker")["MemAvailable"]
+        assert 500 << 20 <= held <= 600 << 20, f"512 MiB held on the worker shows as {held >> 20} MiB used there"
+        assert meminfo(tb, "head")["MemAvailable"] > budget["head"] - (256 << 20), "and not on the head"
+    finally:
+        tb.docker("worker", "rm", "-f", "holder", check=False)
+
+
+def test_serving_change_on_unified_memory_restarts_in_order(seed_testbed, tmp_path):
+    tb = seed_testbed
+
+    def big(data):
+        data["serving"]["gpu_memory_utilization"] = GMU
+
+    deployed = variant(tmp_path, big)
+    result = reconciler("apply", str(deployed), "--yes")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for node in ("head", "worker"):
+        free = meminfo(tb, node)["MemAvailable"]
+        assert free < (1 - GMU) * 8 * GIB, f"{node}: the running serving holds its share ({free / GIB:.1f} GiB free)"
+
+    def changed(data):
+        big(data)
+        data["serving"]["max_model_len"] = 2048
+
+    (tmp_path / "changed").mkdir()
+    edit = variant(tmp_path / "changed", changed)
+    result = reconciler("apply", str(edit), "--yes", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "waits for memory" not in result.stdout
+    order = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
+    stops = [i for i, s in enumerate(order) if s.startswith("stop-serving/")]
+    starts = [i for i, s in enumerate(order) if s.startswith("start-serving/")]
+    assert len(stops) == 2 and len(starts) == 2 and max(stops) < min(starts), order
+    for node in ("head", "worker"):
+        args = containers(tb, node)["vllm_serving"]["Args"]
+        assert args[args.index("--max-model-len") + 1] == "2048"
+    assert completion(tb, "tiny-moe")["choices"]
