@@ -23,7 +23,9 @@ PACKAGES=(
     sudo                            # the spark user's few NOPASSWD commands
     prometheus                      # scrapes the daemon; promtool tests alert rules
     busybox-static                  # tiny static tools inside the stand-in images
-    python3
+    lxcfs                           # each node's /proc/meminfo from its memory cgroup (testbed/memory.py)
+    python3 python3.11-venv         # the real vLLM image's venv is made with Debian's python3.11
+    g++-12 libpython3.11-dev openssl   # copied into the real vLLM image: torch's inductor compiles C++ at run time
 )
 NAMES=("${PACKAGES[@]}")
 
@@ -36,7 +38,7 @@ for p in "${NAMES[@]}"; do
 done
 
 DISTRO_UNITS=(ssh.service ssh.socket docker.service docker.socket containerd.service
-              prometheus.service prometheus-node-exporter.service)
+              prometheus.service prometheus-node-exporter.service lxcfs.service)
 
 stop_distro_services() {
     if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then
@@ -47,7 +49,7 @@ stop_distro_services() {
         done
     else
         # No systemd: the sysvinit scripts (if apt ran them) keep pidfiles we can stop by.
-        for s in ssh docker containerd prometheus prometheus-node-exporter; do
+        for s in ssh docker containerd prometheus prometheus-node-exporter lxcfs; do
             if [ -x "/etc/init.d/$s" ]; then
                 "/etc/init.d/$s" stop >/dev/null 2>&1 || true
                 update-rc.d "$s" disable >/dev/null 2>&1 || true

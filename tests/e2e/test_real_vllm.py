@@ -1,0 +1,128 @@
+"""The real vLLM (0.32.0, CPU build) across the two namespace nodes: tensor parallel 2 over the fabric veth.
+
+Few tests, each earning its minutes, run in this order on one deployment (module fixture):
+1. seed -> converged in one `apply`: the worker's link comes up, the tiny Llama (HF cache) and the 2 GB image are
+   copied to the worker, rank 1 (headless) then rank 0 start, and a completion answers through the head;
+2. a serving change (max_model_len) restarts in order and answers again;
+3. the worker's fabric link goes down under the running deployment: what vLLM does is recorded (measured on
+   2026-12-03: /health kept answering 200 while a completion hung), the reconciler sees the drift (the link, and
+   the failed completion), repairs the link, and the deployment answers again.
+
+Every check reads the nodes directly (testbed exec/docker), not the reconciler's own view.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from testbed.realvllm import image
+from tests.e2e.test_converge import containers, content_hashes, reconciler
+
+pytestmark = pytest.mark.e2e
+
+START_TIMEOUT = 900  # an apply that copies a 2 GB image and starts vLLM twice over on 2 busy cores
+
+
+def completion(tb, timeout: int = 60) -> tuple[int, dict | None]:
+    """(curl exit code, answer) of one short completion through the head's API."""
+    body = json.dumps({"model": image.SERVED_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    res = tb.exec("head", f"curl -s -m {timeout} -H 'Content-Type: application/json' -d '{body}' "
+                          "http://127.0.0.1:8000/v1/completions")
+    try:
+        return res.returncode, json.loads(res.stdout)
+    except ValueError:
+        return res.returncode, None
+
+
+def health(tb) -> str:
+    return tb.exec("head", "curl -s -o /dev/null -m 5 -w '%{http_code}' http://127.0.0.1:8000/health").stdout
+
+
+@pytest.fixture(scope="module")
+def real(testbed):
+    """The seed scenario serving with the real vLLM: its image and the tiny model on the head only."""
+    tb = testbed.reset("seed")
+    return tb, tb.real_vllm()
+
+
+@pytest.fixture(scope="module")
+def deployed(real):
+    tb, desired = real
+    result = reconciler("apply", str(desired), "--yes", timeout=START_TIMEOUT)
+    return tb, desired, result
+
+
+def test_seed_converges_with_the_real_vllm_in_one_apply(deployed):
+    tb, desired, result = deployed
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "Converged" in result.stdout
+    done = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
+    for step in ("link/worker", "image/worker", "weights/worker", "start-serving/worker", "start-serving/head",
+                 "await-health/head"):
+        assert step in done, (step, done)
+    assert done.index("start-serving/worker") < done.index("start-serving/head"), "rank 1 first, rank 0 last"
+
+    spec = yaml.safe_load(desired.read_text())
+    hub = f"models--{image.MODEL_ID.replace('/', '--')}"
+    src = content_hashes(tb, "head", f"{spec['model']['path']['head']}/{hub}")
+    assert content_hashes(tb, "worker", f"{spec['model']['path']['worker']}/{hub}") == src
+    ids = {n: tb.docker(n, "image", "inspect", "--format", "{{.Id}}", image.IMAGE).stdout.strip()
+           for n in ("head", "worker")}
+    assert ids["head"] == ids["worker"] != ""
+
+    worker = containers(tb, "worker")["vllm_serving"]
+    assert worker["State"]["Running"] and "--headless" in worker["Args"]
+    env = dict(e.split("=", 1) for e in worker["Config"]["Env"])
+    assert env["GLOO_SOCKET_IFNAME"] == "enp1s0f1np1" and env["HF_HUB_OFFLINE"] == "1"
+    logs = tb.docker("head", "logs", "vllm_serving").stderr + tb.docker("head", "logs", "vllm_serving").stdout
+    assert "world_size=2" in logs and "backend=gloo" in logs, "a real two-rank group, over gloo"
+    rc, answer = completion(tb)
+    assert rc == 0 and answer and answer["choices"][0]["text"], answer
+
+
+def test_serving_change_restarts_in_order_and_answers_again(deployed, tmp_path):
+    tb, desired, _ = deployed
+    data = yaml.safe_load(desired.read_text())
+    data["serving"]["max_model_len"] = 2048
+    edit = tmp_path / "desired.yaml"
+    edit.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = reconciler("apply", str(edit), "--yes", timeout=START_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    order = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
+    stops = [i for i, s in enumerate(order) if s.startswith("stop-serving/")]
+    starts = [i for i, s in enumerate(order) if s.startswith("start-serving/")]
+    assert len(stops) == 2 and len(starts) == 2 and max(stops) < min(starts), order
+    assert order.index("start-serving/worker") < order.index("start-serving/head")
+    models = json.loads(tb.exec("head", "curl -s -m 5 http://127.0.0.1:8000/v1/models", check=True).stdout)
+    assert models["data"][0]["max_model_len"] == 2048, "vLLM itself reports the new length"
+    rc, answer = completion(tb)
+    assert rc == 0 and answer and answer["choices"], answer
+
+
+def test_fabric_link_down_is_seen_by_a_completion_and_repaired(deployed, tmp_path):
+    tb, desired, _ = deployed
+    data = yaml.safe_load(desired.read_text())
+    data["serving"]["max_model_len"] = 2048  # the state the previous test left
+    current = tmp_path / "desired.yaml"
+    current.write_text(yaml.safe_dump(data, sort_keys=False))
+    tb.fault("link-down", "worker")
+    code = health(tb)
+    rc, _ = completion(tb, timeout=10)
+    print(f"fabric down under vLLM: /health {code}, completion curl exit {rc}")  # docs/testbed.md records it
+    assert rc != 0, "no rank-1 answer over a downed fabric"
+
+    plan = reconciler("plan", str(current), "--json", timeout=120)
+    drift = {(d["node"], d["kind"]): d for d in json.loads(plan.stdout)["drift"]}
+    assert ("worker", "link") in drift
+    assert ("head", "health") in drift
+    if code == "200":
+        assert "completion failed" in drift[("head", "health")]["observed"], "/health alone would call it healthy"
+
+    result = reconciler("apply", str(current), "--yes", timeout=START_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "link/worker" in result.stdout
+    rc, answer = completion(tb)
+    assert rc == 0 and answer and answer["choices"], answer
