@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from reconciler.drift import image_holder
 from reconciler.observed import (
     Container,
     Link,
@@ -22,12 +23,14 @@ from reconciler.observed import (
     NodeObservation,
     Observed,
     RdmaPort,
+    ServeFlags,
     Serving,
     WeightFile,
     Weights,
 )
 from reconciler.remote import RemoteError, Sessions, quote
 from reconciler.spec import Desired, Node
+from reconciler.vllm import extra_flags, parse_serve_help
 
 _INSPECT = ('{"name":{{json .Name}},"id":{{json .Id}},"image":{{json .Config.Image}},"image_id":{{json .Image}},'
             '"state":{{json .State.Status}},"labels":{{json .Config.Labels}},"started_at":{{json .State.StartedAt}},'
@@ -291,4 +294,29 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0,
 
     with ThreadPoolExecutor(max_workers=max(1, len(desired.nodes))) as pool:
         results = list(pool.map(one, desired.nodes))
-    return Observed(nodes={r.name: r for r in results}), durations
+    observed = Observed(nodes={r.name: r for r in results})
+    return observed.model_copy(update={"serve_flags": serve_flags(desired, sessions, observed)}), durations
+
+
+FLAGS_DEADLINE = 180.0  # `vllm serve --help=all` imports torch: ~12 s on 2 CPU cores, more on a busy node
+_flags_by_image: dict[str, ServeFlags] = {}  # image ids are content hashes: the same id knows the same flags
+
+
+def serve_flags(desired: Desired, sessions: Sessions, observed: Observed) -> ServeFlags | None:
+    """What the serving image's own `vllm serve` accepts, asked once per image id in a throw-away container on
+    the node holding the reference image; only when serving.extra_args has flags to judge (ours are tested)."""
+    holder = image_holder(desired, observed)
+    if not extra_flags(desired.serving.extra_args) or holder is None:
+        return None
+    image_id = observed.node(holder).images[desired.serving.image]
+    if image_id not in _flags_by_image:
+        argv = ["timeout", str(int(FLAGS_DEADLINE)), "docker", "run", "--rm", "--network", "none", "--entrypoint",
+                "vllm", desired.serving.image, "serve", "--help=all"]
+        try:
+            res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE + 10, check=False)
+            flags = parse_serve_help(res.stdout)
+            error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
+        except RemoteError as exc:
+            flags, error = [], exc.message
+        _flags_by_image[image_id] = ServeFlags(image_id=image_id, flags=flags, error=error)
+    return _flags_by_image[image_id]

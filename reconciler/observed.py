@@ -119,9 +119,19 @@ class NodeObservation(_Model):
         return next((c for c in self.containers if c.name == name), None)
 
 
+class ServeFlags(_Model):
+    """The flags `vllm serve` of one image knows, as its own `vllm serve --help=all` lists them."""
+
+    image_id: str
+    flags: list[str] = Field(default_factory=list)
+    error: str | None = Field(None, description="why the image could not be asked (then nothing is judged)")
+
+
 class Observed(_Model):
     version: Literal["spark-reconciler/observed/v1"] = SNAPSHOT_VERSION
     nodes: dict[str, NodeObservation]
+    serve_flags: ServeFlags | None = Field(None, description="asked once per image id, only when serving.extra_args "
+                                                             "has flags to judge")
 
     def node(self, name: str) -> NodeObservation:
         return self.nodes.get(name) or NodeObservation(name=name, reachable=False, error="not observed")

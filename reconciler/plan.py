@@ -14,6 +14,7 @@ from typing import Literal
 from reconciler.drift import Drift, diff, image_holder
 from reconciler.observed import Observed
 from reconciler.spec import Desired
+from reconciler.vllm import unknown_flags
 
 StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
                    "await-health"]
@@ -133,6 +134,9 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     for d in stale:
         stop(d.node, d.resource.split("/", 1)[1], _explain(d), ())
 
+    if restart and (alien := _unknown_extra_flags(desired, observed)):
+        blocked.append(Blocker(head, alien))
+        return steps
     if restart:
         hurdles = _restart_hurdles(drift, serving, before)
         if hurdles:
@@ -155,6 +159,22 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
             steps.append(Step(f"await-health/{head}", "await-health", head,
                               "serving containers are up; wait for the API to become healthy"))
     return steps
+
+
+def _unknown_extra_flags(desired: Desired, observed: Observed) -> str | None:
+    """Why serving must not (re)start: an extra_args flag the image's own `vllm serve` does not know. vLLM would
+    exit at once on every node; saying so before anything is stopped keeps the running generation serving."""
+    flags = observed.serve_flags
+    holder = image_holder(desired, observed)
+    if flags is None or flags.error or holder is None:
+        return None
+    if observed.node(holder).images.get(desired.serving.image) != flags.image_id:
+        return None  # asked about another image id: nothing to judge this one by
+    unknown = unknown_flags(desired.serving.extra_args, flags.flags)
+    if not unknown:
+        return None
+    return (f"serving.extra_args: {', '.join(unknown)} {'is not a flag' if len(unknown) == 1 else 'are not flags'} "
+            f"of `vllm serve` in {desired.serving.image} ({flags.image_id[:19]}); nothing is stopped or started")
 
 
 def _restart_hurdles(drift: list[Drift], serving: list[str], before: list[Step]) -> list[Drift]:

@@ -128,6 +128,37 @@ def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
     return argv
 
 
+def extra_flags(extra_args: list[str]) -> list[str]:
+    """The option names in serving.extra_args (`--x=1` -> `--x`; values and negative numbers are not options)."""
+    out = []
+    for arg in extra_args:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-") and not name.lstrip("-").replace(".", "", 1).isdigit() and name not in out:
+            out.append(name)
+    return out
+
+
+def unknown_flags(extra_args: list[str], known: list[str]) -> list[str]:
+    """Flags of extra_args the image's `vllm serve` does not know. vLLM's parser takes `--a_b` for `--a-b`."""
+    names = set(known)
+    return [f for f in extra_flags(extra_args) if f not in names and f.replace("_", "-") not in names]
+
+
+def parse_serve_help(text: str) -> list[str]:
+    """Every option name in `vllm serve --help=all` output: argparse lists them on lines indented by two spaces,
+    aliases separated by ", " before the description (`  --api-server-count N, -asc N  Text`)."""
+    flags: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("  -"):
+            continue
+        spec = line.strip().split("  ", 1)[0]
+        for alias in spec.split(", "):
+            name = alias.split(" ", 1)[0]
+            if name.startswith("-") and name not in flags:
+                flags.append(name)
+    return flags
+
+
 def launch_specs(desired: Desired) -> list[LaunchSpec]:
     """One spec per serving node, rank order (head = rank 0)."""
     s = desired.serving

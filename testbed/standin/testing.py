@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 PROGRAMS = {"vllm": HERE / "vllm_standin.py", "ray": HERE / "ray_standin.py", "cotenant": HERE / "cotenant.py"}
 
 FAST_ENV = {
+    "STANDIN_NODE_MEMORY_BYTES": str(64 << 20),  # on the host, not in a testbed node: a small pretend node
     "STANDIN_LOAD_DELAY_S": "0.1",
     "STANDIN_HEARTBEAT_S": "0.2",
     "STANDIN_PEER_TIMEOUT_S": "2",

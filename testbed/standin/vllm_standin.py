@@ -115,6 +115,8 @@ def normalize_argv(argv: list[str]) -> list[str]:
     """vLLM's FlexibleArgumentParser accepts --foo_bar as --foo-bar."""
     out = []
     for a in argv:
+        if a.startswith("--help="):  # vLLM's --help=all / --help=<group>: the stand-in has one page
+            a = "--help"
         if a.startswith("--") and len(a) > 2:
             key, eq, val = a.partition("=")
             a = key.replace("_", "-") + eq + val
@@ -438,7 +440,10 @@ class Engine:
 
 def node_memory() -> int:
     """The memory of the machine this rank runs on, as vLLM sees a GB10's: one pool. In the testbed a node is a
-    memory cgroup with a limit (testbed/memory.py), which a container sees as hierarchical_memory_limit."""
+    memory cgroup with a limit (testbed/memory.py), which a container sees as hierarchical_memory_limit. Run
+    on the host (the stand-in's own unit tests), STANDIN_NODE_MEMORY_BYTES says how big the pretend node is."""
+    if os.environ.get("STANDIN_NODE_MEMORY_BYTES"):
+        return int(os.environ["STANDIN_NODE_MEMORY_BYTES"])
     total = 0
     with open("/proc/meminfo") as f:
         for line in f:

@@ -20,6 +20,10 @@ from testbed.weights import generate
 pytestmark = pytest.mark.e2e
 
 
+# this throwaway engine is not a testbed node (no memory budget): the stand-in holds gmu x a pretend 64 MiB node
+SMALL_NODE = f"STANDIN_NODE_MEMORY_BYTES={64 << 20}"
+
+
 @pytest.fixture(scope="module")
 def engine():
     if os.geteuid() != 0 or not shutil.which("dockerd"):
@@ -107,7 +111,7 @@ def test_two_containers_rendezvous_and_stop_fast(engine, images, tmp_path):
     generate(models, "testorg/tiny-dense", "2" * 40, "hf-cache", 2, 64 * 1024)
     mport, port = free_port(), free_port()
     common = ["--network", "host", "-v", f"{models}:/root/.cache/huggingface", "-e", "HF_HUB_OFFLINE=1",
-              "-e", "STANDIN_PEER_TIMEOUT_S=2"]
+              "-e", "STANDIN_PEER_TIMEOUT_S=2", "-e", SMALL_NODE]
     flags = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(mport)]
     docker(engine, "run", "-d", "--name", "tbw", *common, "vllm-standin:latest", "vllm", "serve", "testorg/tiny-dense",
            *flags, "--node-rank", "1", "--headless")
@@ -127,7 +131,8 @@ def test_ray_in_containers(engine, images, tmp_path):
     models = tmp_path / "hf"
     generate(models, "testorg/tiny-moe", "1" * 40, "hf-cache", 2, 32 * 1024)
     gcs, port = free_port(), free_port()
-    common = ["--network", "host", "-v", f"{models}:/root/.cache/huggingface", "-e", "HF_HUB_OFFLINE=1"]
+    common = ["--network", "host", "-v", f"{models}:/root/.cache/huggingface", "-e", "HF_HUB_OFFLINE=1",
+              "-e", SMALL_NODE]
     docker(engine, "run", "-d", "--name", "rh", *common, "vllm-standin:latest", "ray", "start", "--head", "--port",
            str(gcs), "--node-ip-address", "127.0.0.1", "--block")
     docker(engine, "run", "-d", "--name", "rw", *common, "vllm-standin:latest", "ray", "start",

