@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import daemon, noop, report, weights
+from bench import daemon, noop, report, vllm_start, weights
 from bench.common import RESULTS, Options, testbed_lock
 
 BENCHMARKS = {
@@ -24,7 +24,9 @@ BENCHMARKS = {
     "verify": weights.run_verify,
     "footprint": daemon.run_footprint,
     "scaling": noop.run_scaling,
+    "vllm-start": vllm_start.run_vllm_start,
 }
+NOT_QUICK = {"vllm-start"}  # minutes of real vLLM starts; tests/e2e/test_real_vllm.py already checks it works
 
 
 def _run(names, opts, failed) -> None:
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=None, help="where the JSON results go")
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     a = p.parse_args(argv)
-    names = list(BENCHMARKS) if "all" in a.names else a.names
+    names = [n for n in BENCHMARKS if not (a.quick and n in NOT_QUICK)] if "all" in a.names else a.names
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark(s): {', '.join(unknown)}")

@@ -90,6 +90,13 @@ def rows(r: dict[str, dict]) -> list[list[str]]:
                     " / ".join(ms(d[k]["project"]["median"]) for k in keys), "",
                     f"{keys[-1]} vs 2 nodes: {d[keys[-1]]['over_2_nodes']:.2f}x", "near flat",
                     ok(d[keys[-1]]["over_2_nodes"] < 1.5)])
+    if "vllm_start" in r:
+        d = r["vllm_start"]
+        c, w = d["cold"], d["warm"]
+        out.append([f"8 real vLLM start -> first completion, TP 1, compile cache kept ({d['runs']} runs, "
+                    "p50 / p95)", f"{s2(w['median'])} / {s2(w['p95'])}",
+                    f"cold cache {s2(c['median'])} / {s2(c['p95'])}", f"{d['ratio']:.2f}x faster warm",
+                    "warm faster", ok(d["ratio"] > 1)])
     return out
 
 
@@ -125,6 +132,11 @@ def _details(r: dict[str, dict]) -> str:
         d = r["footprint"]
         out.append(f"Footprint: {d['cpu_seconds']:.2f} CPU s over {d['seconds']:.0f} s, "
                    f"{d['reconciles_while_idle']} resync reconciles while idle, RSS last {d['rss_last_mb']:.0f} MB.")
+    if "vllm_start" in r:
+        d = r["vllm_start"]
+        out.append(f"Real vLLM starts (bench/vllm_start.py): cold {d['cold']['min']:.0f}-{d['cold']['max']:.0f} s, "
+                   f"warm {d['warm']['min']:.0f}-{d['warm']['max']:.0f} s; the kept cache is "
+                   f"{d['cache_mb']:.0f} MB.")
     return "\n\n".join(out)
 
 
@@ -203,6 +215,11 @@ full run, before that change, measured the no-op cycle at 85 / 94 ms (38x Ansibl
    5 minutes (20 s in quick mode). The node side (one `docker events` + `ip monitor` per node) is not counted.
 7. **Scaling**: the no-op cycle of benchmark 1 with 2, 4 and 8 nodes (`testbed up --nodes N --scenario converged` then
    `reconciler apply`), 30 cycles each.
+8. **Real vLLM start, compile cache kept** (`python -m bench vllm-start`, not in `--quick`): the real vLLM 0.32.0
+   CPU build (testbed/realvllm) on the head, TP 1, torch.compile on, from `docker run` to the first answered
+   completion; cold = an empty `/root/.cache/vllm` each run, warm = the directory a cold run filled, kept on a
+   volume (`TORCHINDUCTOR_CACHE_DIR` inside it). Runs alternate cold and warm. What an ordered restart costs
+   depends on it: keep `~/.cache/vllm` on a host volume (`serving.docker.volumes`).
 
 ## Profile of the no-op cycle, and the fixes
 

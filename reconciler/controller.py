@@ -264,7 +264,8 @@ class Controller:
                 metrics.weights_bytes.labels(node=node.name, state="synced").set(
                     min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
         head = observed.node(desired.head.name).serving
-        metrics.serving_healthy.set(1 if head and head.healthy else 0)
+        want = desired.serving.served_model_name or desired.model.id
+        metrics.serving_healthy.set(1 if head and head.serves(want) else 0)
         return observed
 
     def _progress(self, event: str, fields: dict) -> None:

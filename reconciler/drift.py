@@ -247,7 +247,7 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
         return []
     want = desired.serving.served_model_name or desired.model.id
     health = observed.node(head).serving
-    if health is not None and health.healthy and want in health.models and health.completion_error is None:
+    if health is not None and health.serves(want):
         return []
     if health is None or not health.reachable:
         seen = "not answering"

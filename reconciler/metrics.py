@@ -53,7 +53,8 @@ weights_bytes = Gauge("reconciler_weights_bytes", "Model bytes on the node (sync
                       ["node", "state"], registry=REGISTRY)
 weights_sync_bytes = Counter("reconciler_weights_sync_bytes_total", "Bytes copied to the node by weight syncs.",
                              ["node"], registry=REGISTRY)
-serving_healthy = Gauge("reconciler_serving_healthy", "1 when /health is 200 and the model is listed.",
+serving_healthy = Gauge("reconciler_serving_healthy", "1 when /health is 200, the model is listed and a "
+                        "completion answers.",
                         registry=REGISTRY)
 events = Counter("reconciler_events_total", "Triggers received (docker and link events per node, file changes, "
                  "resyncs, signals).", ["node", "source"], registry=REGISTRY)

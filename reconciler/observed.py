@@ -101,6 +101,10 @@ class Serving(_Model):
     completion_error: str | None = Field(None, description="why one short completion failed; None: it answered "
                                          "or was not tried (the API was not healthy)")
 
+    def serves(self, name: str) -> bool:
+        """The one definition of healthy serving: /health 200, `name` listed, and a completion answered."""
+        return self.healthy and name in self.models and self.completion_error is None
+
 
 class NodeObservation(_Model):
     name: str

@@ -23,6 +23,7 @@ from pathlib import Path
 from . import dockerd, net, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node
 from .proc import TestbedError
+from .realvllm.image import IMAGE as REAL_IMAGE
 
 SCENARIOS = ("seed", "converged", "empty")
 SERVING_IMAGE = "vllm-standin:latest"
@@ -175,6 +176,8 @@ def apply(lay: Layout, scenario: str, weights_size: int) -> None:
         raise ValueError(f"scenario must be one of {SCENARIOS}, not {scenario!r}")
     head = lay.head
     _restore(lay)
+    for n in lay.nodes:  # the real vLLM's image is not part of any scenario (`real-vllm` loads it when asked)
+        _remove_image(n, REAL_IMAGE)
     if scenario != "empty" or dockerd.image_id(head, COTENANT_IMAGE) is None:
         build_images(lay)
     for n in lay.nodes:
