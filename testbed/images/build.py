@@ -164,9 +164,11 @@ def _links(busybox: str, taken: set[str]) -> list[tuple[str, str]]:
 
 
 def _inputs_hash(copies: list[tuple[str, str]], gen: list[tuple[str, bytes, int]],
-                 links: list[tuple[str, str]]) -> str:
-    """Cheap: stat for host files, content for our own sources."""
-    h = hashlib.sha256(f"builder {BUILDER_VERSION}\n".encode())
+                 links: list[tuple[str, str]], header: str = f"builder {BUILDER_VERSION}\n",
+                 trailer: bytes | None = None) -> str:
+    """Cheap: stat for host files, content for our own sources. `header`/`trailer` say which image family it is
+    (default: the stand-ins', whose trailer is IMAGES and ENV)."""
+    h = hashlib.sha256(header.encode())
     for src, dest in copies:
         st = os.stat(src)
         h.update(f"{src}\0{dest}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_mode}\n".encode())
@@ -174,7 +176,7 @@ def _inputs_hash(copies: list[tuple[str, str]], gen: list[tuple[str, bytes, int]
         h.update(f"{dest}\0{mode}\0".encode() + hashlib.sha256(content).digest())
     for dest, target in links:
         h.update(f"L{dest}\0{target}\n".encode())
-    h.update(json.dumps(IMAGES, sort_keys=True).encode() + json.dumps(ENV).encode())
+    h.update(json.dumps(IMAGES, sort_keys=True).encode() + json.dumps(ENV).encode() if trailer is None else trailer)
     return h.hexdigest()
 
 

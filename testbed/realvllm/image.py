@@ -192,19 +192,6 @@ def _layer_inputs(venv: Path, taken: set[str]) -> tuple[list[tuple[str, str]], l
     return copies, gen, tool_links  # a real tool wins over a busybox applet of the same name
 
 
-def _inputs_hash(copies: list[tuple[str, str]], gen: list[tuple[str, bytes, int]], links: list[tuple[str, str]],
-                 base_content: str) -> str:
-    h = hashlib.sha256(f"vllm builder {BUILDER_VERSION}\n{base_content}\n{json.dumps(ENV)}\n".encode())
-    for src, dest in copies:
-        st = os.stat(src)
-        h.update(f"{dest}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    for dest, content, mode in gen:
-        h.update(f"{dest}\0{mode}\0".encode() + hashlib.sha256(content).digest())
-    for dest, target in links:
-        h.update(f"L{dest}\0{target}\n".encode())
-    return h.hexdigest()
-
-
 def _config(diff_ids: list[str], content: str) -> bytes:
     cfg = {
         "architecture": "amd64", "os": "linux", "created": base.CREATED,
@@ -224,7 +211,8 @@ def archive() -> tuple[Path, str]:
     b_copies, b_gen, b_links, b_content = base._inputs()
     taken = {d for _, d in b_copies} | {d for d, _, _ in b_gen} | {d for d, _ in b_links}
     copies, gen, links = _layer_inputs(venv, taken)
-    content = _inputs_hash(copies, gen, links, b_content)
+    content = base._inputs_hash(copies, gen, links, header=f"vllm builder {BUILDER_VERSION}\n{b_content}\n",
+                                trailer=json.dumps(ENV).encode())
     out, meta = root() / f"image-{content[:20]}.tar", root() / f"image-{content[:20]}.json"
     if out.exists() and meta.exists():
         return out, json.loads(meta.read_text())["id"]
