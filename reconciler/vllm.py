@@ -40,9 +40,9 @@ class LaunchSpec:
     def run_argv(self, generation: int, env_file: str | None = None) -> list[str]:
         """`docker run` argv (without the leading `docker`); labels carry the hash for the next diff.
 
-        With `env_file` (what the serving step uses) the environment is read by the docker CLI from that file
-        (see `env_file_text`) instead of `-e K=V`, so no value (HF_TOKEN, ...) is on a command line: not in
-        `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
+        With `env_file` (the serving step passes `/dev/stdin` and sends `env_file_text` on it) the docker CLI
+        reads the environment from there instead of `-e K=V`, so no value (HF_TOKEN, ...) is on a command line:
+        not in `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
         labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
                   LABEL_ROLE: "head" if self.rank == 0 else "worker"}
         argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]

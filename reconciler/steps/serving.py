@@ -54,13 +54,6 @@ def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
     return (result.stdout + result.stderr).strip()[-1500:]
 
 
-def write_env_file(session, text: str, *, timeout: float) -> str:
-    """Write `docker run --env-file` content to a new 0600 file on the node (sent on stdin, never in argv);
-    returns its path. The caller removes it once `docker run` has read it."""
-    return session.run(["sh", "-c", 'umask 077 && f=$(mktemp "${TMPDIR:-/tmp}/spark-reconciler-env.XXXXXX") '
-                        '&& cat > "$f" && printf %s "$f"'], stdin=text.encode(), timeout=timeout).stdout.strip()
-
-
 def start_serving(ctx: StepContext, step: Step) -> None:
     node = step.node
     spec = spec_for(ctx, node)
@@ -76,13 +69,12 @@ def start_serving(ctx: StepContext, step: Step) -> None:
         ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
     memory_preflight(ctx, node)
     session = ctx.sessions[node]
-    # The environment goes through a 0600 file on the node, never the command line (`ps`, error messages);
-    # it is removed right after `docker run` has read it.
-    env_file = write_env_file(session, spec.env_file_text(), timeout=ctx.command_timeout)
-    try:
-        session.run(["docker", *spec.run_argv(ctx.generation, env_file=env_file)], timeout=ctx.command_timeout)
-    finally:
-        session.run(["rm", "-f", "--", env_file], timeout=ctx.command_timeout, check=False)
+    # The environment reaches the docker CLI on its stdin: `--env-file /dev/stdin` (the CLI opens the path like
+    # any file, and sshd hands a command's stdin over as a pipe). So no value is on a command line (`ps`, error
+    # messages) and none is ever on a node's disk, where a daemon killed between writing and removing a temp file
+    # would leave the secret behind.
+    session.run(["docker", *spec.run_argv(ctx.generation, env_file="/dev/stdin")],
+                stdin=spec.env_file_text().encode(), timeout=ctx.command_timeout)
 
     def running() -> bool:
         state = (inspect(ctx, node, spec.container_name) or {}).get("State", {})

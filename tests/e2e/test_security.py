@@ -264,8 +264,10 @@ def test_secret_env_never_in_logs_metrics_status_argv_or_ps(seed_testbed, tmp_pa
             exposed = dict(info)
             exposed["Config"] = {k: v for k, v in info["Config"].items() if k != "Env"}
             assert SECRET not in json.dumps(exposed), f"{node}: the token is in docker inspect outside Config.Env"
-            left = tb.exec(node, "ls /tmp | grep spark-reconciler-env || true").stdout
-            assert left.strip() == "", f"env file left behind on {node}: {left}"
+            # the nodes share the host's /tmp, where this test's own desired-state file lives
+            left = tb.exec(node, f"grep -rlsF --exclude-dir='pytest-of-*' {SECRET} /tmp /var/tmp || true",
+                           user="root").stdout
+            assert left.strip() == "", f"the token is in a file on {node}: {left}"
         assert_nothing_lost(tb, d)
     finally:
         stop.set()
@@ -284,15 +286,18 @@ def urllib_open(url: str):
     return body()
 
 
-def test_the_env_file_is_private_and_removed(recorder):
-    """The exact command the serving step uses to write the env file: 0600, content intact."""
-    text = f"HF_TOKEN={SECRET}\nA=  spaced  \n"
-    from reconciler.steps.serving import write_env_file
+def test_the_environment_reaches_the_container_through_stdin_exactly(recorder):
+    """What the serving step does (`docker run --env-file /dev/stdin`, the text on the channel's stdin): every
+    value arrives byte for byte, spaces, quotes and `#` included, and no file is written on the node."""
+    from reconciler.vllm import LaunchSpec
 
-    path = write_env_file(recorder, text, timeout=10)
-    try:
-        mode = recorder.run(["stat", "-c", "%a %U", path], timeout=10).stdout.split()
-        assert mode == ["600", "spark"]
-        assert recorder.run(["cat", path], timeout=10).stdout == text
-    finally:
-        recorder.run(["rm", "-f", "--", path], timeout=10)
+    env = {"HF_TOKEN": SECRET, "A": "  spaced  ", "B": "it's \"q\" # not a comment", "C": "x=y"}
+    launch = LaunchSpec(node="worker", rank=1, container_name="env-probe", image="cotenant-standin:latest",
+                        docker_flags=("--rm", "--entrypoint", "env"), env=env, command=())
+    argv = ["docker", *launch.run_argv(1, env_file="/dev/stdin")]
+    argv.remove("-d")  # wait for `env` and read its output
+    before = recorder.run(["sh", "-c", "ls -A /tmp /var/tmp"], timeout=10).stdout
+    out = recorder.run(argv, stdin=launch.env_file_text().encode(), timeout=60).stdout
+    seen = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert {k: seen.get(k) for k in env} == env
+    assert recorder.run(["sh", "-c", "ls -A /tmp /var/tmp"], timeout=10).stdout == before
