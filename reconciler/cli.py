@@ -173,13 +173,13 @@ def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
 def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_format: str) -> None:
     """The daemon: keep the cluster converged until SIGTERM (systemd: Type=notify)."""
     from reconciler import log
-    from reconciler.controller import AlreadyRunning, Controller
+    from reconciler.daemon import AlreadyRunning, Daemon
 
     log.configure(json_lines=None if log_format == "auto" else log_format == "json")
-    controller = Controller(file, state_dir, listen=listen, events=not no_events)
-    controller.install_signals()
+    daemon = Daemon(file, state_dir, listen=listen, events=not no_events)
+    daemon.install_signals()
     try:
-        code = controller.run()
+        code = daemon.run()
         # Exit now: a worker thread stuck in a TCP connect to a dead node must not hold the interpreter's
         # shutdown past systemd's TimeoutStopSec (everything that matters was closed or flushed above).
         sys.stdout.flush()

@@ -28,6 +28,7 @@ class Snapshot:
     held: dict[str, str] = field(default_factory=dict)  # step id -> last error
     paused: bool = False
     mode: str = "enforce"
+    in_flight: list[str] = field(default_factory=list)  # step ids of operations running beside the loop
 
 
 def _iso(now: float) -> str:
@@ -49,6 +50,8 @@ def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
     def from_drift(type_: str, kinds: tuple[str, ...], good: str, bad: str) -> dict:
         if obs is None or not obs.reachable:
             return _cond(name, type_, None, "NodeUnreachable")
+        if obs.probe_error is not None:
+            return _cond(name, type_, None, "ProbeFailed")
         found = about(kinds)
         text = "; ".join(f"{d.resource}: expected {d.expected}, observed {d.observed}" for d in found)
         return _cond(name, type_, not found, bad if found else good, text)
@@ -59,7 +62,11 @@ def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
     else:
         out.append(_cond(name, "Reachable", obs.reachable, "SshOk" if obs.reachable else "Unreachable",
                          obs.error or ""))
-    out.append(_cond(name, "DockerReachable", None if not obs or not obs.reachable else obs.docker_reachable,
+    reached = obs is not None and obs.reachable
+    probed = reached and obs is not None and obs.probe_error is None
+    out.append(_cond(name, "Probed", probed if reached else None, "ProbeOk" if probed else "ProbeFailed",
+                     (obs.probe_error or "") if obs else ""))
+    out.append(_cond(name, "DockerReachable", obs.docker_reachable if probed and obs else None,
                      "DockerOk" if obs and obs.docker_reachable else "DockerUnreachable",
                      (obs.docker_error or "") if obs else ""))
     out.append(from_drift("FabricLinkUp", ("link", "rdma"), "LinkUp", "LinkDrift"))
@@ -96,9 +103,10 @@ def conditions(snap: Snapshot, nodes: list[str], previous: list[dict], now: floa
               "" if ready else f"{drift_count} drifted resources"),
         _cond("", "DesiredStateValid", snap.file_error is None,
               "Valid" if snap.file_error is None else "DesiredStateInvalid", snap.file_error or ""),
-        _cond("", "Progressing", bool(plan and plan.steps and snap.mode == "enforce" and not snap.paused),
-              "StepsPlanned" if plan and plan.steps else "Idle",
-              "; ".join(s.id for s in plan.steps) if plan and plan.steps else ""),
+        _cond("", "Progressing", bool(snap.in_flight or (plan and plan.steps and snap.mode == "enforce"
+                                                         and not snap.paused)),
+              "StepsRunning" if snap.in_flight else ("StepsPlanned" if plan and plan.steps else "Idle"),
+              "; ".join(snap.in_flight or [s.id for s in (plan.steps if plan else [])])),
     ]
     for node in nodes:
         out += _node_conditions(node, snap)

@@ -14,8 +14,8 @@ from reconciler.observed import NodeObservation, Observed, Weights
 from reconciler.spec import Desired, Node
 from reconciler.vllm import launch_specs
 
-DriftKind = Literal["unreachable", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving", "health",
-                    "memory"]
+DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving",
+                    "health", "memory"]
 DRIFT_KINDS: tuple[str, ...] = DriftKind.__args__  # type: ignore[attr-defined]
 
 
@@ -37,6 +37,9 @@ class Drift:
 def _reachability(name: str, obs: NodeObservation) -> list[Drift]:
     if not obs.reachable:
         return [Drift(name, "unreachable", f"node/{name}", "reachable over SSH", obs.error or "unreachable",
+                      actionable=False, blocking=True)]
+    if obs.probe_error is not None:
+        return [Drift(name, "probe", f"probe/{name}", "probe output that parses", obs.probe_error,
                       actionable=False, blocking=True)]
     if not obs.docker_reachable:
         return [Drift(name, "docker", f"docker/{name}", "docker engine answering",
@@ -152,7 +155,7 @@ def serving_drift(desired: Desired, observed: Observed, image_id: str | None) ->
 
 
 def _usable(obs: NodeObservation) -> bool:
-    return obs.reachable and obs.docker_reachable
+    return obs.reachable and obs.probe_error is None and obs.docker_reachable
 
 
 def image_holder(desired: Desired, observed: Observed) -> str | None:
@@ -171,7 +174,7 @@ def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict
         problems = _reachability(node.name, obs)
         out += problems
         reachable[node.name] = not problems
-        if obs.reachable:
+        if obs.reachable and obs.probe_error is None:
             out += link_drift(node, obs)
         if not problems:
             out += co_tenant_drift(desired, node.name, obs)

@@ -8,12 +8,15 @@ a no-op cycle costs the same for a 1 GB and a 119 GB model.
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 from reconciler.drift import image_holder
 from reconciler.observed import (
@@ -28,9 +31,34 @@ from reconciler.observed import (
     WeightFile,
     Weights,
 )
-from reconciler.remote import RemoteError, Sessions, quote
+from reconciler.remote import OutputTooLarge, RemoteError, Sessions, quote
 from reconciler.spec import Desired, Node
 from reconciler.vllm import extra_flags, parse_serve_help
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class ProbeError(Exception):
+    """Output from a node that does not parse: the one error a parser of node output raises. It makes that node
+    ProbeFailed (a per-node condition; its steps wait); it never ends a reconcile for the other nodes."""
+
+
+def node_output(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a parser of node output: whatever the bytes (missing fields, garbage, nesting, odd names), it
+    returns a model or raises ProbeError naming `what` and why. Node output is untrusted input, so a parser bug or
+    a hostile node is one node's condition, never a crash of the loop."""
+    def wrap(parse: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(parse)
+        def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return parse(*args, **kwargs)
+            except ProbeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - see the docstring: one typed error for any node bytes
+                raise ProbeError(f"{what}: {type(exc).__name__}: {str(exc)[:200]}") from None
+        return guarded
+    return wrap
 
 _INSPECT = ('{"name":{{json .Name}},"id":{{json .Id}},"image":{{json .Config.Image}},"image_id":{{json .Image}},'
             '"state":{{json .State.Status}},"labels":{{json .Config.Labels}},"started_at":{{json .State.StartedAt}},'
@@ -72,6 +100,7 @@ def completion_argv(desired: Desired) -> list[str]:
             "-w", "\\n%{http_code}", "-d", body, url]
 
 
+@node_output("completion")
 def parse_completion(sec: Section | None) -> str | None:
     """None when the completion answered with a choice; else a short reason (node bytes never raise)."""
     if sec is None:
@@ -148,6 +177,7 @@ class Section:
     rc: int
 
 
+@node_output("probe output")
 def split_sections(output: str) -> dict[str, Section]:
     sections: dict[str, Section] = {}
     name: str | None = None
@@ -168,6 +198,7 @@ def _api_container(raw: dict) -> Container:
                      image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {})
 
 
+@node_output("containers")
 def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
     if sec is None:
         return False, "probe did not report containers", []
@@ -186,6 +217,7 @@ def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Contai
     return True, None, sorted(found, key=lambda c: c.name)
 
 
+@node_output("link")
 def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
     if link_sec is None or link_sec.rc != 0:
         return Link(name=name, exists=False)
@@ -203,6 +235,7 @@ def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) ->
                 carrier="LOWER_UP" in flags, mtu=int(info.get("mtu", 0)), addresses=addresses, rdma=rdma)
 
 
+@node_output("meminfo")
 def parse_memory(sec: Section | None) -> Memory | None:
     if sec is None or sec.rc != 0:
         return None
@@ -213,6 +246,7 @@ def parse_memory(sec: Section | None) -> Memory | None:
     return Memory(total_bytes=values["MemTotal"], available_bytes=values["MemAvailable"])
 
 
+@node_output("weights manifest")
 def parse_weights(root: str, sec: Section | None) -> Weights:
     if sec is None or sec.rc != 0:
         return Weights(root=root, present=False)
@@ -233,6 +267,7 @@ def parse_weights(root: str, sec: Section | None) -> Weights:
     return Weights(root=root, present=bool(files), files=files)
 
 
+@node_output("serving API")
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
                   completion: Section | None = None) -> Serving:
     code = health.body.strip() if health else ""
@@ -250,13 +285,21 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
                    completion_error=parse_completion(completion) if healthy and served else None)
 
 
-def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
-    sections = split_sections(output)
-    docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
-    image = sections.get("image")
-    image_id = image.body.strip() if image and image.rc == 0 else ""
+@node_output("image")
+def parse_image_id(sec: Section | None) -> str:
+    image_id = sec.body.strip() if sec and sec.rc == 0 else ""
     if image_id.startswith("API "):
         image_id = json.loads(image_id[4:]).get("Id", "")
+    if not isinstance(image_id, str):
+        raise ProbeError(f"image: an id that is not a string: {image_id!r:.80}")
+    return image_id
+
+
+def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
+    """One node's probe output as its observation; ProbeError (naming the section) when it does not parse."""
+    sections = split_sections(output)
+    docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
+    image_id = parse_image_id(sections.get("image"))
     images = {desired.serving.image: image_id} if image_id else {}
     serving = None
     if node.role == "head":
@@ -274,15 +317,22 @@ def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: floa
                  cancel: threading.Event | None = None) -> NodeObservation:
     try:
         result = sessions[node.name].run_script(probe_script(desired, node), timeout=timeout, cancel=cancel)
+    except OutputTooLarge as exc:
+        return NodeObservation(name=node.name, reachable=True, probe_error=exc.message)
     except RemoteError as exc:
         return NodeObservation(name=node.name, reachable=False, error=exc.message)
-    return parse_probe(desired, node, result.stdout)
+    try:
+        return parse_probe(desired, node, result.stdout)
+    except ProbeError as exc:
+        return NodeObservation(name=node.name, reachable=True, probe_error=str(exc))
 
 
-def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0,
-            cancel: threading.Event | None = None) -> tuple[Observed, dict[str, float]]:
+def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel: threading.Event | None = None,
+            ask_flags: bool = True) -> tuple[Observed, dict[str, float]]:
     """Probe all nodes in parallel (an unreachable node never stalls the others); also return seconds per node.
-    `cancel` (the daemon's shutdown) ends a probe that waits on a hung node within a second, not its timeout."""
+    `cancel` (the daemon's shutdown) ends a probe that waits on a hung node within a second, not its timeout.
+    `ask_flags`: also ask the serving image for its flags here and now (the one-shot commands); the daemon asks
+    beside its loop instead (`reconciler.operations.FlagsQuery`)."""
     durations: dict[str, float] = {}
 
     def one(node: Node) -> NodeObservation:
@@ -295,28 +345,38 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0,
     with ThreadPoolExecutor(max_workers=max(1, len(desired.nodes))) as pool:
         results = list(pool.map(one, desired.nodes))
     observed = Observed(nodes={r.name: r for r in results})
-    return observed.model_copy(update={"serve_flags": serve_flags(desired, sessions, observed)}), durations
+    if ask_flags and (wanted := flags_wanted(desired, observed)):
+        holder, image_id = wanted
+        if image_id not in _asked:
+            _asked[image_id] = ask_serve_flags(desired, sessions, holder, image_id)
+        observed = observed.model_copy(update={"serve_flags": _asked[image_id]})
+    return observed, durations
+
+
+_asked: dict[str, ServeFlags] = {}  # image id -> its flags: an id is a content hash, the same id knows the same
 
 
 FLAGS_DEADLINE = 180.0  # `vllm serve --help=all` imports torch: ~12 s on 2 CPU cores, more on a busy node
-_flags_by_image: dict[str, ServeFlags] = {}  # image ids are content hashes: the same id knows the same flags
 
 
-def serve_flags(desired: Desired, sessions: Sessions, observed: Observed) -> ServeFlags | None:
-    """What the serving image's own `vllm serve` accepts, asked once per image id in a throw-away container on
-    the node holding the reference image; only when serving.extra_args has flags to judge (ours are tested)."""
+def flags_wanted(desired: Desired, observed: Observed) -> tuple[str, str] | None:
+    """(node, image id) to ask for the flags `vllm serve` knows: the node holding the reference image; None when
+    serving.extra_args has no flags to judge (ours are tested) or no node has the image."""
     holder = image_holder(desired, observed)
     if not extra_flags(desired.serving.extra_args) or holder is None:
         return None
-    image_id = observed.node(holder).images[desired.serving.image]
-    if image_id not in _flags_by_image:
-        argv = ["timeout", str(int(FLAGS_DEADLINE)), "docker", "run", "--rm", "--network", "none", "--entrypoint",
-                "vllm", desired.serving.image, "serve", "--help=all"]
-        try:
-            res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE + 10, check=False)
-            flags = parse_serve_help(res.stdout)
-            error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
-        except RemoteError as exc:
-            flags, error = [], exc.message
-        _flags_by_image[image_id] = ServeFlags(image_id=image_id, flags=flags, error=error)
-    return _flags_by_image[image_id]
+    return holder, observed.node(holder).images[desired.serving.image]
+
+
+def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
+    """What the serving image's own `vllm serve` accepts, from its `--help=all` in a throw-away container (no
+    network) on `holder`. Image ids are content hashes: callers ask once per id."""
+    argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "vllm", desired.serving.image, "serve",
+            "--help=all"]
+    try:
+        res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE, check=False)
+        flags = parse_serve_help(res.stdout)
+        error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
+    except RemoteError as exc:
+        flags, error = [], exc.message
+    return ServeFlags(image_id=image_id, flags=flags, error=error)

@@ -101,6 +101,12 @@ class Serving(_Model):
     completion_error: str | None = Field(None, description="why one short completion failed; None: it answered "
                                          "or was not tried (the API was not healthy)")
 
+    unhealthy_for: float | None = Field(None, description="seconds the head's serving has failed the health "
+                                        "check, as the daemon watched it; None: serving, or not watched")
+    served_before: bool = Field(False, description="this head container served since it started (or is older "
+                                "than the cold-start allowance): a failure now is a wedge, not a slow start")
+    health_restarts: int = Field(0, description="restarts for health in a row that did not hold (backoff)")
+
     def serves(self, name: str) -> bool:
         """The one definition of healthy serving: /health 200, `name` listed, and a completion answered."""
         return self.healthy and name in self.models and self.completion_error is None
@@ -110,6 +116,8 @@ class NodeObservation(_Model):
     name: str
     reachable: bool
     error: str | None = None
+    probe_error: str | None = Field(None, description="the node answered, but its output did not parse (which "
+                                    "section, why): nothing else of it is known; steps on it wait")
     docker_reachable: bool = False
     docker_error: str | None = None
     containers: list[Container] = Field(default_factory=list)
@@ -129,6 +137,7 @@ class ServeFlags(_Model):
     image_id: str
     flags: list[str] = Field(default_factory=list)
     error: str | None = Field(None, description="why the image could not be asked (then nothing is judged)")
+    pending: bool = Field(False, description="asked, no answer yet: a serving (re)start waits for it")
 
 
 class Observed(_Model):

@@ -18,6 +18,7 @@ from reconciler.vllm import unknown_flags
 
 StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
                    "await-health"]
+STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class Plan:
                 "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked]}
 
 
+#: The grace before a restart for health doubles per restart that did not hold, up to 2**4 = 16x.
+MAX_GRACE_DOUBLINGS = 4
+
+
 def _explain(d: Drift) -> str:
     return f"{d.resource}: expected {d.expected}, observed {d.observed}"
 
@@ -70,7 +75,7 @@ def plan(desired: Desired, observed: Observed) -> Plan:
         return Plan(drift, [], [], mode)
     steps: list[Step] = []
     blocked: list[Blocker] = []
-    down = {d.node for d in drift if d.kind in ("unreachable", "docker")}
+    down = {d.node for d in drift if d.kind in ("unreachable", "probe", "docker")}
     unreachable = {d.node for d in drift if d.kind == "unreachable"}
 
     for d in drift:
@@ -134,31 +139,73 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     for d in stale:
         stop(d.node, d.resource.split("/", 1)[1], _explain(d), ())
 
-    if restart and (alien := _unknown_extra_flags(desired, observed)):
+    why = _why_restart(desired, observed, drift, restart, down, steps, blocked)
+    if why is None:
+        return steps
+    if alien := _unknown_extra_flags(desired, observed):
         blocked.append(Blocker(head, alien))
         return steps
-    if restart:
-        hurdles = _restart_hurdles(drift, serving, before)
-        if hurdles:
-            blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
-                           for d in dict.fromkeys(hurdles))
-            return steps
-        prereq = tuple(s.id for s in before)
-        why = "; ".join(f"{d.node}: {_explain(d)}" for d in restart)
-        for node in serving:
-            c = observed.node(node).container(name)
-            if c is not None and c.managed:
-                stop(node, name, f"ordered restart ({why})", prereq)
-        steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps))
-    elif any(d.kind == "health" for d in drift):
-        unseen = [n for n in serving if n in down]
-        if unseen:  # waiting for health needs every serving node; say why instead of failing a step
-            blocked.append(Blocker(head, f"serving is not healthy; waiting needs {', '.join(unseen)}, "
-                                         "which cannot be reached"))
-        else:
-            steps.append(Step(f"await-health/{head}", "await-health", head,
-                              "serving containers are up; wait for the API to become healthy"))
+    hurdles = _restart_hurdles(drift, serving, before)
+    if hurdles:
+        blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
+                       for d in dict.fromkeys(hurdles))
+        return steps
+    prereq = tuple(s.id for s in before)
+    for node in serving:
+        c = observed.node(node).container(name)
+        if c is not None and c.managed:
+            stop(node, name, f"ordered restart ({why})", prereq)
+    steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps))
     return steps
+
+
+def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], restart: list[Drift], down: set[str],
+                 steps: list[Step], blocked: list[Blocker]) -> str | None:
+    """Why serving restarts in order: its containers drifted, or it served and has failed its health check for
+    the whole grace. None otherwise, after planning the wait for a (cold) start or saying why nothing happens."""
+    head = desired.serving_nodes[0].name
+    if restart:
+        return "; ".join(f"{d.node}: {_explain(d)}" for d in restart)
+    unhealthy = next((d for d in drift if d.kind == "health"), None)
+    if unhealthy is None:
+        return None
+    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:
+        # waiting for health needs every serving node; say why instead of failing a step
+        blocked.append(Blocker(head, f"serving is not healthy; waiting needs {', '.join(unseen)}, "
+                                     "which cannot be reached"))
+        return None
+    wedged = _wedged_for(desired, observed)
+    if wedged is None:  # a (cold) start: wait for it, under serving.health_timeout
+        steps.append(Step(f"await-health/{head}", "await-health", head,
+                          "serving containers are up; wait for the API to become healthy"))
+        return None
+    if not wedged:
+        blocked.append(Blocker(head, _grace_note(desired, observed)))
+        return None
+    return f"{head}: {_explain(unhealthy)}; {_grace_note(desired, observed)}"
+
+
+def unhealthy_grace(desired: Desired, observed: Observed) -> float:
+    """The grace before a restart for health: serving.unhealthy_grace, doubled per restart that did not hold."""
+    health = observed.node(desired.head.name).serving
+    restarts = health.health_restarts if health else 0
+    return desired.serving.unhealthy_grace * 2 ** min(restarts, MAX_GRACE_DOUBLINGS)
+
+
+def _wedged_for(desired: Desired, observed: Observed) -> bool | None:
+    """None: serving has not served since its start (a cold start: wait). False: it served and fails, within the
+    grace (wait without a step). True: it served and has failed for the whole grace: restart in order."""
+    health = observed.node(desired.head.name).serving
+    if health is None or not health.served_before:
+        return None
+    return (health.unhealthy_for or 0.0) >= unhealthy_grace(desired, observed)
+
+
+def _grace_note(desired: Desired, observed: Observed) -> str:
+    health = observed.node(desired.head.name).serving
+    failing = health.unhealthy_for if health and health.unhealthy_for is not None else 0.0
+    return (f"serving served, then failed its health check for {failing:.0f}s; restarted in order after "
+            f"{unhealthy_grace(desired, observed):.0f}s")
 
 
 def _unknown_extra_flags(desired: Desired, observed: Observed) -> str | None:
@@ -170,6 +217,9 @@ def _unknown_extra_flags(desired: Desired, observed: Observed) -> str | None:
         return None
     if observed.node(holder).images.get(desired.serving.image) != flags.image_id:
         return None  # asked about another image id: nothing to judge this one by
+    if flags.pending:
+        return (f"serving waits for {desired.serving.image} ({flags.image_id[:19]}) to list the flags its "
+                "`vllm serve` knows (asked once per image id), to judge serving.extra_args before anything stops")
     unknown = unknown_flags(desired.serving.extra_args, flags.flags)
     if not unknown:
         return None

@@ -17,7 +17,7 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import fabric
@@ -33,6 +33,27 @@ SUDO_COMMANDS: tuple[tuple[str, ...], ...] = (
     ("/usr/sbin/ip", "addr", "add", "*"),
     ("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"),
 )
+
+
+#: SSH keepalive every KEEPALIVE seconds; a peer that answers none of KEEPALIVE_MISSES in a row is dead (the same
+#: numbers go to the ssh of rsync's hop as ServerAliveInterval/ServerAliveCountMax).
+KEEPALIVE = 15
+KEEPALIVE_MISSES = 3
+#: Channels open at once per node, below OpenSSH's default MaxSessions (10): an eleventh waits for a free one
+#: instead of being refused by sshd (which paramiko reports as a ChannelException).
+MAX_CHANNELS = 9
+#: What the node gets on top of a command's deadline to exit after `timeout` sent TERM, before KILL.
+KILL_AFTER = 2
+#: Output kept from one command: a probe of a huge or hostile node must not eat the daemon's memory. Streaming
+#: callers (rsync progress) keep the tail.
+MAX_OUTPUT = 32 * 2**20
+
+
+def bounded(argv: Sequence[str], seconds: float) -> list[str]:
+    """argv under coreutils `timeout` on the node: a command the head gave up on does not live on there (closing
+    an SSH channel does not stop a process that never writes: a curl to a hung dockerd, a wedged `docker`).
+    `timeout` runs it in its own process group and signals the whole group."""
+    return ["timeout", "-k", str(KILL_AFTER), str(max(1, int(seconds + 0.999))), *argv]
 
 
 def sudo_allowed(argv: Sequence[str]) -> bool:
@@ -80,6 +101,17 @@ class CommandTimeout(RemoteError):
 
 class Cancelled(RemoteError):
     """The caller asked the command to stop (shutdown); the channel was closed."""
+
+
+class ChannelRefused(RemoteError):
+    """sshd refused one more channel (MaxSessions, a jump host's policy): that command fails, the others on the
+    connection go on."""
+
+    transient = True
+
+
+class OutputTooLarge(RemoteError):
+    pass
 
 
 class CommandFailed(RemoteError):
@@ -136,6 +168,7 @@ class Session:
         self.gateway = gateway
         self._conn: fabric.Connection | None = None
         self._lock = threading.Lock()
+        self._channels = threading.BoundedSemaphore(MAX_CHANNELS)
 
     # -- connection -------------------------------------------------------------------------------------------
 
@@ -148,19 +181,11 @@ class Session:
         if ssh.identity_file:
             kwargs["key_filename"] = [ssh.identity_file]
         if self.gateway is None:
-            # Without TCP_NODELAY every exec on the open session costs ~40 ms of Nagle/delayed-ACK (measured on
-            # the testbed: 44 ms -> 2 ms per exec).
-            sock = socket.create_connection((ssh.host, ssh.port), timeout=ssh.connect_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            kwargs["sock"] = sock
-        gateway = None
-        if self.gateway is not None:
-            try:
-                gateway = self.gateway.connection()
-            except RemoteError as exc:
-                raise Unreachable(self.node.name, f"jump host {exc}") from None
+            kwargs["sock"] = _tcp(ssh.host, ssh.port, ssh.connect_timeout)
+        else:
+            kwargs["sock"] = self._through_gateway(ssh.host, ssh.port, ssh.connect_timeout)
         conn = fabric.Connection(ssh.host, user=ssh.user, port=ssh.port, config=config, connect_kwargs=kwargs,
-                                 connect_timeout=max(1, int(ssh.connect_timeout)), gateway=gateway)
+                                 connect_timeout=max(1, int(ssh.connect_timeout)))
         # fabric's default policy would add unknown keys; the product never trusts on first use.
         conn.client = paramiko.SSHClient()
         try:
@@ -170,6 +195,19 @@ class Session:
                                   f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}") from None
         conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         return conn
+
+    def _through_gateway(self, host: str, port: int, timeout: float) -> paramiko.Channel:
+        """A direct-tcpip channel through the jump host's session (`ssh -J`), opened under the connect timeout:
+        fabric's own gateway support opens it with paramiko's default, which waits up to an hour."""
+        assert self.gateway is not None
+        try:
+            transport = self.gateway.connection().transport
+            return transport.open_channel("direct-tcpip", (host, port), ("", 0), timeout=timeout)
+        except RemoteError as exc:
+            raise Unreachable(self.node.name, f"jump host {exc}") from None
+        except (SSHException, OSError, EOFError) as exc:
+            raise Unreachable(self.node.name, f"jump host {self.gateway.node.name} could not open a channel to "
+                                              f"{host}:{port}: {exc}") from None
 
     def connection(self) -> fabric.Connection:
         """The open connection, (re)connecting when needed. Errors become typed RemoteErrors."""
@@ -198,6 +236,7 @@ class Session:
                 raise
             except (TimeoutError, OSError, EOFError) as exc:
                 raise Unreachable(name, f"cannot reach {where}: {exc}") from None
+            conn.transport.set_keepalive(KEEPALIVE)
             self._conn = conn
             return conn
 
@@ -218,20 +257,45 @@ class Session:
 
     # -- commands ---------------------------------------------------------------------------------------------
 
-    def open_channel(self, command: str, timeout: float) -> paramiko.Channel:
-        transport = self.connection().transport
+    @contextlib.contextmanager
+    def channel(self, command: str, timeout: float) -> Iterator[paramiko.Channel]:
+        """One exec channel, closed on exit. At most MAX_CHANNELS are open per node (a further one waits for a
+        free one, up to `timeout`); a channel sshd refuses fails this command only, not the connection."""
+        if not self._channels.acquire(timeout=timeout):
+            raise ChannelRefused(self.node.name, f"no free channel within {timeout:g}s "
+                                                 f"({MAX_CHANNELS} in use): `{command[:80]}`")
         try:
-            channel = transport.open_session(timeout=timeout)
-            channel.exec_command(command)
-        except (SSHException, OSError, EOFError) as exc:
+            transport = self.connection().transport
+            try:
+                channel = transport.open_session(timeout=timeout)
+                channel.exec_command(command)
+            except paramiko.ChannelException as exc:
+                raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
+            except (SSHException, OSError, EOFError) as exc:
+                self._close_if_dead()
+                raise Unreachable(self.node.name, f"session lost: {exc}") from None
+            try:
+                yield channel
+            finally:
+                channel.close()
+        finally:
+            self._channels.release()
+
+    def _close_if_dead(self) -> None:
+        """After a channel error: drop the connection only when it is really gone (sibling channels, e.g. the
+        other rsync streams, live on a healthy one)."""
+        if not self._alive():
             self.close()
-            raise Unreachable(self.node.name, f"session lost: {exc}") from None
-        return channel
 
     def stream_lines(self, command: str, stop, idle: float = 1.0):
         """Yield stdout lines of a long-running command (an event stream) until `stop` is set or the channel
         ends; a dropped session raises Unreachable so the caller can reconnect with backoff."""
-        channel = self.open_channel(command, timeout=10)
+        with self.channel(command, timeout=10) as channel:
+            yield from self._lines(channel, stop, idle)
+        if not stop.is_set():
+            raise Unreachable(self.node.name, "event stream ended")
+
+    def _lines(self, channel: paramiko.Channel, stop, idle: float):
         buffer = b""
         try:
             while not stop.is_set():
@@ -248,12 +312,8 @@ class Session:
                     break
                 select.select([channel], [], [], idle)
         except (SSHException, OSError, EOFError) as exc:
-            self.close()
+            self._close_if_dead()
             raise Unreachable(self.node.name, f"event stream lost: {exc}") from None
-        finally:
-            channel.close()
-        if not stop.is_set():
-            raise Unreachable(self.node.name, "event stream ended")
 
     def _alive(self) -> bool:
         conn = self._conn
@@ -266,9 +326,11 @@ class Session:
         `on_output(bytes)` sees stdout as it arrives (rsync progress); `cancel` (a threading.Event) closes the
         channel. Without a pty, closing the channel does not stop a remote process that rarely writes; with
         `supervised` (long commands: rsync) it is sent SIGTERM as soon as the channel closes, so it stops and
-        cleans up (rsync then keeps its partial data for the resume). A supervised command gets no stdin."""
+        cleans up (rsync then keeps its partial data for the resume). A supervised command gets no stdin.
+        Every command is bounded on the node too (`bounded`): the node ends it at `timeout`, the head waits a
+        little longer for that answer."""
         argv = sudo_argv(argv) if sudo else list(argv)
-        command = quote(argv)
+        command = quote(bounded(argv, timeout))
         if supervised:
             if stdin is not None:
                 raise ValueError("a supervised command reads no stdin (its stdin is the watch on the channel)")
@@ -276,53 +338,78 @@ class Session:
             command = quote(["sh", "-c", f"exec 3<&0; {command} 3<&- & pid=$!; "
                                          "(cat <&3 >/dev/null 2>&1; kill -TERM $pid 2>/dev/null) >/dev/null 2>&1 & "
                                          "w=$!; exec 3<&-; wait $pid; rc=$?; kill $w 2>/dev/null; exit $rc"])
-        result = self.run_command(command, timeout=timeout, stdin=stdin, on_output=on_output, cancel=cancel,
-                                  keep_stdin=supervised)
+        start = time.monotonic()
+        result = self.run_command(command, timeout=timeout + KILL_AFTER + 1, stdin=stdin, on_output=on_output,
+                                  cancel=cancel, keep_stdin=supervised)
+        if result.exit_code in (124, 137) and time.monotonic() - start >= timeout - 0.5:
+            raise CommandTimeout(self.node.name, f"`{shlex.join(argv)[:200]}` did not finish within {timeout:g}s "
+                                                 "(ended on the node)")
         if check and not result.ok:
             raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
         return result
 
     def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> Result:
-        """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node."""
-        return self.run_command("sh -s", timeout=timeout, stdin=script.encode(), cancel=cancel)
+        """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node; bounded on
+        the node like `run`."""
+        return self.run_command(quote(bounded(["sh", "-s"], timeout)), timeout=timeout + KILL_AFTER + 1,
+                                stdin=script.encode(), cancel=cancel)
 
     def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None, on_output=None,
                     cancel=None, keep_stdin: bool = False) -> Result:
         deadline = time.monotonic() + timeout
-        channel = self.open_channel(command, timeout)
-        try:
-            if stdin is not None:
-                channel.sendall(stdin)
-            if not keep_stdin:
-                channel.shutdown_write()
-            out, err = bytearray(), bytearray()
-            while True:
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled(self.node.name, f"`{command[:80]}` cancelled")
-                if channel.recv_ready():
-                    chunk = channel.recv(1 << 16)
-                    out += chunk
-                    if on_output is not None:
-                        on_output(chunk)
-                    continue
-                if channel.recv_stderr_ready():
-                    err += channel.recv_stderr(1 << 16)
-                    continue
-                if channel.exit_status_ready() and channel.eof_received:
-                    break
-                if channel.closed:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CommandTimeout(self.node.name, f"`{command[:200]}` did not finish within {timeout:g}s")
-                select.select([channel], [], [], min(remaining, 1.0))
-            code = channel.recv_exit_status() if channel.exit_status_ready() else -1
-        except (SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise Unreachable(self.node.name, f"session lost during `{command[:80]}`: {exc}") from None
-        finally:
-            channel.close()
+        out, err = bytearray(), bytearray()
+        with self.channel(command, timeout) as channel:
+            try:
+                if stdin is not None:
+                    channel.sendall(stdin)
+                if not keep_stdin:
+                    channel.shutdown_write()
+                while True:
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled(self.node.name, f"`{command[:80]}` cancelled")
+                    if channel.recv_ready():
+                        chunk = channel.recv(1 << 16)
+                        if on_output is not None:
+                            on_output(chunk)
+                        self._keep(out, chunk, command, streaming=on_output is not None)
+                        continue
+                    if channel.recv_stderr_ready():
+                        self._keep(err, channel.recv_stderr(1 << 16), command, streaming=True)
+                        continue
+                    if (channel.exit_status_ready() and channel.eof_received) or channel.closed:
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise CommandTimeout(self.node.name, f"`{command[:200]}` did not finish within {timeout:g}s")
+                    select.select([channel], [], [], min(remaining, 1.0))
+                code = channel.recv_exit_status() if channel.exit_status_ready() else -1
+            except (SSHException, OSError, EOFError) as exc:
+                self._close_if_dead()
+                raise Unreachable(self.node.name, f"session lost during `{command[:80]}`: {exc}") from None
         return Result(out.decode(errors="replace"), err.decode(errors="replace"), code)
+
+    def _keep(self, buffer: bytearray, chunk: bytes, command: str, *, streaming: bool) -> None:
+        """Append up to MAX_OUTPUT: a streamed output keeps its tail, anything else over the cap is an error."""
+        buffer += chunk
+        if len(buffer) > MAX_OUTPUT:
+            if not streaming:
+                raise OutputTooLarge(self.node.name, f"`{command[:80]}` wrote more than {MAX_OUTPUT} bytes")
+            del buffer[: len(buffer) - MAX_OUTPUT]
+
+
+def _tcp(host: str, port: int, timeout: float) -> socket.socket:
+    """The TCP connection to a node's sshd. TCP_NODELAY: without it every exec on the open session costs ~40 ms
+    of Nagle/delayed-ACK (measured on the testbed: 44 ms -> 2 ms per exec). TCP_USER_TIMEOUT and TCP keepalive:
+    a peer that vanished (power, cable) fails the connection within about a minute, where the kernel's
+    defaults would retransmit for ~15 minutes and keep every channel on it hanging."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_MISSES)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1000 * KEEPALIVE * (KEEPALIVE_MISSES + 1))
+    return sock
 
 
 def _close_quietly(conn: fabric.Connection) -> None:
@@ -336,37 +423,34 @@ def pipe(src: Session, src_argv: Sequence[str], dst: Session, dst_argv: Sequence
     """Stream the stdout of `src_argv` on one node into the stdin of `dst_argv` on another (`docker save | docker
     load` between nodes, the worker through the head). Returns the bytes moved; raises on any failure."""
     deadline = time.monotonic() + timeout
-    reader = src.open_channel(quote(src_argv), timeout)
-    writer = dst.open_channel(quote(dst_argv), timeout)
     moved = 0
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                raise CommandTimeout(dst.node.name, f"`{shlex.join(dst_argv)}` did not finish within {timeout:g}s")
-            reader.settimeout(max(0.1, deadline - time.monotonic()))
-            chunk = reader.recv(1 << 20)
-            if not chunk:
-                break
-            writer.sendall(chunk)
-            moved += len(chunk)
-            progress(moved)
-        writer.shutdown_write()
-        src_err = reader.recv_stderr(1 << 16).decode(errors="replace") if reader.recv_stderr_ready() else ""
-        src_code = reader.recv_exit_status()
-        if src_code != 0:
-            raise CommandFailed(src.node.name, src_argv, src_code, "", src_err)
-        writer.settimeout(max(0.1, deadline - time.monotonic()))
-        out = b"".join(iter(lambda: writer.recv(1 << 16), b""))
-        dst_code = writer.recv_exit_status()
-        if dst_code != 0:
-            err = writer.recv_stderr(1 << 16).decode(errors="replace") if writer.recv_stderr_ready() else ""
-            raise CommandFailed(dst.node.name, dst_argv, dst_code, out.decode(errors="replace"), err)
-    except (TimeoutError, SSHException, OSError, EOFError) as exc:
-        raise Unreachable(dst.node.name,
-                          f"stream {shlex.join(src_argv)} -> {shlex.join(dst_argv)} broke: {exc}") from None
-    finally:
-        reader.close()
-        writer.close()
+    with src.channel(quote(bounded(src_argv, timeout)), timeout) as reader, \
+            dst.channel(quote(bounded(dst_argv, timeout)), timeout) as writer:
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise CommandTimeout(dst.node.name, f"`{shlex.join(dst_argv)}` did not finish within {timeout:g}s")
+                reader.settimeout(max(0.1, deadline - time.monotonic()))
+                chunk = reader.recv(1 << 20)
+                if not chunk:
+                    break
+                writer.sendall(chunk)
+                moved += len(chunk)
+                progress(moved)
+            writer.shutdown_write()
+            src_err = reader.recv_stderr(1 << 16).decode(errors="replace") if reader.recv_stderr_ready() else ""
+            src_code = reader.recv_exit_status()
+            if src_code != 0:
+                raise CommandFailed(src.node.name, src_argv, src_code, "", src_err)
+            writer.settimeout(max(0.1, deadline - time.monotonic()))
+            out = b"".join(iter(lambda: writer.recv(1 << 16), b""))
+            dst_code = writer.recv_exit_status()
+            if dst_code != 0:
+                err = writer.recv_stderr(1 << 16).decode(errors="replace") if writer.recv_stderr_ready() else ""
+                raise CommandFailed(dst.node.name, dst_argv, dst_code, out.decode(errors="replace"), err)
+        except (TimeoutError, SSHException, OSError, EOFError) as exc:
+            raise Unreachable(dst.node.name,
+                              f"stream {shlex.join(src_argv)} -> {shlex.join(dst_argv)} broke: {exc}") from None
     return moved
 
 

@@ -274,6 +274,10 @@ class Serving(_Model):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     docker: DockerOptions = Field(default_factory=DockerOptions)
     health_timeout: Duration = Field(Duration(3600), description="Deadline for /health after a (cold) start.")
+    unhealthy_grace: Duration = Field(
+        Duration(300), description="How long serving that has served may fail its health check (/health, the "
+        "model listed, one completion) before it is restarted in order. Longer than a restart takes, so a "
+        "hiccup never costs a reload; doubled after each restart that did not hold, up to 16x.")
 
 
 class CoTenants(_Model):

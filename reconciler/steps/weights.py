@@ -26,11 +26,12 @@ from reconciler.drift import weights_difference
 from reconciler.observe import PARTIAL_DIR, manifest_script, parse_weights, split_sections, weights_root
 from reconciler.observed import Weights
 from reconciler.plan import Step
-from reconciler.remote import CommandFailed
+from reconciler.remote import KEEPALIVE, KEEPALIVE_MISSES, CommandFailed
 from reconciler.steps import StepContext, StepFailed
 
 # One file per target: syncs to several workers run in parallel and must not overwrite each other's key.
 FABRIC_KNOWN_HOSTS = "~/.ssh/spark-reconciler_fabric_known_hosts_{node}"
+RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
@@ -68,9 +69,12 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     t = ctx.desired.node(target)
     ssh = (f"ssh -p {t.ssh.port} -o BatchMode=yes -o StrictHostKeyChecking=yes "
            f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)} "
-           "-o Compression=no -c aes128-gcm@openssh.com")
+           f"-o ConnectTimeout={int(t.ssh.connect_timeout)} -o ServerAliveInterval={KEEPALIVE} "
+           f"-o ServerAliveCountMax={KEEPALIVE_MISSES} -o Compression=no -c aes128-gcm@openssh.com")
+    # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
+    # the resume, instead of holding the step until its 12 h deadline.
     argv = ["rsync", "-a", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}", "--info=progress2",
-            "--no-inc-recursive", "-e", ssh]
+            "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", ssh]
     limit = ctx.desired.policy.weights.bandwidth_limit
     if limit:
         argv.append(f"--bwlimit={max(1, limit // 1024)}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reconciler.controller import SHUTDOWN_DEADLINE
+from reconciler.daemon import SHUTDOWN_DEADLINE
 from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, holds_for, wait_until
 
 pytestmark = pytest.mark.e2e

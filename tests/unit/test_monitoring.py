@@ -233,7 +233,7 @@ EXPECTED_ALERTS = {
     "ReconcilerDriftPersists", "ReconcilerNotConverged", "ReconcilerReconcileErrors", "ReconcilerStepHeld",
     "ReconcilerDown", "ReconcilerAbsent", "ReconcilerDesiredStateInvalid", "ReconcilerNodeUnreachable",
     "ReconcilerFabricLinkDown", "ReconcilerServingUnhealthy", "ReconcilerWeightsOutOfSync",
-    "ReconcilerLowMemory",
+    "ReconcilerLowMemory", "ReconcilerLoopStalled",
 }
 
 
@@ -643,7 +643,7 @@ def test_every_coloured_panel_states_its_colours():
 
 # What True means for each condition type, as kubectl users read conditions (issue 20).
 CONDITION_MEANING = {
-    "Ready": "good", "DesiredStateValid": "good", "Reachable": "good", "DockerReachable": "good",
+    "Ready": "good", "DesiredStateValid": "good", "Reachable": "good", "Probed": "good", "DockerReachable": "good",
     "FabricLinkUp": "good", "WeightsInSync": "good", "ImageInSync": "good", "ServingRunning": "good",
     "StepsHeld": "bad", "Progressing": "working",
 }

@@ -17,7 +17,7 @@ import textwrap
 SIGNAL_DURING_A_LOG_WRITE = textwrap.dedent("""
     import signal, sys
     from reconciler import log
-    from reconciler.controller import Controller
+    from reconciler.daemon import Daemon
 
     class SignalsDuringWrite:
         '''stderr whose first write delivers SIGTERM: the handler runs while the log writer holds its lock.'''
@@ -33,7 +33,7 @@ SIGNAL_DURING_A_LOG_WRITE = textwrap.dedent("""
 
     sys.stderr = SignalsDuringWrite(sys.__stderr__)
     log.configure(json_lines=True)
-    controller = Controller(sys.argv[1], sys.argv[2])
+    controller = Daemon(sys.argv[1], sys.argv[2])
     controller.install_signals()
     controller.log.info("reconcile.end", phase="Converged")   # the main thread's own log line
     assert sys.stderr.fired, "the signal was delivered inside the write"

@@ -1,0 +1,203 @@
+"""The reconciler with fakes: observations are scripted, the executor is a gate the test opens, no SSH.
+
+What the loop promises and these tests hold it to: a reconcile never waits for a step (a weight sync in flight,
+the next reconcile still repairs a co-tenant on the same node and publishes the sync's progress); a reconcile
+that raises still publishes, and says Degraded, never the last Converged; a node whose probe output did not parse
+is that node's condition while the other nodes are reconciled; a failed step backs off instead of being relaunched
+by the trigger its own end fires.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from reconciler.controller import Controller
+from reconciler.metrics import REGISTRY
+from reconciler.observed import Container, NodeObservation, Observed
+from reconciler.operations import Operations
+from reconciler.plan import plan
+from reconciler.simulate import apply_plan
+from reconciler.spec import load
+from reconciler.triggers import Requests
+
+HEAD, WORKER = "spark-1a32", "spark-5be3"
+
+
+class Gate:
+    """A fake executor: each batch blocks until released; steps fail when their kind is in `failing`."""
+
+    def __init__(self, failing: tuple[str, ...] = ()):
+        self.release = threading.Event()
+        self.batches: list[list[str]] = []
+        self.failing = failing
+
+    def __call__(self, plan_, ctx, on_event):
+        from reconciler.execute import Outcome, StepResult
+
+        self.batches.append([s.id for s in plan_.steps])
+        for step in plan_.steps:
+            on_event("step.start", {"step": step})
+        assert self.release.wait(20), "the test never released the batch"
+        results = [StepResult(s, "failed" if s.kind in self.failing else "success", 0.1, "rsync exited 23")
+                   for s in plan_.steps]
+        for r in results:
+            on_event("step.end", {"result": r})
+        return Outcome(results)
+
+
+class FakeSessions:
+    def __init__(self, desired):
+        pass
+
+    def update(self, desired):
+        pass
+
+    def close(self):
+        pass
+
+
+class Script:
+    """observe_fn: returns the observations in turn (the last one forever); an exception instance is raised."""
+
+    def __init__(self, *observations):
+        self.queue = list(observations)
+
+    def __call__(self, desired, sessions, timeout, cancel, ask_flags):
+        item = self.queue.pop(0) if len(self.queue) > 1 else self.queue[0]
+        if isinstance(item, Exception):
+            raise item
+        return item, {n: 0.01 for n in item.nodes}
+
+
+@pytest.fixture
+def desired_path(cluster_yaml, tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(cluster_yaml.read_text())
+    return path
+
+
+@pytest.fixture
+def converged(desired_path, seed_snapshot) -> Observed:
+    desired = load(desired_path)
+    after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    for _ in range(3):
+        after = apply_plan(desired, after, plan(desired, after))
+    assert not plan(desired, after).changes
+    return after
+
+
+def _with(observed: Observed, node: str, **update) -> Observed:
+    return observed.model_copy(update={"nodes": {**observed.nodes, node: observed.node(node).model_copy(
+        update=update)}})
+
+
+def _controller(desired_path, tmp_path, script, gate):
+    requests = Requests()
+    ops = Operations(on_end=lambda: requests.request("operation"), run=gate)
+    c = Controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False,
+                   observe_fn=script, sessions_factory=FakeSessions, operations=ops)
+    return c, requests
+
+
+def _condition(status, node, type_):
+    return next(c for c in status["conditions"] if c["node"] == node and c["type"] == type_)
+
+
+def test_a_weight_sync_in_flight_does_not_stop_the_next_reconcile_from_repairing_a_co_tenant(
+        desired_path, tmp_path, converged):
+    no_weights = _with(converged, WORKER, weights=None)
+    intruder = Container(name="intruder", id="i1", image="busybox", state="running")
+    with_intruder = _with(no_weights, WORKER, containers=[*no_weights.node(WORKER).containers, intruder])
+    gate = Gate()
+    c, requests = _controller(desired_path, tmp_path, Script(no_weights, with_intruder), gate)
+    try:
+        c.reconcile({"start"})
+        assert gate.batches == [[f"weights/{WORKER}"]]
+        c.operations.progress("weights", WORKER, 64 * 2**20, 128 * 2**20)
+
+        second = c.reconcile({"docker"})  # returns although the sync is still in flight
+        assert gate.batches[-1] == [f"stop-container/{WORKER}/intruder"], "the repair runs beside the sync"
+        assert second.phase == "Converging"
+        status = c.status
+        ops = {o["step"]: o for o in status["operations"]}
+        assert ops[f"weights/{WORKER}"]["bytesDone"] == 64 * 2**20, "progress is in /status during the sync"
+        progressing = _condition(status, "", "Progressing")
+        assert progressing["status"] == "True" and progressing["reason"] == "StepsRunning"
+        assert f"weights/{WORKER}" in progressing["message"]
+        assert REGISTRY.get_sample_value("reconciler_operations_in_flight", {"kind": "weights"}) == 1
+
+        c.reconcile({"resync"})
+        assert len(gate.batches) == 2, "nothing is launched twice while in flight"
+    finally:
+        gate.release.set()
+        assert c.operations.join(20)
+    assert "operation" in requests.wait(timeout=0), "an operation's end is a trigger"
+
+
+def test_a_reconcile_that_raises_publishes_degraded_and_never_the_last_converged(desired_path, tmp_path, converged):
+    c, _ = _controller(desired_path, tmp_path, Script(converged, ValueError("meminfo without MemAvailable")),
+                       Gate())
+    assert c.reconcile({"start"}).phase == "Converged"
+    assert REGISTRY.get_sample_value("reconciler_converged") == 1
+    before = REGISTRY.get_sample_value("reconciler_last_reconcile_timestamp_seconds")
+
+    result = c.reconcile({"resync"})
+    assert result.phase == "Degraded"
+    assert c.status["phase"] == "Degraded"
+    assert "reconcile crashed: ValueError: meminfo without MemAvailable" in c.status["lastError"]
+    assert REGISTRY.get_sample_value("reconciler_converged") == 0
+    assert _condition(c.status, "", "Ready")["status"] == "False"
+    assert REGISTRY.get_sample_value("reconciler_last_reconcile_timestamp_seconds") >= before
+
+
+def test_a_node_whose_probe_output_does_not_parse_is_that_nodes_condition_only(desired_path, tmp_path, converged):
+    hostile = _with(converged, HEAD, probe_error="meminfo: KeyError: 'MemAvailable'", containers=[], fabric=None,
+                    memory=None, weights=None, serving=None, docker_reachable=False)
+    worker = hostile.node(WORKER)
+    hostile = _with(hostile, WORKER, containers=[*worker.containers,
+                                                 Container(name="intruder", id="i1", image="b", state="running")])
+    gate = Gate()
+    c, _ = _controller(desired_path, tmp_path, Script(hostile), gate)
+    try:
+        c.reconcile({"start"})
+        assert gate.batches == [[f"stop-container/{WORKER}/intruder"]], "the other node is reconciled"
+        probed = _condition(c.status, HEAD, "Probed")
+        assert (probed["status"], probed["reason"]) == ("False", "ProbeFailed")
+        assert "MemAvailable" in probed["message"]
+        assert _condition(c.status, WORKER, "Probed")["status"] == "True"
+        assert _condition(c.status, HEAD, "DockerReachable")["status"] == "Unknown"
+        assert c.status["phase"] == "Blocked"
+    finally:
+        gate.release.set()
+        assert c.operations.join(20)
+
+
+def test_a_failed_step_backs_off_instead_of_being_relaunched_by_its_own_end(desired_path, tmp_path, converged):
+    no_weights = _with(converged, WORKER, weights=None)
+    gate = Gate(failing=("weights",))
+    gate.release.set()
+    c, requests = _controller(desired_path, tmp_path, Script(no_weights), gate)
+    c.reconcile({"start"})
+    assert c.operations.join(20)
+    assert "operation" in requests.wait(timeout=5)
+    after = c.reconcile({"operation"})
+    assert gate.batches == [[f"weights/{WORKER}"]], "backing off: not relaunched at once"
+    assert "rsync exited 23" in c.status["lastError"]
+    assert after.requeue_after is not None and 0 < after.requeue_after <= 30, "looked at again when the backoff ends"
+
+
+def test_a_probe_that_cannot_be_answered_without_a_valid_file_is_honest(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("nodes: [\n")
+    c, _ = _controller(path, tmp_path, Script(Observed(nodes={})), Gate())
+    result = c.reconcile({"start"})
+    assert result.phase == "Invalid"
+    assert _condition(c.status, "", "DesiredStateValid")["status"] == "False"
+
+
+def test_probe_failed_node_observation_round_trips_as_a_snapshot():
+    obs = NodeObservation(name="n", reachable=True, probe_error="containers: TypeError: ...")
+    assert NodeObservation.model_validate_json(obs.model_dump_json()) == obs

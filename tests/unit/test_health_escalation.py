@@ -1,0 +1,159 @@
+"""A running but unhealthy vLLM is restarted in order after a grace; a cold start is waited for.
+
+The oracle is written here from the issue, not from the plan: a deployment that served and then failed its health
+check (the most common wedge on a real cluster: an NCCL hang, a stuck rank) is restarted once the failure has
+lasted `serving.unhealthy_grace`; before that, nothing is touched; a container that has never served is a cold
+start and gets `await-health` (its long allowance). The health history comes from `HealthWatch`, fed a sequence
+of observations with a fake clock.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from reconciler.health_watch import HealthWatch, _age
+from reconciler.loader import load_file
+from reconciler.observed import Observed, Serving
+from reconciler.plan import plan
+from reconciler.simulate import apply_plan
+from reconciler.spec import Desired
+
+GRACE = 300.0
+
+
+@pytest.fixture
+def desired(cluster_yaml) -> Desired:
+    data = load_file(cluster_yaml).data
+    data["serving"]["unhealthy_grace"] = f"{int(GRACE)}s"
+    return Desired.model_validate(data)
+
+
+@pytest.fixture
+def deployed(desired, seed_snapshot) -> Observed:
+    """The seed converged by the simulator: serving runs with the right spec and answers."""
+    after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    for _ in range(3):
+        after = apply_plan(desired, after, plan(desired, after))
+    assert not plan(desired, after).changes
+    return after
+
+
+def _head_serving(desired: Desired, observed: Observed, serving: Serving, container_id: str | None = None
+                  ) -> Observed:
+    head = desired.head.name
+    node = observed.node(head)
+    update: dict = {"serving": serving}
+    if container_id is not None:
+        update["containers"] = [c.model_copy(update={"id": container_id})
+                                if c.name == desired.serving.container_name else c for c in node.containers]
+    return observed.model_copy(update={"nodes": {**observed.nodes, head: node.model_copy(update=update)}})
+
+
+def healthy(desired):
+    return Serving(reachable=True, healthy=True, models=[desired.serving.served_model_name or desired.model.id])
+
+
+WEDGED = Serving(reachable=True, healthy=True, models=["x"], completion_error="timed out after 5 s (curl exit 28)")
+
+
+def _restarts_in_order(desired, result) -> bool:
+    """The oracle of an ordered restart: every serving node's container stopped, then started, then health."""
+    serving = {n.name for n in desired.serving_nodes}
+    kinds = [(s.kind, s.node) for s in result.steps]
+    return ({n for k, n in kinds if k == "stop-serving"} == serving
+            and {n for k, n in kinds if k == "start-serving"} == serving
+            and any(k == "await-health" for k, _ in kinds))
+
+
+def test_served_then_wedged_is_left_alone_within_the_grace_and_restarted_after(desired, deployed):
+    watch = HealthWatch()
+    seen = watch.annotate(desired, _head_serving(desired, deployed, healthy(desired)), now=1000.0)
+    assert not plan(desired, seen).changes
+
+    within = watch.annotate(desired, _head_serving(desired, deployed, WEDGED), now=1010.0)
+    assert watch.annotate(desired, _head_serving(desired, deployed, WEDGED), now=1010.0 + GRACE - 1).node(
+        desired.head.name).serving.unhealthy_for == pytest.approx(GRACE - 1)
+    early = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, WEDGED), now=1010 + GRACE - 1))
+    assert early.steps == [], "within the grace nothing is stopped"
+    assert any("restarted in order after 300s" in b.reason for b in early.blocked)
+    assert plan(desired, within).steps == []
+
+    late = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, WEDGED), now=1010.0 + GRACE))
+    assert _restarts_in_order(desired, late), [s.id for s in late.steps]
+    assert "failed its health check for 300s" in late.steps[0].reason
+
+
+def test_a_cold_start_that_never_served_waits_for_health_instead(desired, deployed):
+    watch = HealthWatch()
+    for t in (0.0, 100.0, 10 * GRACE):
+        result = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, Serving()), now=t))
+        assert [s.kind for s in result.steps] == ["await-health"], t
+
+
+def test_a_container_older_than_the_cold_start_allowance_counts_as_having_served(desired, deployed):
+    """After a daemon restart the watch has no history: a wedged vLLM that has run for longer than
+    health_timeout is not granted another hour of await-health."""
+    head = desired.head.name
+    node = deployed.node(head)
+    old = [c.model_copy(update={"started_at": "2026-11-30T08:00:00.123456789Z"})
+           if c.name == desired.serving.container_name else c for c in node.containers]
+    observed = deployed.model_copy(update={"nodes": {**deployed.nodes, head: node.model_copy(
+        update={"containers": old, "serving": WEDGED})}})
+    now = datetime(2026, 11, 30, 10, 0, tzinfo=UTC).timestamp()  # 2 h after the start, 1 h past health_timeout
+    watch = HealthWatch()
+    first = watch.annotate(desired, observed, now=now)
+    assert first.node(head).serving.served_before
+    assert plan(desired, first).steps == []
+    assert _restarts_in_order(desired, plan(desired, watch.annotate(desired, observed, now=now + GRACE)))
+
+
+def test_each_restart_that_does_not_hold_doubles_the_grace(desired, deployed):
+    watch, t = HealthWatch(), 0.0
+    for restarts, cid in enumerate(("c1", "c2", "c3")):
+        grace = GRACE * 2**restarts
+        watch.annotate(desired, _head_serving(desired, deployed, healthy(desired), cid), now=t)
+        watch.annotate(desired, _head_serving(desired, deployed, WEDGED, cid), now=t + 1)
+        before = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, WEDGED, cid), now=t + grace))
+        assert before.steps == [], (restarts, "still within the doubled grace")
+        after = watch.annotate(desired, _head_serving(desired, deployed, WEDGED, cid), now=t + 1 + grace)
+        assert after.node(desired.head.name).serving.health_restarts == restarts
+        assert _restarts_in_order(desired, plan(desired, after)), restarts
+        t += 2 * grace
+
+
+def test_serving_well_for_sixteen_graces_forgets_the_restarts(desired, deployed):
+    watch = HealthWatch()
+    watch.annotate(desired, _head_serving(desired, deployed, healthy(desired), "c1"), now=0)
+    watch.annotate(desired, _head_serving(desired, deployed, WEDGED, "c1"), now=1)
+    watch.annotate(desired, _head_serving(desired, deployed, healthy(desired), "c2"), now=2 * GRACE)
+    assert watch.restarts == 1
+    watch.annotate(desired, _head_serving(desired, deployed, healthy(desired), "c2"), now=2 * GRACE + 16 * GRACE)
+    assert watch.restarts == 0
+
+
+def test_a_serving_container_that_is_gone_resets_the_failure_clock(desired, deployed):
+    watch = HealthWatch()
+    watch.annotate(desired, _head_serving(desired, deployed, healthy(desired)), now=0)
+    watch.annotate(desired, _head_serving(desired, deployed, WEDGED), now=1)
+    head = desired.head.name
+    gone = deployed.model_copy(update={"nodes": {**deployed.nodes, head: deployed.node(head).model_copy(
+        update={"containers": [], "serving": Serving()})}})
+    watch.annotate(desired, gone, now=2)
+    assert watch.unhealthy_since is None
+
+
+@pytest.mark.parametrize(("text", "age"), [
+    ("2026-12-03T10:00:00Z", 60.0),
+    ("2026-12-03T10:00:00.5Z", 59.5),
+    ("2026-12-03T10:00:00.123456789Z", 59.876544),
+    ("2026-12-03T10:00:00+00:00", 60.0),
+    ("0001-01-01T00:00:00Z", 0.0),
+    ("", 0.0),
+    (None, 0.0),
+    ("yesterday", 0.0),
+])
+def test_docker_start_times_are_read_with_nanoseconds_and_garbage_is_no_age(text, age):
+    assert _age(text, datetime(2026, 12, 3, 10, 1, tzinfo=UTC).timestamp()) == pytest.approx(age, abs=1e-5)
