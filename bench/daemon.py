@@ -79,7 +79,7 @@ class Daemon:
 
     def converged_after(self, after: int, timeout: float = 120) -> float:
         t, _ = self.wait(lambda d: d.get("event") == "reconcile.end" and d.get("phase") == "Converged"
-                         and d.get("steps_run", 0) == 0 and d.get("drift", 0) == 0, after, timeout)
+                         and d.get("steps_started", 0) == 0 and d.get("drift", 0) == 0, after, timeout)
         return t
 
     def status(self) -> dict:

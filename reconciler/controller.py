@@ -90,6 +90,10 @@ class Controller:
         metrics.desired_state_valid.set(1)
         if not self.store.take(hashlib.sha256(desired.model_dump_json().encode()).hexdigest()):
             return False
+        if self.desired is not None and (cancelled := self.operations.cancel_all()):
+            # Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled,
+            # they end at their next check; all steps are idempotent and rsync resumes from its partial data.
+            self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
         self.desired = desired
         metrics.desired_state_generation.set(self.store.generation)
         self.holds = Holds(desired.policy.retries)  # a new generation: try everything again now
@@ -148,7 +152,8 @@ class Controller:
         metrics.reconcile_duration.observe(time.monotonic() - start)
         self.log.info("reconcile.end", generation=self.store.generation, reconcile=self.reconciles, phase=phase,
                       result=result, steps_started=started, in_flight=len(self.operations.busy()),
-                      seconds=round(time.monotonic() - start, 3))
+                      seconds=round(time.monotonic() - start, 3),
+                      drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None)
         return Result(self._requeue_after(observed), phase)
 
     def _observe(self, desired: spec.Desired) -> Observed:

@@ -122,6 +122,7 @@ class Daemon:
         """Cancelled operations end, then streams, the listener and the sessions close; never let a half-dead SSH
         transport hold the exit past the deadline: everything left is a daemon thread and dies with the process."""
         self.controller.stop_streams()
+        self.controller.operations.cancel_all()
 
         def close() -> None:
             if not self.controller.operations.join(deadline):

@@ -13,6 +13,7 @@ writer of its state.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -77,6 +78,7 @@ class Operations:
         self._running: dict[str, Operation] = {}
         self._finished: list[StepResult] = []
         self._threads: list[threading.Thread] = []
+        self._cancels: list[threading.Event] = []
         self._on_end = on_end
         self._clock = clock
         self._run = run
@@ -95,7 +97,12 @@ class Operations:
     def launch(self, steps: list[Step], ctx: StepContext, on_event: Callable[[str, dict], None]) -> None:
         """Run `steps` (in their `after` order, independent ones in parallel) in a thread of their own."""
         now = self._clock()
+        cancel = threading.Event()  # this batch's own: a new generation or a shutdown cancels every batch
+        if ctx.cancel.is_set():
+            cancel.set()
+        ctx = dataclasses.replace(ctx, cancel=cancel)
         with self._lock:
+            self._cancels = [c for c in self._cancels if not c.is_set()] + [cancel]
             for step in steps:
                 self._running[step.id] = Operation(step, now, now + step_timeout(ctx, step))
 
@@ -132,6 +139,15 @@ class Operations:
                 op.deadline = self._clock() + (op.deadline - op.started)
             elif name == "step.end" and self._running.pop(fields["result"].step.id, None) is not None:
                 self._finished.append(fields["result"])
+
+    def cancel_all(self) -> int:
+        """Cancel every batch in flight (its steps stop at their next check; rsync is sent SIGTERM and keeps its
+        partial data). Returns how many were running."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            cancel.set()
+        return len(cancels)
 
     def progress(self, kind: str, node: str, done: int, total: int | None = None) -> None:
         """Bytes moved so far by the `kind` step on `node` (the weight sync's rsync, the image stream)."""

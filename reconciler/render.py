@@ -84,9 +84,18 @@ def status_text(doc: dict) -> str:
         table.add_column(column, overflow="fold")
     for c in doc.get("conditions", []):
         table.add_row(c["node"] or "(cluster)", c["type"], c["status"], c["reason"], c["message"][:160])
+    ops = Table(title="operations in flight", title_justify="left")
+    for column in ("step", "state", "running", "deadline in", "progress"):
+        ops.add_column(column, overflow="fold")
+    for o in doc.get("operations", []):
+        total = o.get("bytesTotal")
+        progress = f"{o.get('bytesDone', 0) / 2**20:.0f} / {total / 2**20:.0f} MiB" if total else ""
+        ops.add_row(o["step"], o["state"], f"{o['seconds']:.0f}s", f"{o['deadlineIn']:.0f}s", progress)
     console = Console(width=140, record=True, force_terminal=False)
     with console.capture() as captured:
         console.print(table)
+        if doc.get("operations"):
+            console.print(ops)
         if doc.get("lastError"):
             console.print(f"last error: {doc['lastError']}")
     return captured.get()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,11 +178,53 @@ def crash_serving(lay: Layout, node: str, clear: bool = False) -> str:
     return f"{node}: serving will crash at start ({', '.join(map(str, markers))})"
 
 
+#: What a broken (or hostile) node answers for /proc/meminfo: a value that is not a number, an escape sequence and
+#: a byte that is not UTF-8 (the probe reads this file over SSH like any other).
+HOSTILE_MEMINFO = b"MemTotal:       8388608 kB\nMemAvailable:   lots kB\n\x1b[31m\xff\tOdd:\n"
+
+
+def _sshd_pid(lay: Layout, node: str) -> int:
+    from .proc import load_pids
+    entry = load_pids().get(f"{lay.node(node).name}/sshd")
+    if not entry:
+        raise TestbedError(f"{node}: sshd is not running")
+    return int(entry["pid"])
+
+
+def hostile_probe(lay: Layout, node: str) -> str:
+    """The node's /proc/meminfo, as every SSH session on it reads it, becomes garbage: bound over it in the
+    node's sshd mount namespace (on top of the node's own lxcfs view, which `probe-restore` uncovers again)."""
+    n = lay.node(node)
+    bad = n.state / "hostile-meminfo"
+    bad.write_bytes(HOSTILE_MEMINFO)
+    bad.chmod(0o444)
+    pid = _sshd_pid(lay, node)
+    if str(bad) in Path(f"/proc/{pid}/mountinfo").read_text():
+        return f"{node}: /proc/meminfo is already hostile"
+    subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "mount", "--bind", str(bad), "/proc/meminfo"],
+                   check=True, capture_output=True, timeout=20)
+    return f"{node}: /proc/meminfo now answers garbage to the probe"
+
+
+def probe_restore(lay: Layout, node: str) -> str:
+    n = lay.node(node)
+    bad = n.state / "hostile-meminfo"
+    try:
+        pid = _sshd_pid(lay, node)
+    except TestbedError:
+        return f"{node}: sshd not running, nothing to restore"
+    while str(bad) in Path(f"/proc/{pid}/mountinfo").read_text():
+        subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "umount", "/proc/meminfo"], check=True,
+                       capture_output=True, timeout=20)
+    return f"{node}: /proc/meminfo is the node's own again"
+
+
 FAULTS: dict[str, Callable[..., str]] = {
     "link-down": link_down, "link-up": link_up, "link-flap": link_flap, "mtu": mtu,
     "kill-container": kill_container, "stop-container": stop_container, "rogue-container": rogue_container,
     "sshd-stop": sshd_stop, "sshd-start": sshd_start, "dockerd-stop": dockerd_stop,
     "dockerd-start": dockerd_start, "mgmt-cut": mgmt_cut, "mgmt-restore": mgmt_restore,
     "fill-disk": fill_disk, "free-disk": free_disk, "corrupt-shard": corrupt_shard,
-    "delete-shard": delete_shard, "crash-serving": crash_serving,
+    "delete-shard": delete_shard, "crash-serving": crash_serving, "hostile-probe": hostile_probe,
+    "probe-restore": probe_restore,
 }

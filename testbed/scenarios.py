@@ -161,9 +161,11 @@ _SET_UP_NODE = {"seed": _seed_node, "converged": _converged_node, "empty": _empt
 def _restore(lay: Layout) -> None:
     """Daemons and management paths back (a test may have stopped them with a fault); then no containers, no
     disk fill and no crash marker on any node."""
+    from .faults import probe_restore
     for n in lay.nodes:
         net.set_mgmt(n, True)
         sshd.start(n)
+        probe_restore(lay, n.name)
         dockerd.start(n)
     for n in lay.nodes:
         dockerd.remove_all_containers(n)

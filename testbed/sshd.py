@@ -113,7 +113,7 @@ X11Forwarding no
 PrintMotd no
 PrintLastLog no
 MaxStartups 100:30:200
-MaxSessions 64
+MaxSessions 10
 SetEnv DOCKER_HOST={node.docker_host} PATH={NODE_PATH}
 Subsystem sftp internal-sftp
 """)

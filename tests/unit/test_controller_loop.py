@@ -19,6 +19,7 @@ from reconciler.metrics import REGISTRY
 from reconciler.observed import Container, NodeObservation, Observed
 from reconciler.operations import Operations
 from reconciler.plan import plan
+from reconciler.render import status_text
 from reconciler.simulate import apply_plan
 from reconciler.spec import load
 from reconciler.triggers import Requests
@@ -69,7 +70,7 @@ class Script:
         item = self.queue.pop(0) if len(self.queue) > 1 else self.queue[0]
         if isinstance(item, Exception):
             raise item
-        return item, {n: 0.01 for n in item.nodes}
+        return item, dict.fromkeys(item.nodes, 0.01)
 
 
 @pytest.fixture
@@ -128,6 +129,8 @@ def test_a_weight_sync_in_flight_does_not_stop_the_next_reconcile_from_repairing
         assert progressing["status"] == "True" and progressing["reason"] == "StepsRunning"
         assert f"weights/{WORKER}" in progressing["message"]
         assert REGISTRY.get_sample_value("reconciler_operations_in_flight", {"kind": "weights"}) == 1
+        shown = status_text(status)
+        assert f"weights/{WORKER}" in shown and "64 / 128 MiB" in shown, "`reconciler status` shows it too"
 
         c.reconcile({"resync"})
         assert len(gate.batches) == 2, "nothing is launched twice while in flight"

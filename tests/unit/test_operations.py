@@ -7,6 +7,7 @@ not a race; the clock is a fake too.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from reconciler.execute import Outcome, StepResult
 from reconciler.observed import ServeFlags
 from reconciler.operations import FlagsQuery, Operations, admit
 from reconciler.plan import Step
+from reconciler.steps import StepContext
 
 WEIGHTS = Step("weights/w", "weights", "w", "sync")
 LINK_H = Step("link/h", "link", "h", "down")
@@ -79,16 +81,11 @@ class Gate:
         return Outcome(results)
 
 
-class Ctx:
-    """Just what Operations reads from a StepContext: the step timeouts."""
-
-    class desired:  # noqa: N801 - a stand-in namespace
-        class policy:  # noqa: N801
-            class timeouts:  # noqa: N801
-                weights_sync, image_sync, step = 43200.0, 3600.0, 120.0
-
-        class serving:  # noqa: N801
-            health_timeout = 3600.0
+def Ctx() -> StepContext:
+    """A StepContext with just what Operations reads: the step timeouts."""
+    timeouts = SimpleNamespace(weights_sync=43200.0, image_sync=3600.0, step=120.0)
+    desired = SimpleNamespace(policy=SimpleNamespace(timeouts=timeouts), serving=SimpleNamespace(health_timeout=3600.0))
+    return StepContext(desired=desired, sessions=None, observed=None)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -170,3 +167,21 @@ def test_a_question_that_raises_still_answers_so_serving_does_not_wait_forever()
     assert answered.wait(10)
     answer = query.get(("h", "sha256:2"))
     assert answer is not None and not answer.pending and "channel refused" in (answer.error or "")
+
+
+def test_cancel_all_reaches_every_batch_through_its_own_context():
+    ended, seen = threading.Event(), []
+
+    def waits_for_cancel(plan, ctx, on_event):
+        seen.append(ctx.cancel.wait(10))
+        return Outcome([StepResult(s, "cancelled", 0.0, "shutting down") for s in plan.steps])
+
+    ops = Operations(on_end=ended.set, run=waits_for_cancel)
+    ctx = Ctx()
+    ctx.cancel = threading.Event()
+    ops.launch([WEIGHTS], ctx, on_event=lambda e, f: None)
+    ops.launch([LINK_H], ctx, on_event=lambda e, f: None)
+    assert ops.cancel_all() == 2
+    assert ops.join(10) and seen == [True, True]
+    assert not ctx.cancel.is_set(), "the loop's own event is not touched: only the batches are cancelled"
+    assert {r.result for r in ops.drain()} == {"cancelled"}

@@ -1,0 +1,174 @@
+"""A loop that never blocks and never lies, on the testbed (issue 14's "done when").
+
+- A throttled 64 MiB weight sync is in flight; a co-tenant starts on the worker and the head's fabric link drops:
+  both are repaired while the sync still runs, and /status shows the sync's progress moving meanwhile.
+- A serving whose API stops answering (its process frozen with SIGSTOP: alive, holding its memory, answering
+  nothing, which is what a wedged engine looks like) is restarted in order after `serving.unhealthy_grace`, not
+  before.
+- One node's probe output turns to garbage: that node is ProbeFailed with the reason, the other node is still
+  reconciled, and the status says so instead of Converged.
+- SIGTERM during a cold start's wait for health (the stand-in's load takes 40 s) and during an image copy: the
+  daemon exits within its deadline, nothing is lost, and the next start converges.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from reconciler.daemon import SHUTDOWN_DEADLINE
+from tests.e2e.daemon import SHUTDOWN_SLACK, holds_for, wait_until
+from tests.e2e.test_reliability import (
+    assert_nothing_lost,
+    converged,
+    daemon,
+    managed,
+    serving_ok,
+    slow_sync,
+    step_starts,
+    write_desired,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def operation(d, step: str) -> dict | None:
+    doc = d.status() or {}
+    return next((o for o in doc.get("operations", []) if o["step"] == step), None)
+
+
+def link_up(tb, node: str) -> bool:
+    out = tb.exec(node, "ip -o link show dev enp1s0f1np1").stdout
+    return ",UP" in out or "<UP" in out
+
+
+def running(tb, node: str, name: str) -> bool:
+    return bool(tb.docker(node, "ps", "-q", "--filter", f"name=^{name}$", check=False).stdout.strip())
+
+
+def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_path):
+    tb = seed_testbed.reset("seed")
+    desired = write_desired(tmp_path / "cluster.yaml", lambda d: slow_sync(d, rate="1MB"), resync_interval="1h")
+    d = daemon(desired, tmp_path / "state")
+    try:
+        first = wait_until(lambda: (lambda o: o if o and o["bytesDone"] > 0 else None)(
+            operation(d, "weights/worker")), 120, "the weight sync in flight with bytes moved")
+        assert first["bytesTotal"] and first["bytesTotal"] >= 60 * 2**20, first
+
+        tb.fault("rogue-container", "worker", name="intruder")
+        tb.fault("link-down", "head")
+        wait_until(lambda: not running(tb, "worker", "intruder") and link_up(tb, "head"), 60,
+                   "the co-tenant stopped and the head's link up again")
+        later = operation(d, "weights/worker")
+        assert later is not None, "both were repaired while the sync was still in flight"
+        wait_until(lambda: (operation(d, "weights/worker") or {"bytesDone": 2**62})["bytesDone"]
+                   > first["bytesDone"], 60, "/status showing the sync's progress move")
+        progressing = d.condition("", "Progressing")
+        assert progressing and progressing["status"] == "True" and "weights/worker" in progressing["message"]
+
+        converged(d, 300)
+        assert not running(tb, "worker", "intruder")
+        assert_nothing_lost(tb, d)
+    finally:
+        d.close()
+
+
+GRACE = 20
+
+
+def test_a_frozen_serving_api_is_restarted_after_the_grace_not_before(seed_testbed, tmp_path):
+    tb = seed_testbed.reset("converged")
+
+    def grace(data):
+        data["serving"]["unhealthy_grace"] = f"{GRACE}s"
+
+    desired = write_desired(tmp_path / "cluster.yaml", grace, resync_interval="2s")
+    d = daemon(desired, tmp_path / "state")
+    try:
+        converged(d, 120)
+        before = {c["Id"] for node in ("head", "worker") for c in managed(tb, node)}
+        pid = int(tb.docker("head", "inspect", "--format", "{{.State.Pid}}", "vllm_serving").stdout)
+        os.kill(pid, signal.SIGSTOP)  # alive, holding its memory, answering nothing
+        frozen_at = time.monotonic()
+        wait_until(lambda: any("restarted in order after" in b["reason"]
+                               for b in ((d.status() or {}).get("lastPlan") or {}).get("blocked", [])),
+                   30, "the plan saying it waits out the grace")
+        # The grace runs from the first failed check, which is after the freeze: until GRACE seconds after the
+        # freeze, nothing may be stopped (a hiccup must not cost a reload).
+        holds_for(lambda: {c["Id"] for c in managed(tb, "head")} <= before,
+                  max(0.5, GRACE - 1 - (time.monotonic() - frozen_at)), "serving left alone within the grace")
+        converged(d, 180)
+        after = {c["Id"] for node in ("head", "worker") for c in managed(tb, node)}
+        assert after and not after & before, "every serving container was replaced: an ordered restart"
+        restarts = [e for e in d.log_events() if e.get("event") == "step.start" and e.get("kind") == "stop-serving"]
+        assert restarts and all("failed its health check" in e.get("reason", "") for e in restarts), restarts
+        assert serving_ok(tb) == []
+    finally:
+        d.close()
+
+
+def test_hostile_probe_output_on_one_node_is_that_nodes_condition(seed_testbed, tmp_path):
+    tb = seed_testbed.reset("converged")
+    desired = write_desired(tmp_path / "cluster.yaml")
+    d = daemon(desired, tmp_path / "state")
+    try:
+        converged(d, 120)
+        tb.fault("hostile-probe", "worker")
+        tb.fault("rogue-container", "head", name="intruder")
+        probed = wait_until(lambda: (lambda c: c if c and c["status"] == "False" else None)(
+            d.condition("worker", "Probed")), 30, "worker ProbeFailed")
+        assert probed["reason"] == "ProbeFailed" and "meminfo" in probed["message"], probed
+        wait_until(lambda: not running(tb, "head", "intruder"), 60, "the head still reconciled")
+        status = d.status()
+        assert status["phase"] != "Converged" and d.metric("reconciler_converged") == 0
+        assert d.condition("head", "Probed")["status"] == "True"
+        assert d.proc.poll() is None, "the daemon lives on"
+
+        tb.fault("probe-restore", "worker")
+        converged(d, 60)
+    finally:
+        tb.fault("probe-restore", "worker")
+        d.close()
+
+
+def test_sigterm_during_a_cold_start_wait_then_restart(seed_testbed, tmp_path):
+    tb = seed_testbed.reset("converged")
+
+    def slow_load(data):
+        data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_LOAD_DELAY_S": "40"}
+
+    desired = write_desired(tmp_path / "cluster.yaml", slow_load)
+    first = daemon(desired, tmp_path / "state")
+    try:
+        wait_until(lambda: operation(first, "await-health/head"), 120, "the wait for health in flight")
+        assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
+    finally:
+        first.close()
+    assert serving_ok(tb) == []
+    second = daemon(desired, tmp_path / "state")
+    try:
+        converged(second, 180)
+        assert_nothing_lost(tb, second)
+    finally:
+        second.close()
+
+
+def test_sigterm_during_an_image_copy_then_restart(seed_testbed, tmp_path):
+    tb = seed_testbed.reset("seed")
+    desired = write_desired(tmp_path / "cluster.yaml")
+    first = daemon(desired, tmp_path / "state")
+    try:
+        wait_until(lambda: step_starts(first, "image"), 120, "an image copy", interval=0.02)
+        assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
+    finally:
+        first.close()
+    assert serving_ok(tb) == []
+    second = daemon(desired, tmp_path / "state")
+    try:
+        converged(second, 180)
+        assert_nothing_lost(tb, second)
+    finally:
+        second.close()
