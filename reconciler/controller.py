@@ -200,8 +200,9 @@ class Controller:
     def _requeue_after(self, observed: Observed | None) -> float | None:
         """The next moment something is due without any trigger: a backoff's end, a health grace's end."""
         due = []
-        if self.holds is not None and (when := self.holds.next_due()) is not None:
-            due.append(when - time.time())
+        now = time.time()
+        if self.holds is not None and (when := self.holds.next_due(now)) is not None:
+            due.append(when - now)
         if self.desired is not None and observed is not None:
             health = observed.node(self.desired.head.name).serving
             if health is not None and health.served_before and health.unhealthy_for is not None:

@@ -63,8 +63,11 @@ class Holds:
     def held(self) -> dict[str, str]:
         return {sid: rec.message for sid, rec in self.records.items() if rec.failures >= self.retries.hold_after}
 
-    def next_due(self) -> float | None:
-        return min((r.next_try for r in self.records.values()), default=None)
+    def next_due(self, now: float) -> float | None:
+        """When the next backoff ends, if one is still running. A record whose backoff has ended stays (its
+        failure count makes the next failure's backoff longer) but is due no more: counting it made the loop
+        reconcile back to back, ~13 times a second, until that step ran again."""
+        return min((r.next_try for r in self.records.values() if r.next_try > now), default=None)
 
 
 def vetoes(plan: Plan, holds: Holds, now: float) -> dict[str, str]:

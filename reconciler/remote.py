@@ -269,10 +269,14 @@ class Session:
             try:
                 channel = transport.open_session(timeout=timeout)
                 channel.exec_command(command)
-            except paramiko.ChannelException as exc:
-                raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
             except (SSHException, OSError, EOFError) as exc:
-                self._close_if_dead()
+                # A refusal (sshd's MaxSessions) is a ChannelException only for the thread that reads it first:
+                # paramiko keeps one saved exception per transport, so concurrent openers see a bare
+                # SSHException("Unable to open channel."). What tells a refusal from a lost connection is whether
+                # the transport still lives (measured against the testbed's sshd, tests/e2e/test_remote_deadlines).
+                if isinstance(exc, paramiko.ChannelException) or self._alive():
+                    raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
+                self.close()
                 raise Unreachable(self.node.name, f"session lost: {exc}") from None
             try:
                 yield channel

@@ -84,6 +84,10 @@ def test_a_frozen_serving_api_is_restarted_after_the_grace_not_before(seed_testb
 
     def grace(data):
         data["serving"]["unhealthy_grace"] = f"{GRACE}s"
+        # A real worker rank waits for a frozen peer in its collective until torch.distributed's NCCL timeout
+        # (10 min: the `_ALLGATHER_BASE` watchdog timeout after 600 s, docs/troubleshooting.md); the stand-in's
+        # default of 5 s would end the worker first and turn the wedge into a crash.
+        data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_PEER_TIMEOUT_S": "600"}
 
     desired = write_desired(tmp_path / "cluster.yaml", grace, resync_interval="2s")
     d = daemon(desired, tmp_path / "state")
@@ -138,7 +142,10 @@ def test_sigterm_during_a_cold_start_wait_then_restart(seed_testbed, tmp_path):
     tb = seed_testbed.reset("converged")
 
     def slow_load(data):
-        data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_LOAD_DELAY_S": "40"}
+        # a 40 s load on each rank; no heartbeat timeout meanwhile (real ranks have none: they meet in the first
+        # collective, under torch.distributed's 10 min timeout)
+        data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_LOAD_DELAY_S": "40",
+                                  "STANDIN_PEER_TIMEOUT_S": "600"}
 
     desired = write_desired(tmp_path / "cluster.yaml", slow_load)
     first = daemon(desired, tmp_path / "state")

@@ -204,3 +204,17 @@ def test_a_probe_that_cannot_be_answered_without_a_valid_file_is_honest(tmp_path
 def test_probe_failed_node_observation_round_trips_as_a_snapshot():
     obs = NodeObservation(name="n", reachable=True, probe_error="containers: TypeError: ...")
     assert NodeObservation.model_validate_json(obs.model_dump_json()) == obs
+
+
+def test_a_backoff_that_has_ended_asks_for_no_requeue(desired_path, tmp_path, converged):
+    """An ended backoff is due no more: counting it made the daemon reconcile ~13 times a second (seen on the
+    testbed while a cold start was awaited after a failed one)."""
+    c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    c.reconcile({"start"})
+    assert c.holds is not None
+    c.holds.failed("await-health/spark-1a32", "exited", now=0.0)  # its backoff ended long ago
+    assert c.holds.next_due(now=1e9) is None
+    assert c._requeue_after(converged) is None
+    c.holds.failed("weights/spark-5be3", "rsync exited 23", now=2e9)  # one still running (in the future)
+    assert c.holds.next_due(now=1e9) is not None
+    assert c._requeue_after(converged) > 0
