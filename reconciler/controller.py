@@ -35,6 +35,9 @@ from reconciler.status import StatusPublisher
 from reconciler.steps import StepContext
 from reconciler.triggers import Requests, stream_events
 
+#: While serving that served fails its health check (within the grace), reconcile again after at most this long.
+UNHEALTHY_RECHECK = 5.0
+
 
 @dataclass(frozen=True)
 class Result:
@@ -153,7 +156,9 @@ class Controller:
         self.log.info("reconcile.end", generation=self.store.generation, reconcile=self.reconciles, phase=phase,
                       result=result, steps_started=started, in_flight=len(self.operations.busy()),
                       seconds=round(time.monotonic() - start, 3),
-                      drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None)
+                      drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None,
+                      blocked=[f"{b.node}: {b.reason}" for b in current.blocked] if current and current.blocked
+                      else None, error=error)
         return Result(self._requeue_after(observed), phase)
 
     def _observe(self, desired: spec.Desired) -> Observed:
@@ -206,7 +211,9 @@ class Controller:
         if self.desired is not None and observed is not None:
             health = observed.node(self.desired.head.name).serving
             if health is not None and health.served_before and health.unhealthy_for is not None:
-                due.append(unhealthy_grace(self.desired, observed) - health.unhealthy_for)
+                # A failing API sends no event, and the event that made it fail (a rank's container dying) may
+                # arrive before the state shows it: while it fails, look again often, like a readiness probe.
+                due.append(min(UNHEALTHY_RECHECK, unhealthy_grace(self.desired, observed) - health.unhealthy_for))
         return max(0.0, min(due)) if due else None
 
     def _progress(self, event: str, fields: dict) -> None:

@@ -96,6 +96,9 @@ class Daemon:
         signal.signal(signal.SIGTERM, term)
         signal.signal(signal.SIGINT, term)
         signal.signal(signal.SIGHUP, hup)
+        # `kill -USR1 PID`: every thread's stack to stderr (the journal), written by faulthandler in C, taking no
+        # Python lock: where a stuck loop waits, without py-spy on the head.
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

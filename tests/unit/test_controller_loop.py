@@ -218,3 +218,20 @@ def test_a_backoff_that_has_ended_asks_for_no_requeue(desired_path, tmp_path, co
     c.holds.failed("weights/spark-5be3", "rsync exited 23", now=2e9)  # one still running (in the future)
     assert c.holds.next_due(now=1e9) is not None
     assert c._requeue_after(converged) > 0
+
+
+def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_path, tmp_path, converged):
+    """No event says "the API stopped answering": the loop must not wait for the grace's end or the resync to
+    notice that the failure became a crash (seen on the testbed: a rank killed, the plan saw the head failing
+    first and waited 300 s, the container's exit arriving in between unnoticed)."""
+    from reconciler.controller import UNHEALTHY_RECHECK
+    from reconciler.observed import Serving
+
+    served = Serving(reachable=True, healthy=True, models=["x"], completion_error="curl exit 28",
+                     unhealthy_for=1.0, served_before=True)
+    head = converged.node(HEAD)
+    failing = _with(converged, HEAD, serving=served)
+    c, _ = _controller(desired_path, tmp_path, Script(failing), Gate())
+    c.reconcile({"start"})
+    assert c._requeue_after(failing) == UNHEALTHY_RECHECK
+    assert c._requeue_after(converged) is None and head.serving is not None
