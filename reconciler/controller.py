@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,9 @@ class Result:
 class Controller:
     def __init__(self, path: Path, state_dir: Path, requests: Requests, cancel: threading.Event,
                  events: bool = True, observe_fn=observe, sessions_factory=Sessions,
-                 operations: Operations | None = None) -> None:
+                 operations: Operations | None = None, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
+        self.clock = clock  # unix time; tests pass a fake one
         self.requests = requests
         self.cancel = cancel
         self.use_events = events
@@ -60,7 +62,7 @@ class Controller:
         if self.store.last_converged > 0:
             metrics.last_converged.set(self.store.last_converged)
         self.publisher = StatusPublisher(self.path)
-        self.operations = operations or Operations(on_end=lambda: requests.request("operation"))
+        self.operations = operations or Operations(on_end=lambda: requests.request("operation"), clock=clock)
         self.health = HealthWatch()
         self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
         self._observe_fn = observe_fn
@@ -144,7 +146,7 @@ class Controller:
                 current = make_plan(desired, observed)
                 started = self._start(desired, observed, current, reasons)
                 if not current.changes:
-                    self.store.converged(time.time())
+                    self.store.converged(self.clock())
                     metrics.last_converged.set(self.store.last_converged)
         except Exception as exc:  # a bug must not freeze the status at its last value
             error = f"reconcile crashed: {type(exc).__name__}: {exc}"
@@ -165,7 +167,7 @@ class Controller:
         assert self.sessions is not None, "a valid desired state opens the sessions"
         observed, durations = self._observe_fn(desired, self.sessions, timeout=desired.policy.timeouts.command,
                                                cancel=self.cancel, ask_flags=False)
-        observed = self.health.annotate(desired, observed, time.time())
+        observed = self.health.annotate(desired, observed, self.clock())
         observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
         StatusPublisher.observation(desired, observed, durations)
         return observed
@@ -179,7 +181,7 @@ class Controller:
         if not current.steps or current.mode != "enforce":
             return 0
         assert self.sessions is not None and self.holds is not None
-        runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.holds, time.time()))
+        runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.holds, self.clock()))
         if not runnable:
             return 0
         self.log.info("reconcile.plan", generation=self.store.generation, reasons=sorted(reasons),
@@ -198,14 +200,14 @@ class Controller:
             if r.result == "success":
                 self.holds.succeeded(r.step.id)
             elif r.result in ("failed", "blocked"):
-                self.holds.failed(r.step.id, r.message, time.time())
+                self.holds.failed(r.step.id, r.message, self.clock())
                 failures.append(f"{r.step.id}: {r.message}")
         return failures
 
     def _requeue_after(self, observed: Observed | None) -> float | None:
         """The next moment something is due without any trigger: a backoff's end, a health grace's end."""
         due = []
-        now = time.time()
+        now = self.clock()
         if self.holds is not None and (when := self.holds.next_due(now)) is not None:
             due.append(when - now)
         if self.desired is not None and observed is not None:
@@ -259,5 +261,5 @@ class Controller:
             step_failures=failures + ([error] if error else []), held=held,
             paused=bool(desired and desired.policy.paused), mode=desired.policy.mode if desired else "enforce",
             in_flight=[s.id for s in in_flight])
-        self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, time.time())
+        self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, self.clock())
         return str(self.publisher.status["phase"])

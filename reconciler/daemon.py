@@ -67,7 +67,8 @@ def heartbeat_fresh(heartbeat: float, now: float, stale_after: float = STALE_AFT
 
 
 class Daemon:
-    def __init__(self, path: Path, state_dir: Path, listen: str | None = None, events: bool = True):
+    def __init__(self, path: Path, state_dir: Path, listen: str | None = None, events: bool = True,
+                 controller: Controller | None = None):
         self.path = Path(path)
         self.state_dir = Path(state_dir)
         self.listen_override = listen
@@ -76,7 +77,8 @@ class Daemon:
         self.cancel = threading.Event()
         self.stopped = threading.Event()
         self.log = log.get().bind(file=str(self.path))
-        self.controller = Controller(self.path, self.state_dir, self.requests, self.cancel, events=events)
+        self.controller = controller or Controller(self.path, self.state_dir, self.requests, self.cancel,
+                                                   events=events)
         self.heartbeat = time.monotonic()
         self.ready_sent = False
 
@@ -191,6 +193,7 @@ class Daemon:
                 result = self.controller.reconcile(reasons)
                 requeue_at = None if result.requeue_after is None else time.monotonic() + result.requeue_after
             except Exception as exc:  # the loop outlives any one reconcile
+                requeue_at = None  # an old requeue, due already, would repeat the crash back to back
                 self.log.exception("reconcile.crashed", error=str(exc))
                 metrics.reconciles.labels(result="error").inc()
             if not self.ready_sent and self.controller.desired is not None:

@@ -156,14 +156,18 @@ def probe_script(desired: Desired, node: Node) -> str:
     ]
     if node.role == "head":
         api_port = desired.serving.port
+        # /v1/models and the completion only when /health answered 200: a frozen API would cost their whole
+        # deadlines (2 s + 5 s) on every probe, and what they say of an unhealthy API is never used.
         lines += [
             "sec health",
-            f"curl -s -o /dev/null -m 2 -w '%{{http_code}}' {q(f'http://127.0.0.1:{api_port}/health')}; "
-            "echo; echo \"@@rc $?\"",
+            f"code=$(curl -s -o /dev/null -m 2 -w '%{{http_code}}' {q(f'http://127.0.0.1:{api_port}/health')}); "
+            "rc=$?; printf '%s\\n' \"$code\"; echo \"@@rc $rc\"",
             "sec models",
-            f"curl -s -m 2 {q(f'http://127.0.0.1:{api_port}/v1/models')}; echo; echo \"@@rc $?\"",
+            f"rc=0; if [ \"$code\" = 200 ]; then curl -s -m 2 {q(f'http://127.0.0.1:{api_port}/v1/models')}; rc=$?; "
+            "fi; echo; echo \"@@rc $rc\"",
             "sec completion",
-            quote(completion_argv(desired)) + "; echo; echo \"@@rc $?\"",
+            f"rc=0; if [ \"$code\" = 200 ]; then {quote(completion_argv(desired))}; rc=$?; fi; echo; "
+            "echo \"@@rc $rc\"",
         ]
         if desired.serving.launcher == "ray":
             lines += ["sec ray",

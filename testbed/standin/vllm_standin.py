@@ -147,7 +147,7 @@ class Engine:
         self.ready_timeout = env_float("VLLM_ENGINE_READY_TIMEOUT_S", 600.0)
         self.gpus = env_int("STANDIN_GPUS_PER_NODE", 1)
         self.exit_code: int | None = None
-        self.kv_cache = bytearray()
+        self.kv_cache: list[bytearray] = []
 
     @property
     def world(self) -> int:
@@ -238,7 +238,7 @@ class Engine:
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
         log("INFO", "gpu_model_runner.py:2007", f"Model loading took 0.0 GiB and {delay:.2f} seconds")
         self.kv_cache = hold_memory(self.args.gpu_memory_utilization)
-        log("INFO", "gpu_worker.py:298", f"Available KV cache memory: {len(self.kv_cache) / 2**30:.2f} GiB "
+        log("INFO", "gpu_worker.py:298", f"Available KV cache memory: {sum(map(len, self.kv_cache)) / 2**30:.2f} GiB "
             f"(gpu_memory_utilization {self.args.gpu_memory_utilization:g} of {node_memory() / 2**30:.2f} GiB)")
         log("INFO", "kv_cache_utils.py:1087", f"GPU KV cache size: 65,536 tokens; max_model_len {self.max_len}")
 
@@ -354,20 +354,33 @@ class Engine:
             f"world_size={self.world} rank={a.node_rank} distributed_init_method=tcp://{a.master_addr}:"
             f"{a.master_port} backend=nccl")
         self.head = conn
+        # The link to the head lives from the rendezvous on, also while this rank loads and fills its memory
+        # (seconds on a node under memory pressure): a rank that went silent during its own load used to be
+        # taken for dead by the head, which no real rank is.
+        self.head_outcome: list[str] = []
+        self.head_beat = threading.Thread(target=self._beat_head, daemon=True)
+        self.head_beat.start()
+
+    def _beat_head(self):
+        a = self.args
+        for msg in heartbeats(self.head, self.hb, self.peer_timeout):
+            if msg is None:
+                self.head_outcome.append(f"RuntimeError: lost connection to the head node {a.master_addr}:"
+                                         f"{a.master_port} (engine core on node rank 0 gone); shutting down.")
+                self.fail(self.head_outcome[0])
+                return
+            if msg.get("op") == "shutdown":
+                self.head_outcome.append("shutdown")
+                return
 
     def worker_loop(self):
-        """Headless: stay until the head goes away, then exit 1."""
-        conn = self.head
+        """Headless: stay until the head goes away (exit 1) or shuts down (exit 0)."""
         log("INFO", "launcher.py:110", f"Headless node rank {self.args.node_rank} ready; serving no API")
-        for msg in heartbeats(conn, self.hb, self.peer_timeout):
-            if msg is None:
-                raise EngineError(
-                    f"RuntimeError: lost connection to the head node {self.args.master_addr}:{self.args.master_port} "
-                    "(engine core on node rank 0 gone); shutting down."
-                )
-            if msg.get("op") == "shutdown":
-                log("INFO", "launcher.py:130", "Head shut down; exiting")
-                return 0
+        self.head_beat.join()
+        if self.head_outcome and self.head_outcome[0] == "shutdown":
+            log("INFO", "launcher.py:130", "Head shut down; exiting")
+            return 0
+        raise EngineError(self.head_outcome[0] if self.head_outcome else "RuntimeError: head link ended")
 
     # ---- ray executor
     def ray_placement(self):
@@ -459,15 +472,18 @@ def node_memory() -> int:
     return total
 
 
-def hold_memory(gpu_memory_utilization: float) -> bytearray:
-    """Hold gpu_memory_utilization x the node's memory, touched page by page so it is resident: what vLLM
-    takes for weights and KV cache on unified memory. More than the node has left meets its OOM killer."""
+def hold_memory(gpu_memory_utilization: float) -> list[bytearray]:
+    """Hold gpu_memory_utilization x the node's memory, resident: what vLLM takes for weights and KV cache on
+    unified memory. More than the node has left meets its OOM killer.
+
+    In 64 MiB pieces with the GIL given up in between: `bytearray(n)` zero-fills all n bytes in one C call that
+    holds the GIL, so at gmu 0.6 of 8 GiB the heartbeat threads stopped for ~5 s on a node under memory pressure
+    and each rank took the other for dead."""
     n = int(gpu_memory_utilization * node_memory())
-    held = bytearray(n)
-    chunk = 64 << 20  # one chunk at a time: the heartbeat threads get the GIL in between
+    chunk = 64 << 20
+    held = []
     for start in range(0, n, chunk):
-        end = min(start + chunk, n)
-        held[start:end:4096] = b"\x01" * len(range(start, end, 4096))
+        held.append(bytearray(min(chunk, n - start)))  # zero-filled: every page touched, resident
         time.sleep(0)
     return held
 

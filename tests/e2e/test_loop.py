@@ -7,7 +7,7 @@
   before.
 - One node's probe output turns to garbage: that node is ProbeFailed with the reason, the other node is still
   reconciled, and the status says so instead of Converged.
-- SIGTERM during a cold start's wait for health (the stand-in's load takes 40 s) and during an image copy: the
+- SIGTERM during a cold start's wait for health (the stand-in's load takes 20 s) and during an image copy: the
   daemon exits within its deadline, nothing is lost, and the next start converges.
 """
 
@@ -51,7 +51,7 @@ def running(tb, node: str, name: str) -> bool:
 
 def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_path):
     tb = seed_testbed.reset("seed")
-    desired = write_desired(tmp_path / "cluster.yaml", lambda d: slow_sync(d, rate="1MB"), resync_interval="1h")
+    desired = write_desired(tmp_path / "cluster.yaml", lambda d: slow_sync(d, rate="1500KB"), resync_interval="1h")
     d = daemon(desired, tmp_path / "state")
     try:
         first = wait_until(lambda: (lambda o: o if o and o["bytesDone"] > 0 else None)(
@@ -60,10 +60,14 @@ def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_p
 
         tb.fault("rogue-container", "worker", name="intruder")
         tb.fault("link-down", "head")
+        faulted = time.monotonic()
         wait_until(lambda: not running(tb, "worker", "intruder") and link_up(tb, "head"), 60,
                    "the co-tenant stopped and the head's link up again")
+        repaired = time.monotonic() - faulted
         later = operation(d, "weights/worker")
         assert later is not None, "both were repaired while the sync was still in flight"
+        print(f"FIGURE sync-repairs: both repaired {repaired:.1f}s after the faults, sync at "
+              f"{later['bytesDone'] / 2**20:.1f} of {later['bytesTotal'] / 2**20:.1f} MiB")
         wait_until(lambda: (operation(d, "weights/worker") or {"bytesDone": 2**62})["bytesDone"]
                    > first["bytesDone"], 60, "/status showing the sync's progress move")
         progressing = d.condition("", "Progressing")
@@ -76,7 +80,7 @@ def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_p
         d.close()
 
 
-GRACE = 20
+GRACE = 12
 
 
 def test_a_frozen_serving_api_is_restarted_after_the_grace_not_before(seed_testbed, tmp_path):
@@ -104,6 +108,9 @@ def test_a_frozen_serving_api_is_restarted_after_the_grace_not_before(seed_testb
         # freeze, nothing may be stopped (a hiccup must not cost a reload).
         holds_for(lambda: {c["Id"] for c in managed(tb, "head")} <= before,
                   max(0.5, GRACE - 1 - (time.monotonic() - frozen_at)), "serving left alone within the grace")
+        wait_until(lambda: not {c["Id"] for c in managed(tb, "head")} <= before, 120, "the restart")
+        print(f"FIGURE frozen-api: restart began {time.monotonic() - frozen_at:.1f}s after the freeze "
+              f"(grace {GRACE}s)")
         converged(d, 180)
         after = {c["Id"] for node in ("head", "worker") for c in managed(tb, node)}
         assert after and not after & before, "every serving container was replaced: an ordered restart"
@@ -122,9 +129,12 @@ def test_hostile_probe_output_on_one_node_is_that_nodes_condition(seed_testbed, 
         converged(d, 120)
         tb.fault("hostile-probe", "worker")
         tb.fault("rogue-container", "head", name="intruder")
+        t = time.monotonic()
         probed = wait_until(lambda: (lambda c: c if c and c["status"] == "False" else None)(
             d.condition("worker", "Probed")), 30, "worker ProbeFailed")
         assert probed["reason"] == "ProbeFailed" and "meminfo" in probed["message"], probed
+        print(f"FIGURE hostile-probe: worker ProbeFailed {time.monotonic() - t:.1f}s after the fault: "
+              f"{probed['message']}")
         wait_until(lambda: not running(tb, "head", "intruder"), 60, "the head still reconciled")
         status = d.status()
         assert status["phase"] != "Converged" and d.metric("reconciler_converged") == 0
@@ -142,16 +152,18 @@ def test_sigterm_during_a_cold_start_wait_then_restart(seed_testbed, tmp_path):
     tb = seed_testbed.reset("converged")
 
     def slow_load(data):
-        # a 40 s load on each rank; no heartbeat timeout meanwhile (real ranks have none: they meet in the first
+        # a 20 s load on each rank; no heartbeat timeout meanwhile (real ranks have none: they meet in the first
         # collective, under torch.distributed's 10 min timeout)
-        data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_LOAD_DELAY_S": "40",
+        data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_LOAD_DELAY_S": "20",
                                   "STANDIN_PEER_TIMEOUT_S": "600"}
 
     desired = write_desired(tmp_path / "cluster.yaml", slow_load)
     first = daemon(desired, tmp_path / "state")
     try:
         wait_until(lambda: operation(first, "await-health/head"), 120, "the wait for health in flight")
+        t = time.monotonic()
         assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
+        print(f"FIGURE sigterm: exit 0 {time.monotonic() - t:.2f}s after SIGTERM")
     finally:
         first.close()
     assert serving_ok(tb) == []
@@ -169,7 +181,9 @@ def test_sigterm_during_an_image_copy_then_restart(seed_testbed, tmp_path):
     first = daemon(desired, tmp_path / "state")
     try:
         wait_until(lambda: step_starts(first, "image"), 120, "an image copy", interval=0.02)
+        t = time.monotonic()
         assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
+        print(f"FIGURE sigterm: exit 0 {time.monotonic() - t:.2f}s after SIGTERM")
     finally:
         first.close()
     assert serving_ok(tb) == []

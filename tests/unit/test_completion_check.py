@@ -71,3 +71,51 @@ def test_health_200_without_a_completion_is_drift(cluster_yaml, seed_snapshot):
     answering = hung.model_copy(update={"completion_error": None})
     assert not [d for d in diff(desired, _with_head_serving(desired, answering, seed_snapshot))
                 if d.kind == "health"]
+
+
+def _serving_part_of_the_probe(desired: Desired) -> str:
+    from reconciler.observe import probe_script
+
+    script = probe_script(desired, desired.head)
+    return "sec() { printf '\\n@@%s\\n' \"$1\"; }\n" + script[script.index("sec health"):]
+
+
+STUB_CURL = """#!/bin/sh
+echo "$@" >> "$CALLS"
+case "$*" in
+  */health*) [ "$HEALTH" = 200 ] && printf 200 || { printf 000; exit 28; } ;;
+  */v1/models*) printf '{"data": [{"id": "%s"}]}' "$SERVED" ;;
+  */v1/completions*) printf '\\n000'; exit 28 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("health", ["200", "000"])
+def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cluster_yaml, tmp_path, health):
+    """The shell the probe really runs, with a stand-in curl: a hung completion reports curl's own exit code (the
+    probe once reported `echo`'s 0, so "no answer" read as an HTTP error); an API whose /health does not answer is
+    not also asked for models and a completion (2 s + 5 s more per probe of a frozen API)."""
+    import os
+    import subprocess
+
+    from reconciler.observe import parse_serving, split_sections
+
+    desired = Desired.model_validate(load_file(cluster_yaml).data)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "curl").write_text(STUB_CURL)
+    (bin_dir / "curl").chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "HEALTH": health,
+           "SERVED": desired.serving.served_model_name or desired.model.id}
+    out = subprocess.run(["sh", "-s"], input=_serving_part_of_the_probe(desired), capture_output=True, text=True,
+                         env=env, timeout=30, check=True).stdout
+    sections = split_sections(out)
+    asked = [w for w in calls.read_text().split() if w.startswith("http://")]
+    serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))
+    if health == "200":
+        assert len(asked) == 3 and sections["completion"].rc == 28
+        assert serving.completion_error == f"no answer within {COMPLETION_DEADLINE}s"
+    else:
+        assert len(asked) == 1, asked
+        assert not serving.healthy and serving.completion_error is None
