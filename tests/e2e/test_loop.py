@@ -19,13 +19,13 @@ import time
 
 import pytest
 
-from reconciler.daemon import SHUTDOWN_DEADLINE
-from tests.e2e.daemon import SHUTDOWN_SLACK, holds_for, wait_until
+from tests.e2e.daemon import holds_for, wait_until
 from tests.e2e.test_reliability import (
     assert_nothing_lost,
     converged,
     daemon,
     serving_ok,
+    sigterm_during,
     slow_sync,
     step_starts,
     write_desired,
@@ -163,39 +163,13 @@ def test_sigterm_during_a_cold_start_wait_then_restart(seed_testbed, tmp_path):
         data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_LOAD_DELAY_S": "20",
                                   "STANDIN_PEER_TIMEOUT_S": "600"}
 
-    desired = write_desired(tmp_path / "cluster.yaml", slow_load)
-    first = daemon(desired, tmp_path / "state")
-    try:
-        wait_until(lambda: operation(first, "await-health/head"), 120, "the wait for health in flight")
-        t = time.monotonic()
-        assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
-        print(f"FIGURE sigterm: exit 0 {time.monotonic() - t:.2f}s after SIGTERM")
-    finally:
-        first.close()
-    assert serving_ok(tb) == []
-    second = daemon(desired, tmp_path / "state")
-    try:
-        converged(second, 180)
-        assert_nothing_lost(tb, second)
-    finally:
-        second.close()
+    stopped = sigterm_during(tb, write_desired(tmp_path / "cluster.yaml", slow_load), tmp_path / "state",
+                             lambda d: operation(d, "await-health/head"), "the wait for health in flight", 180)
+    print(f"FIGURE sigterm: exit 0 {stopped:.2f}s after SIGTERM")
 
 
 def test_sigterm_during_an_image_copy_then_restart(seed_testbed, tmp_path):
     tb = seed_testbed.reset("seed")
-    desired = write_desired(tmp_path / "cluster.yaml")
-    first = daemon(desired, tmp_path / "state")
-    try:
-        wait_until(lambda: step_starts(first, "image"), 120, "an image copy", interval=0.02)
-        t = time.monotonic()
-        assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
-        print(f"FIGURE sigterm: exit 0 {time.monotonic() - t:.2f}s after SIGTERM")
-    finally:
-        first.close()
-    assert serving_ok(tb) == []
-    second = daemon(desired, tmp_path / "state")
-    try:
-        converged(second, 180)
-        assert_nothing_lost(tb, second)
-    finally:
-        second.close()
+    stopped = sigterm_during(tb, write_desired(tmp_path / "cluster.yaml"), tmp_path / "state",
+                             lambda d: step_starts(d, "image"), "an image copy", 180)
+    print(f"FIGURE sigterm: exit 0 {stopped:.2f}s after SIGTERM")

@@ -253,22 +253,31 @@ def test_weight_sync_resumes_after_the_daemon_dies(seed_testbed, tmp_path, sig):
     assert r["sent_before"] + r["resent_after"] < r["total"] * 1.35, r
 
 
-def test_sigterm_during_serving_start_then_restart(tmp_path, seed_testbed):
-    tb = seed_testbed.reset("converged")
-    desired = write_desired(tmp_path / "cluster.yaml")
-    first = daemon(desired, tmp_path / "state")
+def sigterm_during(tb, desired: Path, state: Path, in_flight, what: str, converge_within: float = 90) -> float:
+    """Start a daemon, SIGTERM it once `in_flight(daemon)` holds, then restart it on the same state: the first
+    must exit 0 within the shutdown deadline, the second converge with nothing lost. Returns the exit time."""
+    first = daemon(desired, state)
     try:
-        wait_until(lambda: step_starts(first, "start-serving"), 60, "a serving start", interval=0.02)
+        wait_until(lambda: in_flight(first), 120, what, interval=0.02)
+        t = time.monotonic()
         assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
+        stopped = time.monotonic() - t
     finally:
         first.close()
     assert serving_ok(tb) == []
-    second = daemon(desired, tmp_path / "state")
+    second = daemon(desired, state)
     try:
-        converged(second, 90)
+        converged(second, converge_within)
         assert_nothing_lost(tb, second)
     finally:
         second.close()
+    return stopped
+
+
+def test_sigterm_during_serving_start_then_restart(tmp_path, seed_testbed):
+    tb = seed_testbed.reset("converged")
+    sigterm_during(tb, write_desired(tmp_path / "cluster.yaml"), tmp_path / "state",
+                   lambda d: step_starts(d, "start-serving"), "a serving start")
 
 
 def test_a_second_daemon_is_refused(tmp_path, seed_testbed):

@@ -1,0 +1,31 @@
+"""What one remote command may make the daemon hold: MAX_OUTPUT. A huge or hostile answer is an error for that
+command (its node's ProbeFailed, for the probe); a streamed output (rsync's progress over hours) keeps its tail."""
+
+from __future__ import annotations
+
+import pytest
+
+from reconciler import remote
+from reconciler.remote import OutputTooLarge, Session
+
+
+class _Node:
+    name = "worker"
+
+
+def test_a_buffered_output_past_the_cap_is_an_error(monkeypatch):
+    monkeypatch.setattr(remote, "MAX_OUTPUT", 1000)
+    session = Session(_Node())  # type: ignore[arg-type]
+    buffer = bytearray()
+    session._keep(buffer, b"x" * 1000, "sh -s", streaming=False)
+    with pytest.raises(OutputTooLarge, match="wrote more than 1000 bytes"):
+        session._keep(buffer, b"y", "sh -s", streaming=False)
+
+
+def test_a_streamed_output_keeps_its_last_bytes(monkeypatch):
+    monkeypatch.setattr(remote, "MAX_OUTPUT", 10)
+    session = Session(_Node())  # type: ignore[arg-type]
+    buffer = bytearray()
+    for chunk in (b"0123456789", b"abc", b"defgh"):
+        session._keep(buffer, chunk, "rsync", streaming=True)
+    assert bytes(buffer) == b"89abcdefgh"
