@@ -100,7 +100,7 @@ class Daemon:
         signal.signal(signal.SIGHUP, hup)
         # `kill -USR1 PID`: every thread's stack to stderr (the journal), written by faulthandler in C, taking no
         # Python lock: where a stuck loop waits, without py-spy on the head.
-        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
 
     def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()
