@@ -184,11 +184,10 @@ HOSTILE_MEMINFO = b"MemTotal:       8388608 kB\nMemAvailable:   lots kB\n\x1b[31
 
 
 def _sshd_pid(lay: Layout, node: str) -> int:
-    from .proc import load_pids
-    entry = load_pids().get(f"{lay.node(node).name}/sshd")
-    if not entry:
+    found = sshd.pid(lay.node(node))
+    if found is None:
         raise TestbedError(f"{node}: sshd is not running")
-    return int(entry["pid"])
+    return found
 
 
 def hostile_probe(lay: Layout, node: str) -> str:

@@ -158,6 +158,12 @@ def _pid_name(node: Node) -> str:
     return f"{node.name}/sshd"
 
 
+def pid(node: Node) -> int | None:
+    """The node's sshd pid, while it runs (its mount namespace is the one every SSH session on the node sees)."""
+    e = load_pids().get(_pid_name(node))
+    return int(e["pid"]) if e and alive(e["pid"], e.get("starttime")) else None
+
+
 def running(node: Node) -> bool:
     e = load_pids().get(_pid_name(node))
     return bool(e and alive(e["pid"], e.get("starttime")))
