@@ -80,10 +80,11 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     storage.setup_shared_root()
     for n in lay.nodes:
         storage.setup_node(n, head_disk if n.index == 0 else wdisk)
-    memory.setup(lay, storage.parse_size(node_memory))
+    new_view = memory.setup(lay, storage.parse_size(node_memory))
     for n in lay.nodes:              # after the mounts: each sshd gets its own mount namespace
+        if new_view:
+            sshd.stop(n)             # its namespace holds the old view's mount (dead, when lxcfs was killed)
         sshd.start(n)
-        memory.attach_sshd(n, load_pids()[f"{n.name}/sshd"]["pid"])
     sshd.write_known_hosts(lay)
     for n in lay.nodes:
         dockerd.start(n)

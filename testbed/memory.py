@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .layout import Layout, Node, state_dir
 from .proc import TestbedError, alive, load_pids, spawn, stop_recorded, wait_for
+from .storage import is_mount
 
 DEFAULT_NODE_MEMORY = 8 << 30
 V1_MEMORY = Path("/sys/fs/cgroup/memory")
@@ -64,8 +65,9 @@ def budget(node: Node) -> int | None:
     return int((d / "memory.limit_in_bytes").read_text()) if d else None
 
 
-def setup(lay: Layout, node_memory: int) -> None:
-    """Create each node's cgroup with its budget, start the meminfo view, record the paths."""
+def setup(lay: Layout, node_memory: int) -> bool:
+    """Create each node's cgroup with its budget, start the meminfo view, record the paths. True when the view
+    is new: a running sshd's mount namespace still holds the old one, so it must be restarted to see it."""
     if not V1_MEMORY.is_dir():
         raise TestbedError(f"per-node memory needs cgroup v1's memory controller at {V1_MEMORY}")
     base = V1_MEMORY / _own_memory_cgroup().lstrip("/")
@@ -76,7 +78,7 @@ def setup(lay: Layout, node_memory: int) -> None:
         set_budget(d, node_memory)
         paths[n.name] = str(d)
     _record().write_text(json.dumps(paths, indent=1))
-    _start_view()
+    return _start_view()
 
 
 def set_budget(d: Path, nbytes: int) -> None:
@@ -87,14 +89,16 @@ def set_budget(d: Path, nbytes: int) -> None:
                            f"(it holds {(d / 'memory.usage_in_bytes').read_text().strip()} bytes)") from None
 
 
-def _start_view() -> None:
+def _start_view() -> bool:
     e = load_pids().get(LXCFS_PID)
     view = _view_dir()
     if e and alive(e["pid"], e.get("starttime")) and (view / "proc" / "meminfo").exists():
-        return
+        return False
+    _unmount(view)  # a killed lxcfs leaves its mount behind, and every stat of it fails (ENOTCONN)
     view.mkdir(parents=True, exist_ok=True)
     spawn(LXCFS_PID, ["lxcfs", "--foreground", str(view)], log=state_dir() / "lxcfs.log")
     wait_for(lambda: (view / "proc" / "meminfo").exists(), timeout=20, what="lxcfs's proc/meminfo")
+    return True
 
 
 def join(node: Node, pid: int) -> None:
@@ -109,8 +113,6 @@ def attach_sshd(node: Node, pid: int) -> None:
     if cgroup_dir(node) is None:
         return
     join(node, pid)
-    if " /proc/meminfo " in Path(f"/proc/{pid}/mountinfo").read_text():
-        return  # already bound (`up` again on a running testbed)
     meminfo = _view_dir() / "proc" / "meminfo"
     res = subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "mount", "--bind", str(meminfo),
                           "/proc/meminfo"], capture_output=True, text=True, timeout=20, check=False)
@@ -121,9 +123,7 @@ def attach_sshd(node: Node, pid: int) -> None:
 def teardown(lay: Layout) -> None:
     """Stop lxcfs, unmount its view, remove the node cgroups (their processes are gone by now)."""
     stop_recorded(LXCFS_PID, timeout=10)
-    view = _view_dir()
-    if view.is_dir():
-        subprocess.run(["umount", "-l", str(view)], capture_output=True, check=False)
+    _unmount(_view_dir())
     for n in lay.nodes:
         d = cgroup_dir(n)
         if d is None:
@@ -134,6 +134,12 @@ def teardown(lay: Layout) -> None:
             except TestbedError:
                 pass  # left for the next `up` to reuse; `leftovers` does not count cgroups
     _record().unlink(missing_ok=True)
+
+
+def _unmount(view: Path) -> None:
+    """Detach the view by the mount table, never by stat: the mount of a dead lxcfs answers ENOTCONN to that."""
+    if is_mount(view):
+        subprocess.run(["umount", "-l", str(view)], capture_output=True, timeout=20, check=False)
 
 
 def _rmdir(path: Path) -> bool:

@@ -42,13 +42,13 @@ def mounts() -> list[str]:
     return sorted(set(out), key=len, reverse=True)
 
 
-def _is_mount(p: Path) -> bool:
+def is_mount(p: Path) -> bool:
     return str(p) in mounts()
 
 
 def setup_shared_root() -> None:
     SRV_ROOT.mkdir(parents=True, exist_ok=True)
-    if not _is_mount(SRV_ROOT):
+    if not is_mount(SRV_ROOT):
         run(["mount", "--bind", str(SRV_ROOT), str(SRV_ROOT)])
     run(["mount", "--make-shared", str(SRV_ROOT)])
 
@@ -57,7 +57,7 @@ def setup_node(node: Node, size: int) -> None:
     """Create and mount the node's model filesystem (idempotent: an existing mount is kept)."""
     mp = node.model_root
     mp.mkdir(parents=True, exist_ok=True)
-    if _is_mount(mp):
+    if is_mount(mp):
         return
     node.data.mkdir(parents=True, exist_ok=True)
     img = node.data / "models.img"

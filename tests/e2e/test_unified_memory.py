@@ -80,3 +80,23 @@ def test_serving_change_on_unified_memory_restarts_in_order(seed_testbed, tmp_pa
         args = containers(tb, node)["vllm_serving"]["Args"]
         assert args[args.index("--max-model-len") + 1] == "2048"
     assert completion(tb, "tiny-moe")["choices"]
+
+
+def test_up_heals_a_killed_meminfo_view(seed_testbed):
+    """A run killed mid-suite (SIGKILL reaches lxcfs too) leaves a dead FUSE mount: every stat of it fails with
+    ENOTCONN, and the next `up` crashed on it (CI, stop 22). `up` now unmounts it by the mount table and binds a
+    fresh view into each sshd."""
+    import os
+    import signal
+
+    from testbed import api
+    from testbed.memory import LXCFS_PID
+    from testbed.proc import wait_for
+
+    tb = seed_testbed
+    os.kill(api.load_pids()[LXCFS_PID]["pid"], signal.SIGKILL)
+    wait_for(lambda: not api.alive(api.load_pids()[LXCFS_PID]["pid"]), timeout=10, what="lxcfs's exit")
+    dead = tb.exec("head", "cat /proc/meminfo")
+    assert dead.returncode != 0 and "not connected" in dead.stderr, "the fault is real: the node's view is dead"
+    api.up(nodes=2, scenario="seed")
+    assert {n: meminfo(tb, n)["MemTotal"] for n in ("head", "worker")} == {"head": 8 * GIB, "worker": 8 * GIB}
