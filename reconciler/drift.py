@@ -120,8 +120,9 @@ def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Dri
                   actionable=False, blocking=True)]
 
 
-def serving_drift(desired: Desired, observed: Observed, image_id: str | None) -> list[Drift]:
-    """`image_id`: the cluster's reference id for the serving image (a container on an older id must restart)."""
+def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
+    """Serving containers as the launch specs say. A container on another image than its node now holds under
+    the reference must restart (compared by the node's own id: ids are per engine)."""
     out = []
     specs = {s.node: s for s in launch_specs(desired)}
     name = desired.serving.container_name
@@ -149,8 +150,8 @@ def serving_drift(desired: Desired, observed: Observed, image_id: str | None) ->
         elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:
             out.append(Drift(node.name, "serving", res, f"spec {spec.spec_hash}",
                              f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
-        elif image_id and c.image_id and c.image_id != image_id:
-            out.append(Drift(node.name, "serving", res, f"image {image_id[:19]}", f"image {c.image_id[:19]}"))
+        elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
+            out.append(Drift(node.name, "serving", res, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
     return out
 
 
@@ -181,17 +182,26 @@ def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict
     return out, reachable
 
 
-def _image_drift(desired: Desired, observed: Observed, ready: list[str], reference: str | None) -> list[Drift]:
-    """Every usable serving node holds the reference image id (the head's, or the first holder's)."""
-    out = []
+def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder: str | None) -> list[Drift]:
+    """Every usable serving node holds the reference image's content (the head's copy, or the first holder's),
+    and the reference is the pinned one when `serving.image_id` pins it. Content, not id: a copy's id differs
+    on Docker's containerd image store (moby#44833); its layers and config do not."""
     image = desired.serving.image
+    res = f"image/{image}"
+    if holder is None:
+        return [Drift(name, "image", res, "present on some node", "on no reachable node", actionable=False,
+                      blocking=True) for name in ready]
+    reference = observed.node(holder).images[image]
+    pin = desired.serving.image_id
+    if pin and not reference.matches_pin(pin):
+        return [Drift(holder, "image", res, f"pinned {pin[:19]}", f"{reference.id[:19]} (pull the pinned image "
+                      f"on {holder}; nothing is copied or started on another)", actionable=False, blocking=True)]
+    out = []
     for name in ready:
         got = observed.node(name).images.get(image)
-        if reference is None:
-            out.append(Drift(name, "image", f"image/{image}", "present on some node", "on no reachable node",
-                             actionable=False, blocking=True))
-        elif got != reference:
-            out.append(Drift(name, "image", f"image/{image}", reference[:19], got[:19] if got else "missing"))
+        if got is None or got.content != reference.content:
+            out.append(Drift(name, "image", res, f"content {reference.content[:19]}",
+                             f"content {got.content[:19]}" if got else "missing"))
     return out
 
 
@@ -268,11 +278,9 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     out, reachable = _node_drift(desired, observed)
     serving = {n.name for n in desired.serving_nodes}
     ready = [n.name for n in desired.nodes if n.name in serving and reachable[n.name]]  # in file order
-    holder = image_holder(desired, observed)
-    reference = observed.node(holder).images[desired.serving.image] if holder else None
-    out += _image_drift(desired, observed, ready, reference)
+    out += _image_drift(desired, observed, ready, image_holder(desired, observed))
     out += _weights_drift(desired, observed, ready)
-    served = serving_drift(desired, observed, reference)
+    served = serving_drift(desired, observed)
     out += served
     out += _memory_drift_where_serving_starts(desired, observed, ready, served,
                                               _freeing_memory(desired, observed, out))

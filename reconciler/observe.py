@@ -9,6 +9,7 @@ a no-op cycle costs the same for a 1 GB and a 119 GB model.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import posixpath
 import threading
@@ -21,6 +22,7 @@ from typing import ParamSpec, TypeVar
 from reconciler.drift import image_holder
 from reconciler.observed import (
     Container,
+    Image,
     Link,
     Memory,
     NodeObservation,
@@ -138,7 +140,7 @@ def probe_script(desired: Desired, node: Node) -> str:
         "sec image",
         f"if img=$(curl -sf --unix-socket \"$sock\" {q('http://docker/images/' + desired.serving.image + '/json')}"
         " 2>/dev/null); then printf 'API %s\\n' \"$img\"; else "
-        f"docker image inspect --format '{{{{.Id}}}}' {q(desired.serving.image)} 2>/dev/null; fi; echo \"@@rc $?\"",
+        f"docker image inspect {q(desired.serving.image)} 2>/dev/null; fi; echo \"@@rc $?\"",
         "sec link",
         f"ip -j addr show dev {q(iface)} 2>&1; echo \"@@rc $?\"",
         "sec rdma",
@@ -289,22 +291,48 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
                    completion_error=parse_completion(completion) if healthy and served else None)
 
 
+# What `docker load` keeps of an image on either store: the layers' diff ids and the runtime config (the config
+# blob travels byte for byte in the archive). Not the id, not the history, not the size (docs/troubleshooting.md).
+_CONTENT_CONFIG = ("Env", "Entrypoint", "Cmd", "WorkingDir", "User", "Labels")
+# The graph driver names a containerd image store reports: its snapshotter (moby daemon/containerd/image.go).
+_SNAPSHOTTERS = {"overlayfs", "native", "btrfs", "zfs", "stargz", "fuse-overlayfs"}
+
+
+def image_from_inspect(raw: object) -> Image:
+    """One image from the engine's inspect object (`/images/REF/json`, or one element of `docker image
+    inspect`). KeyError/TypeError on anything else; callers on node bytes go through `node_output`."""
+    if not isinstance(raw, dict) or not isinstance(raw["Id"], str):
+        raise TypeError(f"not an image inspect object: {str(raw)[:80]!r}")
+    config = raw.get("Config") or {}
+    content = {"layers": list(raw["RootFS"]["Layers"]), "os": raw.get("Os", ""), "arch": raw.get("Architecture", ""),
+               "variant": raw.get("Variant", ""), "config": {k: config.get(k) or None for k in _CONTENT_CONFIG}}
+    body = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    driver = str((raw.get("GraphDriver") or {}).get("Name", ""))
+    store = "containerd" if "Descriptor" in raw or driver in _SNAPSHOTTERS else driver
+    digests = [d for d in raw.get("RepoDigests") or [] if isinstance(d, str)]
+    return Image(id=raw["Id"], content="sha256:" + hashlib.sha256(body.encode()).hexdigest(), digests=digests,
+                 store=store)
+
+
 @node_output("image")
-def parse_image_id(sec: Section | None) -> str:
-    image_id = sec.body.strip() if sec and sec.rc == 0 else ""
-    if image_id.startswith("API "):
-        image_id = json.loads(image_id[4:]).get("Id", "")
-    if not isinstance(image_id, str):
-        raise ProbeError(f"image: an id that is not a string: {image_id!r:.80}")
-    return image_id
+def parse_image(sec: Section | None) -> Image | None:
+    """The serving image on a node (None: absent). `API {...}`: the engine's API answered; else the CLI's
+    `docker image inspect` array."""
+    body = sec.body.strip() if sec and sec.rc == 0 else ""
+    if not body:
+        return None
+    if body.startswith("API "):
+        return image_from_inspect(json.loads(body[4:]))
+    found = json.loads(body)
+    return image_from_inspect(found[0]) if found else None
 
 
 def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     """One node's probe output as its observation; ProbeError (naming the section) when it does not parse."""
     sections = split_sections(output)
     docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
-    image_id = parse_image_id(sections.get("image"))
-    images = {desired.serving.image: image_id} if image_id else {}
+    image = parse_image(sections.get("image"))
+    images = {desired.serving.image: image} if image else {}
     serving = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
@@ -364,23 +392,31 @@ FLAGS_DEADLINE = 180.0  # `vllm serve --help=all` imports torch: ~12 s on 2 CPU 
 
 
 def flags_wanted(desired: Desired, observed: Observed) -> tuple[str, str] | None:
-    """(node, image id) to ask for the flags `vllm serve` knows: the node holding the reference image; None when
-    serving.extra_args has no flags to judge (ours are tested) or no node has the image."""
+    """(node, image id) to ask what the serving image can do: the node holding the reference image; None when
+    there is nothing to judge (serving.extra_args has no flags and the launcher is native) or no node has it."""
     holder = image_holder(desired, observed)
-    if not extra_flags(desired.serving.extra_args) or holder is None:
+    if not (extra_flags(desired.serving.extra_args) or desired.serving.launcher == "ray") or holder is None:
         return None
-    return holder, observed.node(holder).images[desired.serving.image]
+    return holder, observed.node(holder).images[desired.serving.image].id
+
+
+# One throw-away container answers both questions: `sh` is in every vLLM image (NGC's and vLLM's own are Ubuntu).
+_ASK_IMAGE = ('if command -v ray >/dev/null 2>&1; then echo "@@ray yes"; else echo "@@ray no"; fi; '
+              'exec vllm serve --help=all')
 
 
 def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
-    """What the serving image's own `vllm serve` accepts, from its `--help=all` in a throw-away container (no
-    network) on `holder`. Image ids are content hashes: callers ask once per id."""
-    argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "vllm", desired.serving.image, "serve",
-            "--help=all"]
+    """What the serving image's own `vllm serve` accepts (its `--help=all`) and whether it has Ray, from a
+    throw-away container (no network) on `holder`. Image ids name one content: callers ask once per id."""
+    argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", desired.serving.image, "-c",
+            _ASK_IMAGE]
+    has_ray = None
     try:
         res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE, check=False)
         flags = parse_serve_help(res.stdout)
+        ray_line = next((line for line in res.stdout.splitlines() if line.startswith("@@ray ")), "")
+        has_ray = {"@@ray yes": True, "@@ray no": False}.get(ray_line.strip())
         error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
     except RemoteError as exc:
         flags, error = [], exc.message
-    return ServeFlags(image_id=image_id, flags=flags, error=error)
+    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, error=error)

@@ -7,9 +7,9 @@ and plans exactly like the live state, which is what makes offline `plan --obser
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SNAPSHOT_VERSION: Final = "spark-reconciler/observed/v1"
 
@@ -112,6 +112,28 @@ class Serving(_Model):
         return self.healthy and name in self.models and self.completion_error is None
 
 
+class Image(_Model):
+    """One node's copy of the serving image. `id` is the engine's own and only good on that node: with Docker's
+    containerd image store it is the digest of the manifest (list) the image came with, which `docker save |
+    docker load` does not keep (moby#44833, docs/troubleshooting.md "Image ids"). `content` is what a copy
+    keeps on either store: a hash of the layers' diff ids and the runtime config."""
+
+    id: str
+    content: str
+    digests: list[str] = Field(default_factory=list, description="repository digests (`repo@sha256:...`)")
+    store: str = Field("", description="the engine's image store: `containerd` or the graph driver's name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_id(cls, value: Any) -> Any:
+        """Snapshots written before `content` existed hold only the id: the id stands for the content."""
+        return {"id": value, "content": value} if isinstance(value, str) else value
+
+    def matches_pin(self, pin: str) -> bool:
+        """A pin (`serving.image_id`) is the image's id or one of its repository digests."""
+        return pin == self.id or any(d.rpartition("@")[2] == pin for d in self.digests)
+
+
 class NodeObservation(_Model):
     name: str
     reachable: bool
@@ -121,7 +143,7 @@ class NodeObservation(_Model):
     docker_reachable: bool = False
     docker_error: str | None = None
     containers: list[Container] = Field(default_factory=list)
-    images: dict[str, str] = Field(default_factory=dict, description="image reference -> image id")
+    images: dict[str, Image] = Field(default_factory=dict, description="image reference -> that image here")
     fabric: Link | None = None
     memory: Memory | None = None
     weights: Weights | None = None
@@ -136,6 +158,8 @@ class ServeFlags(_Model):
 
     image_id: str
     flags: list[str] = Field(default_factory=list)
+    has_ray: bool | None = Field(None, description="`ray` is on the image's PATH (`launcher: ray` runs `ray "
+                                 "start` in it); None: not known")
     error: str | None = Field(None, description="why the image could not be asked (then nothing is judged)")
     pending: bool = Field(False, description="asked, no answer yet: a serving (re)start waits for it")
 

@@ -142,7 +142,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     why = _why_restart(desired, observed, drift, restart, down, steps, blocked)
     if why is None:
         return steps
-    if alien := _unknown_extra_flags(desired, observed):
+    if alien := _image_refuses(desired, observed):
         blocked.append(Blocker(head, alien))
         return steps
     hurdles = _restart_hurdles(drift, serving, before)
@@ -208,23 +208,31 @@ def _grace_note(desired: Desired, observed: Observed) -> str:
             f"{unhealthy_grace(desired, observed):.0f}s")
 
 
-def _unknown_extra_flags(desired: Desired, observed: Observed) -> str | None:
-    """Why serving must not (re)start: an extra_args flag the image's own `vllm serve` does not know. vLLM would
-    exit at once on every node; saying so before anything is stopped keeps the running generation serving."""
+def _image_refuses(desired: Desired, observed: Observed) -> str | None:
+    """Why serving must not (re)start on this image, as the image itself says (asked once per image id): an
+    extra_args flag its `vllm serve` does not know, or `launcher: ray` on an image without Ray (NVIDIA's
+    26.05-py3 ships without it, and the offline worker cannot pip-install it). vLLM or `ray start` would exit at
+    once on every node; saying so before anything is stopped keeps the running generation serving."""
     flags = observed.serve_flags
     holder = image_holder(desired, observed)
-    if flags is None or flags.error or holder is None:
+    if flags is None or holder is None:
         return None
-    if observed.node(holder).images.get(desired.serving.image) != flags.image_id:
+    image = observed.node(holder).images.get(desired.serving.image)
+    if image is None or image.id != flags.image_id:
         return None  # asked about another image id: nothing to judge this one by
+    named = f"{desired.serving.image} ({flags.image_id[:19]})"
     if flags.pending:
-        return (f"serving waits for {desired.serving.image} ({flags.image_id[:19]}) to list the flags its "
-                "`vllm serve` knows (asked once per image id), to judge serving.extra_args before anything stops")
-    unknown = unknown_flags(desired.serving.extra_args, flags.flags)
+        return (f"serving waits for {named} to say which flags its `vllm serve` knows and whether it has Ray "
+                "(asked once per image id), to judge it before anything stops")
+    if desired.serving.launcher == "ray" and flags.has_ray is False:
+        return (f"serving.launcher is ray, but {named} has no `ray` command (NVIDIA's vLLM 26.05-py3 ships "
+                "without Ray, and the offline worker cannot install it): use launcher: native, or an image "
+                "with Ray; nothing is stopped or started")
+    unknown = [] if flags.error else unknown_flags(desired.serving.extra_args, flags.flags)
     if not unknown:
         return None
     return (f"serving.extra_args: {', '.join(unknown)} {'is not a flag' if len(unknown) == 1 else 'are not flags'} "
-            f"of `vllm serve` in {desired.serving.image} ({flags.image_id[:19]}); nothing is stopped or started")
+            f"of `vllm serve` in {named}; nothing is stopped or started")
 
 
 def _restart_hurdles(drift: list[Drift], serving: list[str], before: list[Step]) -> list[Drift]:

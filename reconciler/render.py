@@ -64,8 +64,9 @@ def observed_text(observed: Observed) -> str:
         if n.weights:
             lines.append(f"  weights {n.weights.root}: " + (f"{len(n.weights.files)} files, "
                          f"{n.weights.total_bytes} bytes" if n.weights.present else "absent"))
-        for ref, image_id in n.images.items():
-            lines.append(f"  image {ref}: {image_id[:19]}")
+        for ref, image in n.images.items():
+            lines.append(f"  image {ref}: {image.id[:19]} (content {image.content[:19]}"
+                         f"{', ' + image.store + ' store' if image.store else ''})")
         if n.serving:
             s = n.serving
             lines.append(f"  serving: {'healthy' if s.healthy else 'not healthy'}"

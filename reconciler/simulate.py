@@ -48,7 +48,8 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         argv = spec.run_argv(generation=0)
         labels = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--label")
         started = Container(name=spec.container_name, id=f"sim-{step.node}", image=spec.image,
-                            image_id=node.images.get(spec.image, ""), state="running", labels=labels)
+                            image_id=image.id if (image := node.images.get(spec.image)) else "", state="running",
+                            labels=labels)
         containers = [c for c in node.containers if c.name != spec.container_name] + [started]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "await-health":

@@ -73,6 +73,7 @@ Revision = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", "revisio
 ImageRef = Annotated[str, _pattern(
     r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]{1,5})?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?", "image reference", max_len=255)]
+ImageDigest = Annotated[str, _pattern(r"sha256:[0-9a-f]{64}", "image digest (sha256: and 64 hex digits)")]
 SshUser = Annotated[str, _pattern(r"[a-z_][a-z0-9_-]{0,31}", "user name")]
 HostName = Annotated[str, _pattern(r"[A-Za-z0-9]([A-Za-z0-9.:-]{0,251}[A-Za-z0-9])?", "host name or address")]
 ServedName = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}", "served model name")]
@@ -258,6 +259,11 @@ class DockerOptions(_Model):
 class Serving(_Model):
     engine: Literal["vllm"] = "vllm"
     image: ImageRef
+    image_id: ImageDigest | None = Field(
+        None, description="Pin: the image id or repository digest the source node's `image` must have (`docker "
+        "image inspect --format '{{.Id}} {{.RepoDigests}}' IMAGE`). Nothing starts on another image; copies to "
+        "the other nodes are checked by content (layers and config), which survives `docker save | load` on "
+        "either image store.")
     launcher: Literal["native", "ray"] = "native"
     container_name: ContainerName = "vllm_serving"
     nodes: list[NodeName] | None = Field(None, description="Nodes the model spans (default: head first, then "

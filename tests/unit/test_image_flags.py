@@ -66,7 +66,7 @@ def _deployed(cluster_yaml, seed_snapshot, **serving) -> tuple[Desired, Observed
 def _with_flags(desired: Desired, observed: Observed, flags: list[str], image_id: str | None = None) -> Observed:
     holder = image_holder(desired, observed)
     assert holder is not None
-    own = observed.node(holder).images[desired.serving.image]
+    own = observed.node(holder).images[desired.serving.image].id
     return observed.model_copy(update={"serve_flags": ServeFlags(image_id=image_id or own, flags=flags)})
 
 
@@ -93,7 +93,59 @@ def test_flags_of_another_image_id_or_an_unasked_image_judge_nothing(cluster_yam
     other = plan(desired, _with_flags(desired, observed, known, image_id="sha256:" + "9" * 64))
     unasked = plan(desired, observed)
     failed = plan(desired, observed.model_copy(update={"serve_flags": ServeFlags(
-        image_id=observed.node(image_holder(desired, observed) or "").images[desired.serving.image],
+        image_id=observed.node(image_holder(desired, observed) or "").images[desired.serving.image].id,
         error="timed out")}))
     for result in (other, unasked, failed):
         assert result.blocked == [] and any(s.kind == "start-serving" for s in result.steps)
+
+
+# -- launcher: ray on an image without Ray (NVIDIA's playbook: vLLM 26.05-py3 "ships without ray") ----------------
+
+
+def test_ray_on_an_image_without_ray_is_refused_before_anything_stops(cluster_yaml, seed_snapshot, known):
+    desired, observed = _deployed(cluster_yaml, seed_snapshot, launcher="ray")
+    flags = _with_flags(desired, observed, known).serve_flags
+    assert flags is not None
+    without = observed.model_copy(update={"serve_flags": flags.model_copy(update={"has_ray": False})})
+    result = plan(desired, without)
+    assert [s for s in result.steps if s.kind in ("stop-serving", "start-serving")] == []
+    assert len(result.blocked) == 1 and "has no `ray` command" in result.blocked[0].reason
+    assert "launcher: native" in result.blocked[0].reason
+    with_ray = plan(desired, observed.model_copy(update={"serve_flags": flags.model_copy(update={"has_ray": True})}))
+    assert with_ray.blocked == [] and any(s.kind == "start-serving" for s in with_ray.steps)
+
+
+def test_native_on_an_image_without_ray_is_fine(cluster_yaml, seed_snapshot, known):
+    desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=["--max-num-seqs", "4"])
+    flags = _with_flags(desired, observed, known).serve_flags
+    assert flags is not None
+    result = plan(desired, observed.model_copy(update={"serve_flags": flags.model_copy(update={"has_ray": False})}))
+    assert result.blocked == [] and any(s.kind == "start-serving" for s in result.steps)
+
+
+def test_a_ray_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed_snapshot):
+    from reconciler.observe import flags_wanted
+
+    native, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=[])
+    ray, _ = _deployed(cluster_yaml, seed_snapshot, extra_args=[], launcher="ray")
+    assert flags_wanted(native, observed) is None
+    assert flags_wanted(ray, observed) == (ray.head.name, observed.node(ray.head.name).images[ray.serving.image].id)
+
+
+@pytest.mark.parametrize(("ray_line", "has_ray"), [("@@ray yes", True), ("@@ray no", False), ("", None)])
+def test_one_throwaway_container_answers_flags_and_ray(cluster_yaml, seed_snapshot, ray_line, has_ray):
+    from types import SimpleNamespace
+
+    from reconciler.observe import ask_serve_flags
+
+    desired, _ = _deployed(cluster_yaml, seed_snapshot, launcher="ray")
+    seen = []
+
+    class Session:
+        def run(self, argv, timeout, check):
+            seen.append(argv)
+            return SimpleNamespace(stdout=f"{ray_line}\n{HELP.read_text()}", stderr="", exit_code=0)
+
+    answer = ask_serve_flags(desired, {desired.head.name: Session()}, desired.head.name, "sha256:" + "1" * 64)
+    assert answer.has_ray is has_ray and "--tensor-parallel-size" in answer.flags and answer.error is None
+    assert seen[0][:6] == ["docker", "run", "--rm", "--network", "none", "--entrypoint"]

@@ -38,7 +38,7 @@ PARSERS = {
     "weights": lambda s: observe.parse_weights("/models", s),
     "serving": lambda s: observe.parse_serving(s, s, s, s),
     "completion": lambda s: observe.parse_completion(s),
-    "image": lambda s: observe.parse_image_id(s),
+    "image": lambda s: observe.parse_image(s),
 }
 
 

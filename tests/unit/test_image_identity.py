@@ -1,0 +1,142 @@
+"""The serving image is the same on two nodes when its content is: layers' diff ids and runtime config.
+
+`tests/unit/fixtures/docker-20.10-overlay2-image-inspect.json` is recorded: `docker image inspect
+vllm-standin:latest` on the testbed's head (Debian 12's docker.io 20.10.24, overlay2, 2026-12-03). This machine
+cannot run Docker's containerd image store (it needs Engine >= 24 with the containerd-snapshotter feature; Debian
+12 ships 20.10), so the containerd-store document is derived from that recording by the differences the public
+record documents (docs/troubleshooting.md "Image ids"): `Id` is the manifest (or index) digest, not the config's
+(moby#48401, docker/cli#5526); a `Descriptor` names that manifest (Engine API ImageInspect, 1.48+);
+`GraphDriver.Name` is the snapshotter, `overlayfs`; empty fields are left out (API 1.50 omits them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from reconciler.drift import diff
+from reconciler.observe import image_from_inspect, parse_image, split_sections
+from reconciler.observed import Image, Observed
+from reconciler.plan import plan
+from reconciler.spec import Desired
+from tests.unit.test_image_flags import _deployed
+
+CLASSIC = json.loads((Path(__file__).with_name("fixtures") / "docker-20.10-overlay2-image-inspect.json").read_text())[0]
+MANIFEST = "sha256:" + "ab" * 32
+
+
+def containerd_store(doc: dict) -> dict:
+    """The same image as Docker's containerd image store shows it after `docker load` (see the module doc)."""
+    out = {k: v for k, v in copy.deepcopy(doc).items() if v not in ("", None, [], {}) and k != "ContainerConfig"}
+    out["Config"] = {k: v for k, v in out["Config"].items() if v not in ("", None, [], {}, False)}
+    out |= {"Id": MANIFEST, "GraphDriver": {"Name": "overlayfs", "Data": None},
+            "Descriptor": {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": MANIFEST,
+                           "size": 1234}}
+    return out
+
+
+def test_a_copy_on_the_other_store_has_another_id_and_the_same_content():
+    classic, loaded = image_from_inspect(CLASSIC), image_from_inspect(containerd_store(CLASSIC))
+    assert classic.id != loaded.id
+    assert classic.content == loaded.content
+    assert (classic.store, loaded.store) == ("overlay2", "containerd")
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d["RootFS"]["Layers"].append("sha256:" + "cd" * 32),
+    lambda d: d["Config"]["Env"].append("VLLM_X=1"),
+    lambda d: d["Config"].__setitem__("Entrypoint", ["/bin/other"]),
+    lambda d: d.__setitem__("Architecture", "arm64"),
+])
+def test_another_image_has_another_content(change):
+    other = copy.deepcopy(CLASSIC)
+    change(other)
+    assert image_from_inspect(other).content != image_from_inspect(CLASSIC).content
+
+
+def test_the_probe_reads_the_api_object_and_the_cli_array_alike():
+    api = parse_image(split_sections("@@image\nAPI " + json.dumps(CLASSIC) + "\n@@rc 0\n")["image"])
+    cli = parse_image(split_sections("@@image\n" + json.dumps([CLASSIC], indent=1) + "\n@@rc 0\n")["image"])
+    absent = parse_image(split_sections("@@image\n[]\n@@rc 1\n")["image"])
+    assert api == cli == image_from_inspect(CLASSIC) and absent is None
+
+
+def test_an_old_snapshot_holding_only_ids_still_loads():
+    old = Image.model_validate("sha256:" + "1" * 64)
+    assert old.id == old.content == "sha256:" + "1" * 64
+
+
+def _cluster(cluster_yaml, seed_snapshot, **serving) -> tuple[Desired, Observed]:
+    """Deployed and converged; then the head's image is the recorded classic one and the worker's a containerd-
+    store copy of it whose container runs on the worker's own id."""
+    desired, observed = _deployed(cluster_yaml, seed_snapshot, **serving)
+    ref = desired.serving.image
+    head, worker = desired.head.name, next(n.name for n in desired.nodes if n.role == "worker")
+    copies = {head: image_from_inspect(CLASSIC), worker: image_from_inspect(containerd_store(CLASSIC))}
+    nodes = {}
+    for name, node in observed.nodes.items():
+        image = copies.get(name)
+        if image is None:
+            nodes[name] = node
+            continue
+        containers = [c.model_copy(update={"image_id": image.id}) if c.image == ref else c for c in node.containers]
+        nodes[name] = node.model_copy(update={"images": {**node.images, ref: image}, "containers": containers})
+    return desired, observed.model_copy(update={"nodes": nodes})
+
+
+def test_a_copy_on_a_containerd_store_is_converged_not_copied_forever(cluster_yaml, seed_snapshot):
+    desired, observed = _cluster(cluster_yaml, seed_snapshot)
+    assert [d for d in diff(desired, observed) if d.kind in ("image", "serving")] == []
+    assert plan(desired, observed).steps == []
+
+
+def test_a_worker_copy_with_other_content_is_copied_and_serving_restarts(cluster_yaml, seed_snapshot):
+    desired, observed = _cluster(cluster_yaml, seed_snapshot)
+    worker = next(n.name for n in desired.nodes if n.role == "worker")
+    stale = copy.deepcopy(CLASSIC)
+    stale["RootFS"]["Layers"] = stale["RootFS"]["Layers"][:-1]
+    images = {desired.serving.image: image_from_inspect(containerd_store(stale))}
+    observed = observed.model_copy(update={"nodes": {**observed.nodes, worker: observed.nodes[worker].model_copy(
+        update={"images": images})}})
+    kinds = [(s.kind, s.node) for s in plan(desired, observed).steps]
+    assert ("image", worker) in kinds
+
+
+def test_a_pin_the_source_does_not_hold_blocks_copy_and_start(cluster_yaml, seed_snapshot):
+    pin = "sha256:" + "9" * 64
+    desired, observed = _cluster(cluster_yaml, seed_snapshot, image_id=pin)
+    head = desired.head.name
+    image_drift = [d for d in diff(desired, observed) if d.kind == "image"]
+    assert len(image_drift) == 1 and image_drift[0].node == head and image_drift[0].blocking
+    assert f"pinned {pin[:19]}" in image_drift[0].expected and "pull the pinned image" in image_drift[0].observed
+    worker = next(n.name for n in desired.nodes if n.role == "worker")
+    gone = observed.model_copy(update={"nodes": {**observed.nodes, worker: observed.nodes[worker].model_copy(
+        update={"images": {}, "containers": []})}})
+    result = plan(desired, gone)
+    assert not [s for s in result.steps if s.kind in ("image", "start-serving")]
+    assert result.blocked
+
+
+@pytest.mark.parametrize("pin", ["own id", "repo digest"])
+def test_a_pin_matches_the_source_by_id_or_repository_digest(cluster_yaml, seed_snapshot, pin):
+    digest = "sha256:" + "5" * 64
+    desired, observed = _cluster(cluster_yaml, seed_snapshot)
+    head = desired.head.name
+    image = observed.node(head).images[desired.serving.image].model_copy(
+        update={"digests": [f"nvcr.io/nvidia/vllm@{digest}"]})
+    observed = observed.model_copy(update={"nodes": {**observed.nodes, head: observed.nodes[head].model_copy(
+        update={"images": {desired.serving.image: image}})}})
+    value = image.id if pin == "own id" else digest
+    pinned = Desired.model_validate(desired.model_dump() | {
+        "serving": desired.serving.model_dump() | {"image_id": value}})
+    assert [d for d in diff(pinned, observed) if d.kind == "image"] == []
+
+
+@pytest.mark.parametrize("bad", ["sha256:abc", "latest", "sha256:" + "G" * 64, "md5:" + "0" * 64])
+def test_a_pin_must_be_a_sha256_digest(cluster_yaml, seed_snapshot, bad):
+    desired, _ = _deployed(cluster_yaml, seed_snapshot)
+    with pytest.raises(ValueError, match="image digest"):
+        Desired.model_validate(desired.model_dump() | {"serving": desired.serving.model_dump() | {"image_id": bad}})
