@@ -220,12 +220,29 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
         elif src_obs.weights is None or not src_obs.weights.present:
             out.append(Drift(source, "weights", res, "present on the source node", "missing",
                              actionable=False, blocking=True))
+        elif unresolved := _unresolved_revision(desired, src_obs.weights):
+            out.append(Drift(source, "weights", res, f"revision {desired.model.revision} in the cache", unresolved,
+                             actionable=False, blocking=True))
         else:
             problem = weights_difference(src_obs.weights, observed.node(name).weights)
             if problem:
                 out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
                                  f"{src_obs.weights.total_bytes} bytes", problem))
     return out
+
+
+def _unresolved_revision(desired: Desired, weights: Weights) -> str | None:
+    """Why model.revision cannot be served offline from the source's HF cache, or None. Every serving node runs
+    with HF_HUB_OFFLINE=1, where huggingface_hub resolves a branch or tag only by `refs/<revision>` and a commit
+    only by `snapshots/<commit>/` (file_download.py); online, the head would re-resolve `main` at every start
+    and could load a newer revision than the worker's copy (two ranks, two revisions)."""
+    rev = desired.model.revision
+    if desired.model.layout != "hf-cache":
+        return None
+    if any(f.path == f"refs/{rev}" or f.path.startswith(f"snapshots/{rev}/") for f in weights.files):
+        return None
+    return (f"neither refs/{rev} nor snapshots/{rev}/ in {weights.root}: download that revision on "
+            f"{desired.source_node} (`hf download {desired.model.id} --revision {rev}`), better pinned to a commit")
 
 
 def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) -> set[str]:

@@ -89,6 +89,18 @@ def manifest_script(root: str) -> str:
 COMPLETION_DEADLINE = 5  # seconds: one token of a loaded model answers in milliseconds; a wedged rank never does
 
 
+def auth_header(desired: Desired) -> bytes | None:
+    """The header the OpenAI API wants when serving.env sets VLLM_API_KEY (vLLM then guards every /v1 path;
+    /health stays open). Callers hand it to `curl -H @-` on stdin: the key is never on a command line."""
+    key = desired.serving.env.get("VLLM_API_KEY")
+    return f"Authorization: Bearer {key}\n".encode() if key else None
+
+
+def api_argv(desired: Desired, *argv: str) -> list[str]:
+    """`curl ARGV`, reading the API key's header from stdin when there is one."""
+    return ["curl", *(["-H", "@-"] if auth_header(desired) else []), *argv]
+
+
 def completion_argv(desired: Desired) -> list[str]:
     """One short completion through the head's OpenAI API (`curl`, body then the HTTP code on its own line).
 
@@ -98,8 +110,8 @@ def completion_argv(desired: Desired) -> list[str]:
     name = desired.serving.served_model_name or desired.model.id
     body = json.dumps({"model": name, "prompt": "ping", "max_tokens": 1, "temperature": 0})
     url = f"http://127.0.0.1:{desired.serving.port}/v1/completions"
-    return ["curl", "-s", "-m", str(COMPLETION_DEADLINE), "-H", "Content-Type: application/json",
-            "-w", "\\n%{http_code}", "-d", body, url]
+    return api_argv(desired, "-s", "-m", str(COMPLETION_DEADLINE), "-H", "Content-Type: application/json",
+                    "-w", "\\n%{http_code}", "-d", body, url)
 
 
 @node_output("completion")
@@ -160,15 +172,19 @@ def probe_script(desired: Desired, node: Node) -> str:
         api_port = desired.serving.port
         # /v1/models and the completion only when /health answered 200: a frozen API would cost their whole
         # deadlines (2 s + 5 s) on every probe, and what they say of an unhealthy API is never used.
+        header = auth_header(desired)
+        # the key travels in this script (stdin of `sh -s`), and into curl by a builtin's pipe: never in an argv
+        auth = f"printf %s {q(header.decode())} | " if header else ""
         lines += [
             "sec health",
             f"code=$(curl -s -o /dev/null -m 2 -w '%{{http_code}}' {q(f'http://127.0.0.1:{api_port}/health')}); "
             "rc=$?; printf '%s\\n' \"$code\"; echo \"@@rc $rc\"",
             "sec models",
-            f"rc=0; if [ \"$code\" = 200 ]; then curl -s -m 2 {q(f'http://127.0.0.1:{api_port}/v1/models')}; rc=$?; "
+            f"rc=0; if [ \"$code\" = 200 ]; then {auth}"
+            f"{quote(api_argv(desired, '-s', '-m', '2', f'http://127.0.0.1:{api_port}/v1/models'))}; rc=$?; "
             "fi; echo; echo \"@@rc $rc\"",
             "sec completion",
-            f"rc=0; if [ \"$code\" = 200 ]; then {quote(completion_argv(desired))}; rc=$?; fi; echo; "
+            f"rc=0; if [ \"$code\" = 200 ]; then {auth}{quote(completion_argv(desired))}; rc=$?; fi; echo; "
             "echo \"@@rc $rc\"",
         ]
         if desired.serving.launcher == "ray":

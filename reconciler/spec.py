@@ -140,6 +140,7 @@ _RESERVED_SERVE_FLAGS = {
     "--host": "the launcher", "--served-model-name": "serving.served_model_name",
     "--gpu-memory-utilization": "serving.gpu_memory_utilization", "--max-model-len": "serving.max_model_len",
     "--distributed-executor-backend": "serving.launcher", "--revision": "model.revision",
+    "--api-key": "serving.env VLLM_API_KEY (a flag would put the key on every command line and in `ps`)",
 }
 
 
@@ -245,10 +246,13 @@ class DockerOptions(_Model):
     gpus: Annotated[str, _pattern(r"all|[0-9]{1,2}|device=[0-9,]{1,32}", "--gpus value")] | None = "all"
     privileged: bool = True
     ipc: Literal["host", "private", "shareable"] | None = "host"
-    shm_size: Annotated[str, _pattern(r"[0-9]{1,6}[bkmgBKMG]?", "--shm-size value")] | None = "64g"
+    shm_size: Annotated[str, _pattern(r"[0-9]{1,6}[bkmgBKMG]?", "--shm-size value")] | None = Field(
+        "64g", description="Only with ipc private or shareable: with `ipc: host` the container uses the host's "
+        "/dev/shm, docker ignores --shm-size and podman refuses it, so it is not passed.")
     ulimits: dict[Annotated[str, _pattern(r"[a-z]{1,16}", "ulimit name")],
                   Annotated[str, _pattern(r"-?[0-9]{1,12}(:-?[0-9]{1,12})?", "ulimit value")]] = Field(
-        default_factory=lambda: {"nofile": "1048576:1048576", "memlock": "-1"})
+        default_factory=lambda: {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"},
+        description="Default: what NGC's containers ask for (memlock -1, stack 64 MiB) and a high nofile.")
     devices: list[AbsPath] = Field(default_factory=list, description="e.g. /dev/infiniband when not privileged.")
     cap_add: list[Annotated[str, _pattern(r"[A-Z_]{2,32}", "capability")]] = Field(default_factory=list)
     volumes: list[Annotated[str, _pattern(r"/[A-Za-z0-9._+@/-]*:/[A-Za-z0-9._+@/-]*(:(ro|rw))?",

@@ -7,6 +7,7 @@ each node's own fabric section, never copied from the head (asymmetric cabling i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -30,11 +31,13 @@ class LaunchSpec:
     env: dict[str, str]
     command: tuple[str, ...]
     serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
+    keep_local: tuple[str, ...] = ()  # Ray launcher, head: env names vLLM must not copy to the Ray workers
 
     @property
     def spec_hash(self) -> str:
         body = json.dumps([self.container_name, self.image, self.docker_flags, sorted(self.env.items()),
-                           self.command, self.serve_exec], separators=(",", ":"))
+                           self.command, self.serve_exec, *([self.keep_local] if self.keep_local else [])],
+                          separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def run_argv(self, generation: int, env_file: str | None = None) -> list[str]:
@@ -54,6 +57,10 @@ class LaunchSpec:
             for key, value in sorted(self.env.items()):
                 argv += ["-e", f"{key}={value}"]
         return argv + [self.image, *self.command]
+
+    def non_carry_over_json(self) -> str:
+        """vLLM's `$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json` for the head (a JSON list of names)."""
+        return json.dumps(list(self.keep_local))
 
     def env_file_text(self) -> str:
         """`docker run --env-file` content: one KEY=VALUE per line, taken literally (spec forbids control
@@ -77,8 +84,8 @@ def _docker_flags(desired: Desired, node: Node) -> list[str]:
         flags += ["--privileged"]
     if opts.gpus:
         flags += ["--gpus", opts.gpus]
-    if opts.shm_size:
-        flags += ["--shm-size", opts.shm_size]
+    if opts.shm_size and opts.ipc != "host":  # the host's /dev/shm has its own size; docker ignores the flag
+        flags += ["--shm-size", opts.shm_size]  # with it, and podman refuses the pair
     for name, value in sorted(opts.ulimits.items()):
         flags += ["--ulimit", f"{name}={value}"]
     for device in opts.devices:
@@ -106,11 +113,20 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
         env |= {"NCCL_IB_HCA": node.fabric.rdma_device, "NCCL_IB_DISABLE": "0"}
     # Every node, not only the internet-less one: the reconciler has put the exact revision there, and vLLM
     # 0.32 still asks the Hub at start for files a snapshot lacks (hf_quant_config.json in get_config), so a Hub
-    # or DNS outage crashed a head that had every file (docs/testbed.md, "What the real vLLM revealed").
-    env["HF_HUB_OFFLINE"] = "1"
+    # or DNS outage crashed a head that had every file (docs/testbed.md, "What the real vLLM revealed"); and an
+    # online head re-resolves `--revision main` at every start, so it could load a newer revision than the
+    # worker's copy. Not for `layout: plain`: a local path and HF_HUB_OFFLINE break each other (vllm#23684).
+    if desired.model.layout == "hf-cache":
+        env["HF_HUB_OFFLINE"] = "1"
     if desired.serving.launcher == "ray":
         env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip)}
-    return env | dict(desired.serving.env)
+    return env | GB10_ENV | dict(desired.serving.env)
+
+
+# What eugr/spark-vllm-docker sets on every Spark (launch-cluster.sh), overridable in serving.env: unified memory
+# fragments less with expandable segments (a 2x Spark report measured 6-7 GiB more free), and NCCL's own CPU
+# affinity guess is wrong on GB10's big.LITTLE cores (docs/troubleshooting.md "GB10 memory defaults").
+GB10_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_IGNORE_CPU_AFFINITY": "1"}
 
 
 def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
@@ -189,4 +205,14 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
                 command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip]
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
                                 docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec))
+    if s.launcher == "ray":
+        specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))
     return specs
+
+
+def _keep_local(specs: list[LaunchSpec]) -> tuple[str, ...]:
+    """Every name we set in a serving container. vLLM's Ray executor copies the driver's (the head's) `VLLM_*`,
+    `NCCL_*`, `UCX_*`, `HF_*`, `HUGGING_FACE_*` and `LMCACHE_*` to every Ray worker (vllm PR #34383), so with
+    asymmetric cabling a worker got the head's NCCL_IB_HCA and interface (sparkrun #135). Each container already
+    has its own node's values; none needs the head's."""
+    return tuple(sorted({name for spec in specs for name in spec.env}))

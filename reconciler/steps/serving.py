@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from reconciler.observe import Section, completion_argv, parse_completion
+from reconciler.observe import Section, api_argv, auth_header, completion_argv, parse_completion
 from reconciler.plan import Step
 from reconciler.remote import quote
 from reconciler.steps import StepBlocked, StepContext, StepFailed, wait_for
@@ -20,6 +20,10 @@ from reconciler.steps.containers import inspect, is_managed
 from reconciler.vllm import LaunchSpec, launch_specs
 
 GIB = 2**30
+# Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
+# $VLLM_CONFIG_ROOT, default $XDG_CONFIG_HOME/vllm or ~/.config/vllm (vllm/envs.py, vllm/ray/ray_env.py).
+NON_CARRY_OVER_WRITE = ('d="${VLLM_CONFIG_ROOT:-${XDG_CONFIG_HOME:-$HOME/.config}/vllm}"; mkdir -p "$d" && '
+                        'cat > "$d/ray_non_carry_over_env_vars.json"')
 
 
 def spec_for(ctx: StepContext, node: str) -> LaunchSpec:
@@ -39,6 +43,9 @@ def memory_preflight(ctx: StepContext, node: str) -> None:
     total, available = _memory(ctx, node)
     need = int(ctx.desired.serving.gpu_memory_utilization * total) + policy.memory_margin
     if available < need and policy.drop_caches:
+        # drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst): after a 100 GB
+        # rsync most of the cache is dirty until written back. sync(1) needs no root: it flushes every filesystem.
+        ctx.sessions[node].run(["sync"], timeout=ctx.remaining())
         ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True,
                                timeout=ctx.command_timeout)
         total, available = _memory(ctx, node)
@@ -104,6 +111,9 @@ def launch_model(ctx: StepContext, step: Step) -> None:
     if running not in ("", "0"):
         return
     assert spec.serve_exec is not None
+    # Before `vllm serve` imports vllm.ray.ray_env, which reads the file once (path: vllm/envs.py VLLM_CONFIG_ROOT).
+    session.run(["docker", "exec", "-i", spec.container_name, "sh", "-c", NON_CARRY_OVER_WRITE],
+                stdin=spec.non_carry_over_json().encode(), timeout=ctx.command_timeout)
     session.run(["docker", "exec", "-d", spec.container_name, "sh", "-c",
                  f"exec {quote(spec.serve_exec)} >/proc/1/fd/1 2>/proc/1/fd/2"], timeout=ctx.command_timeout)
 
@@ -127,14 +137,14 @@ def await_health(ctx: StepContext, step: Step) -> None:
                            timeout=ctx.command_timeout, check=False).stdout.strip()
         if code != "200":
             return False
-        body = session.run(["curl", "-s", "-m", "2", f"{base}/v1/models"], timeout=ctx.command_timeout,
-                           check=False).stdout
+        body = session.run(api_argv(d, "-s", "-m", "2", f"{base}/v1/models"), stdin=auth_header(d),
+                           timeout=ctx.command_timeout, check=False).stdout
         try:
             if want not in [m["id"] for m in json.loads(body).get("data", [])]:
                 return False
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
-        done = session.run(completion_argv(d), timeout=ctx.command_timeout, check=False)
+        done = session.run(completion_argv(d), stdin=auth_header(d), timeout=ctx.command_timeout, check=False)
         return parse_completion(Section(done.stdout, done.exit_code)) is None
 
     wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=1.0, cancel=ctx.cancel,

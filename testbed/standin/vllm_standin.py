@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None)
+    s.add_argument("--api-key", default=None)
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     s.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -523,28 +524,42 @@ def _complete(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
                  "model": model, "choices": [choice], "usage": usage}
 
 
+def _get(engine: Engine, path: str) -> tuple:
+    """(code, body, content type) of a GET, as vLLM's api_server answers it."""
+    up = 200 if engine.healthy else 503
+    routes = {
+        "/health": lambda: (up, b"", "application/json"),
+        "/ping": lambda: (up, b"", "application/json"),
+        "/version": lambda: (200, {"version": VERSION}, "application/json"),
+        "/v1/models": lambda: (200, _models(engine), "application/json"),
+        "/metrics": lambda: (200, metrics(engine), "text/plain; version=0.0.4; charset=utf-8"),
+    }
+    return routes[path]() if path in routes else (404, {"detail": "Not Found"}, "application/json")
+
+
 def make_handler(engine: Engine):
+    # vLLM's api_server: `--api-key` (else VLLM_API_KEY) guards every path under /v1 (and /v2, /inference,
+    # /cohere); /health, /ping, /version and /metrics stay open; a wrong or missing key answers 401.
+    key = engine.args.api_key or os.environ.get("VLLM_API_KEY")
+
     class Handler(QuietHandler):
+        def _refused(self, path: str) -> bool:
+            if key and path.startswith(("/v1", "/v2", "/inference", "/cohere")) and \
+                    self.headers.get("Authorization") != f"Bearer {key}":
+                self.reply(401, {"error": "Unauthorized"})
+                return True
+            return False
+
         def do_GET(self):
             path = self.path.split("?", 1)[0]
-            if path == "/health":
-                if engine.healthy:
-                    self.reply(200, b"", "application/json")
-                else:
-                    self.reply(503, b"", "application/json")
-            elif path == "/ping":
-                self.reply(200 if engine.healthy else 503, b"")
-            elif path == "/version":
-                self.reply(200, {"version": VERSION})
-            elif path == "/v1/models":
-                self.reply(200, _models(engine))
-            elif path == "/metrics":
-                self.reply(200, metrics(engine), "text/plain; version=0.0.4; charset=utf-8")
-            else:
-                self.reply(404, {"detail": "Not Found"})
+            if self._refused(path):
+                return
+            self.reply(*_get(engine, path))
 
         def do_POST(self):
             path = self.path.split("?", 1)[0]
+            if self._refused(path):
+                return
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 self.reply(404, {"detail": "Not Found"})
                 return

@@ -186,3 +186,7 @@ def test_ray_launcher_converges_the_seed(seed_testbed, tmp_path):
     assert api_models(tb) == ["tiny-moe"]
     head_started = containers(tb, "head")["vllm_serving"]["State"]["StartedAt"]
     assert head_started < containers(tb, "worker")["vllm_serving"]["State"]["StartedAt"], "Ray: head first"
+    # vLLM's Ray executor would copy the head's NCCL_*/UCX_*/VLLM_* to the workers but for these (vllm PR #34383)
+    kept = json.loads(tb.docker("head", "exec", "vllm_serving", "cat",
+                                "/root/.config/vllm/ray_non_carry_over_env_vars.json").stdout)
+    assert {"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "GLOO_SOCKET_IFNAME"} <= set(kept)

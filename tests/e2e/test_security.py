@@ -233,8 +233,8 @@ SECRET = "hf_" + "S3cr3tT0ken" * 3
 def test_secret_env_never_in_logs_metrics_status_argv_or_ps(seed_testbed, tmp_path):
     tb = seed_testbed.reset("converged")
 
-    def token(data):
-        data["serving"]["env"] = {"HF_TOKEN": SECRET}
+    def token(data):  # an API key too: the health checks must send it, and it must not leak either
+        data["serving"]["env"] = {"HF_TOKEN": SECRET, "VLLM_API_KEY": f"{SECRET}-api"}
 
     desired = write_desired(tmp_path / "cluster.yaml", token)
     seen: list[str] = []
@@ -258,6 +258,9 @@ def test_secret_env_never_in_logs_metrics_status_argv_or_ps(seed_testbed, tmp_pa
         with urllib_open(f"{d.url}/metrics") as m, urllib_open(f"{d.url}/status") as s:
             assert SECRET not in m and SECRET not in s
         assert SECRET not in d.log_path.read_text(errors="replace")
+        port = 8000
+        refused = tb.exec("head", f"curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/v1/models").stdout
+        assert refused == "401", "the API does want the key the reconciler's health checks sent"
         for node in ("head", "worker"):
             info = managed(tb, node)[0]
             assert f"HF_TOKEN={SECRET}" in info["Config"]["Env"], "the container does get the token"

@@ -119,3 +119,52 @@ def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cl
     else:
         assert len(asked) == 1, asked
         assert not serving.healthy and serving.completion_error is None
+
+
+STUB_AUTH_CURL = """#!/bin/sh
+echo "ARGV $*" >> "$CALLS"
+case "$*" in *"-H @-"*) echo "STDIN $(cat)" >> "$CALLS" ;; esac
+case "$*" in
+  */health*) printf 200 ;;
+  */v1/models*) printf '{"data": [{"id": "%s"}]}' "$SERVED" ;;
+  */v1/completions*) printf '{"choices": [{"text": "x"}]}\\n200' ;;
+esac
+"""
+
+
+def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_path):
+    """vLLM with VLLM_API_KEY answers 401 on every /v1 path without `Authorization: Bearer KEY` (/health stays
+    open): serving looked unhealthy forever. The key goes to curl as `-H @-` on its stdin."""
+    import os
+    import subprocess
+
+    from reconciler.observe import parse_serving, split_sections
+
+    data = load_file(cluster_yaml).data
+    key = "sk-test-0123456789"
+    data["serving"]["env"] = {**data["serving"].get("env", {}), "VLLM_API_KEY": key}
+    desired = Desired.model_validate(data)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "curl").write_text(STUB_AUTH_CURL)
+    (bin_dir / "curl").chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls),
+           "SERVED": desired.serving.served_model_name or desired.model.id}
+    out = subprocess.run(["sh", "-s"], input=_serving_part_of_the_probe(desired), capture_output=True, text=True,
+                         env=env, timeout=30, check=True).stdout
+    lines = calls.read_text().splitlines()
+    argvs = [line for line in lines if line.startswith("ARGV ")]
+    assert not [a for a in argvs if key in a], "the key is in an argv"
+    assert lines.count(f"STDIN Authorization: Bearer {key}") == 2, lines  # /v1/models and /v1/completions
+    assert "-H @-" not in next(a for a in argvs if "/health" in a)
+    sections = split_sections(out)
+    serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))
+    assert serving.serves(desired.serving.served_model_name or desired.model.id)
+
+
+def test_api_key_as_a_flag_is_refused(cluster_yaml):
+    data = load_file(cluster_yaml).data
+    data["serving"]["extra_args"] = ["--api-key", "sk-x"]
+    with pytest.raises(ValueError, match="VLLM_API_KEY"):
+        Desired.model_validate(data)

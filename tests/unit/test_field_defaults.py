@@ -1,0 +1,66 @@
+"""The launch carries what the field learned on GB10 (docs/troubleshooting.md "Field lessons"): eugr's memory
+defaults on every node, NGC's ulimits, no --shm-size beside --ipc host, sync before drop_caches."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from reconciler.loader import load_file
+from reconciler.spec import Desired
+from reconciler.steps import serving
+from reconciler.vllm import launch_specs
+
+
+def _desired(cluster_yaml, **serving_fields) -> Desired:
+    data = load_file(cluster_yaml).data
+    for key, value in serving_fields.items():
+        if isinstance(value, dict) and isinstance(data["serving"].get(key), dict):
+            data["serving"][key] = {**data["serving"][key], **value}
+        else:
+            data["serving"][key] = value
+    return Desired.model_validate(data)
+
+
+def _flag_values(flags: tuple[str, ...], name: str) -> list[str]:
+    return [flags[i + 1] for i, f in enumerate(flags) if f == name]
+
+
+def test_gb10_memory_defaults_on_every_node_and_overridable(cluster_yaml):
+    for spec in launch_specs(_desired(cluster_yaml)):
+        assert spec.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert spec.env["NCCL_IGNORE_CPU_AFFINITY"] == "1"
+    own = launch_specs(_desired(cluster_yaml, env={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}))
+    assert {s.env["PYTORCH_CUDA_ALLOC_CONF"] for s in own} == {"garbage_collection_threshold:0.6"}
+
+
+def test_ngc_ulimits_by_default(cluster_yaml):
+    for spec in launch_specs(_desired(cluster_yaml)):
+        assert {"stack=67108864", "memlock=-1"} <= set(_flag_values(spec.docker_flags, "--ulimit"))
+
+
+def test_shm_size_only_where_docker_honours_it(cluster_yaml):
+    host = launch_specs(_desired(cluster_yaml, docker={"ipc": "host", "shm_size": "64g"}))
+    private = launch_specs(_desired(cluster_yaml, docker={"ipc": "private", "shm_size": "64g"}))
+    assert all("--shm-size" not in s.docker_flags for s in host)
+    assert all(_flag_values(s.docker_flags, "--shm-size") == ["64g"] for s in private)
+
+
+def test_dirty_pages_are_written_before_the_cache_is_dropped(cluster_yaml):
+    data = load_file(cluster_yaml).data
+    data["policy"]["drop_caches"] = True
+    desired = Desired.model_validate(data)
+    calls = []
+    free = iter([10, 100])  # GiB available: short before the drop, enough after
+
+    class Session:
+        def run(self, argv, timeout, sudo=False, check=True):
+            calls.append((argv, sudo))
+            if argv[0] == "grep":
+                return SimpleNamespace(stdout=f"MemTotal: {120 << 20} kB\nMemAvailable: {next(free) << 20} kB\n")
+            return SimpleNamespace(stdout="", exit_code=0)
+
+    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60)
+    serving.memory_preflight(ctx, "n")
+    ran = [argv[0] for argv, _ in calls if argv[0] != "grep"]
+    assert ran == ["sync", "/usr/sbin/sysctl"]
+    assert [sudo for argv, sudo in calls if argv[0] == "sync"] == [False], "sync needs no root (no sudo rule)"
