@@ -283,6 +283,11 @@ class Serving(_Model):
     extra_args: list[ExtraArg] = Field(default_factory=list)
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     docker: DockerOptions = Field(default_factory=DockerOptions)
+    compile_cache: Literal["home"] | AbsPath | None = Field(
+        "home", description="Where each node keeps what vLLM compiles (torch.compile/inductor, Triton, "
+        "FlashInfer), so a restart does not compile again. `home`: the SSH user's ~/.cache/vllm, "
+        "~/.cache/flashinfer and ~/.triton (home = /home/USER, /root for root), as eugr's launcher mounts them; "
+        "an absolute path: vllm/, flashinfer/ and triton/ below it; null: nothing kept. Created as the SSH user.")
     health_timeout: Duration = Field(Duration(3600), description="Deadline for /health after a (cold) start.")
     unhealthy_grace: Duration = Field(
         Duration(300), description="How long serving that has served may fail its health check (/health, the "

@@ -75,6 +75,31 @@ def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str
     return ["-v", f"{path}:{PLAIN_MODEL_IN_CONTAINER}"], PLAIN_MODEL_IN_CONTAINER, {}
 
 
+# Inside the container (NGC's and vLLM's images run as root): vLLM's torch.compile cache lives in ~/.cache/vllm,
+# FlashInfer's JIT in ~/.cache/flashinfer, Triton's in ~/.triton; inductor's own defaults to /tmp, so it is moved
+# under the vLLM one (bench/vllm_start.py measures what keeping them saves).
+_CACHES_IN_CONTAINER = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton"}
+
+
+def cache_dirs(desired: Desired, node: Node) -> dict[str, str]:
+    """Host directory per kept compile cache on `node` (empty: none kept). The serving step creates them as the
+    SSH user before `docker run`, which would otherwise create them as root."""
+    where = desired.serving.compile_cache
+    if where is None:
+        return {}
+    if where == "home":
+        home = "/root" if node.ssh.user == "root" else f"/home/{node.ssh.user}"
+        return {"vllm": f"{home}/.cache/vllm", "flashinfer": f"{home}/.cache/flashinfer", "triton": f"{home}/.triton"}
+    return {name: f"{where.rstrip('/')}/{name}" for name in _CACHES_IN_CONTAINER}
+
+
+def _cache_mounts(desired: Desired, node: Node) -> tuple[list[str], dict[str, str]]:
+    dirs = cache_dirs(desired, node)
+    flags = [arg for name, host in dirs.items() for arg in ("-v", f"{host}:{_CACHES_IN_CONTAINER[name]}")]
+    env = {"TORCHINDUCTOR_CACHE_DIR": f"{_CACHES_IN_CONTAINER['vllm']}/inductor"} if dirs else {}
+    return flags, env
+
+
 def _docker_flags(desired: Desired, node: Node) -> list[str]:
     opts = desired.serving.docker
     flags = ["--network", "host", "--restart", "no"]
@@ -183,8 +208,9 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
     specs = []
     for rank, node in enumerate(nodes):
         mount, model_arg, mount_env = _model_mount(desired, node)
-        flags = tuple(_docker_flags(desired, node) + mount)
-        env = mount_env | _env(desired, node)
+        caches, cache_env = _cache_mounts(desired, node)
+        flags = tuple(_docker_flags(desired, node) + mount + caches)
+        env = mount_env | cache_env | _env(desired, node)
         serve_exec = None
         if s.launcher == "native":
             command = _serve_argv(desired, model_arg) + ["--host", "0.0.0.0", "--port", str(s.port)]

@@ -17,7 +17,7 @@ from reconciler.plan import Step
 from reconciler.remote import quote
 from reconciler.steps import StepBlocked, StepContext, StepFailed, wait_for
 from reconciler.steps.containers import inspect, is_managed
-from reconciler.vllm import LaunchSpec, launch_specs
+from reconciler.vllm import LaunchSpec, cache_dirs, launch_specs
 
 GIB = 2**30
 # Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
@@ -76,6 +76,8 @@ def start_serving(ctx: StepContext, step: Step) -> None:
         ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
     memory_preflight(ctx, node)
     session = ctx.sessions[node]
+    if dirs := cache_dirs(ctx.desired, ctx.desired.node(node)):
+        session.run(["mkdir", "-p", *dirs.values()], timeout=ctx.command_timeout)  # ours, not root's
     # The environment reaches the docker CLI on its stdin: `--env-file /dev/stdin` (the CLI opens the path like
     # any file, and sshd hands a command's stdin over as a pipe). So no value is on a command line (`ps`, error
     # messages) and none is ever on a node's disk, where a daemon killed between writing and removing a temp file

@@ -64,3 +64,18 @@ def test_dirty_pages_are_written_before_the_cache_is_dropped(cluster_yaml):
     ran = [argv[0] for argv, _ in calls if argv[0] != "grep"]
     assert ran == ["sync", "/usr/sbin/sysctl"]
     assert [sudo for argv, sudo in calls if argv[0] == "sync"] == [False], "sync needs no root (no sudo rule)"
+
+
+def test_compile_caches_are_kept_per_node_in_the_ssh_users_home(cluster_yaml):
+    desired = _desired(cluster_yaml)
+    for spec in launch_specs(desired):
+        user = desired.node(spec.node).ssh.user
+        volumes = set(_flag_values(spec.docker_flags, "-v"))
+        assert {f"/home/{user}/.cache/vllm:/root/.cache/vllm", f"/home/{user}/.cache/flashinfer:/root/.cache/flashinfer",
+                f"/home/{user}/.triton:/root/.triton"} <= volumes
+        assert spec.env["TORCHINDUCTOR_CACHE_DIR"] == "/root/.cache/vllm/inductor"  # else /tmp: lost with the container
+    elsewhere = launch_specs(_desired(cluster_yaml, compile_cache="/data/compile"))
+    assert "/data/compile/triton:/root/.triton" in _flag_values(elsewhere[0].docker_flags, "-v")
+    off = launch_specs(_desired(cluster_yaml, compile_cache=None))
+    assert all(not any(".cache/vllm" in v for v in _flag_values(s.docker_flags, "-v")) for s in off)
+    assert all("TORCHINDUCTOR_CACHE_DIR" not in s.env for s in off)
