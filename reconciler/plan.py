@@ -98,7 +98,8 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     for d in drift:
         if d.kind != "image" or not d.actionable or holder is None:
             continue
-        step = Step(f"image/{d.node}", "image", d.node, _explain(d), params={"source": holder, "image": image})
+        after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
+        step = Step(f"image/{d.node}", "image", d.node, _explain(d), after, params={"source": holder, "image": image})
         image_ids.append(step.id)
         steps.append(step)
 

@@ -422,42 +422,6 @@ def _close_quietly(conn: fabric.Connection) -> None:
         conn.close()
 
 
-def pipe(src: Session, src_argv: Sequence[str], dst: Session, dst_argv: Sequence[str], *, timeout: float,
-         progress=lambda done: None) -> int:
-    """Stream the stdout of `src_argv` on one node into the stdin of `dst_argv` on another (`docker save | docker
-    load` between nodes, the worker through the head). Returns the bytes moved; raises on any failure."""
-    deadline = time.monotonic() + timeout
-    moved = 0
-    with src.channel(quote(bounded(src_argv, timeout)), timeout) as reader, \
-            dst.channel(quote(bounded(dst_argv, timeout)), timeout) as writer:
-        try:
-            while True:
-                if time.monotonic() > deadline:
-                    raise CommandTimeout(dst.node.name, f"`{shlex.join(dst_argv)}` did not finish within {timeout:g}s")
-                reader.settimeout(max(0.1, deadline - time.monotonic()))
-                chunk = reader.recv(1 << 20)
-                if not chunk:
-                    break
-                writer.sendall(chunk)
-                moved += len(chunk)
-                progress(moved)
-            writer.shutdown_write()
-            src_err = reader.recv_stderr(1 << 16).decode(errors="replace") if reader.recv_stderr_ready() else ""
-            src_code = reader.recv_exit_status()
-            if src_code != 0:
-                raise CommandFailed(src.node.name, src_argv, src_code, "", src_err)
-            writer.settimeout(max(0.1, deadline - time.monotonic()))
-            out = b"".join(iter(lambda: writer.recv(1 << 16), b""))
-            dst_code = writer.recv_exit_status()
-            if dst_code != 0:
-                err = writer.recv_stderr(1 << 16).decode(errors="replace") if writer.recv_stderr_ready() else ""
-                raise CommandFailed(dst.node.name, dst_argv, dst_code, out.decode(errors="replace"), err)
-        except (TimeoutError, SSHException, OSError, EOFError) as exc:
-            raise Unreachable(dst.node.name,
-                              f"stream {shlex.join(src_argv)} -> {shlex.join(dst_argv)} broke: {exc}") from None
-    return moved
-
-
 class Sessions:
     """The pool: one Session per node of the desired state, jump hosts wired to their gateway's session."""
 

@@ -1,17 +1,28 @@
-"""Copy the serving image to a node that lacks it: `docker save` on a node that has it, streamed into `docker
-load` on the target (through the head for the internet-less worker), then verify the copy's content. Skipped
-when the content already matches. Content (layers' diff ids and config), not the id: on Docker's containerd
-image store a loaded image's id is not the saved one's (moby#44833; docs/troubleshooting.md "Image ids")."""
+"""Copy the serving image to a node that lacks it: `docker save` on a node that has it, piped over the fabric
+(`reconciler.steps.hop`) into `docker load` on the target, then verify the copy's content. Skipped when the
+content already matches. Content (layers' diff ids and config), not the id: on Docker's containerd image store a
+loaded image's id is not the saved one's (moby#44833; docs/troubleshooting.md "Image ids").
+
+The stream never passes through the reconciler: a 20 GB image once crossed the daemon's process over the 10G
+management port (and the worker's hop through the head). It runs on the source as one supervised command
+(cancelled with the step, nothing left running on either node), bounded on both nodes, with its bytes counted
+by `dd status=progress` for the step's progress."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from reconciler.observe import image_from_inspect
 from reconciler.observed import Image
 from reconciler.plan import Step
-from reconciler.remote import pipe
-from reconciler.steps import StepContext, StepFailed
+from reconciler.remote import CommandFailed, bounded, quote
+from reconciler.steps import StepContext, StepFailed, hop
+
+# bash for pipefail: a failed `docker save` or `docker load` fails the copy, not only the last stage. dd's report
+# goes to stdout (fd 3) where the step reads progress; docker load's own output to stderr.
+_COPY = ('set -o pipefail; exec 3>&1; docker save "$1" | dd bs=4M status=progress 2>&3 | "${@:2}" >&2')
+_DD_BYTES = re.compile(rb"(\d+) bytes")
 
 
 def inspect_image(ctx: StepContext, node: str, ref: str) -> Image | None:
@@ -22,6 +33,12 @@ def inspect_image(ctx: StepContext, node: str, ref: str) -> Image | None:
         return image_from_inspect(json.loads(result.stdout)[0])
     except (ValueError, LookupError, TypeError) as exc:
         raise StepFailed(f"`docker image inspect {ref}` on {node} printed no image: {exc}") from None
+
+
+def copy_argv(ctx: StepContext, ref: str, target: str, timeout: float) -> list[str]:
+    """The source's command: save | count | ssh target 'docker load' (bounded on the target as well)."""
+    load = quote(bounded(["docker", "load"], timeout))
+    return ["bash", "-c", _COPY, "bash", ref, *hop.ssh_options(ctx, target), hop.address(ctx, target), load]
 
 
 def copy_image(ctx: StepContext, step: Step) -> None:
@@ -35,11 +52,23 @@ def copy_image(ctx: StepContext, step: Step) -> None:
     have = inspect_image(ctx, node, ref)
     if have is not None and have.content == want.content:
         return
+    hop.trust_target_on_source(ctx, source, node)
+    moved = [0]
+
+    def seen(chunk: bytes) -> None:
+        if counts := _DD_BYTES.findall(chunk):
+            moved[0] = int(counts[-1])
+            ctx.progress("image.progress", {"node": node, "bytes": moved[0]})
+
     timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
-    moved = pipe(ctx.sessions[source], ["docker", "save", ref], ctx.sessions[node], ["docker", "load"],
-                 timeout=timeout, progress=lambda done: ctx.progress("image.progress", {"node": node, "bytes": done}))
+    try:
+        ctx.sessions[source].run(copy_argv(ctx, ref, node, timeout), timeout=timeout, on_output=seen,
+                                 cancel=ctx.cancel, supervised=True)
+    except CommandFailed as exc:
+        raise StepFailed(f"copying {ref} {source} -> {node} over the fabric failed (exit {exc.exit_code}) "
+                         f"after {moved[0]} bytes: {exc.stderr.strip()[-600:]}") from None
     got = inspect_image(ctx, node, ref)
     if got is None or got.content != want.content:
-        raise StepFailed(f"after loading {moved} bytes, {ref} on {node} has content "
+        raise StepFailed(f"after loading {moved[0]} bytes, {ref} on {node} has content "
                          f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
-    ctx.progress("image.done", {"node": node, "bytes": moved, "image_id": got.id, "content": want.content})
+    ctx.progress("image.done", {"node": node, "bytes": moved[0], "image_id": got.id, "content": want.content})

@@ -7,8 +7,7 @@ port). Safety properties, each from a failure seen in the field:
   size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
 - never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
   an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
-- strict host keys on the node-to-node hop too: the target's key, already verified by the reconciler, is written
-  to a known_hosts file on the source under the target's fabric address, with StrictHostKeyChecking=yes.
+- strict host keys on the node-to-node hop too (`reconciler.steps.hop`).
 Large models go in several parallel rsync streams (files split by size).
 """
 
@@ -16,21 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import paramiko
 
 from reconciler.drift import weights_difference
 from reconciler.observe import PARTIAL_DIR, manifest_script, parse_weights, split_sections, weights_root
 from reconciler.observed import Weights
 from reconciler.plan import Step
-from reconciler.remote import KEEPALIVE, KEEPALIVE_MISSES, CommandFailed
-from reconciler.steps import StepContext, StepFailed
+from reconciler.remote import CommandFailed
+from reconciler.steps import StepContext, StepFailed, hop
 
-# One file per target: syncs to several workers run in parallel and must not overwrite each other's key.
-FABRIC_KNOWN_HOSTS = "~/.ssh/spark-reconciler_fabric_known_hosts_{node}"
 RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
@@ -39,19 +35,6 @@ def read_manifest(ctx: StepContext, node: str) -> Weights:
     root = weights_root(ctx.desired, node)
     out = ctx.sessions[node].run_script(manifest_script(root) + "\n", timeout=ctx.command_timeout).stdout
     return parse_weights(root, split_sections(out).get("weights"))
-
-
-def _host_key_line(ctx: StepContext, target: str) -> str:
-    """The target's verified host key, re-keyed to its fabric address for the source node's ssh."""
-    node = ctx.desired.node(target)
-    keys = paramiko.HostKeys(node.ssh.known_hosts)
-    name = node.ssh.host if node.ssh.port == 22 else f"[{node.ssh.host}]:{node.ssh.port}"
-    entry = keys.lookup(name)
-    if not entry:
-        raise StepFailed(f"no host key for {name} in {node.ssh.known_hosts}")
-    fabric = str(node.fabric.address.ip)
-    fabric_name = fabric if node.ssh.port == 22 else f"[{fabric}]:{node.ssh.port}"
-    return "".join(f"{fabric_name} {kind} {key.get_base64()}\n" for kind, key in entry.items())
 
 
 def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
@@ -66,11 +49,7 @@ def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
 
 def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
                 files_from: str | None) -> list[str]:
-    t = ctx.desired.node(target)
-    ssh = (f"ssh -p {t.ssh.port} -o BatchMode=yes -o StrictHostKeyChecking=yes "
-           f"-o UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)} "
-           f"-o ConnectTimeout={int(t.ssh.connect_timeout)} -o ServerAliveInterval={KEEPALIVE} "
-           f"-o ServerAliveCountMax={KEEPALIVE_MISSES} -o Compression=no -c aes128-gcm@openssh.com")
+    ssh = shlex.join(hop.ssh_options(ctx, target))
     # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
     # the resume, instead of holding the step until its 12 h deadline.
     argv = ["rsync", "-a", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}", "--info=progress2",
@@ -80,7 +59,7 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
         argv.append(f"--bwlimit={max(1, limit // 1024)}")
     if files_from:
         argv += [f"--files-from={files_from}", "--from0"]
-    return argv + [f"{src_root}/", f"{t.ssh.user}@{t.fabric.address.ip}:{dst_root}/"]
+    return argv + [f"{src_root}/", f"{hop.address(ctx, target)}:{dst_root}/"]
 
 
 def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, missing: int) -> str:
@@ -109,13 +88,6 @@ def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int)
         rest = sorted({f.path for f in expected.files} - {p for g in groups for p in g})
         groups[-1] = groups[-1] + rest
     return groups
-
-
-def _trust_target_on_source(ctx: StepContext, source: str, target: str) -> None:
-    """Write the target's verified host key, under its fabric address, to its known_hosts file on the source."""
-    ctx.sessions[source].run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/.ssh" && cat > "$HOME/.ssh/$0"',
-                              FABRIC_KNOWN_HOSTS.format(node=target).removeprefix("~/.ssh/")],
-                             stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
 
 
 def _upload_file_list(ctx: StepContext, source: str, target: str, index: int, files: list[str]) -> str:
@@ -162,7 +134,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     todo = _files_to_copy(expected, before)
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
-    _trust_target_on_source(ctx, source, target)
+    hop.trust_target_on_source(ctx, source, target)
     groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams)
     done = [0] * max(1, len(groups))
     lock = threading.Lock()

@@ -253,9 +253,12 @@ def test_weight_sync_resumes_after_the_daemon_dies(seed_testbed, tmp_path, sig):
     assert r["sent_before"] + r["resent_after"] < r["total"] * 1.35, r
 
 
-def sigterm_during(tb, desired: Path, state: Path, in_flight, what: str, converge_within: float = 90) -> float:
+def sigterm_during(tb, desired: Path, state: Path, in_flight, what: str, converge_within: float = 90,
+                   orphans: str | None = None) -> float:
     """Start a daemon, SIGTERM it once `in_flight(daemon)` holds, then restart it on the same state: the first
-    must exit 0 within the shutdown deadline, the second converge with nothing lost. Returns the exit time."""
+    must exit 0 within the shutdown deadline, the second converge with nothing lost. `orphans`: a `pgrep -f`
+    pattern nothing on any node may match soon after the exit (what the cancelled step ran). Returns the exit
+    time."""
     first = daemon(desired, state)
     try:
         wait_until(lambda: in_flight(first), 120, what, interval=0.02)
@@ -264,6 +267,9 @@ def sigterm_during(tb, desired: Path, state: Path, in_flight, what: str, converg
         stopped = time.monotonic() - t
     finally:
         first.close()
+    if orphans:  # the nodes share this machine's pid namespace: one pgrep sees them all
+        wait_until(lambda: subprocess.run(["pgrep", "-f", orphans], capture_output=True, check=False).returncode
+                   == 1, 15, f"no process matching {orphans!r} left on the nodes")
     assert serving_ok(tb) == []
     second = daemon(desired, state)
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.drift import diff
+from reconciler.loader import load_file
 from reconciler.observe import image_from_inspect, parse_image, split_sections
 from reconciler.observed import Image, Observed
 from reconciler.plan import plan
@@ -140,3 +141,13 @@ def test_a_pin_must_be_a_sha256_digest(cluster_yaml, seed_snapshot, bad):
     desired, _ = _deployed(cluster_yaml, seed_snapshot)
     with pytest.raises(ValueError, match="image digest"):
         Desired.model_validate(desired.model_dump() | {"serving": desired.serving.model_dump() | {"image_id": bad}})
+
+
+def test_the_copy_waits_for_the_fabric_it_goes_over(cluster_yaml, seed_snapshot):
+    """Seed: the worker's RoCE port is down and it lacks the image. The image now streams head -> worker over the
+    fabric, like the weights: its step must come after the worker's link step."""
+    desired = Desired.model_validate(load_file(cluster_yaml).data)
+    observed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    steps = {s.id: s for s in plan(desired, observed).steps}
+    worker = next(n.name for n in desired.nodes if n.role == "worker")
+    assert f"link/{worker}" in steps[f"image/{worker}"].after
