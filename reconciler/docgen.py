@@ -14,7 +14,8 @@ from reconciler import spec
 
 _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("(top level)", spec.Desired), ("nodes[]", spec.Node), ("nodes[].ssh", spec.Ssh),
-    ("nodes[].fabric", spec.Fabric), ("model", spec.Model), ("serving", spec.Serving),
+    ("nodes[].fabric", spec.Fabric), ("nodes[].fabric.twin", spec.FabricPort), ("model", spec.Model),
+    ("serving", spec.Serving),
     ("serving.docker", spec.DockerOptions), ("co_tenants", spec.CoTenants), ("policy", spec.Policy),
     ("policy.timeouts", spec.Timeouts), ("policy.retries", spec.Retries), ("policy.weights", spec.WeightsPolicy),
 ]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from reconciler.observed import NodeObservation, Observed, Weights
-from reconciler.spec import Desired, Node
+from reconciler.observed import Link, NodeObservation, Observed, Weights
+from reconciler.spec import Desired, FabricPort, Node
 from reconciler.vllm import launch_specs
 
 DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving",
@@ -60,28 +60,32 @@ def co_tenant_drift(desired: Desired, name: str, obs: NodeObservation) -> list[D
 
 
 def link_drift(node: Node, obs: NodeObservation) -> list[Drift]:
-    want = node.fabric
-    link = obs.fabric
+    """Every declared port of the node's fabric (the first, and its twin) as declared: present, up, MTU, address,
+    RDMA port active."""
+    return [d for port, link in zip(node.fabric.ports(), (obs.fabric, obs.fabric_twin), strict=False)
+            for d in _port_drift(node.name, port, node.fabric.mtu, link)]
+
+
+def _port_drift(name: str, want: FabricPort, mtu: int, link: Link | None) -> list[Drift]:
     res = f"link/{want.interface}"
     if link is None or not link.exists:
-        return [Drift(node.name, "link", res, "interface present", "no such interface", actionable=False,
+        return [Drift(name, "link", res, "interface present", "no such interface", actionable=False,
                       blocking=True)]
     out = []
     if not link.admin_up:
-        out.append(Drift(node.name, "link", res, "up", "admin-down"))
+        out.append(Drift(name, "link", res, "up", "admin-down"))
     elif not link.carrier:
         # Up on this side but no carrier: the peer's port or the cable. Not this node's to fix; it clears when
         # the peer's link step brings the other end up, and a dead fabric shows up as a failed serving start.
-        out.append(Drift(node.name, "link", res + "/carrier", "carrier", "no carrier (peer port down or cable)",
+        out.append(Drift(name, "link", res + "/carrier", "carrier", "no carrier (peer port down or cable)",
                          actionable=False))
-    if link.mtu != want.mtu:
-        out.append(Drift(node.name, "link", res + "/mtu", str(want.mtu), str(link.mtu)))
+    if link.mtu != mtu:
+        out.append(Drift(name, "link", res + "/mtu", str(mtu), str(link.mtu)))
     if str(want.address) not in link.addresses:
-        out.append(Drift(node.name, "link", res + "/address", str(want.address),
-                         ", ".join(link.addresses) or "none"))
+        out.append(Drift(name, "link", res + "/address", str(want.address), ", ".join(link.addresses) or "none"))
     if want.rdma_device and link.rdma is not None and not link.rdma.active:
         # Bringing the netdev up is what activates the RDMA port; alone, it is a cabling/firmware matter.
-        out.append(Drift(node.name, "rdma", f"rdma/{want.rdma_device}", "4: ACTIVE",
+        out.append(Drift(name, "rdma", f"rdma/{want.rdma_device}", "4: ACTIVE",
                          f"{link.rdma.state} ({link.rdma.phys_state})", actionable=any(d.actionable for d in out),
                          blocking=not any(d.actionable for d in out)))
     return out

@@ -131,14 +131,43 @@ def parse_completion(sec: Section | None) -> str | None:
     return None if isinstance(choices, list) and choices else "the answer has no choices"
 
 
+SEC = "sec() { printf '\\n@@%s\\n' \"$1\"; }"
+_TWIN = "-twin"  # section suffix of the fabric's twin port
+
+
+def link_script(node: Node) -> list[str]:
+    """Script lines reading each fabric port: `link`/`rdma` sections for the first, `link-twin`/`rdma-twin` for
+    the twin (needs `sec`). The probe and the link step read the ports with these same lines."""
+    q = lambda *argv: quote(argv)  # noqa: E731 - local shorthand
+    lines = []
+    for port, suffix in zip(node.fabric.ports(), ("", _TWIN), strict=False):
+        lines += [f"sec link{suffix}", f"ip -j addr show dev {q(port.interface)} 2>&1; echo \"@@rc $?\"",
+                  f"sec rdma{suffix}"]
+        if port.rdma_device:
+            sysfs = f"/sys/class/infiniband/{port.rdma_device}/ports/1"
+            lines.append(f"if [ -d {q(sysfs)} ]; then cat {q(sysfs + '/state')} {q(sysfs + '/phys_state')}; "
+                         "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
+        else:
+            lines.append("echo '@@rc 2'")
+    return lines
+
+
+def parse_links(node: Node, sections: dict[str, Section]) -> tuple[Link, Link | None]:
+    """The first port's link and the twin's (None when no twin is declared), from `link_script`'s sections."""
+    first = parse_link(node.fabric.interface, sections.get("link"), sections.get("rdma"))
+    twin = node.fabric.twin
+    if twin is None:
+        return first, None
+    return first, parse_link(twin.interface, sections.get("link" + _TWIN), sections.get("rdma" + _TWIN))
+
+
 def probe_script(desired: Desired, node: Node) -> str:
     """The script for one node. Every interpolated value is validated by spec and quoted by remote.quote."""
     q = lambda *argv: quote(argv)  # noqa: E731 - local shorthand
-    iface, dev = node.fabric.interface, node.fabric.rdma_device
     root = weights_root(desired, node.name)
     lines = [
         "export LC_ALL=C",
-        "sec() { printf '\\n@@%s\\n' \"$1\"; }",
+        SEC,
         # the Docker API over its unix socket: one curl instead of two or three Go CLI start-ups (85 -> 49 ms per
         # no-op cycle, docs/benchmarks.md); the CLI stays the fallback (TCP DOCKER_HOST, no curl)
         'sock=/var/run/docker.sock; case "${DOCKER_HOST:-}" in unix://*) sock=${DOCKER_HOST#unix://};; esac',
@@ -153,17 +182,7 @@ def probe_script(desired: Desired, node: Node) -> str:
         f"if img=$(curl -sf --unix-socket \"$sock\" {q('http://docker/images/' + desired.serving.image + '/json')}"
         " 2>/dev/null); then printf 'API %s\\n' \"$img\"; else "
         f"docker image inspect {q(desired.serving.image)} 2>/dev/null; fi; echo \"@@rc $?\"",
-        "sec link",
-        f"ip -j addr show dev {q(iface)} 2>&1; echo \"@@rc $?\"",
-        "sec rdma",
-    ]
-    if dev:
-        port = f"/sys/class/infiniband/{dev}/ports/1"
-        lines.append(f"if [ -d {q(port)} ]; then cat {q(port + '/state')} {q(port + '/phys_state')}; "
-                     "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
-    else:
-        lines.append("echo '@@rc 2'")
-    lines += [
+        *link_script(node),
         "sec meminfo",
         "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; echo \"@@rc $?\"",
         manifest_script(root),
@@ -349,6 +368,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
     image = parse_image(sections.get("image"))
     images = {desired.serving.image: image} if image else {}
+    fabric, fabric_twin = parse_links(node, sections)
     serving = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
@@ -356,7 +376,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     return NodeObservation(
         name=node.name, reachable=True, docker_reachable=docker_ok, docker_error=docker_error,
         containers=containers, images=images,
-        fabric=parse_link(node.fabric.interface, sections.get("link"), sections.get("rdma")),
+        fabric=fabric, fabric_twin=fabric_twin,
         memory=parse_memory(sections.get("meminfo")),
         weights=parse_weights(weights_root(desired, node.name), sections.get("weights")), serving=serving)
 

@@ -145,12 +145,17 @@ class NodeObservation(_Model):
     containers: list[Container] = Field(default_factory=list)
     images: dict[str, Image] = Field(default_factory=dict, description="image reference -> that image here")
     fabric: Link | None = None
+    fabric_twin: Link | None = Field(None, description="the fabric's twin port, when one is declared")
     memory: Memory | None = None
     weights: Weights | None = None
     serving: Serving | None = None
 
     def container(self, name: str) -> Container | None:
         return next((c for c in self.containers if c.name == name), None)
+
+    def links(self) -> list[Link]:
+        """The fabric ports seen: the first, then the twin."""
+        return [link for link in (self.fabric, self.fabric_twin) if link is not None]
 
 
 class ServeFlags(_Model):

@@ -53,8 +53,7 @@ def observed_text(observed: Observed) -> str:
         lines.append(f"node {name}: reachable, docker {'ok' if n.docker_reachable else n.docker_error}")
         for c in n.containers:
             lines.append(f"  container {c.name:<20} {c.state:<8} {c.image}{' [managed]' if c.managed else ''}")
-        if n.fabric:
-            f = n.fabric
+        for f in n.links():
             rdma = f", rdma {f.rdma.state} / {f.rdma.phys_state}" if f.rdma else ""
             lines.append(f"  fabric {f.name}: {'up' if f.admin_up and f.carrier else 'DOWN'}, mtu {f.mtu}, "
                          f"{', '.join(f.addresses) or 'no address'}{rdma}")

@@ -25,13 +25,16 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
                       for c in node.containers]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "link":
-        want = desired.node(step.node).fabric
-        link = node.fabric or Link(name=want.interface)
-        addresses = list(link.addresses) + ([str(want.address)] if str(want.address) not in link.addresses else [])
-        rdma = RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp") if link.rdma is not None else None
-        nodes[step.node] = node.model_copy(update={"fabric": link.model_copy(update={
-            "operstate": "up", "admin_up": True, "carrier": True, "mtu": want.mtu, "addresses": addresses,
-            "rdma": rdma})})
+        fabric = desired.node(step.node).fabric
+        update = {}
+        for field, want in zip(("fabric", "fabric_twin"), fabric.ports(), strict=False):
+            link = getattr(node, field) or Link(name=want.interface)
+            addresses = list(link.addresses) + ([str(want.address)] if str(want.address) not in link.addresses
+                                                else [])
+            rdma = RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp") if link.rdma is not None else None
+            update[field] = link.model_copy(update={"operstate": "up", "admin_up": True, "carrier": True,
+                                                    "mtu": fabric.mtu, "addresses": addresses, "rdma": rdma})
+        nodes[step.node] = node.model_copy(update=update)
     elif step.kind == "image":
         ref = step.params["image"]
         images = dict(node.images) | {ref: _node(obs, step.params["source"]).images[ref]}

@@ -208,13 +208,26 @@ class Ssh(_Model):
     connect_timeout: Duration = Duration(10)
 
 
-class Fabric(_Model):
-    """The RoCE link between the nodes (ConnectX-7 on a Spark): what NCCL, rendezvous and weight sync use."""
+class FabricPort(_Model):
+    """One netdev of the fabric, with its RDMA device and address."""
 
     interface: InterfaceName = Field(description="Netdev, e.g. enp1s0f1np1 (<= 15 characters).")
     rdma_device: RdmaDevice | None = Field(None, description="RDMA device, e.g. rocep1s0f1; its port must be ACTIVE.")
     address: ipaddress.IPv4Interface = Field(description="IPv4 address with prefix, e.g. 192.168.200.12/24.")
-    mtu: int = Field(9000, ge=576, le=9216)
+
+
+class Fabric(FabricPort):
+    """The RoCE link between the nodes (ConnectX-7 on a Spark): what NCCL, rendezvous and weight sync use."""
+
+    mtu: int = Field(9000, ge=576, le=9216, description="Of every port of the fabric (both ends must agree).")
+    twin: FabricPort | None = Field(
+        None, description="The port's other half: each QSFP port of a Spark's ConnectX-7 shows up as two "
+        "netdevs on two PCIe x4 links, ~100 Gb/s each (ibdev2netdev: roceP2p1s0f1 ==> enP2p1s0f1np1). Declared, "
+        "it is observed and repaired like the first, and NCCL uses both RDMA devices. Its own subnet.")
+
+    def ports(self) -> list[FabricPort]:
+        """The declared ports, the first (`interface`) first."""
+        return [self, *([self.twin] if self.twin else [])]
 
 
 class Node(_Model):
@@ -470,6 +483,29 @@ def _unique_fabric_addresses(f: _Facts) -> list[_Problem]:
             for i, a in enumerate(addrs) if a in addrs[:i]]
 
 
+def _twins(f: _Facts) -> list[_Problem]:
+    """A twin is another netdev in another subnet (one subnet on both twins breaks routing and NCCL: eugr
+    docs/NETWORKING.md), one subnet for all twins, no address used twice."""
+    out: list[_Problem] = []
+    seen: dict[ipaddress.IPv4Address, str] = {n.fabric.address.ip: n.name for n in f.d.nodes}
+    net0 = next((n.fabric.twin.address.network for n in f.d.nodes if n.fabric.twin), None)
+    for i, n in enumerate(f.d.nodes):
+        twin, where = n.fabric.twin, ("nodes", i, "fabric", "twin")
+        if twin is None:
+            continue
+        if twin.interface == n.fabric.interface:
+            out.append(((*where, "interface"), f"{twin.interface} is the fabric's first interface already"))
+        if twin.address.network == n.fabric.address.network:
+            out.append(((*where, "address"), f"{twin.address} is in the subnet of {n.fabric.interface}; "
+                        "the twins need different subnets"))
+        elif twin.address.network != net0:
+            out.append(((*where, "address"), f"{twin.address} is not in the twins' subnet {net0}"))
+        if twin.address.ip in seen:
+            out.append(((*where, "address"), f"{twin.address.ip} is used by {seen[twin.address.ip]!r} already"))
+        seen[twin.address.ip] = n.name
+    return out
+
+
 def _weights_source_is_a_node(f: _Facts) -> list[_Problem]:
     source = f.d.model.source
     if source is not None and source not in f.index:
@@ -578,6 +614,7 @@ _RULES: tuple[tuple[Callable[[_Facts], list[_Problem]], bool], ...] = (
     (_jump_hosts, False),
     (_one_fabric_subnet, False),
     (_unique_fabric_addresses, False),
+    (_twins, False),
     (_weights_source_is_a_node, False),
     (_listed_serving_nodes, False),
     (_default_serving_span, False),

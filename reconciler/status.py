@@ -64,8 +64,8 @@ class StatusPublisher:
             metrics.observe_duration.labels(node=name).observe(seconds)
         for name, obs in observed.nodes.items():
             metrics.node_reachable.labels(node=name).set(1 if obs.reachable else 0)
-            if obs.fabric is not None:
-                metrics.fabric_link_up.labels(node=name).set(1 if obs.fabric.admin_up and obs.fabric.carrier else 0)
+            if links := obs.links():  # every declared port: a twin down halves the link
+                metrics.fabric_link_up.labels(node=name).set(1 if all(k.admin_up and k.carrier for k in links) else 0)
             if obs.memory is not None:
                 metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
         source = observed.node(desired.source_node).weights

@@ -134,8 +134,12 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
         "UCX_NET_DEVICES": iface,
         "OMPI_MCA_btl_tcp_if_include": iface,
     }
-    if node.fabric.rdma_device:
-        env |= {"NCCL_IB_HCA": node.fabric.rdma_device, "NCCL_IB_DISABLE": "0"}
+    if devices := [p.rdma_device for p in node.fabric.ports() if p.rdma_device]:
+        # Both twins when declared: each is one PCIe x4 link, ~100 Gb/s (eugr docs/NETWORKING.md). `=`: exact
+        # names, as NCCL's docs advise for a list (a bare `mlx5_1` also matches mlx5_10..19); one device stays
+        # as it always was (no restart on upgrade).
+        hca = devices[0] if len(devices) == 1 else "=" + ",".join(devices)
+        env |= {"NCCL_IB_HCA": hca, "NCCL_IB_DISABLE": "0"}
     # Every node, not only the internet-less one: the reconciler has put the exact revision there, and vLLM
     # 0.32 still asks the Hub at start for files a snapshot lacks (hf_quant_config.json in get_config), so a Hub
     # or DNS outage crashed a head that had every file (docs/testbed.md, "What the real vLLM revealed"); and an

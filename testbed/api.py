@@ -274,6 +274,9 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
                 "      interface: enp1s0f1np1       # rdma_device omitted: a veth has no /sys/class/infiniband",
                 f"      address: {n.fabric_addr}",
                 "      mtu: 9000",
+                "      twin:                        # the same QSFP port's other half, its own subnet",
+                "        interface: enP2p1s0f1np1",
+                f"        address: {n.twin_addr}",
                 "    internet: " + ("true             # declared only: no testbed node reaches outside the testbed"
                                     if n.index == 0 else "false            # no route anywhere: weights come "
                                                          "from the head"),

@@ -13,6 +13,7 @@ SSH_USER = "spark"
 MGMT_IFACE = "enP7s7"          # the head's (and each worker's) management NIC, as on a real Spark
 INNER_IFACE = "enP7s8"         # the head's second management NIC, towards the workers (the head is the jump host)
 FABRIC_IFACE = "enp1s0f1np1"   # the RoCE port; a veth here
+FABRIC_TWIN_IFACE = "enP2p1s0f1np1"  # its twin (the same QSFP port's second PCIe x4 half); another veth
 ROOT_MGMT_IFACE = "sb-mgmt0"   # root-namespace end of the veth to the head
 ROOT_MGMT_ADDR = "10.231.0.1/24"
 FABRIC_MTU = 9000
@@ -42,6 +43,7 @@ class Node:
     index: int                      # 0 = head, i = worker i
     mgmt_addrs: tuple[str, ...]     # CIDRs sshd listens on (first = the one clients use)
     fabric_addr: str                # CIDR
+    twin_addr: str = ""             # CIDR of the fabric twin (its own subnet)
 
     @property
     def role(self) -> str:
@@ -108,8 +110,8 @@ def layout(n: int = 2) -> Layout:
     """The contract's layout for *n* nodes: ``head`` + ``worker`` (n=2) or ``worker1..worker{n-1}``."""
     if not 2 <= n <= 200:
         raise ValueError("nodes must be between 2 and 200")
-    nodes = [Node("head", 0, ("10.231.0.2/24", "10.231.1.1/24"), "10.232.0.10/24")]
+    nodes = [Node("head", 0, ("10.231.0.2/24", "10.231.1.1/24"), "10.232.0.10/24", "10.232.1.10/24")]
     for i in range(1, n):
         name = "worker" if n == 2 else f"worker{i}"
-        nodes.append(Node(name, i, (f"10.231.1.{10 + i}/24",), f"10.232.0.{10 + i}/24"))
+        nodes.append(Node(name, i, (f"10.231.1.{10 + i}/24",), f"10.232.0.{10 + i}/24", f"10.232.1.{10 + i}/24"))
     return Layout(tuple(nodes))

@@ -6,7 +6,9 @@ Topology (contract in docs/testbed.md ("The contract")):
 * head ``enP7s8`` 10.231.1.1/24 and each worker's ``enP7s7`` 10.231.1.(10+i)/24 on bridge ``br-mgmt`` in the
   ``sb-switch`` namespace — the worker is reachable only through the head (the head is the SSH jump host);
 * ``enp1s0f1np1`` in every node: for 2 nodes a direct veth pair (like the QSFP cable between two Sparks, so
-  the head loses carrier when the worker's port goes down); for more, each node on bridge ``br-fabric``.
+  the head loses carrier when the worker's port goes down); for more, each node on bridge ``br-fabric-f``;
+* ``enP2p1s0f1np1``, the port's twin (a Spark's QSFP port is two netdevs), the same way (``br-fabric-t``), in
+  its own subnet 10.232.1.0/24.
 
 No namespace has a default route: nothing in the testbed can send a packet outside it. In the root namespace
 the testbed supernets are routed ``unreachable`` so a connect to a worker address fails at once instead of
@@ -20,6 +22,7 @@ import time
 from .layout import (
     FABRIC_IFACE,
     FABRIC_MTU,
+    FABRIC_TWIN_IFACE,
     INNER_IFACE,
     MGMT_IFACE,
     ROOT_MGMT_ADDR,
@@ -92,16 +95,18 @@ def setup(lay: Layout) -> None:
         ip("link", "set", "dev", port, "master", "br-mgmt", "up", ns=SWITCH_NS)
         ip("addr", "add", n.mgmt_addrs[-1], "dev", dev, ns=n.netns)
         ip("link", "set", "dev", dev, "up", ns=n.netns)
-    # fabric
-    if len(lay.nodes) == 2:
-        _veth(FABRIC_IFACE, head.netns, FABRIC_IFACE, lay.workers[0].netns)
-    else:
-        ip("link", "add", "br-fabric", "mtu", str(FABRIC_MTU), "type", "bridge", ns=SWITCH_NS)
-        ip("link", "set", "dev", "br-fabric", "up", ns=SWITCH_NS)
+    # fabric: the port and its twin, each its own cable (or bridge)
+    for dev, tag in ((FABRIC_IFACE, "f"), (FABRIC_TWIN_IFACE, "t")):
+        if len(lay.nodes) == 2:
+            _veth(dev, head.netns, dev, lay.workers[0].netns)
+            continue
+        bridge = f"br-fabric-{tag}"
+        ip("link", "add", bridge, "mtu", str(FABRIC_MTU), "type", "bridge", ns=SWITCH_NS)
+        ip("link", "set", "dev", bridge, "up", ns=SWITCH_NS)
         for n in lay.nodes:
-            port = f"f-{n.name}"[:15]
-            _veth(FABRIC_IFACE, n.netns, port, SWITCH_NS)
-            ip("link", "set", "dev", port, "mtu", str(FABRIC_MTU), "master", "br-fabric", "up", ns=SWITCH_NS)
+            port = f"{tag}-{n.name}"[:15]
+            _veth(dev, n.netns, port, SWITCH_NS)
+            ip("link", "set", "dev", port, "mtu", str(FABRIC_MTU), "master", bridge, "up", ns=SWITCH_NS)
 
 
 def teardown(lay: Layout | None = None) -> None:
@@ -117,20 +122,26 @@ def teardown(lay: Layout | None = None) -> None:
 
 # ---- fabric state (scenarios and faults) ---------------------------------------------------------------------
 
+def _fabric_ports(node: Node) -> tuple[tuple[str, str], ...]:
+    return ((FABRIC_IFACE, node.fabric_addr), (FABRIC_TWIN_IFACE, node.twin_addr))
+
+
 def fabric_configure(node: Node) -> None:
-    """As the reconciler would leave it: up, mtu 9000, the node's fabric address."""
+    """As the reconciler would leave it: both ports up, mtu 9000, the node's addresses."""
     ns = node.netns
-    ip("link", "set", "dev", FABRIC_IFACE, "mtu", str(FABRIC_MTU), ns=ns)
-    ip("addr", "replace", node.fabric_addr, "dev", FABRIC_IFACE, ns=ns)
-    ip("link", "set", "dev", FABRIC_IFACE, "up", ns=ns)
+    for dev, addr in _fabric_ports(node):
+        ip("link", "set", "dev", dev, "mtu", str(FABRIC_MTU), ns=ns)
+        ip("addr", "replace", addr, "dev", dev, ns=ns)
+        ip("link", "set", "dev", dev, "up", ns=ns)
 
 
 def fabric_unconfigure(node: Node) -> None:
-    """As the seed's worker: down, mtu 1500, no address."""
+    """As the seed's worker: both ports down, mtu 1500, no address."""
     ns = node.netns
-    ip("link", "set", "dev", FABRIC_IFACE, "down", ns=ns)
-    ip("addr", "flush", "dev", FABRIC_IFACE, ns=ns)
-    ip("link", "set", "dev", FABRIC_IFACE, "mtu", "1500", ns=ns)
+    for dev, _ in _fabric_ports(node):
+        ip("link", "set", "dev", dev, "down", ns=ns)
+        ip("addr", "flush", "dev", dev, ns=ns)
+        ip("link", "set", "dev", dev, "mtu", "1500", ns=ns)
 
 
 def set_link(node: Node, up: bool, dev: str = FABRIC_IFACE) -> None:

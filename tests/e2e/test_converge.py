@@ -74,9 +74,10 @@ def test_seed_converges_in_one_apply(seed_testbed):
         assert head[name]["State"]["Running"], f"{name} is allowed and keeps running"
     assert worker["vllm_embeddings"]["State"]["Running"]
 
-    link = json.loads(tb.exec("worker", "ip -j addr show dev enp1s0f1np1", check=True).stdout)[0]
-    assert "UP" in link["flags"] and "LOWER_UP" in link["flags"] and link["mtu"] == 9000
-    assert "10.232.0.11" in [a["local"] for a in link["addr_info"]]
+    for dev, addr in (("enp1s0f1np1", "10.232.0.11"), ("enP2p1s0f1np1", "10.232.1.11")):  # the port and its twin
+        link = json.loads(tb.exec("worker", f"ip -j addr show dev {dev}", check=True).stdout)[0]
+        assert "UP" in link["flags"] and "LOWER_UP" in link["flags"] and link["mtu"] == 9000, dev
+        assert addr in [a["local"] for a in link["addr_info"]], dev
 
     assert content_hashes(tb, "worker", hub("worker")) == content_hashes(tb, "head", hub("head"))
     blobs = tb.exec("worker", f"find {hub('worker')}/blobs -type f | wc -l", check=True).stdout.strip()

@@ -21,6 +21,7 @@ import yaml
 
 from reconciler.daemon import SHUTDOWN_DEADLINE
 from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, wait_until
+from tests.e2e.test_converge import containers
 
 pytestmark = pytest.mark.e2e
 
@@ -330,6 +331,22 @@ def test_link_flap_storm_no_restart_storm(serving):
     assert after["link"] - before["link"] <= 25
     assert_nothing_lost(tb, d)
     print(f"FIGURE link-flap: storm {storm:.1f}s, recovered {recovered:.1f}s after, steps {before} -> {after}")
+
+
+def test_the_fabric_twin_reset_to_mtu_1500_is_repaired_without_a_restart(serving):
+    """A firmware reboot resets one twin to 1500: the drift is the twin's own, the link step repairs it (and pings
+    the peer's twin with full-size frames), serving is not restarted for it."""
+    tb, d = serving
+    twin = "enP2p1s0f1np1"
+    started = {n: containers(tb, n)["vllm_serving"]["State"]["StartedAt"] for n in ("head", "worker")}
+    links_before = steps_run(d, "link")
+    tb.fault("mtu", "worker", value=1500, dev=twin)
+    mtu = lambda: json.loads(tb.exec("worker", f"ip -j link show dev {twin}").stdout)[0]["mtu"]  # noqa: E731
+    assert mtu() == 1500
+    wait_until(lambda: mtu() == 9000 and steps_run(d, "link") > links_before, 60, "the twin's MTU repaired")
+    converged(d, 60, since=time.time())
+    assert d.metric("reconciler_fabric_link_up", node="worker") == 1
+    assert {n: containers(tb, n)["vllm_serving"]["State"]["StartedAt"] for n in ("head", "worker")} == started
 
 
 def drop_sessions(tb, node: str) -> None:

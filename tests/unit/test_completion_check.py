@@ -13,7 +13,7 @@ import pytest
 
 from reconciler.drift import diff
 from reconciler.loader import load_file
-from reconciler.observe import COMPLETION_DEADLINE, Section, completion_argv, parse_completion
+from reconciler.observe import COMPLETION_DEADLINE, SEC, Section, completion_argv, parse_completion
 from reconciler.observed import Observed, Serving
 from reconciler.spec import Desired
 
@@ -77,7 +77,7 @@ def _serving_part_of_the_probe(desired: Desired) -> str:
     from reconciler.observe import probe_script
 
     script = probe_script(desired, desired.head)
-    return "sec() { printf '\\n@@%s\\n' \"$1\"; }\n" + script[script.index("sec health"):]
+    return SEC + "\n" + script[script.index("sec health"):]
 
 
 STUB_CURL = """#!/bin/sh

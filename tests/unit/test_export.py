@@ -115,6 +115,7 @@ def four_nodes(d: dict) -> None:
         w = json.loads(json.dumps(d["nodes"][1]))
         w["name"], w["ssh"]["host"] = f"worker{i}", f"10.231.1.{10 + i}"
         w["fabric"]["address"] = f"10.232.0.{10 + i}/24"
+        w["fabric"]["twin"]["address"] = f"10.232.1.{10 + i}/24"
         d["nodes"].append(w)
         d["model"]["path"][f"worker{i}"] = f"/srv/spark-testbed/worker{i}/models/hub"
     d["serving"]["tensor_parallel_size"] = 4

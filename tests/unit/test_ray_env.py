@@ -18,7 +18,8 @@ def _asymmetric(cluster_yaml, launcher: str) -> Desired:
     data = load_file(cluster_yaml).data
     data["serving"]["launcher"] = launcher
     worker = next(n for n in data["nodes"] if n["role"] == "worker")
-    worker["fabric"] |= {"interface": "enP2p1s0f1np1", "rdma_device": "roceP2p1s0f1"}  # the other port
+    worker["fabric"] |= {"interface": "enp1s0f0np0", "rdma_device": "rocep1s0f0"}  # cabled to the other port
+    worker["fabric"]["twin"] |= {"interface": "enP2p1s0f0np0", "rdma_device": "roceP2p1s0f0"}
     return Desired.model_validate(data)
 
 
