@@ -143,9 +143,11 @@ def sudoers_snippet(desired: Desired) -> str:
     out = ["# /etc/sudoers.d/spark-reconciler — install with: visudo -f /etc/sudoers.d/spark-reconciler",
            "# Exactly the commands spark-reconciler runs as root (reconciler.remote.SUDO_COMMANDS).", ""]
     for node in desired.nodes:
-        f = node.fabric
-        lines = [f"/usr/sbin/ip link set dev {f.interface} up", f"/usr/sbin/ip link set dev {f.interface} mtu {f.mtu}",
-                 f"/usr/sbin/ip addr add {f.address} dev {f.interface}"]
+        mtu = node.fabric.mtu
+        lines = [line for p in node.fabric.ports()  # the port and its twin
+                 for line in (f"/usr/sbin/ip link set dev {p.interface} up",
+                              f"/usr/sbin/ip link set dev {p.interface} mtu {mtu}",
+                              f"/usr/sbin/ip addr add {p.address} dev {p.interface}")]
         if desired.policy.drop_caches:
             lines.append("/usr/sbin/sysctl -w vm.drop_caches=3")
         out.append(f"# on {node.name}")

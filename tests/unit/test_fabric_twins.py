@@ -86,3 +86,18 @@ def test_a_twin_back_at_mtu_1500_is_drift_on_its_own(cluster_yaml, seed_snapshot
     drift = [d for d in diff(desired, observed) if d.kind == "link"]
     assert [(d.node, d.resource, d.expected, d.observed) for d in drift] == [(head, f"link/{TWIN}/mtu", "9000",
                                                                               "1500")]
+
+
+def test_sudoers_lines_cover_the_twin_exactly(cluster_yaml):
+    from reconciler.remote import sudo_allowed, sudoers_snippet
+
+    desired = Desired.model_validate(_data(cluster_yaml))
+    text = sudoers_snippet(desired)
+    for node in desired.nodes:
+        twin = node.fabric.twin
+        assert twin is not None
+        for line in (f"/usr/sbin/ip link set dev {twin.interface} up",
+                     f"/usr/sbin/ip link set dev {twin.interface} mtu {node.fabric.mtu}",
+                     f"/usr/sbin/ip addr add {twin.address} dev {twin.interface}"):
+            assert line in text
+            assert sudo_allowed(line.split()), line
