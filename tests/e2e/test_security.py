@@ -40,7 +40,7 @@ def test_no_trust_on_first_use_anywhere_in_the_code():
                 offenders.append(f"{path.relative_to(REPO)}: {bad}")
     assert offenders == []
     assert "RejectPolicy()" in (REPO / "reconciler" / "remote.py").read_text()
-    assert "StrictHostKeyChecking=yes" in (REPO / "reconciler" / "steps" / "weights.py").read_text()
+    assert "StrictHostKeyChecking=yes" in (REPO / "reconciler" / "steps" / "hop.py").read_text()  # weights, image
 
 
 def test_changed_host_key_is_refused_and_reported(seed_testbed, tmp_path):
