@@ -33,7 +33,7 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 test: deps venv lint
-	$(PYTEST) tests -q
+	$(PYTEST) tests -q --durations=15
 
 # The unit tests need no testbed, but some run real system tools (promtool, systemd-analyze) that `deps` installs.
 unit: deps venv
