@@ -71,6 +71,21 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
         assert directive in text
 
 
+def test_the_weekly_verify_units_pass_systemd_analyze_verify(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    assert analyze, "systemd-analyze is part of systemd; `make test` runs on Debian where it is installed"
+    exe = Path(shutil.which("reconciler") or Path(os.sys.executable).with_name("reconciler"))
+    for name in ("reconciler-verify.service", "reconciler-verify.timer"):
+        text = (REPO / "systemd" / name).read_text()
+        (tmp_path / f"spark-{name}").write_text(text.replace("/opt/spark-reconciler/bin/reconciler", str(exe)))
+    result = subprocess.run([analyze, "verify", str(tmp_path / "spark-reconciler-verify.timer"),
+                             str(tmp_path / "spark-reconciler-verify.service")], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    service = (REPO / "systemd" / "reconciler-verify.service").read_text()
+    assert "verify /etc/spark-reconciler/cluster.yaml --repair" in service and "Nice=19" in service
+
+
 def test_a_receiver_that_stopped_reading_never_blocks_the_sender(tmp_path, monkeypatch):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     path = str(tmp_path / "full.sock")
