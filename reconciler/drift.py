@@ -198,8 +198,9 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
     reference = observed.node(holder).images[image]
     pin = desired.serving.image_id
     if pin and not reference.matches_pin(pin):
+        online = next((n.name for n in desired.nodes if n.internet), holder)  # the worker cannot pull
         return [Drift(holder, "image", res, f"pinned {pin[:19]}", f"{reference.id[:19]} (pull the pinned image "
-                      f"on {holder}; nothing is copied or started on another)", actionable=False, blocking=True)]
+                      f"on {online}; nothing is copied or started on another)", actionable=False, blocking=True)]
     out = []
     for name in ready:
         got = observed.node(name).images.get(image)
@@ -215,6 +216,11 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
     source = desired.source_node
     src_obs = observed.node(source)
     res = f"weights/{desired.model.id}"
+    present = src_obs.reachable and src_obs.weights is not None and src_obs.weights.present
+    if present and src_obs.weights and (unresolved := _unresolved_revision(desired, src_obs.weights)):
+        # once, and also when the source serves alone: nothing can load a revision its cache does not resolve
+        return [Drift(source, "weights", res, f"revision {desired.model.revision} in the cache", unresolved,
+                      actionable=False, blocking=True)]
     for name in ready:
         if name == source:
             continue
@@ -223,9 +229,6 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
                              actionable=False, blocking=True))
         elif src_obs.weights is None or not src_obs.weights.present:
             out.append(Drift(source, "weights", res, "present on the source node", "missing",
-                             actionable=False, blocking=True))
-        elif unresolved := _unresolved_revision(desired, src_obs.weights):
-            out.append(Drift(source, "weights", res, f"revision {desired.model.revision} in the cache", unresolved,
                              actionable=False, blocking=True))
         else:
             problem = weights_difference(src_obs.weights, observed.node(name).weights)

@@ -339,7 +339,8 @@ def image_from_inspect(raw: object) -> Image:
     if not isinstance(raw, dict) or not isinstance(raw["Id"], str):
         raise TypeError(f"not an image inspect object: {str(raw)[:80]!r}")
     config = raw.get("Config") or {}
-    content = {"layers": list(raw["RootFS"]["Layers"]), "os": raw.get("Os", ""), "arch": raw.get("Architecture", ""),
+    layers = (raw.get("RootFS") or {}).get("Layers") or []  # the API may leave out an empty list
+    content = {"layers": list(layers), "os": raw.get("Os", ""), "arch": raw.get("Architecture", ""),
                "variant": raw.get("Variant", ""), "config": {k: config.get(k) or None for k in _CONTENT_CONFIG}}
     body = json.dumps(content, sort_keys=True, separators=(",", ":"))
     driver = str((raw.get("GraphDriver") or {}).get("Name", ""))

@@ -150,8 +150,9 @@ def _extra_arg(value: str) -> str:
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError(f"{value!r} contains control characters")
     flag = value.split("=", 1)[0]
-    if flag in _RESERVED_SERVE_FLAGS:
-        raise ValueError(f"{flag} is set by the reconciler; use {_RESERVED_SERVE_FLAGS[flag]} instead")
+    canonical = flag if flag in _RESERVED_SERVE_FLAGS else flag.replace("_", "-")  # vLLM reads --a_b as --a-b
+    if canonical in _RESERVED_SERVE_FLAGS:
+        raise ValueError(f"{flag} is set by the reconciler; use {_RESERVED_SERVE_FLAGS[canonical]} instead")
     return value
 
 
@@ -485,8 +486,13 @@ def _unique_fabric_addresses(f: _Facts) -> list[_Problem]:
 
 def _twins(f: _Facts) -> list[_Problem]:
     """A twin is another netdev in another subnet (one subnet on both twins breaks routing and NCCL: eugr
-    docs/NETWORKING.md), one subnet for all twins, no address used twice."""
+    docs/NETWORKING.md), one subnet for all twins, no address used twice. Every node or none: NCCL would pair a
+    twin's device with a peer's only one, across two subnets. An RDMA device on both ports or neither."""
     out: list[_Problem] = []
+    declared = [n.fabric.twin is not None for n in f.d.nodes]
+    if any(declared) and not all(declared):
+        return [(("nodes", i, "fabric", "twin"), "declare the fabric twin on every node or on none (NCCL pairs "
+                 "the devices across nodes)") for i, d in enumerate(declared) if not d]
     seen: dict[ipaddress.IPv4Address, str] = {n.fabric.address.ip: n.name for n in f.d.nodes}
     net0 = next((n.fabric.twin.address.network for n in f.d.nodes if n.fabric.twin), None)
     for i, n in enumerate(f.d.nodes):
@@ -500,6 +506,10 @@ def _twins(f: _Facts) -> list[_Problem]:
                         "the twins need different subnets"))
         elif twin.address.network != net0:
             out.append(((*where, "address"), f"{twin.address} is not in the twins' subnet {net0}"))
+        if (twin.rdma_device is None) != (n.fabric.rdma_device is None):
+            out.append(((*where, "rdma_device"), "an RDMA device on both twins or on neither"))
+        elif twin.rdma_device is not None and twin.rdma_device == n.fabric.rdma_device:
+            out.append(((*where, "rdma_device"), f"{twin.rdma_device} is the first port's RDMA device already"))
         if twin.address.ip in seen:
             out.append(((*where, "address"), f"{twin.address.ip} is used by {seen[twin.address.ip]!r} already"))
         seen[twin.address.ip] = n.name

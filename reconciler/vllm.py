@@ -149,7 +149,11 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
         env["HF_HUB_OFFLINE"] = "1"
     if desired.serving.launcher == "ray":
         env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip)}
-    return env | GB10_ENV | dict(desired.serving.env)
+    defaults = dict(GB10_ENV)
+    if {"--enable-sleep-mode", "--enable_sleep_mode"} & set(extra_flags(desired.serving.extra_args)):
+        # vLLM's sleep-mode allocator refuses expandable segments (vllm/device_allocator/cumem.py)
+        defaults.pop("PYTORCH_CUDA_ALLOC_CONF")
+    return env | defaults | dict(desired.serving.env)
 
 
 # What eugr/spark-vllm-docker sets on every Spark (launch-cluster.sh), overridable in serving.env: unified memory

@@ -21,14 +21,37 @@ from reconciler.steps import StepContext, StepFailed, hop
 
 # bash for pipefail: a failed `docker save` or `docker load` fails the copy, not only the last stage. dd's report
 # goes to stdout (fd 3) where the step reads progress; docker load's own output to stderr.
-_COPY = ('set -o pipefail; exec 3>&1; docker save "$1" | dd bs=4M status=progress 2>&3 | "${@:2}" >&2')
-_DD_BYTES = re.compile(rb"(\d+) bytes")
+_COPY = ('set -o pipefail; exec 3>&1; docker save "$1" | LC_ALL=C dd bs=4M status=progress 2>&3 | "${@:2}" >&2')
+_DD_BYTES = re.compile(rb"^(\d+) bytes")
+
+
+class ByteCount:
+    """The bytes dd reports, from its output as it arrives: SSH chunks split records anywhere, so only whole
+    records (ended by dd's \\r or \\n) count, and the count never goes back."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """True when the count grew."""
+        *records, self._tail = re.split(rb"[\r\n]", self._tail + chunk)
+        seen = [int(m.group(1)) for r in records if (m := _DD_BYTES.match(r.strip()))]
+        if not seen or max(seen) <= self.done:
+            return False
+        self.done = max(seen)
+        return True
 
 
 def inspect_image(ctx: StepContext, node: str, ref: str) -> Image | None:
+    """The image on `node`; None only when the engine says it has none (a broken engine is an error, not a reason
+    to copy 20 GB)."""
     result = ctx.sessions[node].run(["docker", "image", "inspect", ref], timeout=ctx.command_timeout, check=False)
     if not result.ok:
-        return None
+        if "no such image" in result.stderr.lower():
+            return None
+        raise StepFailed(f"`docker image inspect {ref}` on {node} failed (exit {result.exit_code}): "
+                         f"{result.stderr.strip()[-300:]}")
     try:
         return image_from_inspect(json.loads(result.stdout)[0])
     except (ValueError, LookupError, TypeError) as exc:
@@ -53,12 +76,11 @@ def copy_image(ctx: StepContext, step: Step) -> None:
     if have is not None and have.content == want.content:
         return
     hop.trust_target_on_source(ctx, source, node)
-    moved = [0]
+    moved = ByteCount()
 
     def seen(chunk: bytes) -> None:
-        if counts := _DD_BYTES.findall(chunk):
-            moved[0] = int(counts[-1])
-            ctx.progress("image.progress", {"node": node, "bytes": moved[0]})
+        if moved.feed(chunk):
+            ctx.progress("image.progress", {"node": node, "bytes": moved.done})
 
     timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
     try:
@@ -66,9 +88,9 @@ def copy_image(ctx: StepContext, step: Step) -> None:
                                  cancel=ctx.cancel, supervised=True)
     except CommandFailed as exc:
         raise StepFailed(f"copying {ref} {source} -> {node} over the fabric failed (exit {exc.exit_code}) "
-                         f"after {moved[0]} bytes: {exc.stderr.strip()[-600:]}") from None
+                         f"after {moved.done} bytes: {exc.stderr.strip()[-600:]}") from None
     got = inspect_image(ctx, node, ref)
     if got is None or got.content != want.content:
-        raise StepFailed(f"after loading {moved[0]} bytes, {ref} on {node} has content "
+        raise StepFailed(f"after loading {moved.done} bytes, {ref} on {node} has content "
                          f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
-    ctx.progress("image.done", {"node": node, "bytes": moved[0], "image_id": got.id, "content": want.content})
+    ctx.progress("image.done", {"node": node, "bytes": moved.done, "image_id": got.id, "content": want.content})

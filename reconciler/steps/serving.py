@@ -14,7 +14,7 @@ import json
 
 from reconciler.observe import Section, api_argv, auth_header, completion_argv, parse_completion
 from reconciler.plan import Step
-from reconciler.remote import quote
+from reconciler.remote import RemoteError, quote
 from reconciler.steps import StepBlocked, StepContext, StepFailed, wait_for
 from reconciler.steps.containers import inspect, is_managed
 from reconciler.vllm import LaunchSpec, cache_dirs, launch_specs
@@ -44,8 +44,12 @@ def memory_preflight(ctx: StepContext, node: str) -> None:
     need = int(ctx.desired.serving.gpu_memory_utilization * total) + policy.memory_margin
     if available < need and policy.drop_caches:
         # drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst): after a 100 GB
-        # rsync most of the cache is dirty until written back. sync(1) needs no root: it flushes every filesystem.
-        ctx.sessions[node].run(["sync"], timeout=ctx.remaining())
+        # rsync most of the cache is dirty until written back. `sync -f` flushes the weights' filesystem (no root
+        # needed), not every mount (a hung NFS one would hold the start); past the command deadline, go on.
+        try:
+            ctx.sessions[node].run(["sync", "-f", ctx.desired.model.path_on(node)], timeout=ctx.command_timeout)
+        except RemoteError as exc:
+            ctx.progress("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
         ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True,
                                timeout=ctx.command_timeout)
         total, available = _memory(ctx, node)

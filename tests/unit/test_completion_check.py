@@ -168,3 +168,12 @@ def test_api_key_as_a_flag_is_refused(cluster_yaml):
     data["serving"]["extra_args"] = ["--api-key", "sk-x"]
     with pytest.raises(ValueError, match="VLLM_API_KEY"):
         Desired.model_validate(data)
+
+
+@pytest.mark.parametrize("flag", ["--api_key=sk-x", "--api_key"])
+def test_api_key_with_underscores_is_refused_too(cluster_yaml, flag):
+    """vLLM's parser reads --api_key as --api-key: the same key would reach the command line."""
+    data = load_file(cluster_yaml).data
+    data["serving"]["extra_args"] = [flag, "sk-x"] if "=" not in flag else [flag]
+    with pytest.raises(ValueError, match="VLLM_API_KEY"):
+        Desired.model_validate(data)

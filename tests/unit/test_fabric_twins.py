@@ -101,3 +101,20 @@ def test_sudoers_lines_cover_the_twin_exactly(cluster_yaml):
                      f"/usr/sbin/ip addr add {twin.address} dev {twin.interface}"):
             assert line in text
             assert sudo_allowed(line.split()), line
+
+
+def test_a_twin_on_some_nodes_only_is_refused(cluster_yaml):
+    """NCCL would pair the head's twin device (subnet B) with the worker's only one (subnet A): no route."""
+    data = _data(cluster_yaml)
+    data["nodes"][1]["fabric"].pop("twin")
+    with pytest.raises(ValueError, match="on every node or on none"):
+        Desired.model_validate(data)
+
+
+@pytest.mark.parametrize(("rdma", "message"), [(None, "on both twins or on neither"),
+                                               ("rocep1s0f1", "is the first port's RDMA device already")])
+def test_a_twin_has_its_own_rdma_device_when_the_port_has_one(cluster_yaml, rdma, message):
+    data = _data(cluster_yaml)
+    data["nodes"][0]["fabric"]["twin"]["rdma_device"] = rdma
+    with pytest.raises(ValueError, match=message):
+        Desired.model_validate(data)

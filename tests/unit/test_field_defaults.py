@@ -79,3 +79,36 @@ def test_compile_caches_are_kept_per_node_in_the_ssh_users_home(cluster_yaml):
     off = launch_specs(_desired(cluster_yaml, compile_cache=None))
     assert all(not any(".cache/vllm" in v for v in _flag_values(s.docker_flags, "-v")) for s in off)
     assert all("TORCHINDUCTOR_CACHE_DIR" not in s.env for s in off)
+
+
+def test_sleep_mode_gets_no_expandable_segments(cluster_yaml):
+    """vLLM's sleep-mode allocator asserts expandable segments are off (vllm/device_allocator/cumem.py)."""
+    for flag in ("--enable-sleep-mode", "--enable_sleep_mode"):
+        specs = launch_specs(_desired(cluster_yaml, extra_args=[flag]))
+        assert all("PYTORCH_CUDA_ALLOC_CONF" not in s.env for s in specs)
+        assert all(s.env["NCCL_IGNORE_CPU_AFFINITY"] == "1" for s in specs)
+
+
+def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
+    from reconciler.remote import CommandTimeout
+
+    data = load_file(cluster_yaml).data
+    data["policy"]["drop_caches"] = True
+    desired = Desired.model_validate(data)
+    free = iter([10, 100])
+    ran, events = [], []
+
+    class Session:
+        def run(self, argv, timeout, sudo=False, check=True):
+            ran.append(argv[0])
+            if argv[0] == "sync":
+                assert argv[1:] == ["-f", desired.model.path_on("n")], "only the weights' filesystem"
+                raise CommandTimeout("n", "sync did not finish")
+            if argv[0] == "grep":
+                return SimpleNamespace(stdout=f"MemTotal: {120 << 20} kB\nMemAvailable: {next(free) << 20} kB\n")
+            return SimpleNamespace(stdout="", exit_code=0)
+
+    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
+                          progress=lambda event, fields: events.append(event))
+    serving.memory_preflight(ctx, "n")
+    assert [r for r in ran if r != "grep"] == ["sync", "/usr/sbin/sysctl"] and events == ["serving.sync-skipped"]

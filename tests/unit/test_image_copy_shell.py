@@ -12,7 +12,7 @@ import pytest
 
 from reconciler.loader import load_file
 from reconciler.spec import Desired
-from reconciler.steps.images import _DD_BYTES, copy_argv
+from reconciler.steps.images import ByteCount, copy_argv
 
 DOCKER = """#!/bin/sh
 case "$1" in
@@ -46,7 +46,9 @@ def _argv(cluster_yaml) -> list[str]:
 def test_bytes_flow_to_the_load_and_are_counted(cluster_yaml, stubs):
     done = subprocess.run(_argv(cluster_yaml), env=stubs, capture_output=True, timeout=30, check=False)
     assert done.returncode == 0, done.stderr
-    assert int(_DD_BYTES.findall(done.stdout)[-1]) == 9_000_000
+    count = ByteCount()
+    count.feed(done.stdout)
+    assert count.done == 9_000_000
     assert b"Loaded image: 9000000 bytes" in done.stderr, "docker load's answer goes to stderr, not the count"
 
 
@@ -59,3 +61,19 @@ def test_a_failed_save_fails_the_copy(cluster_yaml, stubs):
 def test_the_load_is_bounded_on_the_target_too(cluster_yaml):
     remote = _argv(cluster_yaml)[-1]
     assert remote.startswith("timeout -k ") and remote.endswith("docker load")
+
+
+def test_the_count_survives_chunks_split_anywhere():
+    report = (b"104857600 bytes (105 MB, 100 MiB) copied, 1 s, 105 MB/s\r"
+              b"209715200 bytes (210 MB, 200 MiB) copied, 2 s, 105 MB/s\r"
+              b"50+0 records in\n50+0 records out\n209715200 bytes (210 MB, 200 MiB) copied, 2.0 s, 105 MB/s\n")
+    for cut in range(1, len(report)):
+        count = ByteCount()
+        grew = [count.feed(report[:cut]), count.feed(report[cut:])]
+        assert count.done == 209715200 and any(grew), cut
+    count = ByteCount()
+    seen = []
+    for byte in report:
+        if count.feed(bytes([byte])):
+            seen.append(count.done)
+    assert seen == [104857600, 209715200], "one byte at a time: whole records only, never backwards"

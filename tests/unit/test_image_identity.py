@@ -151,3 +151,31 @@ def test_the_copy_waits_for_the_fabric_it_goes_over(cluster_yaml, seed_snapshot)
     steps = {s.id: s for s in plan(desired, observed).steps}
     worker = next(n.name for n in desired.nodes if n.role == "worker")
     assert f"link/{worker}" in steps[f"image/{worker}"].after
+
+
+def test_an_inspect_without_layers_is_an_image_not_a_probe_failure():
+    doc = copy.deepcopy(CLASSIC)
+    del doc["RootFS"]
+    assert image_from_inspect(doc).id == CLASSIC["Id"]
+
+
+@pytest.mark.parametrize(("stderr", "absent"), [
+    ("Error response from daemon: No such image: nvcr.io/nvidia/vllm:26.05-py3", True),
+    ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock", False),
+])
+def test_only_a_missing_image_is_absent(cluster_yaml, stderr, absent):
+    from types import SimpleNamespace
+
+    from reconciler.steps import StepFailed
+    from reconciler.steps.images import inspect_image
+
+    class Session:
+        def run(self, argv, timeout, check=True):
+            return SimpleNamespace(ok=False, stdout="[]", stderr=stderr, exit_code=1)
+
+    ctx = SimpleNamespace(sessions={"n": Session()}, command_timeout=5)
+    if absent:
+        assert inspect_image(ctx, "n", "img") is None
+    else:
+        with pytest.raises(StepFailed, match="Cannot connect"):
+            inspect_image(ctx, "n", "img")

@@ -48,3 +48,14 @@ def test_hf_hub_offline_only_where_the_cache_is_served(cluster_yaml, seed_snapsh
     assert all(s.env["HF_HUB_OFFLINE"] == "1" for s in launch_specs(cached))
     assert all("HF_HUB_OFFLINE" not in s.env for s in launch_specs(plain)), "vllm#23684: a local path breaks"
     assert not [d for d in diff(plain, _) if d.kind == "weights" and d.blocking]
+
+
+def test_a_source_serving_alone_is_checked_too_and_reported_once(cluster_yaml, seed_snapshot):
+    data = load_file(cluster_yaml).data
+    data["model"]["revision"] = "v9"
+    data["serving"] |= {"nodes": [data["nodes"][0]["name"]], "tensor_parallel_size": 1}
+    desired = Desired.model_validate(data)
+    observed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    blocking = [d for d in diff(desired, observed) if d.kind == "weights" and d.blocking]
+    assert len(blocking) == 1 and blocking[0].node == desired.source_node
+    assert not [s for s in plan(desired, observed).steps if s.kind == "start-serving"]
