@@ -242,7 +242,7 @@ def _rss(pid: int) -> int:
 
 
 def run_footprint(opts: Options) -> dict:
-    duration = opts.n(300, 20)
+    duration = opts.n(300, 5)
     with on_testbed(2, "converged", serving=True) as run:
         tb = run.tb
         d = Daemon(tb.desired_state, events=True)     # testbed.yaml: resync 30 s, event streams on

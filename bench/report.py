@@ -212,7 +212,7 @@ full run, before that change, measured the no-op cycle at 85 / 94 ms (38x Ansibl
    shard on the worker (page cache warm: the most favourable case for hashing).
 6. **Footprint**: the daemon on `STATE/testbed.yaml` (resync 30 s, docker and link event streams on), idle on a
    converged cluster: RSS sampled every 5 s from /proc/PID/status, CPU = utime+stime delta / wall time, over
-   5 minutes (20 s in quick mode). The node side (one `docker events` + `ip monitor` per node) is not counted.
+   5 minutes (5 s in quick mode). The node side (one `docker events` + `ip monitor` per node) is not counted.
 7. **Scaling**: the no-op cycle of benchmark 1 with 2, 4 and 8 nodes (`testbed up --nodes N --scenario converged` then
    `reconciler apply`), 30 cycles each.
 8. **Real vLLM start, compile cache kept** (`python -m bench vllm-start`, not in `--quick`): the real vLLM 0.32.0

@@ -46,7 +46,7 @@ def test_bench_quick(testbed, tmp_path):
     for row in r["verify"]["rows"].values():
         assert 0 < row["noop_check"]["median"] < 30 and row["sha256_seconds"] > 0
     f = r["footprint"]
-    assert 1 < f["rss_max_mb"] < 2000 and 0 <= f["cpu_percent"] < 100 and f["seconds"] >= 15
+    assert 1 < f["rss_max_mb"] < 2000 and 0 <= f["cpu_percent"] < 100 and f["seconds"] >= 5
     for row in r["scaling"]["rows"].values():
         assert 0 < row["project"]["median"] < 60
     assert "| benchmark |" in p.stdout   # the table rendered

@@ -57,7 +57,7 @@ def running(tb, node: str, name: str) -> bool:
 
 def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_path):
     tb = seed_testbed.reset("seed")
-    desired = write_desired(tmp_path / "cluster.yaml", lambda d: slow_sync(d, rate="1500KB"), resync_interval="1h")
+    desired = write_desired(tmp_path / "cluster.yaml", lambda d: slow_sync(d, rate="3000KB"), resync_interval="1h")
     d = daemon(desired, tmp_path / "state")
     try:
         first = wait_until(lambda: (lambda o: o if o and o["bytesDone"] > 0 else None)(
