@@ -6,6 +6,7 @@ level-triggered reconciler simply looks again. Exit 0 only when a fresh observat
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -21,12 +22,14 @@ from rich.progress import (
 )
 
 from reconciler.execute import execute
+from reconciler.lease import Holder, LeaseHeld, held
 from reconciler.observe import observe
 from reconciler.plan import plan as make_plan
 from reconciler.remote import Sessions
 from reconciler.render import plan_text
 from reconciler.spec import Desired
 from reconciler.steps import StepContext
+from reconciler.text import printable
 
 
 class _ProgressView:
@@ -57,9 +60,29 @@ class _ProgressView:
             self.bars.stop()
 
 
-def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 3, generation: int = 1) -> int:
-    console = Console(stderr=False)
+EXIT_HELD = 4  # another actor holds the cluster's lease (reconciler.lease)
+
+
+def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 3, generation: int = 1,
+               holder: Holder | None = None) -> int:
+    """`holder`: who takes the cluster's lease for the run (not for a dry run, which changes nothing)."""
     sessions = Sessions(desired)
+    try:
+        with contextlib.ExitStack() as stack:
+            if not dry_run and holder is not None:
+                try:
+                    stack.enter_context(held(desired, sessions, holder))
+                except LeaseHeld as exc:
+                    click.echo(f"Nothing changed: {exc} (reconciler status; stop the daemon or wait).", err=True)
+                    return EXIT_HELD
+            return _apply(desired, sessions, yes=yes, dry_run=dry_run, max_passes=max_passes, generation=generation)
+    finally:
+        sessions.close()
+
+
+def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, max_passes: int,
+           generation: int) -> int:
+    console = Console(stderr=False)
     view = _ProgressView(console)
     try:
         observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command)
@@ -89,15 +112,16 @@ def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 
         return 0
     finally:
         view.stop()
-        sessions.close()
 
 
 def _echo(event: str, fields: dict) -> None:
+    """A step's start and end, one line each; printable: step ids name containers and a step's message quotes
+    what the node answered (reconciler/text.py)."""
     if event == "step.start":
-        click.echo(f"  ... {fields['step'].id}")
+        click.echo(printable(f"  ... {fields['step'].id}"))
     elif event == "step.end":
         r = fields["result"]
         mark = {"success": "ok", "skipped": "skipped"}.get(r.result, r.result.upper())
-        click.echo(f"  {mark:>7} {r.step.id} ({r.seconds:.1f}s){': ' + r.message if r.message else ''}",
+        click.echo(printable(f"  {mark:>7} {r.step.id} ({r.seconds:.1f}s){': ' + r.message if r.message else ''}"),
                    err=r.result not in ("success",))
         sys.stdout.flush()

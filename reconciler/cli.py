@@ -6,6 +6,7 @@ apply 0 converged / 1 not / 2 invalid; observe 0 / 3 a node unreachable; status 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,13 +23,24 @@ from reconciler.render import plan_text
 EXIT_INVALID = 2
 
 
-def _load_or_exit(path: str) -> spec.Desired:
+def _load_or_exit(path: str, connects: bool = False) -> spec.Desired:
+    """The desired state, or exit 2 with every problem placed. `connects`: for the commands that connect to the
+    nodes: take serving.secrets from this process's environment (the spec hash covers the values), and refuse
+    files that someone other than root or this user may change (reconciler.trusted_files)."""
+    from reconciler import log, trusted_files
+
     try:
-        return spec.load(path)
+        desired = spec.load(path, os.environ if connects else None)
+        unsafe = trusted_files.problems(trusted_files.trusted_paths(desired, path)) if connects else []
     except spec.InvalidDesiredState as exc:
-        for line in exc.lines():
-            click.echo(line, err=True)
+        unsafe = exc.lines()
+    for line in unsafe:
+        click.echo(line, err=True)
+    if unsafe:
         sys.exit(EXIT_INVALID)
+    for value in desired.secret_values():
+        log.register_secret(value)
+    return desired
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,7 +76,7 @@ def schema(markdown: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
 def plan(file: str, snapshot: Path | None, as_json: bool) -> None:
     """Show the drift and the ordered steps. Exit 0 no changes, 1 changes pending, 2 invalid."""
-    desired = _load_or_exit(file)
+    desired = _load_or_exit(file, connects=True)
     if snapshot is None:
         observed = _observe(desired)
     else:
@@ -105,14 +117,22 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
     mtime on the source). Catches what size checks cannot, such as flipped bytes. Exit 0 all match, 1 not."""
     from dataclasses import asdict
 
+    from reconciler.apply import EXIT_HELD
+    from reconciler.lease import Holder, LeaseHeld, held
     from reconciler.remote import Sessions
     from reconciler.steps.weights import verify_weights
 
-    desired = _load_or_exit(file)
+    desired = _load_or_exit(file, connects=True)
     targets = [n.name for n in desired.serving_nodes if n.name != desired.source_node and only in (None, n.name)]
     sessions = Sessions(desired)
     try:
-        results = [verify_weights(desired, sessions, node, repair=repair) for node in targets]
+        with contextlib.ExitStack() as stack:
+            if repair:  # repairing deletes files on the nodes: one actor at a time (reconciler.lease)
+                stack.enter_context(held(desired, sessions, Holder.of("verify-repair", file)))
+            results = [verify_weights(desired, sessions, node, repair=repair) for node in targets]
+    except LeaseHeld as exc:
+        click.echo(f"Nothing repaired: {exc}.", err=True)
+        sys.exit(EXIT_HELD)
     finally:
         sessions.close()
     if as_json:
@@ -137,7 +157,7 @@ def sudoers(file: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The snapshot `plan --observed` reads.")
 def observe(file: str, as_json: bool) -> None:
     """Probe every node once (one batched script each) and print what is there. Exit 3 if a node is unreachable."""
-    desired = _load_or_exit(file)
+    desired = _load_or_exit(file, connects=True)
     observed = _observe(desired)
     if as_json:
         click.echo(observed.model_dump_json(indent=1))
@@ -157,10 +177,12 @@ def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
     """One convergence pass: observe, show the plan, execute it in order, verify. Exit 0 only when converged."""
     from reconciler import log
     from reconciler.apply import apply_once
+    from reconciler.lease import Holder
 
-    desired = _load_or_exit(file)
+    desired = _load_or_exit(file, connects=True)
     log.configure()
-    sys.exit(apply_once(desired, yes=yes, dry_run=dry_run, max_passes=max_passes))
+    sys.exit(apply_once(desired, yes=yes, dry_run=dry_run, max_passes=max_passes,
+                        holder=Holder.of("apply", file)))
 
 
 @main.command()

@@ -15,21 +15,22 @@ A reconcile that raises still publishes: the status then says Degraded with the 
 
 from __future__ import annotations
 
-import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler import conditions, log, metrics, spec
+from reconciler import conditions, log, metrics, spec, trusted_files
 from reconciler.generations import GenerationStore
 from reconciler.health_watch import HealthWatch
 from reconciler.holds import Holds, vetoes
+from reconciler.lease import Holder, Lease
 from reconciler.observe import ask_serve_flags, flags_wanted, observe
 from reconciler.observed import Observed
 from reconciler.operations import FlagsQuery, Operations, admit
-from reconciler.plan import STEP_KINDS, Plan, unhealthy_grace
+from reconciler.plan import STEP_KINDS, Blocker, Plan, unhealthy_grace
 from reconciler.plan import plan as make_plan
 from reconciler.remote import Sessions
 from reconciler.status import StatusPublisher
@@ -53,6 +54,8 @@ class Controller:
                  events: bool = True, observe_fn=observe, sessions_factory=Sessions,
                  operations: Operations | None = None, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
+        self.holder = Holder.of("daemon", self.path)
+        self.lease: Lease | None = None
         self.clock = clock  # unix time; tests pass a fake one
         self.requests = requests
         self.cancel = cancel
@@ -78,22 +81,27 @@ class Controller:
     @property
     def status(self) -> dict:
         """/status: the last reconcile's status, with the operations as they are right now."""
-        return {**self.publisher.status, "operations": self.operations.view()}
+        return log.redact({**self.publisher.status, "operations": self.operations.view()})
 
     # -- the desired state ------------------------------------------------------------------------------------
 
     def reload(self) -> bool:
         """Re-read the file; True when a new valid generation was taken. Invalid: keep the last good one."""
         try:
-            desired = spec.load(self.path)
+            desired = spec.load(self.path, os.environ)
+            for value in desired.secret_values():
+                log.register_secret(value)
+            unsafe = trusted_files.problems(trusted_files.trusted_paths(desired, self.path))
         except spec.InvalidDesiredState as exc:
-            self.file_error = "\n".join(exc.lines())
+            unsafe = exc.lines()
+        if unsafe:  # a file others may change is as bad as an invalid one: keep the last good generation
+            self.file_error = "\n".join(unsafe)
             metrics.desired_state_valid.set(0)
-            self.log.warning("desired_state.invalid", errors=exc.lines(), keeping_generation=self.store.generation)
+            self.log.warning("desired_state.invalid", errors=unsafe, keeping_generation=self.store.generation)
             return False
         self.file_error = None
         metrics.desired_state_valid.set(1)
-        if not self.store.take(hashlib.sha256(desired.model_dump_json().encode()).hexdigest()):
+        if not self.store.take(desired.fingerprint()):
             return False
         if self.desired is not None and (cancelled := self.operations.cancel_all()):
             # Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled,
@@ -106,6 +114,9 @@ class Controller:
             self.sessions = self._sessions_factory(desired)
         else:
             self.sessions.update(desired)
+        if self.lease is not None and self.lease.desired.instance != desired.instance:
+            self.lease.release()  # another head: this is another cluster now
+        self.lease = Lease(desired, self.sessions, self.holder)
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
                       paused=desired.policy.paused)
         if self.use_events:
@@ -178,9 +189,14 @@ class Controller:
 
     def _start(self, desired: spec.Desired, observed: Observed, current: Plan, reasons: set[str]) -> int:
         """Launch the plan's steps that may start now (not held, not conflicting with one in flight)."""
-        if not current.steps or current.mode != "enforce":
+        if current.mode != "enforce":  # observing or paused: the cluster is free for `apply`
+            if self.lease is not None and self.lease.holding and not self.operations.busy():
+                self.lease.release()
             return 0
-        assert self.sessions is not None and self.holds is not None
+        assert self.sessions is not None and self.holds is not None and self.lease is not None
+        if (taken := self.lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
+            current.blocked.append(Blocker(desired.head.name, f"nothing starts: {taken}"))
+            return 0
         runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.holds, self.clock()))
         if not runnable:
             return 0

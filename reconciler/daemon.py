@@ -132,6 +132,8 @@ class Daemon:
         def close() -> None:
             if not self.controller.operations.join(deadline):
                 self.log.warning("daemon.operations_still_running", seconds=deadline)
+            elif self.controller.lease is not None:  # nothing of ours runs any more: another actor may act now
+                self.controller.lease.release()
             server.shutdown()
             server.server_close()
             if self.controller.sessions:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.observe import split_sections
+from reconciler.text import printable
 
 # --------------------------------------------------------------------------------------------------- the probe
 
@@ -471,19 +472,21 @@ def holds_serving_port(c: RunningContainer, port: int) -> bool:
 # --------------------------------------------------------------------------------------------------- rendering
 
 def _y(value: object) -> str:
-    """A YAML scalar: JSON strings are valid YAML double-quoted strings (no injection from remote text)."""
+    """A YAML scalar: JSON strings are valid YAML double-quoted strings (no injection from remote text: a `#` or a
+    line break stays inside the quotes), of printable text (reconciler/text.py: no value read back from the file
+    holds a control character; the spec's patterns then reject what a node should never have sent)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return f"{value:g}" if isinstance(value, float) else str(value)
     if value is None:
         return "null"
-    return json.dumps(str(value))
+    return json.dumps(printable(str(value)))
 
 
-def _c(text: str) -> str:
-    """Remote text made safe for a comment: one line, printable."""
-    return re.sub(r"[^\x20-\x7e]", "?", str(text))[:300]
+def _c(text: object) -> str:
+    """Remote text made safe for a comment: one line, printable (reconciler/text.py), at most 300 characters."""
+    return printable(str(text))[:300]
 
 
 @dataclass(frozen=True)
@@ -617,8 +620,8 @@ def _node_fabric_lines(node: _NodeDraft) -> list[str]:
                 f"(set by the link step)")
     out.append(f"      mtu: 9000{mtu_note}")
     if g.twins:
-        out.append(f"      # twins with IPv4 and an ACTIVE port: {', '.join(g.twins)}; for both rails set "
-                   f"serving.env.NCCL_IB_HCA: \"{','.join([g.rdma_device or ''] + g.twins)}\"")
+        out.append(f"      # twins with IPv4 and an ACTIVE port: {_c(', '.join(g.twins))}; for both rails set "
+                   f"serving.env.NCCL_IB_HCA: \"{_c(','.join([g.rdma_device or ''] + g.twins))}\"")
     return out
 
 
@@ -629,7 +632,7 @@ def _node_state_lines(f: NodeFacts) -> list[str]:
     return [f"    internet: {_y(f.internet)}   # from the routing table (`ip route get 1.1.1.1`); "
             + ("a route exists" if f.internet else "no route: gets HF_HUB_OFFLINE=1"),
             "    gpus: 1                        # GUESS: a DGX Spark has one GB10",
-            f"    # {mem}; running: {', '.join(c.name for c in f.containers) or 'nothing'}",
+            f"    # {mem}; running: {_c(', '.join(c.name for c in f.containers) or 'nothing')}",
             *(f"    # problem while reading this node: {_c(e)}" for e in f.errors)]
 
 
@@ -700,7 +703,9 @@ def _docker_lines(head: NodeFacts) -> list[str]:
             f"    gpus: {_y('all') if head.nvidia_runtime else 'null'}"
             + ("   # the nvidia runtime is installed" if head.nvidia_runtime
                else "   # GUESS: docker has no nvidia runtime on the head: no --gpus"),
-            "    privileged: true               # RDMA devices inside the container (eugr's launch default)",
+            "    privileged: false              # true needs trust.privileged: root over the node (docs/security.md)",
+            *(["    devices: [/dev/infiniband]     # NCCL's RoCE transport without privileged (eugr --non-privileged)",
+               "    cap_add: [IPC_LOCK]"] if head.rdma_source != "none" else []),
             "    ipc: host",
             '    shm_size: "64g"',
             f"    ulimits: {{{', '.join(ulimits)}}}   # GUESS: capped by the head's hard limits "
@@ -720,7 +725,7 @@ def _co_tenants_section(nodes: list[_NodeDraft], port: int) -> list[str]:
             allowed_lines.append(f"    {_y(node.name)}:   # GUESS: running now, allowed to keep running "
                                  f"(remove to have it stopped)")
             allowed_lines += [f"      - {_y(c.name)}   # image {_c(c.image)}" for c in keep]
-        stop_lines += [f"  # {node.name}: {c.name} is NOT allowed   # GUESS: another launcher's serving container "
+        stop_lines += [f"  # {node.name}: {_c(c.name)} is NOT allowed   # GUESS: another launcher's serving container "
                        f"or it holds :{port}; the reconciler STOPS it (never removes)" for c in stop]
     return ["co_tenants:", "  allowed:" if allowed_lines else "  allowed: {}", *allowed_lines, *stop_lines,
             "  protected: {}",
@@ -729,7 +734,10 @@ def _co_tenants_section(nodes: list[_NodeDraft], port: int) -> list[str]:
 
 def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, identity: str | None,
            jump: bool, port: int = 8000, margin: int = 4 * 2**30) -> str:
-    """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`."""
+    """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`.
+
+    Node text reaches the file only through `_y` (a quoted scalar) or `_c` (comment text); each line is made
+    printable once more as it is joined, so no line break a node sends can ever start a line of live YAML."""
     facts = heads_and_workers
     nodes = _draft_nodes(facts)
     model, src = pick_model(facts)
@@ -737,8 +745,8 @@ def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, i
     out += _placeholder_model_section(user) if model is None else _model_section(nodes, model, src)
     out += ["", *_serving_section(facts, model, port, margin)]
     out += ["", *_co_tenants_section(nodes, port)]
-    out += ["", *_POLICY]
-    return "\n".join(out) + "\n"
+    out += ["", *_POLICY, "...   # the end marker: keep it the last line (a half-written save is then refused)"]
+    return "\n".join(map(printable, out)) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------- the edge

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from reconciler.observed import Link, NodeObservation, Observed, Weights
+from reconciler.observed import LABEL_INSTANCE, Link, NodeObservation, Observed, Weights
 from reconciler.spec import Desired, FabricPort, Node
 from reconciler.vllm import launch_specs
 
@@ -134,8 +134,9 @@ def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
         obs = observed.node(node.name)
         if not obs.reachable or not obs.docker_reachable:
             continue
-        for other in obs.containers:  # managed containers that should not exist (node left the span, name changed)
-            if other.managed and other.running and (node.name not in specs or other.name != name):
+        for other in obs.containers:  # our containers that should not run (node left the span, name changed)
+            if (other.owned_by(desired.instance) and other.running and (node.name not in specs or other.name != name)
+                    and not desired.co_tenants.is_protected(node.name, other.name)):
                 out.append(Drift(node.name, "serving", f"container/{other.name}", "not running (no longer wanted)",
                                  "running"))
         spec = specs.get(node.name)
@@ -145,10 +146,11 @@ def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
         res = f"container/{name}"
         if c is None:
             out.append(Drift(node.name, "serving", res, f"running, spec {spec.spec_hash}", "missing"))
-        elif not c.managed:
-            out.append(Drift(node.name, "serving", res, "managed by spark-reconciler",
-                             "a container not created by the reconciler holds the name", actionable=False,
-                             blocking=True))
+        elif not c.owned_by(desired.instance):
+            seen = (f"another reconciler's container (instance {c.labels.get(LABEL_INSTANCE)}) holds the name"
+                    if c.managed else "a container not created by the reconciler holds the name")
+            out.append(Drift(node.name, "serving", res, f"created by this reconciler ({desired.instance})", seen,
+                             actionable=False, blocking=True))
         elif not c.running:
             out.append(Drift(node.name, "serving", res, "running", c.state))
         elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:
@@ -164,10 +166,11 @@ def _usable(obs: NodeObservation) -> bool:
 
 
 def image_holder(desired: Desired, observed: Observed) -> str | None:
-    """The node whose image id is the reference: the first usable node (head first) that has the image."""
-    ordered = sorted(desired.nodes, key=lambda n: n.role != "head")
-    return next((n.name for n in ordered if _usable(observed.node(n.name))
-                 and observed.node(n.name).images.get(desired.serving.image)), None)
+    """The node whose image is the reference: the first usable image source (the head, unless the file lists
+    others) that has it. Never another node: a compromised worker that claims the tag must not become the
+    source whose `docker save` the other nodes load."""
+    return next((name for name in desired.image_sources if _usable(observed.node(name))
+                 and observed.node(name).images.get(desired.serving.image)), None)
 
 
 def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict[str, bool]]:
@@ -193,8 +196,10 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
     image = desired.serving.image
     res = f"image/{image}"
     if holder is None:
-        return [Drift(name, "image", res, "present on some node", "on no reachable node", actionable=False,
-                      blocking=True) for name in ready]
+        sources = ", ".join(desired.image_sources)
+        return [Drift(name, "image", res, f"present on an image source ({sources})", "on no reachable image "
+                      f"source: pull it on {desired.image_sources[0]}", actionable=False, blocking=True)
+                for name in ready]
     reference = observed.node(holder).images[image]
     pin = desired.serving.image_id
     if pin and not reference.matches_pin(pin):
@@ -262,7 +267,7 @@ def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) ->
     name = desired.serving.container_name
     for node in desired.serving_nodes:
         own = observed.node(node.name).container(name)
-        if own is not None and own.managed and own.running:
+        if own is not None and own.owned_by(desired.instance) and own.running:
             stopping.add(node.name)
     return stopping
 

@@ -59,10 +59,18 @@ def _serve_command(spec: vllm.LaunchSpec, size: int, worker: bool) -> list[str]:
     return out
 
 
-def _env(spec: vllm.LaunchSpec) -> list[dict]:
+# The Kubernetes Secret the exported pods read serving.secrets from (`kubectl create secret generic ...`).
+SECRET_OBJECT = "spark-reconciler-secrets"
+
+
+def _env(desired: Desired, spec: vllm.LaunchSpec) -> list[dict]:
+    """Plain values as values; serving.secrets as secretKeyRef (the export never holds a secret's value: it is
+    built from the file alone)."""
+    secrets = desired.secret_names_for(desired.node(spec.node))
     env: list[dict] = [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                        {"name": "MASTER_ADDR", "value": "$(LWS_LEADER_ADDRESS)"}]
-    env += [{"name": k, "value": v} for k, v in sorted(spec.env.items()) if k not in _PER_POD]
+    env += [{"name": k, "value": v} for k, v in sorted(spec.env.items()) if k not in _PER_POD and k not in secrets]
+    env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": SECRET_OBJECT, "key": k}}} for k in sorted(secrets)]
     return env
 
 
@@ -73,7 +81,7 @@ def _pod_template(desired: Desired, spec: vllm.LaunchSpec, size: int, leader: bo
         "name": "vllm-leader" if leader else "vllm-worker",
         "image": s.image,
         "command": _serve_command(spec, size, worker=not leader),
-        "env": _env(spec),
+        "env": _env(desired, spec),
         "resources": {"limits": {"nvidia.com/gpu": str(node.gpus)}},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "model", "mountPath": mount_path}],
@@ -126,6 +134,9 @@ def lws_yaml(desired: Desired, name: str | None = None) -> str:
              "# schedules onto; per-node fabric interface names are the worker template's (rank 1's)."]
     if desired.serving.launcher == "ray":
         notes.append("# The desired state uses the Ray launcher; this manifest is the multiprocessing (MP) variant.")
+    if desired.serving.secrets:
+        notes.append(f"# serving.secrets come from the Secret {SECRET_OBJECT}: kubectl create secret generic "
+                     f"{SECRET_OBJECT} " + " ".join(f"--from-literal={k}=..." for k in desired.serving.secrets))
     diff = sorted({desired.node(n.name).fabric.interface for n in desired.serving_nodes})
     if len(diff) > 1:
         notes.append(f"# WARNING: the serving nodes use different fabric interfaces ({', '.join(diff)}); one pod "

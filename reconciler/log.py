@@ -1,7 +1,28 @@
 """structlog set-up: JSON lines under systemd/journald or when piped, a readable console renderer in a terminal.
 
-Secrets never reach a log line: any field whose name looks like a secret, and any value of an environment
-variable named like one, is replaced by `***` before rendering.
+Secrets never reach a log line, a traceback or /status. `redact` (structures) and `redact_text` (one string) replace,
+by `***`:
+
+- every occurrence of a value given to `register_secret` (the daemon registers the values of the secrets it reads
+  from its environment), wherever it stands;
+- a Hugging Face token literal (`hf_` and 30 or more letters and digits);
+- the value of anything *named* like a secret: a dict key (at any depth), and in text `NAME=value`, `NAME: value`,
+  `"NAME": "value"`, `'name': 'value'`, `--flag=value`, `--flag value`; `Authorization: <scheme> value` and
+  `Bearer value`; the password of `scheme://user:password@host`.
+
+A name is a secret's when one of its words (split at `_ - .`, other punctuation and camelCase, case-insensitive)
+ends in token, secret, password, passwd, passphrase, credential(s) or apikey, is authorization or cookie, or when
+two of them read api key, private key or access key: HF_TOKEN, --hf-token, VLLM_API_KEY, apiKey, X-Auth-Token.
+Plurals and longer words are not: max_tokens, --max-num-batched-tokens, tokenizer, "tokens per second" are left as
+they are. A value separated from its name by whitespace is kept when it is a plain English word of the short list
+`_PROSE` (`--api-key is set by the reconciler` stays readable: no real secret is "is" or "flag"), or itself a
+secret's name (`serving.secrets.VLLM_API_KEY: VLLM_API_KEY is not set`).
+
+The log processor runs last before the renderer, after format_exc_info, so the rendered traceback text is redacted
+too, and it renders itself any exc_info still pending (the console renderer would otherwise format it with locals).
+`configure` also redacts the other writers of tracebacks: the standard library's logging (paramiko, fabric) and
+the interpreter's printers of uncaught exceptions, in the main thread or any other. In an argv list, the item after
+a secret's flag (`["--api-key", "abc"]`) is redacted too.
 """
 
 from __future__ import annotations
@@ -9,26 +30,282 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import MutableMapping
+import threading
+import traceback
+from collections.abc import Callable, Mapping, MutableMapping
+from types import TracebackType
 from typing import Any
 
 import structlog
 
-_SECRET_KEY = re.compile(r"(token|secret|password|passwd|api_key|apikey|credential)", re.I)
-_SECRET_ASSIGN = re.compile(r"\b([A-Z0-9_]*(TOKEN|SECRET|PASSWORD|API_KEY)[A-Z0-9_]*)=([^\s'\"]+)")
+MASK = "***"
+
+#: Shorter registered values are ignored: a value of a few characters ("admin", "1", "spark") is also an ordinary
+#: word, a node name or a number, and replacing every occurrence of it would garble every line (and, by the holes
+#: it leaves, tell where the value is). Such a value is still redacted wherever it stands by its name (KEY=value,
+#: --flag value, "key": "value", a dict key) — only the anywhere-in-any-text match needs the length.
+MIN_SECRET_LENGTH = 8
+
+_lock = threading.Lock()
+_secrets: tuple[str, ...] = ()  # registered values, longest first
+
+
+def register_secret(value: str) -> bool:
+    """Redact every occurrence of `value` from now on. Surrounding whitespace is dropped (a value read from a file
+    keeps its newline); what is left must be at least MIN_SECRET_LENGTH characters or it is ignored. True when
+    registered."""
+    global _secrets
+    if not isinstance(value, str):
+        return False
+    value = value.strip()
+    if len(value) < MIN_SECRET_LENGTH:
+        return False
+    with _lock:
+        if value not in _secrets:
+            _secrets = tuple(sorted({*_secrets, value}, key=len, reverse=True))
+    return True
+
+
+# -- names ---------------------------------------------------------------------------------------------------------
+
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+_SECRET_SUFFIXES = ("token", "secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials",
+                    "apikey")
+_SECRET_WORDS = {"authorization", "cookie"}
+_SECRET_PAIRS = {("api", "key"), ("private", "key"), ("access", "key")}
+
+
+def is_secret_name(name: str) -> bool:
+    """HF_TOKEN, --api-key, apiKey, X-Auth-Token, client_secret: yes. max_tokens, tokenizer, node: no."""
+    words = [w.lower() for w in _WORDS.findall(name)]
+    if any(w.endswith(_SECRET_SUFFIXES) or w in _SECRET_WORDS for w in words):
+        return True
+    return any(pair in _SECRET_PAIRS for pair in zip(words, words[1:]))
+
+
+# -- text ----------------------------------------------------------------------------------------------------------
+
+# A name and its separator; the value is matched after it only when the name is a secret's, so passing over any
+# other name costs its own length, not the rest of the text (a long `a=a=a=...` or query string stays linear).
+# NAME=value, NAME: value, "NAME": "value", 'name': 'value', --flag=value (the key may be quoted, JSON or repr),
+# and the scheme of `Authorization: Bearer value`.
+_ASSIGN = re.compile(r"(?<![\w.-])(?P<q>\\?[\"']|)(?P<name>-{0,2}[A-Za-z][\w.-]*)(?P=q)\s*[:=]\s*"
+                     r"(?:(?:bearer|basic|digest|token)\s+)?", re.I)
+# --flag value
+_FLAG = re.compile(r"(?<![\w.-])(?P<name>--?[A-Za-z][\w.-]*)\s+")
+# A value: quoted ("...", '...', \"...\" inside an escaped JSON string; up to 4096 characters, so a stray quote
+# does not send every secret's name scanning to the end of the text), else up to whitespace or a quote; a quote
+# left open: up to whitespace. After a flag and a space, not starting with `-`: that is the next flag (an argument
+# parser would not take it for the value).
+_QUOTED = (r"""\\"(?:[^"\\]|\\[^"]){0,4096}\\"|\\'(?:[^'\\]|\\[^']){0,4096}\\'|"""
+           r""""(?:[^"\\]|\\.){0,4096}"|'(?:[^'\\]|\\.){0,4096}'""")
+_BARE = r"""(?:[^\s'"\\]|\\(?!["']))"""
+_VALUE = re.compile(rf"""{_QUOTED}|{_BARE}+|\\?["']\S*""")
+_FLAG_VALUE = re.compile(rf"""(?!-)(?:{_QUOTED}|{_BARE}+|\\?["']\S*)""")
+_BEARER = re.compile(rf"(?<![\w-])(?P<scheme>bearer\s+)(?P<value>{_BARE}+)", re.I)
+_HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}", re.I)
+_URL_PASSWORD = re.compile(r"(?P<head>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@'\"]+:)[^/\s@'\"]+@")
+# Words that follow a flag or a name in prose, never a secret: kept when separated by whitespace.
+_PROSE = {"a", "an", "and", "are", "as", "at", "be", "by", "cannot", "for", "from", "given", "has", "have", "if",
+          "in", "instead", "is", "missing", "must", "not", "of", "on", "or", "required", "set", "should", "the",
+          "to", "unset", "was", "were", "with", "flag", "option", "value", "none", "null", "true", "false"}
+
+
+def _masked(value: str) -> str:
+    """`***`, inside the value's own quotes if it had some."""
+    quote = re.match(r"""\\?["']""", value)
+    if quote is None:
+        return MASK
+    q = quote.group(0)
+    return q + MASK + q if len(value) >= 2 * len(q) and value.endswith(q) else q + MASK
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _not_a_value(word: str) -> bool:
+    """After whitespace: a prose word (`--api-key is set by ...`), or a secret's name, not its value
+    (`serving.secrets.VLLM_API_KEY: VLLM_API_KEY is not set`)."""
+    return word.lower() in _PROSE or (_IDENTIFIER.fullmatch(word) is not None and is_secret_name(word))
+
+
+def _named(head: re.Pattern[str], values: re.Pattern[str], text: str) -> str:
+    """The value after each match of `head` whose name is a secret's, masked (unless `_not_a_value`). After any
+    other name the search goes on right behind it (`env=HF_TOKEN=abc`)."""
+    out, pos = [], 0
+    while (m := head.search(text, pos)) is not None:
+        out.append(text[pos:m.end()])
+        pos = m.end()
+        value = values.match(text, pos) if is_secret_name(m.group("name")) else None
+        if value is not None and not (text[pos - 1].isspace() and _not_a_value(value.group(0))):
+            out.append(_masked(value.group(0)))
+            pos = value.end()
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _bearer(m: re.Match[str]) -> str:
+    return m.group(0) if m.group("value").lower() in _PROSE else m.group("scheme") + MASK
+
+
+def _patterns(text: str) -> str:
+    text = _HF_TOKEN.sub(MASK, text)
+    text = _URL_PASSWORD.sub(lambda m: m.group("head") + MASK + "@", text)
+    text = _named(_ASSIGN, _VALUE, text)
+    text = _named(_FLAG, _FLAG_VALUE, text)
+    return _BEARER.sub(_bearer, text)
+
+
+def _registered(text: str, secrets: tuple[str, ...]) -> str:
+    """Every occurrence of every registered value (overlapping ones merged), until none is left: removing one can
+    join its neighbours into another."""
+    while True:
+        spans: list[tuple[int, int]] = []
+        for secret in secrets:
+            i = text.find(secret)
+            while i >= 0:
+                spans.append((i, i + len(secret)))
+                i = text.find(secret, i + 1)
+        if not spans:
+            return text
+        spans.sort()
+        out, pos, end = [], 0, -1
+        for start, stop in spans:
+            if start > end:
+                if end >= 0:
+                    out.append(MASK)
+                out.append(text[pos:start])
+            end = max(end, stop)
+            pos = end
+        out.append(MASK)
+        out.append(text[pos:])
+        text = "".join(out)
 
 
 def redact_text(text: str) -> str:
-    return _SECRET_ASSIGN.sub(lambda m: f"{m.group(1)}=***", text)
+    """`text` without the secrets it holds (module docstring: the forms)."""
+    secrets = _secrets
+    text = _registered(text, secrets)
+    text = _patterns(text)
+    return _registered(text, secrets)
 
 
-def _redact(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    for key, value in list(event.items()):
-        if _SECRET_KEY.search(key):
-            event[key] = "***"
-        elif isinstance(value, str):
-            event[key] = redact_text(value)
-    return event
+# -- structures ----------------------------------------------------------------------------------------------------
+
+def _redact(obj: Any, stringify: bool) -> Any:
+    if isinstance(obj, str):
+        return redact_text(obj)
+    if isinstance(obj, Mapping):
+        out: dict[Any, Any] = {}
+        for key, value in obj.items():
+            secret = isinstance(key, str) and is_secret_name(key)
+            name = redact_text(key) if isinstance(key, str) else key
+            out[name] = MASK if secret and value is not None and not isinstance(value, bool) \
+                else _redact(value, stringify)
+        return out
+    if isinstance(obj, list):
+        return _argv(obj, stringify)
+    if isinstance(obj, tuple):
+        return tuple(_argv(obj, stringify))
+    if isinstance(obj, (set, frozenset)):
+        return type(obj)(_redact(v, stringify) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float)) or not stringify:
+        return obj
+    # What a renderer would print of any other object (an exception's repr holds its message): redacted first.
+    return redact_text(repr(obj))
+
+
+_LONE_FLAG = re.compile(r"-{1,2}[A-Za-z][\w.-]*")
+
+
+def _argv(items: list[Any] | tuple[Any, ...], stringify: bool) -> list[Any]:
+    """The items redacted; in an argv, the item after a secret's flag (`["--api-key", "abc"]`) is its value."""
+    out: list[Any] = []
+    for i, item in enumerate(items):
+        prev = items[i - 1] if i else None
+        if isinstance(item, str) and isinstance(prev, str) and _LONE_FLAG.fullmatch(prev) and \
+                is_secret_name(prev) and not item.startswith("-"):
+            out.append(MASK)
+        else:
+            out.append(_redact(item, stringify))
+    return out
+
+
+def redact(obj: Any) -> Any:
+    """A copy of `obj` (dicts, lists, tuples, sets, strings, at any depth) without secrets: strings through
+    `redact_text`, the whole value of a key named like a secret replaced by `***` (None and booleans kept: they
+    only say whether there is one), and in a list or tuple the item after a secret's flag (`["--api-key", "abc"]`).
+    Other objects are returned as they are."""
+    return _redact(obj, stringify=False)
+
+
+def _redact_event(logger: Any, name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """The last processor before the renderer: a pending exc_info is rendered here (so no renderer formats a
+    traceback of its own), then everything, the rendered `exception` included, is redacted."""
+    if "exc_info" in event:
+        event = structlog.processors.format_exc_info(logger, name, event)
+    return _redact(event, stringify=True)
+
+
+# -- the other writers of tracebacks -------------------------------------------------------------------------------
+
+class _RedactedRecords:
+    """The standard library's log records (paramiko, fabric) redacted as they are made, whatever handler or
+    formatter writes them later: the message formatted and redacted, the traceback rendered and redacted into
+    exc_text (exc_info dropped, so no formatter can render the original), the stack too."""
+
+    def __init__(self, inner: Callable[..., logging.LogRecord]) -> None:
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = self.inner(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError, KeyError):  # the % arguments do not fit: say so, without them in clear
+            message = f"unformattable log message {record.msg!r} % {record.args!r}"
+        record.msg, record.args = redact_text(message), ()
+        if record.exc_info:
+            record.exc_text = redact_text(_PLAIN.formatException(record.exc_info))
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info)
+        return record
+
+
+_PLAIN = logging.Formatter()
+
+
+def _write_uncaught(header: str, exc_type: type[BaseException], exc: BaseException | None,
+                    tb: TracebackType | None) -> None:
+    stream = sys.stderr
+    if stream is not None:
+        stream.write(redact_text(header + "".join(traceback.format_exception(exc_type, exc, tb))))
+        stream.flush()
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    _write_uncaught("", exc_type, exc, tb)
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    _write_uncaught(f"Exception in thread {name}:\n", args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def _redact_other_writers() -> None:
+    """The standard library's logging, and the interpreter's printers of uncaught exceptions (main thread, other
+    threads) when they are still the defaults: a hook someone installed on purpose (a debugger, pytest) is kept."""
+    factory = logging.getLogRecordFactory()
+    if not isinstance(factory, _RedactedRecords):
+        logging.setLogRecordFactory(_RedactedRecords(factory))
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _excepthook
+    if threading.excepthook is threading.__excepthook__:
+        threading.excepthook = _thread_excepthook
 
 
 def configure(json_lines: bool | None = None, level: str = "info") -> None:
@@ -37,12 +314,13 @@ def configure(json_lines: bool | None = None, level: str = "info") -> None:
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True), _redact,
-                    structlog.processors.format_exc_info, renderer],
+                    structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info,
+                    _redact_event, renderer],  # redaction last before the renderer: after anything that renders text
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _redact_other_writers()
 
 
 def get(name: str = "reconciler"):

@@ -17,6 +17,9 @@ LABEL_MANAGED = "spark-reconciler.managed"
 LABEL_SPEC_HASH = "spark-reconciler.spec-hash"
 LABEL_GENERATION = "spark-reconciler.generation"
 LABEL_ROLE = "spark-reconciler.role"
+# Which reconciler created the container: the cluster it serves, named by its head (Desired.instance). Without it
+# a container another reconciler made (or a copied `docker run` line) would look like one of ours.
+LABEL_INSTANCE = "spark-reconciler.instance"
 
 
 class _Model(BaseModel):
@@ -40,6 +43,11 @@ class Container(_Model):
     @property
     def managed(self) -> bool:
         return self.labels.get(LABEL_MANAGED) == "true"
+
+    def owned_by(self, instance: str) -> bool:
+        """Created by the reconciler of this cluster. A container made before the instance label existed (it
+        has `managed` but no instance) counts as ours, so an upgrade takes over its own serving."""
+        return self.managed and self.labels.get(LABEL_INSTANCE, instance) == instance
 
 
 class RdmaPort(_Model):
@@ -85,6 +93,12 @@ class Weights(_Model):
     root: str
     present: bool
     files: list[WeightFile] = Field(default_factory=list)
+    unsafe: list[str] = Field(default_factory=list, description="links that leave the tree, as `PATH -> VALUE "
+                              "(outside the tree: WHERE)`; the first few only (`unsafe_count` has them all). A tree "
+                              "with any is never copied: rsync would carry what they point to")
+    unsafe_count: int = 0
+    truncated: str | None = Field(None, description="why the listing is partial (more entries or levels than the "
+                                  "probe lists): a partial view is never synced from")
 
     @property
     def total_bytes(self) -> int:

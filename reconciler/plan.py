@@ -47,6 +47,7 @@ class Plan:
     steps: list[Step]
     blocked: list[Blocker]
     mode: str = "enforce"
+    trusted: tuple[str, ...] = ()  # the file's `trust` opt-ins in words: shown with every plan (docs/security.md)
 
     @property
     def changes(self) -> bool:
@@ -57,7 +58,8 @@ class Plan:
     def as_dict(self) -> dict[str, object]:
         return {"changes": self.changes, "mode": self.mode, "drift": [d.as_dict() for d in self.drift],
                 "steps": [s.as_dict() for s in self.steps],
-                "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked]}
+                "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked],
+                "trusted": list(self.trusted)}
 
 
 #: The grace before a restart for health doubles per restart that did not hold, up to 2**4 = 16x.
@@ -72,7 +74,7 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     drift = diff(desired, observed)
     mode = "paused" if desired.policy.paused else desired.policy.mode
     if mode != "enforce":
-        return Plan(drift, [], [], mode)
+        return Plan(drift, [], [], mode, tuple(desired.trust.granted()))
     steps: list[Step] = []
     blocked: list[Blocker] = []
     down = {d.node for d in drift if d.kind in ("unreachable", "probe", "docker")}
@@ -99,7 +101,9 @@ def plan(desired: Desired, observed: Observed) -> Plan:
         if d.kind != "image" or not d.actionable or holder is None:
             continue
         after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
-        step = Step(f"image/{d.node}", "image", d.node, _explain(d), after, params={"source": holder, "image": image})
+        expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
+        step = Step(f"image/{d.node}", "image", d.node, _explain(d), after,
+                    params={"source": holder, "image": image, "content": expect})
         image_ids.append(step.id)
         steps.append(step)
 
@@ -115,7 +119,7 @@ def plan(desired: Desired, observed: Observed) -> Plan:
         steps.append(step)
 
     steps += _serving_steps(desired, observed, drift, steps, blocked, down)
-    return Plan(drift, steps, blocked, mode)
+    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()))
 
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
@@ -154,7 +158,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     prereq = tuple(s.id for s in before)
     for node in serving:
         c = observed.node(node).container(name)
-        if c is not None and c.managed:
+        if c is not None and c.owned_by(desired.instance):
             stop(node, name, f"ordered restart ({why})", prereq)
     steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps))
     return steps

@@ -4,9 +4,9 @@ One persistent fabric/paramiko session per node, reused across cycles and reopen
 jump host are reached through that node's session (a direct-tcpip channel, like `ssh -J`). Host keys are checked
 strictly against the known_hosts file the desired state names: an unknown or changed key is refused with a clear
 error, never accepted. Every command is an argv of already-validated values, quoted here with `shlex.quote`, so a
-value reaches the node as exactly one argument. Root is used only through `sudo -n` for the commands in
-SUDO_COMMANDS, which is what docs/operations.md's sudoers snippet allows; anything else is refused before it
-leaves the head.
+value reaches the node as exactly one argument. Root is used only through `sudo -n` for the node's exact commands
+(sudo_commands), which is what `reconciler sudoers FILE` prints; anything else is refused before it leaves the
+head.
 """
 
 from __future__ import annotations
@@ -26,13 +26,21 @@ from paramiko.ssh_exception import AuthenticationException, BadHostKeyException,
 
 from reconciler.spec import Desired, Node
 
+
 #: the commands that may run under `sudo -n`, written like the sudoers rules in docs/operations.md (the same
 #: words, joined by spaces): a trailing "*" allows one or more further arguments, anything else is exact.
-SUDO_COMMANDS: tuple[tuple[str, ...], ...] = (
-    ("/usr/sbin/ip", "link", "set", "dev", "*"),
-    ("/usr/sbin/ip", "addr", "add", "*"),
-    ("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"),
-)
+def sudo_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
+    """Every command this node may be sent as root, exactly (argv, no patterns): the one source of both
+    `reconciler sudoers FILE` and the check each `sudo` command passes before it leaves the head. A wildcard
+    line (`ip link set dev *`) would let whoever holds the key take down the management port or route traffic."""
+    out: list[tuple[str, ...]] = [argv for p in node.fabric.ports()  # the port and its twin
+                                  for argv in (("/usr/sbin/ip", "link", "set", "dev", p.interface, "up"),
+                                               ("/usr/sbin/ip", "link", "set", "dev", p.interface, "mtu",
+                                                str(node.fabric.mtu)),
+                                               ("/usr/sbin/ip", "addr", "add", str(p.address), "dev", p.interface))]
+    if desired.policy.drop_caches:
+        out.append(("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"))
+    return out
 
 
 #: SSH keepalive every KEEPALIVE seconds; a peer that answers none of KEEPALIVE_MISSES in a row is dead (the same
@@ -56,16 +64,9 @@ def bounded(argv: Sequence[str], seconds: float) -> list[str]:
     return ["timeout", "-k", str(KILL_AFTER), str(max(1, int(seconds + 0.999))), *argv]
 
 
-def sudo_allowed(argv: Sequence[str]) -> bool:
-    """True when argv is one of SUDO_COMMANDS (prefix + at least one argument for a "*" rule, else exact)."""
-    argv = tuple(str(a) for a in argv)
-    for rule in SUDO_COMMANDS:
-        if rule[-1] == "*":
-            if len(argv) > len(rule) - 1 and argv[: len(rule) - 1] == rule[:-1]:
-                return True
-        elif argv == rule:
-            return True
-    return False
+def sudo_allowed(argv: Sequence[str], allowed: Sequence[tuple[str, ...]]) -> bool:
+    """True when argv is exactly one of the node's allowed commands (sudo_commands)."""
+    return tuple(str(a) for a in argv) in allowed
 
 
 class RemoteError(Exception):
@@ -138,36 +139,32 @@ def quote(argv: Sequence[str]) -> str:
 
 
 def sudoers_snippet(desired: Desired) -> str:
-    """The exact sudoers lines each node needs, for this desired state: per interface and value, nothing wider.
-    (`reconciler sudoers FILE` prints it; the generic prefixes in SUDO_COMMANDS are what the code may send.)"""
+    """The exact sudoers lines each node needs, for this desired state: per interface and value, nothing wider."""
     out = ["# /etc/sudoers.d/spark-reconciler — install with: visudo -f /etc/sudoers.d/spark-reconciler",
-           "# Exactly the commands spark-reconciler runs as root (reconciler.remote.SUDO_COMMANDS).", ""]
+           "# Exactly the commands spark-reconciler runs as root on each node (reconciler.remote.sudo_commands);",
+           "# the reconciler refuses to send any other. Regenerate after changing a fabric section.", ""]
     for node in desired.nodes:
-        mtu = node.fabric.mtu
-        lines = [line for p in node.fabric.ports()  # the port and its twin
-                 for line in (f"/usr/sbin/ip link set dev {p.interface} up",
-                              f"/usr/sbin/ip link set dev {p.interface} mtu {mtu}",
-                              f"/usr/sbin/ip addr add {p.address} dev {p.interface}")]
-        if desired.policy.drop_caches:
-            lines.append("/usr/sbin/sysctl -w vm.drop_caches=3")
         out.append(f"# on {node.name}")
-        out.append(f"{node.ssh.user} ALL=(root) NOPASSWD: " + ", ".join(lines))
+        out.append(f"{node.ssh.user} ALL=(root) NOPASSWD: " + ", ".join(" ".join(c) for c in sudo_commands(desired,
+                                                                                                       node)))
     return "\n".join(out) + "\n"
 
 
-def sudo_argv(argv: Sequence[str]) -> list[str]:
+def sudo_argv(argv: Sequence[str], allowed: Sequence[tuple[str, ...]]) -> list[str]:
     """`sudo -n ARGV` for an allowed command; anything else raises before it is sent."""
-    if not sudo_allowed(argv):
-        raise PermissionError(f"refusing to run {shlex.join(argv)!r} with sudo: not in SUDO_COMMANDS")
+    if not sudo_allowed(argv, allowed):
+        raise PermissionError(f"refusing to run {shlex.join(argv)!r} with sudo: not one of the node's exact "
+                              "commands (reconciler sudoers FILE)")
     return ["sudo", "-n", *argv]
 
 
 class Session:
     """A persistent SSH session to one node (through its jump host's session when it has one)."""
 
-    def __init__(self, node: Node, gateway: Session | None = None):
+    def __init__(self, node: Node, gateway: Session | None = None, sudo: Sequence[tuple[str, ...]] = ()):
         self.node = node
         self.gateway = gateway
+        self.sudo = tuple(sudo)  # the exact commands this node may be sent as root (sudo_commands)
         self._conn: fabric.Connection | None = None
         self._lock = threading.Lock()
         self._channels = threading.BoundedSemaphore(MAX_CHANNELS)
@@ -335,7 +332,7 @@ class Session:
         cleans up (rsync then keeps its partial data for the resume). A supervised command gets no stdin.
         Every command is bounded on the node too (`bounded`): the node ends it at `timeout`, the head waits a
         little longer for that answer."""
-        argv = sudo_argv(argv) if sudo else list(argv)
+        argv = sudo_argv(argv, self.sudo) if sudo else list(argv)
         command = quote(bounded(argv, timeout))
         if supervised:
             if stdin is not None:
@@ -437,11 +434,12 @@ class Sessions:
         self._sessions = {}
         for node in self._in_jump_order(desired):
             gateway = self._sessions.get(node.ssh.jump) if node.ssh.jump else None
-            kept = old.get(node.name)
+            kept, sudo = old.get(node.name), tuple(sudo_commands(desired, node))
             if kept and kept.node == node and kept.gateway is gateway:
+                kept.sudo = sudo  # policy.drop_caches may have changed
                 self._sessions[node.name] = kept
             else:
-                self._sessions[node.name] = Session(node, gateway)
+                self._sessions[node.name] = Session(node, gateway, sudo)
         for name, session in old.items():
             if self._sessions.get(name) is not session:
                 session.close()

@@ -43,8 +43,10 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         src = _node(obs, step.params["source"]).weights
         assert src is not None
         nodes[step.node] = node.model_copy(update={"weights": src.model_copy(update={"root": step.params["path"]})})
-    elif step.kind == "stop-serving":
-        containers = [c for c in node.containers if c.name != step.params["container"]]
+    elif step.kind == "stop-serving":  # removed under the serving name, only stopped under a former one
+        gone, name = step.params["container"], desired.serving.container_name
+        containers = [c if c.name != gone else c.model_copy(update={"state": "exited"})
+                      for c in node.containers if not (c.name == gone == name)]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "start-serving":
         spec = next(s for s in launch_specs(desired) if s.node == step.node)

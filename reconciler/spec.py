@@ -9,14 +9,25 @@ field path it concerns, so the loader can point at the offending line.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import ipaddress
+import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from reconciler import loader
@@ -102,6 +113,15 @@ def format_duration(seconds: float) -> str:
     return out or "0s"
 
 
+def at_least(floor: float, why: str) -> AfterValidator:
+    """A duration's lower bound, with the reason in the message (a zero resync is a busy loop of SSH probes)."""
+    def check(value: float) -> float:
+        if value < floor:
+            raise ValueError(f"{format_duration(value)} is below the minimum {format_duration(floor)}: {why}")
+        return value
+    return AfterValidator(check)
+
+
 class Duration(float):
     """Seconds, written in YAML as `30s`/`5m`; keeps the readable form for `model_dump` and the schema."""
 
@@ -140,8 +160,43 @@ _RESERVED_SERVE_FLAGS = {
     "--host": "the launcher", "--served-model-name": "serving.served_model_name",
     "--gpu-memory-utilization": "serving.gpu_memory_utilization", "--max-model-len": "serving.max_model_len",
     "--distributed-executor-backend": "serving.launcher", "--revision": "model.revision",
-    "--api-key": "serving.env VLLM_API_KEY (a flag would put the key on every command line and in `ps`)",
+    "--api-key": "serving.secrets VLLM_API_KEY (a flag would put the key on every command line and in `ps`)",
+    "--model": "model.id (the model is the positional argument)", "--config": "the file's own fields (a vLLM "
+    "config file would set any flag, the reserved ones too)", "--trust-remote-code": "trust.remote_code",
 }
+
+# Environment the launch spec sets from other fields (reconciler.vllm); an override in serving.env would
+# silently point NCCL, rendezvous or the Hub elsewhere. GB10's defaults (vllm.GB10_ENV) are not here: those are
+# meant to be overridden.
+RESERVED_ENV = {
+    "VLLM_HOST_IP": "nodes[].fabric.address", "MASTER_ADDR": "the head's fabric address",
+    "NCCL_SOCKET_IFNAME": "nodes[].fabric.interface", "GLOO_SOCKET_IFNAME": "nodes[].fabric.interface",
+    "TP_SOCKET_IFNAME": "nodes[].fabric.interface", "UCX_NET_DEVICES": "nodes[].fabric.interface",
+    "OMPI_MCA_btl_tcp_if_include": "nodes[].fabric.interface", "NCCL_IB_HCA": "nodes[].fabric.rdma_device",
+    "NCCL_IB_DISABLE": "nodes[].fabric.rdma_device", "HF_HUB_OFFLINE": "model.layout (hf-cache: offline)",
+    "HF_HUB_CACHE": "model.path", "TORCHINDUCTOR_CACHE_DIR": "serving.compile_cache",
+    "RAY_NODE_IP_ADDRESS": "nodes[].fabric.address", "RAY_memory_monitor_refresh_ms": "serving.launcher",
+    "VLLM_CONFIG_ROOT": "serving.launcher",
+}
+# Refused whatever the file trusts: they load code into every process of the container.
+_CODE_INJECTING_ENV = {"LD_PRELOAD", "LD_AUDIT", "PYTHONSTARTUP", "PYTHONPATH", "PYTHONHOME", "BASH_ENV", "ENV"}
+# Names that look like a secret: refused in serving.env (the file is copied, exported and shown), to serving.secrets.
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|APIKEY|CREDENTIAL|PRIVATE_KEY)", re.I)
+
+
+def _env_name(value: str) -> str:
+    if value in RESERVED_ENV:
+        raise ValueError(f"{value} is set by the reconciler from {RESERVED_ENV[value]}")
+    if value in _CODE_INJECTING_ENV:
+        raise ValueError(f"{value} loads code into every process of the container; refused (docs/security.md)")
+    return value
+
+
+def _plain_env_name(value: str) -> str:
+    if _SECRET_NAME.search(value):
+        raise ValueError(f"{value} looks like a secret; declare it in serving.secrets, which takes the value from "
+                         "the reconciler's environment (a value here is in every copy and export of the file)")
+    return value
 
 
 def _extra_arg(value: str) -> str:
@@ -185,6 +240,8 @@ def _listen(value: str) -> str:
 
 
 ExtraArg = Annotated[str, AfterValidator(_extra_arg)]
+ContainerEnvName = Annotated[EnvName, AfterValidator(_env_name)]
+PlainEnvName = Annotated[ContainerEnvName, AfterValidator(_plain_env_name)]
 EnvValue = Annotated[str, BeforeValidator(_env_value)]
 
 
@@ -206,13 +263,56 @@ class Ssh(_Model):
     known_hosts: AbsPath = Field("/etc/spark-reconciler/known_hosts",
                                  description="known_hosts file every host key is checked against (strict).")
     identity_file: AbsPath | None = Field(None, description="Private key; default: the SSH agent / ~/.ssh keys.")
-    connect_timeout: Duration = Duration(10)
+    connect_timeout: Annotated[Duration, at_least(1, "no SSH handshake completes in less")] = Duration(10)
+
+
+def _not_loopback(value: str) -> str:
+    if value == "lo":
+        raise ValueError("lo is the loopback interface, not a fabric port")
+    return value
+
+
+# Host paths no file may mount into a container or name as the model: the node's system, its secrets and the
+# docker socket (root on the node without --privileged). Each refuses the path itself and everything below it.
+SYSTEM_PATHS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/root", "/run",
+                "/sbin", "/sys", "/usr", "/var/lib/docker", "/var/lib/containerd", "/var/run")
+
+
+def _is_under(path: str, prefix: str) -> bool:
+    path, prefix = path.rstrip("/") or "/", prefix.rstrip("/") or "/"
+    return path == prefix or path.startswith(prefix + "/") or prefix == "/"
+
+
+def system_path(path: str) -> str | None:
+    """The system prefix `path` is (or lies under), `/` itself, or a path through a `.ssh` or `.gnupg` dir."""
+    if path.rstrip("/") == "":
+        return "/"
+    parts = path.strip("/").split("/")
+    if ".ssh" in parts or ".gnupg" in parts:
+        return "a key directory"
+    return next((p for p in SYSTEM_PATHS if _is_under(path, p)), None)
+
+
+def _data_path(value: str) -> str:
+    """A model or cache path: a dedicated directory, never the system, `/`, a top-level dir or a home itself
+    (`verify --repair` deletes what does not belong below it)."""
+    parts = value.strip("/").split("/")
+    if (where := system_path(value)) is not None:
+        raise ValueError(f"{value} is {'' if where.startswith('a ') else 'under '}{where}: not a data directory")
+    if len(parts) < 2 or (parts[0] == "home" and len(parts) == 2):
+        raise ValueError(f"{value} is too shallow: name the model's own directory (at least /dir/sub, not a home)")
+    return value
+
+
+DataPath = Annotated[AbsPath, AfterValidator(_data_path)]
 
 
 class FabricPort(_Model):
     """One netdev of the fabric, with its RDMA device and address."""
 
-    interface: InterfaceName = Field(description="Netdev, e.g. enp1s0f1np1 (<= 15 characters).")
+    interface: Annotated[InterfaceName, AfterValidator(_not_loopback)] = Field(
+        description="Netdev, e.g. enp1s0f1np1 (<= 15 characters). Never `lo`; the reconciler also refuses to "
+        "touch an interface that carries its SSH session (a link step could cut the node off).")
     rdma_device: RdmaDevice | None = Field(None, description="RDMA device, e.g. rocep1s0f1; its port must be ACTIVE.")
     address: ipaddress.IPv4Interface = Field(description="IPv4 address with prefix, e.g. 192.168.200.12/24.")
 
@@ -249,16 +349,29 @@ class Model(_Model):
         "hf-cache", description="hf-cache: `path` is a Hugging Face hub directory holding models--ORG--NAME; "
                                 "plain: `path` is the model directory itself.")
     source: NodeName | None = Field(None, description="Node that holds the weights (default: the head).")
-    path: AbsPath | dict[NodeName, AbsPath] = Field(
-        description="Path on every node, or a mapping node -> path.")
+    path: DataPath | dict[NodeName, DataPath] = Field(
+        description="Path on every node, or a mapping node -> path. A directory of its own: not `/`, a "
+        "top-level directory, a home itself or a system path.")
 
     def path_on(self, node: str) -> str:
         return self.path if isinstance(self.path, str) else self.path[node]
 
 
+Capability = Annotated[str, _pattern(r"[A-Z_]{2,32}", "capability")]
+# What a serving container may have without `trust`: the RDMA devices and locked memory NCCL's RoCE transport
+# needs (eugr/spark-vllm-docker's --non-privileged set), nothing that reaches the node itself.
+SAFE_CAPABILITIES = ("IPC_LOCK",)
+SAFE_DEVICE_PREFIX = "/dev/infiniband"
+
+
 class DockerOptions(_Model):
+    """`docker run` options of the serving containers. What reaches beyond the container (privileged, other
+    capabilities and devices, host paths) needs the matching `trust` entry (docs/security.md)."""
+
     gpus: Annotated[str, _pattern(r"all|[0-9]{1,2}|device=[0-9,]{1,32}", "--gpus value")] | None = "all"
-    privileged: bool = True
+    privileged: bool = Field(False, description="Root over the node (every device, every capability). Faster "
+                             "RDMA on some reports; needs trust.privileged. Without it: devices "
+                             "[/dev/infiniband] and cap_add [IPC_LOCK] give NCCL its RoCE transport.")
     ipc: Literal["host", "private", "shareable"] | None = "host"
     shm_size: Annotated[str, _pattern(r"[0-9]{1,6}[bkmgBKMG]?", "--shm-size value")] | None = Field(
         "64g", description="Only with ipc private or shareable: with `ipc: host` the container uses the host's "
@@ -267,8 +380,10 @@ class DockerOptions(_Model):
                   Annotated[str, _pattern(r"-?[0-9]{1,12}(:-?[0-9]{1,12})?", "ulimit value")]] = Field(
         default_factory=lambda: {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"},
         description="Default: what NGC's containers ask for (memlock -1, stack 64 MiB) and a high nofile.")
-    devices: list[AbsPath] = Field(default_factory=list, description="e.g. /dev/infiniband when not privileged.")
-    cap_add: list[Annotated[str, _pattern(r"[A-Z_]{2,32}", "capability")]] = Field(default_factory=list)
+    devices: list[AbsPath] = Field(default_factory=list, description="/dev/infiniband (and below) freely; any "
+                                   "other device must be listed in trust.devices.")
+    cap_add: list[Capability] = Field(default_factory=list, description="IPC_LOCK freely; any other capability "
+                                      "must be listed in trust.capabilities.")
     volumes: list[Annotated[str, _pattern(r"/[A-Za-z0-9._+@/-]*:/[A-Za-z0-9._+@/-]*(:(ro|rw))?",
                                           "volume (/host:/container[:ro])"), AfterValidator(_no_dotdot)]] = Field(
         default_factory=list)
@@ -282,7 +397,15 @@ class Serving(_Model):
         "image inspect --format '{{.Id}} {{.RepoDigests}}' IMAGE`). Nothing starts on another image; copies to "
         "the other nodes are checked by content (layers and config), which survives `docker save | load` on "
         "either image store.")
+    image_sources: list[NodeName] | None = Field(
+        None, description="Nodes the image may be copied from (default: the head only). A node not listed never "
+        "becomes a source: a worker claiming to have the image cannot feed its `docker save` to the others.")
     launcher: Literal["native", "ray"] = "native"
+    host: ipaddress.IPv4Address | ipaddress.IPv6Address = Field(
+        ipaddress.IPv4Address("127.0.0.1"), description="Address vLLM's API binds on the head (host network). "
+        "Loopback by default: the API has no authentication unless serving.secrets holds VLLM_API_KEY, and the "
+        "reconciler's own health checks run on the head. 0.0.0.0 (or the head's LAN address) to serve others: "
+        "then set an API key or put a proxy in front (docs/operations.md).")
     container_name: ContainerName = "vllm_serving"
     nodes: list[NodeName] | None = Field(None, description="Nodes the model spans (default: head first, then "
                                                            "workers in file order, as many as tp x pp needs).")
@@ -295,15 +418,23 @@ class Serving(_Model):
     max_model_len: int | None = Field(None, ge=16, le=10_000_000)
     served_model_name: ServedName | None = None
     extra_args: list[ExtraArg] = Field(default_factory=list)
-    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    env: dict[PlainEnvName, EnvValue] = Field(default_factory=dict, description="Plain settings for every "
+        "serving container. Not secrets (see `secrets`), not what the reconciler sets itself.")
+    secrets: dict[ContainerEnvName, Literal["head", "serving", "internet"]] = Field(
+        default_factory=dict, description="Environment variables whose values come from the reconciler's own "
+        "environment (systemd EnvironmentFile), never from this file, to the nodes that need them: `head` (the "
+        "API server: VLLM_API_KEY), `serving` (every serving node), `internet` (serving nodes with internet: "
+        "HF_TOKEN; the offline worker never gets it). Sent on docker's stdin, never written to a node's disk by "
+        "the reconciler, exported as secretKeyRef.")
     docker: DockerOptions = Field(default_factory=DockerOptions)
-    compile_cache: Literal["home"] | AbsPath | None = Field(
+    compile_cache: Literal["home"] | DataPath | None = Field(
         "home", description="Where each node keeps what vLLM compiles (torch.compile/inductor, Triton, "
         "FlashInfer), so a restart does not compile again. `home`: the SSH user's ~/.cache/vllm, "
         "~/.cache/flashinfer and ~/.triton (home = /home/USER, /root for root), as eugr's launcher mounts them; "
         "an absolute path: vllm/, flashinfer/ and triton/ below it; null: nothing kept. Created as the SSH user.")
-    health_timeout: Duration = Field(Duration(3600), description="Deadline for /health after a (cold) start.")
-    unhealthy_grace: Duration = Field(
+    health_timeout: Annotated[Duration, at_least(10, "a cold start takes longer")] = Field(
+        Duration(3600), description="Deadline for /health after a (cold) start.")
+    unhealthy_grace: Annotated[Duration, at_least(10, "shorter restarts serving on every hiccup")] = Field(
         Duration(300), description="How long serving that has served may fail its health check (/health, the "
         "model listed, one completion) before it is restarted in order. Longer than a restart takes, so a "
         "hiccup never costs a reload; doubled after each restart that did not hold, up to 16x.")
@@ -328,18 +459,21 @@ class CoTenants(_Model):
         return self._matches(self.protected, node, name)
 
 
+_NO_COMMAND_IN_LESS = at_least(1, "no remote command completes in less; every node would look unreachable")
+
+
 class Timeouts(_Model):
-    step: Duration = Duration(120)
-    command: Duration = Duration(60)
+    step: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(120)
+    command: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(60)
     stop_grace: Duration = Field(Duration(30), description="`docker stop -t`: time before SIGKILL.")
-    weights_sync: Duration = Duration(12 * 3600)
-    image_sync: Duration = Duration(3600)
+    weights_sync: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(12 * 3600)
+    image_sync: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(3600)
 
 
 class Retries(_Model):
     attempts: int = Field(3, ge=1, le=20, description="Tries per step for transient errors within one reconcile.")
-    backoff_initial: Duration = Duration(1)
-    backoff_max: Duration = Duration(300)
+    backoff_initial: Annotated[Duration, at_least(0.1, "a retry without a pause hammers the node")] = Duration(1)
+    backoff_max: Annotated[Duration, at_least(0.1, "a retry without a pause hammers the node")] = Duration(300)
     hold_after: int = Field(5, ge=1, le=100, description="Consecutive failed reconciles before a step is held.")
 
 
@@ -351,7 +485,7 @@ class WeightsPolicy(_Model):
 class Policy(_Model):
     mode: Literal["enforce", "observe"] = "enforce"
     paused: bool = False
-    resync_interval: Duration = Duration(30)
+    resync_interval: Annotated[Duration, at_least(1, "shorter is a busy loop of SSH probes")] = Duration(30)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     retries: Retries = Field(default_factory=Retries)
     weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
@@ -361,12 +495,39 @@ class Policy(_Model):
         "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")
 
 
+class Trust(_Model):
+    """What this file lets the serving containers do beyond the safe default: each entry is root-equivalent
+    or close to it on every serving node, so each is an explicit opt-in, listed by `plan` (docs/security.md)."""
+
+    privileged: bool = Field(False, description="Allow serving.docker.privileged.")
+    capabilities: list[Capability] = Field(default_factory=list, description="Allow these in cap_add (beyond "
+                                           "IPC_LOCK).")
+    devices: list[AbsPath] = Field(default_factory=list, description="Allow these devices (beyond "
+                                   "/dev/infiniband), each with what lies below it.")
+    host_paths: list[AbsPath] = Field(default_factory=list, description="Host directories serving.docker.volumes "
+                                      "may mount (the model and the compile caches are mounted by the reconciler "
+                                      "itself). System paths stay refused.")
+    remote_code: bool = Field(False, description="Pass --trust-remote-code: vLLM then runs Python from the model "
+                              "repository, as root in the container.")
+
+    def granted(self) -> list[str]:
+        """Each opt-in in words, for `plan` (empty: nothing beyond the default)."""
+        return ([*(["privileged containers"] if self.privileged else []),
+                 *(f"capability {c}" for c in self.capabilities), *(f"device {d}" for d in self.devices),
+                 *(f"host path {p}" for p in self.host_paths),
+                 *(["the model repository's code (--trust-remote-code)"] if self.remote_code else [])])
+
+
 class Desired(_Model):
     nodes: list[Node] = Field(min_length=1)
     model: Model
     serving: Serving
     co_tenants: CoTenants = Field(default_factory=CoTenants)
     policy: Policy = Field(default_factory=Policy)
+    trust: Trust = Field(default_factory=Trust)
+    # The values of serving.secrets, from the reconciler's environment (with_secrets); never from the file, never
+    # dumped. Compared with ==, so a rotated key is a new desired state (and a restart: the spec hash covers it).
+    _secret_values: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> Desired:
@@ -374,6 +535,39 @@ class Desired(_Model):
         if problems:
             raise ConsistencyError(problems)
         return self
+
+    def with_secrets(self, environ: Mapping[str, str]) -> Desired:
+        """This desired state with the values of serving.secrets taken from `environ` (the edge passes the
+        process environment). Raises MissingSecrets naming each declared one that is absent or empty."""
+        missing = [name for name in self.serving.secrets if not environ.get(name)]
+        if missing:
+            raise MissingSecrets(missing)
+        out = self.model_copy()
+        out._secret_values = {name: environ[name] for name in self.serving.secrets}
+        return out
+
+    def secret_names_for(self, node: Node) -> list[str]:
+        """The secrets `node`'s serving container gets: `head` only on the head, `internet` only on nodes with
+        internet (the offline worker never holds an HF token), `serving` on every serving node."""
+        wanted = {"head": node.role == "head", "internet": node.internet, "serving": True}
+        return [name for name, to in self.serving.secrets.items() if wanted[to]]
+
+    def secrets_for(self, node: Node) -> dict[str, str]:
+        return {name: self._secret_values[name] for name in self.secret_names_for(node)
+                if name in self._secret_values}
+
+    def secret(self, name: str) -> str | None:
+        return self._secret_values.get(name)
+
+    def fingerprint(self) -> str:
+        """What makes a new generation: the file's meaning and the secrets' values (a rotated key is a change).
+        A sha256, so the state directory never holds a value."""
+        body = self.model_dump_json() + "\0" + json.dumps(sorted(self._secret_values.items()))
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    def secret_values(self) -> list[str]:
+        """For the log's redaction: every value the edge must never print."""
+        return list(self._secret_values.values())
 
     # -- derived views the core uses; defined here so there is one place that decides them
 
@@ -383,6 +577,16 @@ class Desired(_Model):
     @property
     def head(self) -> Node:
         return next(n for n in self.nodes if n.role == "head")
+
+    @property
+    def instance(self) -> str:
+        """This cluster's reconciler, as its containers' instance label and its lease on the head name it: the
+        head's SSH address (one head, one reconciler; node names are only this file's)."""
+        return f"{self.head.ssh.host}:{self.head.ssh.port}"
+
+    @property
+    def image_sources(self) -> list[str]:
+        return self.serving.image_sources or [self.head.name]
 
     @property
     def source_node(self) -> str:
@@ -403,6 +607,12 @@ class Desired(_Model):
 
 
 KEY = "[key]"  # last element of a problem's path when the mapping key itself is wrong (pydantic's convention)
+
+
+class MissingSecrets(ValueError):
+    def __init__(self, names: list[str]):
+        super().__init__(", ".join(names))
+        self.names = names
 
 
 class ConsistencyError(ValueError):
@@ -612,6 +822,42 @@ def _co_tenants_spare_the_serving_container(f: _Facts, table: str) -> list[_Prob
             for j, p in enumerate(patterns) if fnmatch.fnmatchcase(name, p)]
 
 
+def _trusted(f: _Facts) -> list[_Problem]:
+    """What reaches beyond the container needs its `trust` entry; system paths are refused even then."""
+    opts, trust = f.d.serving.docker, f.d.trust
+    out: list[_Problem] = []
+    where: Loc = ("serving", "docker")
+    if opts.privileged and not trust.privileged:
+        out.append(((*where, "privileged"), "a privileged container is root over the node: allow it with "
+                    "trust.privileged: true"))
+    out += [((*where, "cap_add", j), f"{cap} is not allowed: add it to trust.capabilities (IPC_LOCK needs nothing)")
+            for j, cap in enumerate(opts.cap_add) if cap not in SAFE_CAPABILITIES and cap not in trust.capabilities]
+    out += [((*where, "devices", j), f"{dev} is not allowed: add it to trust.devices ({SAFE_DEVICE_PREFIX} needs "
+             "nothing)") for j, dev in enumerate(opts.devices)
+            if not any(_is_under(dev, p) for p in (SAFE_DEVICE_PREFIX, *trust.devices))]
+    for j, volume in enumerate(opts.volumes):
+        host = volume.split(":", 1)[0]
+        if (system := system_path(host)) is not None:
+            out.append(((*where, "volumes", j), f"{host} is {'' if system.startswith('a ') else 'under '}{system}: "
+                        "never mounted into a serving container"))
+        elif not any(_is_under(host, p) for p in trust.host_paths):
+            out.append(((*where, "volumes", j), f"{host} is not below a trusted host path: add its directory to "
+                        "trust.host_paths"))
+    out += [(("trust", "host_paths", j), f"{p} is {'' if s.startswith('a ') else 'under '}{s}: never mounted")
+            for j, p in enumerate(trust.host_paths) if (s := system_path(p)) is not None]
+    return out
+
+
+def _image_sources_are_nodes(f: _Facts) -> list[_Problem]:
+    return [(("serving", "image_sources", j), f"{name!r} is not a node")
+            for j, name in enumerate(f.d.serving.image_sources or []) if name not in f.index]
+
+
+def _secret_twice(f: _Facts) -> list[_Problem]:
+    return [(("serving", "secrets", name, KEY), f"{name} is also in serving.env")
+            for name in f.d.serving.secrets if name in f.d.serving.env]
+
+
 def _co_tenants(f: _Facts) -> list[_Problem]:
     return [problem for table in ("allowed", "protected")
             for problem in _co_tenant_keys_are_nodes(f, table) + _co_tenants_spare_the_serving_container(f, table)]
@@ -633,6 +879,9 @@ _RULES: tuple[tuple[Callable[[_Facts], list[_Problem]], bool], ...] = (
     (_model_path_for_every_serving_node, True),
     (_model_path_for_the_source, False),
     (_co_tenants, False),
+    (_trusted, False),
+    (_secret_twice, False),
+    (_image_sources_are_nodes, False),
 )
 
 
@@ -753,25 +1002,47 @@ def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader
         return []
 
 
+def _unended(doc: loader.Document) -> list[loader.Problem]:
+    if doc.ended:
+        return []
+    last = max([p.line for p in doc.value_positions.values()], default=1)
+    return [loader.Problem(loader.Position(last, 1), "", "the file does not end with the line `...` (YAML's "
+                           "document end marker, required as the last line: a half-written save must never "
+                           "count as a desired state)")]
+
+
 def parse(doc: loader.Document, filename: str) -> Desired:
     try:
-        return Desired.model_validate(doc.data)
+        desired = Desired.model_validate(doc.data)
     except ValidationError as exc:
         problems = problems_from_validation(doc, exc)
         if not any(isinstance((e.get("ctx") or {}).get("error"), ConsistencyError) for e in exc.errors()):
             broken = [loc for loc, _, _ in _clean_errors(exc) if loc]
             problems += _cross_field_despite(doc, broken)
-        raise InvalidDesiredState(filename, problems) from None
+        raise InvalidDesiredState(filename, problems + _unended(doc)) from None
+    if unended := _unended(doc):
+        raise InvalidDesiredState(filename, unended)
+    return desired
 
 
-def load(path: str | Path) -> Desired:
-    """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed."""
+def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Desired:
+    """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed. With
+    `environ`, also resolve serving.secrets from it (a missing one is a problem placed at its name)."""
     filename = str(path)
     try:
         doc = loader.load_file(Path(path))
     except loader.LoadError as exc:
         raise InvalidDesiredState(filename, exc.problems) from None
-    return parse(doc, filename)
+    desired = parse(doc, filename)
+    if environ is None:
+        return desired
+    try:
+        return desired.with_secrets(environ)
+    except MissingSecrets as exc:
+        raise InvalidDesiredState(filename, [loader.Problem(
+            doc.key_positions.get(("serving", "secrets", name), loader.Position(1, 1)), f"serving.secrets.{name}",
+            f"{name} is not set in the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)")
+            for name in exc.names]) from None
 
 
 def loads(text: str | bytes, filename: str = "<string>") -> Desired:

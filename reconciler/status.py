@@ -11,6 +11,7 @@ from pathlib import Path
 
 from reconciler import conditions, metrics, systemd
 from reconciler.drift import DRIFT_KINDS
+from reconciler.log import redact
 from reconciler.observed import Observed
 from reconciler.spec import Desired
 
@@ -26,14 +27,16 @@ class StatusPublisher:
         conds = conditions.conditions(snap, nodes, self.status.get("conditions", []), now)
         phase = conditions.phase_of(snap)
         drift = snap.plan.drift if snap.plan else []
-        self.status = {
+        # through `redact` before it is stored: a step's error, a file error, a drift's observed text, a blocker's
+        # reason may quote a command line or a header with a secret in it, and /status serves this dict as it is
+        self.status = redact({
             "phase": phase, "generation": snap.generation, "observedGeneration": snap.observed_generation,
             "file": str(self.path), "conditions": conds,
             "drift": [d.as_dict() for d in drift],
             "lastPlan": snap.plan.as_dict() if snap.plan else None,
             "lastError": error or (snap.step_failures[-1] if snap.step_failures else snap.file_error),
             "held": snap.held, "time": now,
-        }
+        })
         metrics.set_phase(phase)
         metrics.set_conditions(conds)
         counts: dict[tuple[str, str], int] = {}

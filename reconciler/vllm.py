@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from reconciler.observed import LABEL_GENERATION, LABEL_MANAGED, LABEL_ROLE, LABEL_SPEC_HASH
+from reconciler.observed import LABEL_GENERATION, LABEL_INSTANCE, LABEL_MANAGED, LABEL_ROLE, LABEL_SPEC_HASH
 from reconciler.spec import Desired, Node
 
 HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
@@ -32,6 +32,7 @@ class LaunchSpec:
     command: tuple[str, ...]
     serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
     keep_local: tuple[str, ...] = ()  # Ray launcher, head: env names vLLM must not copy to the Ray workers
+    instance: str = ""  # Desired.instance, as a label (not hashed: it names the owner, not the launch)
 
     @property
     def spec_hash(self) -> str:
@@ -47,7 +48,7 @@ class LaunchSpec:
         reads the environment from there instead of `-e K=V`, so no value (HF_TOKEN, ...) is on a command line:
         not in `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
         labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
-                  LABEL_ROLE: "head" if self.rank == 0 else "worker"}
+                  LABEL_ROLE: "head" if self.rank == 0 else "worker", LABEL_INSTANCE: self.instance}
         argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
         for key, value in sorted(labels.items()):
             argv += ["--label", f"{key}={value}"]
@@ -69,10 +70,15 @@ class LaunchSpec:
 
 
 def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str, str]]:
+    """Read-only: only the reconciler writes the weights (rsync from the source), and a compromised or buggy
+    container must not change what the other nodes are checked against. With HF_HUB_OFFLINE=1 nothing is
+    downloaded into the cache; the real vLLM's start and completions on the testbed run from this read-only
+    mount (tests/e2e/test_real_vllm.py, docs/security.md)."""
     path = desired.model.path_on(node.name)
     if desired.model.layout == "hf-cache":
-        return ["-v", f"{path}:{HF_CACHE_IN_CONTAINER}"], desired.model.id, {"HF_HUB_CACHE": HF_CACHE_IN_CONTAINER}
-    return ["-v", f"{path}:{PLAIN_MODEL_IN_CONTAINER}"], PLAIN_MODEL_IN_CONTAINER, {}
+        return (["-v", f"{path}:{HF_CACHE_IN_CONTAINER}:ro"], desired.model.id,
+                {"HF_HUB_CACHE": HF_CACHE_IN_CONTAINER})
+    return ["-v", f"{path}:{PLAIN_MODEL_IN_CONTAINER}:ro"], PLAIN_MODEL_IN_CONTAINER, {}
 
 
 # Inside the container (NGC's and vLLM's images run as root): vLLM's torch.compile cache lives in ~/.cache/vllm,
@@ -153,7 +159,7 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
     if {"--enable-sleep-mode", "--enable_sleep_mode"} & set(extra_flags(desired.serving.extra_args)):
         # vLLM's sleep-mode allocator refuses expandable segments (vllm/device_allocator/cumem.py)
         defaults.pop("PYTORCH_CUDA_ALLOC_CONF")
-    return env | defaults | dict(desired.serving.env)
+    return env | defaults | dict(desired.serving.env) | desired.secrets_for(node)
 
 
 # What eugr/spark-vllm-docker sets on every Spark (launch-cluster.sh), overridable in serving.env: unified memory
@@ -174,6 +180,8 @@ def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
         argv += ["--max-model-len", str(s.max_model_len)]
     if s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
+    if desired.trust.remote_code:
+        argv += ["--trust-remote-code"]
     return argv
 
 
@@ -221,7 +229,7 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
         env = mount_env | cache_env | _env(desired, node)
         serve_exec = None
         if s.launcher == "native":
-            command = _serve_argv(desired, model_arg) + ["--host", "0.0.0.0", "--port", str(s.port)]
+            command = _serve_argv(desired, model_arg) + ["--host", str(s.host), "--port", str(s.port)]
             if len(nodes) > 1:
                 command += ["--nnodes", str(len(nodes)), "--node-rank", str(rank),
                             "--master-addr", head_ip, "--master-port", str(s.master_port)]
@@ -233,12 +241,13 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
             if rank == 0:
                 command = ["ray", "start", "--block", "--head", "--port", str(s.ray_port), "--node-ip-address", ip]
                 serve_exec = tuple(_serve_argv(desired, model_arg) + [
-                    "--host", "0.0.0.0", "--port", str(s.port), "--distributed-executor-backend", "ray",
+                    "--host", str(s.host), "--port", str(s.port), "--distributed-executor-backend", "ray",
                     *s.extra_args])
             else:
                 command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip]
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
-                                docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec))
+                                docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
+                                instance=desired.instance))
     if s.launcher == "ray":
         specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))
     return specs

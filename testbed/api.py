@@ -297,6 +297,7 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
             f"  tensor_parallel_size: {len(lay.nodes)}",
             "  pipeline_parallel_size: 1",
             "  port: 8000",
+            "  host: 0.0.0.0                   # Prometheus scrapes vLLM from outside the head, like a monitoring host",
             "  master_port: 29501",
             f"  gpu_memory_utilization: {serving.gpu_memory_utilization}",
             "  max_model_len: 4096",
@@ -321,7 +322,8 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
             "  resync_interval: 30s",
             "  memory_margin: 1GiB",
             "  timeouts: {stop_grace: 5s}",
-            '  listen: "127.0.0.1:9464"']
+            '  listen: "127.0.0.1:9464"',
+            "..."]
     return "\n".join(out) + "\n"
 
 

@@ -64,11 +64,35 @@ def copy_argv(ctx: StepContext, ref: str, target: str, timeout: float) -> list[s
     return ["bash", "-c", _COPY, "bash", ref, *hop.ssh_options(ctx, target), hop.address(ctx, target), load]
 
 
+_LOADED = re.compile(r"^Loaded image: (\S+)\s*$", re.M)
+
+
+def _familiar(ref: str) -> str:
+    """docker's short form of a reference (`docker.io/library/x:1` -> `x:1`), as `docker load` prints it."""
+    for prefix in ("docker.io/library/", "docker.io/"):
+        if ref.startswith(prefix):
+            return ref[len(prefix):]
+    return ref
+
+
+def unexpected_tags(load_output: str, ref: str) -> list[str]:
+    """Tags `docker load` reports besides `ref`: an archive from a source must carry only the image asked for
+    (extra tags would silently repoint other images on the target)."""
+    return [t for t in _LOADED.findall(load_output) if _familiar(t) != _familiar(ref)]
+
+
 def copy_image(ctx: StepContext, step: Step) -> None:
+    """The target must end up with the content the plan saw on the image source (the head unless listed
+    otherwise); the archive may name no other tag. Checked on the target after the load, not taken from the
+    stream's sender."""
     ref, source, node = step.params["image"], step.params["source"], step.node
+    expect = step.params.get("content")
     want = inspect_image(ctx, source, ref)
     if want is None:
         raise StepFailed(f"{ref} is no longer present on {source}")
+    if expect and want.content != expect:
+        raise StepFailed(f"{ref} on {source} changed since the plan (content {want.content[:19]}, planned "
+                         f"{expect[:19]}): nothing is copied; the next reconcile plans again")
     pin = ctx.desired.serving.image_id
     if pin and not want.matches_pin(pin):
         raise StepFailed(f"{ref} on {source} is {want.id[:19]}, not the pinned {pin[:19]}: nothing is copied")
@@ -84,13 +108,18 @@ def copy_image(ctx: StepContext, step: Step) -> None:
 
     timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
     try:
-        ctx.sessions[source].run(copy_argv(ctx, ref, node, timeout), timeout=timeout, on_output=seen,
-                                 cancel=ctx.cancel, supervised=True)
+        copied = ctx.sessions[source].run(copy_argv(ctx, ref, node, timeout), timeout=timeout, on_output=seen,
+                                          cancel=ctx.cancel, supervised=True)
     except CommandFailed as exc:
         raise StepFailed(f"copying {ref} {source} -> {node} over the fabric failed (exit {exc.exit_code}) "
                          f"after {moved.done} bytes: {exc.stderr.strip()[-600:]}") from None
+    if extra := unexpected_tags(copied.stderr, ref):
+        raise StepFailed(f"the archive from {source} also loaded {', '.join(extra)} on {node}: only {ref} was "
+                         "asked for; check the source (docs/security.md \"Images\")")
     got = inspect_image(ctx, node, ref)
     if got is None or got.content != want.content:
         raise StepFailed(f"after loading {moved.done} bytes, {ref} on {node} has content "
                          f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
+    if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
+        raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
     ctx.progress("image.done", {"node": node, "bytes": moved.done, "image_id": got.id, "content": want.content})

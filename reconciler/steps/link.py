@@ -25,6 +25,17 @@ def read_links(ctx: StepContext, node: str) -> list[Link]:
     return [first, *([twin] if twin else [])]
 
 
+def session_address(ctx: StepContext, node: str) -> str | None:
+    """The node's address our SSH session arrived on (`$SSH_CONNECTION`'s third field), None if unreadable."""
+    out = ctx.sessions[node].run(["sh", "-c", 'printf "%s" "$SSH_CONNECTION"'], timeout=ctx.command_timeout,
+                                 check=False).stdout.split()
+    return out[2] if len(out) == 4 else None
+
+
+def link_ips(link: Link) -> set[str]:
+    return {a.split("/", 1)[0] for a in link.addresses}
+
+
 def _rdma_active(link: Link) -> bool:
     """The port can vanish while we wait (a driver reload): then it is not active, and the wait goes on."""
     return link.rdma is not None and link.rdma.active
@@ -60,6 +71,10 @@ def _converge_port(ctx: StepContext, node: str, index: int, want: FabricPort, mt
     link = now()
     if not link.exists:
         raise StepFailed(f"interface {want.interface} does not exist on {node}")
+    if link.mtu != mtu and (arrives := session_address(ctx, node)) in link_ips(link):
+        raise StepFailed(f"not changing the MTU of {want.interface} on {node} to {mtu}: the reconciler's SSH "
+                         f"session arrives on it ({arrives}), and a switch without jumbo frames would cut the node "
+                         "off. Set it with netplan, or reach the node over its management port")
     if link.mtu != mtu:
         session.run([IP, "link", "set", "dev", want.interface, "mtu", str(mtu)], sudo=True,
                     timeout=ctx.command_timeout)

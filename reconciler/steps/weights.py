@@ -2,9 +2,16 @@
 
 The source node pushes with rsync over SSH to the target's fabric IP (the 200 Gb/s link, not the 10G management
 port). Safety properties, each from a failure seen in the field:
-- real bytes, not symlinks: the whole `models--ORG--NAME` tree is copied (blobs included) and links pointing out
-  of it become files (`--copy-unsafe-links`); afterwards the target's manifest (every path with its resolved
-  size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
+- real bytes, not symlinks: the whole `models--ORG--NAME` tree is copied (blobs included); links stay links where
+  rsync keeps them (`snapshots/REV/FILE -> ../../blobs/ETAG`), and a link whose value rsync would not keep
+  (absolute, or climbing out of the tree, like huggingface_hub's shared-store links `blobs/ETAG ->
+  ../../blobs/XX/HASH`) becomes the file it points to. Afterwards the target's manifest (every path with its
+  resolved size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
+- nothing from outside the model: a tree holding a link that leads out of it and out of the hub's blob store
+  (to `~/.ssh`, the HF token, `/`) is refused, and so is a partial listing (the walk is bounded:
+  `observe.manifest_script`). Nor could a run carry such a link: the runs that keep links skip every link whose
+  value leaves the tree (`--safe-links`, on the receiver), and only the links checked to land on a file inside
+  are copied as files, in runs of their own (`--copy-links`, nothing else in their lists);
 - never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
   an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
 - strict host keys on the node-to-node hop too (`reconciler.steps.hop`).
@@ -21,7 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from reconciler.drift import weights_difference
-from reconciler.observe import PARTIAL_DIR, manifest_script, parse_weights, split_sections, weights_root
+from reconciler.observe import (
+    PARTIAL_DIR,
+    UNSAFE_SHOWN,
+    Listing,
+    manifest_script,
+    read_listing,
+    split_sections,
+    weights_root,
+)
 from reconciler.observed import Weights
 from reconciler.plan import Step
 from reconciler.remote import CommandFailed
@@ -31,10 +46,78 @@ RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync 
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
+def _listing(session, root: str, timeout: float) -> Listing:
+    out = session.run_script(manifest_script(root) + "\n", timeout=timeout).stdout
+    return read_listing(root, split_sections(out).get("weights"))
+
+
 def read_manifest(ctx: StepContext, node: str) -> Weights:
-    root = weights_root(ctx.desired, node)
-    out = ctx.sessions[node].run_script(manifest_script(root) + "\n", timeout=ctx.command_timeout).stdout
-    return parse_weights(root, split_sections(out).get("weights"))
+    return _listing(ctx.sessions[node], weights_root(ctx.desired, node), ctx.command_timeout).weights
+
+
+# -- links: which rsync keeps, which are copied as files, which trees are refused ---------------------------------
+
+def rsync_keeps_link(path: str, value: str) -> bool:
+    """Whether rsync with `--links --safe-links` recreates the link `path -> value` (path relative to the top of
+    the transfer) instead of skipping it as unsafe. rsync judges by the value's text alone, never resolving it:
+    this is `unsafe_symlink()` of rsync's util1.c as of 3.4 (CVE-2024-12088), stricter than 3.2's (a `..` after a
+    name, or at the end, is unsafe too), so a link kept here is kept by either. Absolute or empty: never kept."""
+    if not value or value.startswith("/"):
+        return False
+    rest = value
+    while rest.startswith("../"):
+        rest = rest[3:].lstrip("/")
+    if "/../" in rest or (len(value) > 3 and value.endswith("/..")):
+        return False
+    *dirs, last = re.split("/+", path)
+    depth = 0
+    for name in dirs:  # how deep the link sits: its safety margin
+        depth = 0 if name == ".." else depth if name == "." else depth + 1
+    if last == "..":
+        depth = 0
+    *steps, last = re.split("/+", value)
+    for name in steps:
+        if name == "..":
+            depth -= 1
+            if depth < 0:
+                return False
+        elif name != ".":
+            depth += 1
+    if last == "..":
+        depth -= 1
+    return depth >= 0
+
+
+def links_to_copy(expected: Weights) -> set[str]:
+    """The links copied as the file they point to: those that land on a regular file inside the tree or the hub's
+    blob store (the manifest gave them that file's size) and whose value rsync would not keep."""
+    return {f.path for f in expected.files
+            if f.link_target is not None and f.size is not None and not rsync_keeps_link(f.path, f.link_target)}
+
+
+def _unsafe(weights: Weights) -> str:
+    more = weights.unsafe_count - len(weights.unsafe)
+    return "; ".join(weights.unsafe) + (f"; and {more} more" if more > 0 else "")
+
+
+def refusal(weights: Weights, node: str) -> str | None:
+    """Why the tree on `node` must not be synced from, or None: a partial listing, a link leading out of the tree,
+    or a link rsync would neither keep nor copy as a file inside (absolute or climbing out, and not landing on a
+    regular file inside: broken, a loop, a directory)."""
+    where = f"the weights tree on {node} at {weights.root}"
+    if weights.truncated:
+        return f"{where} is not fully listed ({weights.truncated}): refusing to sync from a partial view"
+    if weights.unsafe_count:
+        return (f"{where} has {weights.unsafe_count} link(s) leading out of it: {_unsafe(weights)}. Refusing to "
+                "sync (rsync would copy what they point to): replace each with the file it stands for, or remove it")
+    stuck = [f"{f.path} -> {f.link_target}" for f in weights.files if f.link_target is not None and f.size is None
+             and not rsync_keeps_link(f.path, f.link_target)]
+    if stuck:
+        more = f"; and {len(stuck) - UNSAFE_SHOWN} more" if len(stuck) > UNSAFE_SHOWN else ""
+        return (f"{where} has {len(stuck)} link(s) that rsync would not keep (absolute, or climbing out of the tree) "
+                f"and that do not land on a file inside it: {'; '.join(stuck[:UNSAFE_SHOWN])}{more}. Refusing to "
+                "sync: make them relative links inside the tree, or replace them with the files")
+    return None
 
 
 def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
@@ -48,12 +131,16 @@ def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
 
 
 def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
-                files_from: str | None) -> list[str]:
+                files_from: str | None, follow: bool = False) -> list[str]:
     ssh = shlex.join(hop.ssh_options(ctx, target))
     # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
     # the resume, instead of holding the step until its 12 h deadline.
-    argv = ["rsync", "-a", "--copy-unsafe-links", f"--partial-dir={PARTIAL_DIR}", "--info=progress2",
-            "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", ssh]
+    # Links: a run that keeps links skips any whose value leaves the tree (--safe-links: the receiver judges the
+    # value, so a link the probe never saw cannot carry anything in); only a run of links checked to land on a file
+    # inside copies what they point to (--copy-links: nothing else is in its list). Never --copy-unsafe-links: it
+    # copies whatever an outside link points to (a link to / copies the whole disk).
+    argv = ["rsync", "-a", "--copy-links" if follow else "--safe-links", f"--partial-dir={PARTIAL_DIR}",
+            "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", ssh]
     limit = ctx.desired.policy.weights.bandwidth_limit
     if limit:
         argv.append(f"--bwlimit={max(1, limit // 1024)}")
@@ -73,21 +160,35 @@ def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandF
     return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
 
 
-def _files_to_copy(expected: Weights, before: Weights) -> list[tuple[str, int]]:
-    """(path, bytes) to move: regular files only (a link's size is its target's, which is counted once, as a
-    blob), and only those the target does not already hold at the right size."""
+def _files_to_copy(expected: Weights, before: Weights, copied: set[str] | None = None) -> list[tuple[str, int]]:
+    """(path, bytes) to move: regular files, and the links copied as files (`copied`), that the target does not
+    already hold at the right size. A link kept as a link moves no bytes (its target is counted once, as a blob)."""
     have = {f.path: f.size for f in before.files}
-    return [(f.path, f.size or 0) for f in expected.files if f.link_target is None and have.get(f.path) != f.size]
+    copied = copied or set()
+    return [(f.path, f.size or 0) for f in expected.files
+            if (f.link_target is None or f.path in copied) and have.get(f.path) != f.size]
 
 
-def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int) -> list[list[str]]:
-    """The files of each parallel rsync stream, split by size; [] for one stream over the whole tree.
-    Everything not in a group (symlinks, empty files, refs) goes with the last stream, after the data."""
-    groups = _groups([(p, s) for p, s in todo if s > 0], streams) if streams > 1 and len(todo) > 1 else []
-    if groups:
-        rest = sorted({f.path for f in expected.files} - {p for g in groups for p in g})
-        groups[-1] = groups[-1] + rest
-    return groups
+def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int,
+                   copied: set[str] | None = None) -> list[tuple[list[str], bool]]:
+    """The file list of each rsync run, and whether it copies links as files. The bytes to move are split by size
+    into `streams` groups; everything else (links, empty files, files already there) goes with the last group,
+    after the data. The links copied as files (`copied`) get groups of their own, split the same way: every path
+    of the manifest is in exactly one list, and no run that follows links lists anything but checked links."""
+    copied = copied or set()
+    runs: list[tuple[list[str], bool]] = []
+    for follow in (False, True):
+        paths = {f.path for f in expected.files if (f.path in copied) == follow}
+        if not paths:
+            continue
+        groups = _groups([(p, s) for p, s in todo if p in paths and s > 0], streams)
+        rest = sorted(paths - {p for g in groups for p in g})
+        if groups:
+            groups[-1] = groups[-1] + rest
+        else:
+            groups = [rest]
+        runs += [(g, follow) for g in groups]
+    return runs
 
 
 def _upload_file_list(ctx: StepContext, source: str, target: str, index: int, files: list[str]) -> str:
@@ -100,20 +201,18 @@ def _upload_file_list(ctx: StepContext, source: str, target: str, index: int, fi
     return listing
 
 
-def _run_streams(run: Callable[[int, list[str] | None], None], groups: list[list[str]]) -> list[BaseException]:
-    """One `run` per group, in parallel threads (one `run` over the whole tree without groups); returns what
-    they raised, for the caller to re-raise in the step's thread."""
+def _run_streams(run: Callable[[int, tuple[list[str], bool]], None],
+                 groups: list[tuple[list[str], bool]]) -> list[BaseException]:
+    """One `run` per group, in parallel threads; returns what they raised, for the caller to re-raise in the
+    step's thread."""
     errors: list[BaseException] = []
 
-    def guarded(i: int, files: list[str] | None) -> None:
+    def guarded(i: int, group: tuple[list[str], bool]) -> None:
         try:
-            run(i, files)
+            run(i, group)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller, in the step's thread
             errors.append(exc)
 
-    if not groups:
-        guarded(0, None)
-        return errors
     threads = [threading.Thread(target=guarded, args=(i, g), daemon=True) for i, g in enumerate(groups)]
     for t in threads:
         t.start()
@@ -128,20 +227,24 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     expected = read_manifest(ctx, source)
     if not expected.present:
         raise StepFailed(f"the weights are not present on the source {source} at {src_root}")
+    refused = refusal(expected, source)
+    if refused:
+        raise StepFailed(refused)
     before = read_manifest(ctx, target)
     if weights_difference(expected, before) is None:
         return
-    todo = _files_to_copy(expected, before)
+    copied = links_to_copy(expected)
+    todo = _files_to_copy(expected, before, copied)
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
     hop.trust_target_on_source(ctx, source, target)
-    groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams)
-    done = [0] * max(1, len(groups))
+    groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams, copied)
+    done = [0] * len(groups)
     lock = threading.Lock()
     ctx.progress("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
-                                   "streams": max(1, len(groups))})
+                                   "streams": len(groups)})
 
-    def run(index: int, files: list[str] | None) -> None:
+    def run(index: int, group: tuple[list[str], bool]) -> None:
         def seen(chunk: bytes) -> None:
             matches = _PROGRESS.findall(chunk)
             if matches:
@@ -150,8 +253,9 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                     ctx.progress("weights.progress", {"node": target, "bytes_done": min(sum(done), total),
                                                       "bytes_total": total})
 
-        listing = None if files is None else _upload_file_list(ctx, source, target, index, files)
-        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing),
+        files, follow = group
+        listing = _upload_file_list(ctx, source, target, index, files)
+        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow),
                                  timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True)
 
     errors = _run_streams(run, groups)
@@ -164,6 +268,11 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     problem = weights_difference(expected, after)
     if problem:
         raise StepFailed(f"after rsync, the weights on {target} still differ from {source}: {problem}")
+    if after.truncated or after.unsafe_count:
+        raise StepFailed(f"after rsync, the weights tree on {target} at {dst_root} "
+                         + (f"is not fully listed ({after.truncated})" if after.truncated else
+                            f"holds link(s) leading out of it, not made by the reconciler: {_unsafe(after)}; "
+                            "remove them"))
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
 
 
@@ -184,16 +293,19 @@ class Verification:
     extra: tuple[str, ...]
     hashed_on_source: int  # files the source had to hash (not answered from its cache)
     repaired: tuple[str, ...] = ()
+    problem: str | None = None  # a tree not fully listed, or links leading out of one: not all could be compared
 
     @property
     def ok(self) -> bool:
-        return not self.mismatched
+        return not self.mismatched and self.problem is None
 
     def message(self) -> str:
         if self.ok:
             return f"{self.node}: {self.checked} files match {self.source} (sha256)"
-        return (f"{self.node}: {len(self.mismatched)} of {self.checked} files differ from {self.source} (sha256): "
-                + ", ".join(self.mismatched[:10]))
+        text = f"{self.node}: {len(self.mismatched)} of {self.checked} files differ from {self.source} (sha256)"
+        if self.mismatched:
+            text += ": " + ", ".join(self.mismatched[:10])
+        return text + (f"; {self.problem}" if self.problem else "")
 
 
 def _sha256_lines(out: str) -> dict[str, str]:
@@ -219,29 +331,19 @@ def _hash_files(session, root: str, paths: list[str], timeout: float, cancel=Non
     return _sha256_lines(out)
 
 
-def _regular_files(session, root: str, follow: bool, timeout: float) -> dict[str, tuple[int, str]]:
-    """{relative path: (size, mtime)} of the regular files under root (following links when `follow`),
-    .rsync-partial excluded."""
-    argv = ["find", *(["-L"] if follow else []), root, "-mindepth", "1", "-name", PARTIAL_DIR, "-prune", "-o",
-            "-type", "f", "-printf", "%P\\t%s\\t%T@\\n"]
-    result = session.run(argv, timeout=timeout, check=False)
-    files = {}
-    for line in result.stdout.splitlines():
-        parts = line.split("\t")
-        if len(parts) == 3 and parts[1].isdigit():
-            files[parts[0]] = (int(parts[1]), parts[2])
-    return files
-
-
 def _cache_path(root: str) -> str:
     return f"{HASH_CACHE_DIR}/sha256-{hashlib.sha256(root.encode()).hexdigest()[:16]}.tsv"
 
 
-def source_hashes(session, root: str, paths: list[str], timeout: float, cancel=None) -> tuple[dict[str, str], int]:
-    """sha256 of `paths` (relative to root, links followed) on the source node, from the cache in
-    ~/.cache/spark-reconciler/ where (path, size, mtime) did not change; the cache is rewritten (0600).
-    Returns the hashes and how many files had to be hashed."""
-    stats = _regular_files(session, root, follow=True, timeout=timeout)
+def source_hashes(session, root: str, paths: list[str], timeout: float, cancel=None,
+                  stats: dict[str, tuple[int, str]] | None = None) -> tuple[dict[str, str], int]:
+    """sha256 of `paths` (relative to root) on the source node, from the cache in ~/.cache/spark-reconciler/
+    where (path, size, mtime) did not change; the cache is rewritten (0600). Only what the manifest resolved
+    inside the tree is hashed (`stats`, read here when not given: a regular file, or a link landing on one inside
+    the tree or the hub's blob store, keyed by that file's size and mtime); a path it did not resolve (a link
+    leading out, a broken one) is not hashed. Returns the hashes and how many files had to be hashed."""
+    if stats is None:
+        stats = _listing(session, root, timeout).resolved
     cache_file = _cache_path(root)
     cached = session.run(["sh", "-c", 'cat "$HOME/$1" 2>/dev/null || true', "sh", cache_file],
                          timeout=timeout).stdout
@@ -263,23 +365,55 @@ def source_hashes(session, root: str, paths: list[str], timeout: float, cancel=N
     return hashes, len(todo)
 
 
+def inside_tree(path: str) -> bool:
+    """Whether `path`, relative to a tree's root, names something strictly inside it by its text alone: not
+    empty, not absolute, no `..` (nor `.` or empty) component, no NUL or newline. Pure: whether a directory on the
+    way is a link is checked on the node, just before the removal (`_REMOVE`)."""
+    if not path or path.startswith("/") or "\0" in path or "\n" in path:
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+# Remove regular files below the root ($1), each given relative to it (the other arguments, all passing
+# `inside_tree`): only where no directory on the way is a link (nor the file itself), so a path can never lead
+# out of the tree; prints each path removed.
+_REMOVE = ('cd -P -- "$1" || exit 2; shift; for p; do d=; rest=$p; ok=1; '
+           'while [ "${rest#*/}" != "$rest" ]; do d=${d:+$d/}${rest%%/*}; rest=${rest#*/}; '
+           'if [ -L "$d" ] || [ ! -d "$d" ]; then ok=0; break; fi; done; '
+           'if [ $ok = 1 ] && [ -f "$p" ] && [ ! -L "$p" ] && rm -f -- "$p"; then printf \'%s\\n\' "$p"; fi; done')
+
+
+def remove_files(session, root: str, paths: list[str], timeout: float) -> tuple[str, ...]:
+    """Remove the regular files `paths` (relative to `root`) on a node, never anything outside the tree: a path
+    failing `inside_tree`, or reaching its file through a link, is left alone. Returns the paths removed."""
+    wanted = [p for p in paths if inside_tree(p)]
+    if not wanted:
+        return ()
+    out = session.run(["sh", "-c", _REMOVE, "sh", root, *wanted], timeout=timeout).stdout
+    removed = set(out.splitlines())
+    return tuple(p for p in wanted if p in removed)
+
+
 def verify_weights(desired, sessions, node: str, *, repair: bool = False, timeout: float = 3600,
                    cancel=None) -> Verification:
     """Full verification of one target: sha256 of every regular file of the model tree on `node` against the
     source's (cached there by path, size and mtime). With `repair`, the differing files are removed from the
-    target, so the next reconcile sees them missing and re-syncs exactly those (rsync alone would skip them:
-    same size, same mtime)."""
+    target (only inside its tree: `remove_files`), so the next reconcile sees them missing and re-syncs exactly
+    those (rsync alone would skip them: same size, same mtime)."""
     source = desired.source_node
     src_root, dst_root = weights_root(desired, source), weights_root(desired, node)
     target = sessions[node]
-    files = _regular_files(target, dst_root, follow=False, timeout=timeout)
-    mine = _hash_files(target, dst_root, sorted(files), timeout, cancel)
-    theirs, hashed = source_hashes(sessions[source], src_root, sorted(files), timeout, cancel)
+    mine_listing, theirs_listing = _listing(target, dst_root, timeout), _listing(sessions[source], src_root, timeout)
+    files = sorted(f.path for f in mine_listing.weights.files if f.link_target is None)
+    mine = _hash_files(target, dst_root, files, timeout, cancel)
+    theirs, hashed = source_hashes(sessions[source], src_root, files, timeout, cancel,
+                                   stats=theirs_listing.resolved)
     mismatched = tuple(sorted(p for p, h in mine.items() if p in theirs and theirs[p] != h))
     extra = tuple(sorted(p for p in mine if p not in theirs))
-    repaired: tuple[str, ...] = ()
-    if repair and mismatched:
-        target.run(["rm", "-f", "--", *(f"{dst_root}/{p}" for p in mismatched)], timeout=timeout)
-        repaired = mismatched
+    problems = [f"{name}: {w.truncated}" for name, w in ((node, mine_listing.weights),
+                                                          (source, theirs_listing.weights)) if w.truncated]
+    problems += [f"{name}: links leading out of the tree: {_unsafe(w)}"
+                 for name, w in ((node, mine_listing.weights), (source, theirs_listing.weights)) if w.unsafe_count]
+    repaired = remove_files(target, dst_root, list(mismatched), timeout) if repair and mismatched else ()
     return Verification(node=node, source=source, checked=len(mine), mismatched=mismatched, extra=extra,
-                        hashed_on_source=hashed, repaired=repaired)
+                        hashed_on_source=hashed, repaired=repaired, problem="; ".join(problems) or None)

@@ -48,8 +48,9 @@ def holds_for(check, seconds: float, what: str, interval: float = 0.1) -> None:
 
 
 class Daemon:
-    def __init__(self, desired: Path, state_dir: Path, *extra: str):
+    def __init__(self, desired: Path, state_dir: Path, *extra: str, environ: dict[str, str] | None = None):
         self.desired, self.state_dir = desired, state_dir
+        self.environ = environ or {}  # added to the daemon's environment (serving.secrets' values)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -66,7 +67,7 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Daemon:
-        env = dict(os.environ, NOTIFY_SOCKET=self.notify_path)
+        env = dict(os.environ, NOTIFY_SOCKET=self.notify_path, **self.environ)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([CLI, "run", str(self.desired), "--state-dir", str(self.state_dir),
                                       "--listen", f"127.0.0.1:{self.port}", "--log-format", "json", *self.extra],

@@ -27,7 +27,7 @@ def variant(tmp_path: Path, change) -> Path:
     data = yaml.safe_load(DESIRED.read_text())
     change(data)
     out = tmp_path / "desired.yaml"
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    out.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     return out
 
 

@@ -25,7 +25,7 @@ def write_desired(path: Path, change=None) -> Path:
     if change:
         change(data)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     tmp.replace(path)  # saved by rename, as editors do
     return path
 
@@ -65,6 +65,14 @@ def test_daemon_converges_the_seed_and_reports_ready(daemon):
     assert 'reconciler_node_reachable{node="worker"} 1.0' in exposition
     status = subprocess.run([CLI, "status", "--url", daemon.url], capture_output=True, text=True, check=False)
     assert status.returncode == 0 and "Converged" in status.stdout and "FabricLinkUp" in status.stdout
+    # issue 16: one actuator per cluster. A copy of the file (or the same one) cannot act beside the daemon.
+    copy = daemon.desired.with_name("copy-of-cluster.yaml")
+    copy.write_text(daemon.desired.read_text())
+    for argv in (["apply", "--yes", str(copy)], ["apply", "--yes", str(daemon.desired)],
+                 ["verify", "--repair", str(copy)]):
+        refused = subprocess.run([CLI, *argv], capture_output=True, text=True, check=False, timeout=60)
+        assert refused.returncode == 4, (argv, refused.stdout, refused.stderr)
+        assert f"held by daemon pid {daemon.proc.pid}" in refused.stderr, refused.stderr
 
 
 def test_edits_converge_without_restart_and_invalid_edits_change_nothing(daemon, seed_testbed):

@@ -66,7 +66,7 @@ def test_discover_writes_a_valid_starter_that_converges(seed_testbed, tmp_path):
     data = yaml.safe_load(text)
     data["serving"]["docker"]["privileged"] = False
     applied = tmp_path / "applied.yaml"
-    applied.write_text(yaml.safe_dump(data, sort_keys=False))
+    applied.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     result = reconciler("apply", str(applied), "--yes")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Converged" in result.stdout

@@ -88,7 +88,7 @@ def test_serving_change_restarts_in_order_and_answers_again(deployed, tmp_path):
     data = yaml.safe_load(desired.read_text())
     data["serving"]["max_model_len"] = 2048
     edit = tmp_path / "desired.yaml"
-    edit.write_text(yaml.safe_dump(data, sort_keys=False))
+    edit.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     result = reconciler("apply", str(edit), "--yes", timeout=START_TIMEOUT)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     order = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
@@ -107,7 +107,7 @@ def test_fabric_link_down_is_seen_by_a_completion_and_repaired(deployed, tmp_pat
     data = yaml.safe_load(desired.read_text())
     data["serving"]["max_model_len"] = 2048  # the state the previous test left
     current = tmp_path / "desired.yaml"
-    current.write_text(yaml.safe_dump(data, sort_keys=False))
+    current.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     tb.fault("link-down", "worker")
     code = health(tb)
     rc, _ = completion(tb, timeout=10)

@@ -49,7 +49,7 @@ def write_desired(path: Path, change=None, **policy) -> Path:
     if change:
         change(data)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     tmp.replace(path)
     return path
 
@@ -578,6 +578,7 @@ def hostile_edits(path: Path, good: bytes):
         ("alias-bomb", replace(BOMB.encode()), "alias"),
         ("invalid-utf8", replace(good.replace(b"tiny-moe\n", b"tiny-\xff\xfe\n", 1)), "UTF-8"),
         ("bad-value", replace(bad_line), f"{path}:"),
+        ("truncated", replace(good[: good.index(b"co_tenants:")]), "does not end with the line `...`"),
     ]
 
 

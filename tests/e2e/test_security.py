@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from reconciler import remote, spec
 from reconciler.remote import Sessions
-from tests.e2e.daemon import CLI, wait_until
+from tests.e2e.daemon import CLI, Daemon, wait_until
 from tests.e2e.test_reliability import assert_nothing_lost, converged, daemon, managed, write_desired
 
 pytestmark = pytest.mark.e2e
@@ -234,9 +234,10 @@ def test_secret_env_never_in_logs_metrics_status_argv_or_ps(seed_testbed, tmp_pa
     tb = seed_testbed.reset("converged")
 
     def token(data):  # an API key too: the health checks must send it, and it must not leak either
-        data["serving"]["env"] = {"HF_TOKEN": SECRET, "VLLM_API_KEY": f"{SECRET}-api"}
+        data["serving"]["secrets"] = {"HF_TOKEN": "internet", "VLLM_API_KEY": "head"}
 
     desired = write_desired(tmp_path / "cluster.yaml", token)
+    assert SECRET not in desired.read_text(), "the values come from the daemon's environment, not the file"
     seen: list[str] = []
     stop = threading.Event()
 
@@ -249,7 +250,7 @@ def test_secret_env_never_in_logs_metrics_status_argv_or_ps(seed_testbed, tmp_pa
 
     sampler = threading.Thread(target=sample_ps, daemon=True)
     sampler.start()
-    d = daemon(desired, tmp_path / "state")
+    d = Daemon(desired, tmp_path / "state", environ={"HF_TOKEN": SECRET, "VLLM_API_KEY": f"{SECRET}-api"}).start()
     try:
         converged(d, 90)
         stop.set()
@@ -263,7 +264,9 @@ def test_secret_env_never_in_logs_metrics_status_argv_or_ps(seed_testbed, tmp_pa
         assert refused == "401", "the API does want the key the reconciler's health checks sent"
         for node in ("head", "worker"):
             info = managed(tb, node)[0]
-            assert f"HF_TOKEN={SECRET}" in info["Config"]["Env"], "the container does get the token"
+            # HF_TOKEN is scoped `internet`: the head gets it, the internet-less worker never holds it
+            assert (f"HF_TOKEN={SECRET}" in info["Config"]["Env"]) == (node == "head"), node
+            assert any(e.startswith("VLLM_API_KEY=") for e in info["Config"]["Env"]) == (node == "head"), node
             exposed = dict(info)
             exposed["Config"] = {k: v for k, v in info["Config"].items() if k != "Env"}
             assert SECRET not in json.dumps(exposed), f"{node}: the token is in docker inspect outside Config.Env"

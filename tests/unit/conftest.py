@@ -41,7 +41,7 @@ serving:
   tensor_parallel_size: 2
   port: 8000
   gpu_memory_utilization: 0.8
-  extra_args: ["--trust-remote-code"]
+  extra_args: ["--enforce-eager"]
   env:
     VLLM_ENGINE_READY_TIMEOUT_S: "3600"
 co_tenants:
@@ -51,6 +51,7 @@ co_tenants:
 policy:
   resync_interval: 30s
   listen: 127.0.0.1:9464
+...
 """
 
 
@@ -143,3 +144,12 @@ def build_meter(monkeypatch) -> Callable[[], int]:
 class _Meter:
     builder: object = None
     built: int = 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sample_secrets():
+    """desired-state/cluster.yaml declares serving.secrets VLLM_API_KEY: the daemon takes its value from its
+    environment (systemd EnvironmentFile), so the tests that run the loop or the CLI on the sample provide one."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_API_KEY", "sk-unit-tests-0123456789")
+        yield

@@ -142,8 +142,8 @@ def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_
 
     data = load_file(cluster_yaml).data
     key = "sk-test-0123456789"
-    data["serving"]["env"] = {**data["serving"].get("env", {}), "VLLM_API_KEY": key}
-    desired = Desired.model_validate(data)
+    data["serving"]["secrets"] = {"VLLM_API_KEY": "head"}
+    desired = Desired.model_validate(data).with_secrets({"VLLM_API_KEY": key})
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "curl").write_text(STUB_AUTH_CURL)

@@ -10,6 +10,7 @@ by the trigger its own end fires.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -50,8 +51,19 @@ class Gate:
 
 
 class FakeSessions:
+    """No SSH: only the head's lease script is answered (always granted here; tests/unit/test_lease.py runs the
+    real script)."""
+
     def __init__(self, desired):
         pass
+
+    def __getitem__(self, node):
+        return self
+
+    def run_script(self, script, timeout, cancel=None):
+        from reconciler.remote import Result
+
+        return Result("ok\t600\n", "", 0)
 
     def update(self, desired):
         pass
@@ -82,7 +94,7 @@ def desired_path(cluster_yaml, tmp_path):
 
 @pytest.fixture
 def converged(desired_path, seed_snapshot) -> Observed:
-    desired = load(desired_path)
+    desired = load(desired_path, os.environ)  # the values the controller takes (conftest._sample_secrets)
     after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
     for _ in range(3):
         after = apply_plan(desired, after, plan(desired, after))

@@ -107,7 +107,7 @@ def schema() -> dict:
 def variant(change) -> spec.Desired:
     data = yaml.safe_load(TESTBED.read_text())
     change(data)
-    return spec.loads(yaml.safe_dump(data))
+    return spec.loads(yaml.safe_dump(data, explicit_end=True))
 
 
 def four_nodes(d: dict) -> None:
@@ -132,7 +132,8 @@ def test_the_validator_rejects_what_it_should(schema):
 
 
 @pytest.mark.parametrize("change", [lambda d: None, four_nodes,
-                                    lambda d: d["serving"]["docker"].update(privileged=True),
+                                    lambda d: (d["serving"]["docker"].update(privileged=True),
+                                               d.update(trust={"privileged": True})),
                                     lambda d: d["serving"].update(launcher="ray")],
                          ids=["testbed", "four-nodes", "privileged", "ray"])
 def test_manifest_fits_the_lws_crd_fields(schema, change):
@@ -294,3 +295,19 @@ def test_render_validates_and_marks_guesses():
     assert str(d.nodes[1].fabric.address) == "192.168.100.11/24" and "not in the fabric subnet" in text
     assert d.nodes[1].ssh.jump == d.nodes[0].name and d.nodes[0].fabric.rdma_device == "rocep1s0f1"
     assert text.count("# GUESS:") >= 8
+
+
+def test_secrets_are_exported_as_secret_key_refs_never_as_values(cluster_yaml):
+    """issue 16: the token used to reach `export --format lws` in plain text. Only the node that gets a secret
+    references it (VLLM_API_KEY: the leader), and the value is nowhere in the output."""
+    text = cluster_yaml.read_text().replace("    VLLM_API_KEY: head", "    VLLM_API_KEY: head\n    HF_TOKEN: serving")
+    desired = spec.loads(text).with_secrets({"VLLM_API_KEY": "sk-value-0123456789", "HF_TOKEN": "hf_value_abcdef"})
+    out = lws_yaml(desired)
+    assert "sk-value-0123456789" not in out and "hf_value_abcdef" not in out
+    template = lws_manifest(desired)["spec"]["leaderWorkerTemplate"]
+    env = {t: {e["name"]: e for e in template[t]["spec"]["containers"][0]["env"]}
+           for t in ("leaderTemplate", "workerTemplate")}
+    ref = {"valueFrom": {"secretKeyRef": {"name": "spark-reconciler-secrets", "key": "VLLM_API_KEY"}}}
+    assert env["leaderTemplate"]["VLLM_API_KEY"] == {"name": "VLLM_API_KEY", **ref}
+    assert "VLLM_API_KEY" not in env["workerTemplate"]
+    assert env["workerTemplate"]["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "HF_TOKEN"

@@ -89,7 +89,7 @@ def test_a_twin_back_at_mtu_1500_is_drift_on_its_own(cluster_yaml, seed_snapshot
 
 
 def test_sudoers_lines_cover_the_twin_exactly(cluster_yaml):
-    from reconciler.remote import sudo_allowed, sudoers_snippet
+    from reconciler.remote import sudo_allowed, sudo_commands, sudoers_snippet
 
     desired = Desired.model_validate(_data(cluster_yaml))
     text = sudoers_snippet(desired)
@@ -100,7 +100,7 @@ def test_sudoers_lines_cover_the_twin_exactly(cluster_yaml):
                      f"/usr/sbin/ip link set dev {twin.interface} mtu {node.fabric.mtu}",
                      f"/usr/sbin/ip addr add {twin.address} dev {twin.interface}"):
             assert line in text
-            assert sudo_allowed(line.split()), line
+            assert sudo_allowed(line.split(), sudo_commands(desired, node)), line
 
 
 def test_a_twin_on_some_nodes_only_is_refused(cluster_yaml):

@@ -71,7 +71,7 @@ def _with_flags(desired: Desired, observed: Observed, flags: list[str], image_id
 
 
 def test_an_unknown_extra_flag_blocks_before_anything_is_stopped(cluster_yaml, seed_snapshot, known):
-    extra = ["--trust-remote-code", "--max-num-seqz", "4"]
+    extra = ["--enforce-eager", "--max-num-seqz", "4"]
     desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=extra)
     result = plan(desired, _with_flags(desired, observed, known))
     assert [s for s in result.steps if s.kind in ("stop-serving", "start-serving")] == []
@@ -81,7 +81,7 @@ def test_an_unknown_extra_flag_blocks_before_anything_is_stopped(cluster_yaml, s
 
 
 def test_known_extra_flags_restart_as_usual(cluster_yaml, seed_snapshot, known):
-    extra = ["--trust-remote-code", "--max-num-seqs", "4"]
+    extra = ["--enforce-eager", "--max-num-seqs", "4"]
     desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=extra)
     result = plan(desired, _with_flags(desired, observed, known))
     assert result.blocked == []

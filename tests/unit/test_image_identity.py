@@ -179,3 +179,45 @@ def test_only_a_missing_image_is_absent(cluster_yaml, stderr, absent):
     else:
         with pytest.raises(StepFailed, match="Cannot connect"):
             inspect_image(ctx, "n", "img")
+
+
+# ---------------------------------------------------------------------------------------------- issue 16, finding 3
+
+
+def _without_image(observed: Observed, node: str, ref: str) -> Observed:
+    images = {k: v for k, v in observed.nodes[node].images.items() if k != ref}
+    return observed.model_copy(update={"nodes": {**observed.nodes, node: observed.nodes[node].model_copy(
+        update={"images": images})}})
+
+
+def test_a_worker_that_claims_the_image_never_becomes_the_source(cluster_yaml, seed_snapshot):
+    """The head lacks the tag, the worker reports it: the worker used to become the source whose `docker save`
+    the head loaded. Now nothing is copied, and the drift says to pull on the head."""
+    desired, observed = _cluster(cluster_yaml, seed_snapshot)
+    observed = _without_image(observed, desired.head.name, desired.serving.image)
+    result = plan(desired, observed)
+    assert [s for s in result.steps if s.kind == "image"] == []
+    assert any(d.kind == "image" and d.blocking and f"pull it on {desired.head.name}" in d.observed
+               for d in result.drift)
+
+
+def test_a_listed_image_source_may_feed_the_others(cluster_yaml, seed_snapshot):
+    desired, observed = _cluster(cluster_yaml, seed_snapshot)
+    worker = next(n.name for n in desired.nodes if n.role == "worker")
+    listed, _ = _cluster(cluster_yaml, seed_snapshot, image_sources=[desired.head.name, worker])
+    observed = _without_image(observed, desired.head.name, desired.serving.image)
+    steps = [s for s in plan(listed, observed).steps if s.kind == "image"]
+    assert [(s.node, s.params["source"]) for s in steps] == [(desired.head.name, worker)]
+    assert steps[0].params["content"] == observed.node(worker).images[desired.serving.image].content
+
+
+@pytest.mark.parametrize("output,extra", [
+    ("Loaded image: nvcr.io/nvidia/vllm:26.05-py3\n", []),
+    ("Loaded image: nvcr.io/nvidia/vllm:26.05-py3\nLoaded image: ubuntu:latest\n", ["ubuntu:latest"]),
+    ("Loaded image ID: sha256:" + "a" * 64 + "\n", []),
+])
+def test_docker_load_naming_another_tag_fails_the_copy(output, extra):
+    from reconciler.steps.images import unexpected_tags
+
+    assert unexpected_tags(output, "nvcr.io/nvidia/vllm:26.05-py3") == extra
+    assert unexpected_tags("Loaded image: vllm-standin:latest\n", "docker.io/library/vllm-standin:latest") == []

@@ -73,27 +73,52 @@ def test_path_traversal_is_rejected():
         TypeAdapter(spec.AbsPath).validate_python("/srv/models/../../etc")
 
 
+def _allowed(base_yaml: str) -> list[tuple[str, ...]]:
+    from reconciler import spec
+
+    desired = spec.loads(base_yaml.replace("  resync_interval: 30s", "  resync_interval: 30s\n  drop_caches: true"))
+    return remote.sudo_commands(desired, desired.nodes[1])
+
+
 @pytest.mark.parametrize("argv", [
     ["/usr/sbin/ip", "link", "set", "dev", "enp1s0f1np1", "mtu", "9000"],
-    ["/usr/sbin/ip", "addr", "add", "10.232.0.11/24", "dev", "enp1s0f1np1"],
+    ["/usr/sbin/ip", "link", "set", "dev", "enp1s0f1np1", "up"],
+    ["/usr/sbin/ip", "addr", "add", "192.168.200.13/24", "dev", "enp1s0f1np1"],
     ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"],
 ])
-def test_sudo_allows_the_listed_commands(argv):
-    assert remote.sudo_argv(argv) == ["sudo", "-n", *argv]
+def test_sudo_allows_exactly_the_nodes_commands(argv, base_yaml):
+    assert remote.sudo_argv(argv, _allowed(base_yaml)) == ["sudo", "-n", *argv]
 
 
 @pytest.mark.parametrize("argv", [
-    ["/usr/sbin/ip", "link", "set", "dev"],                                  # a "*" rule needs an argument
+    ["/usr/sbin/ip", "link", "set", "dev"],
+    ["/usr/sbin/ip", "link", "set", "dev", "enP7s7", "down"],                 # the management port (issue 16)
+    ["/usr/sbin/ip", "link", "set", "dev", "enp1s0f1np1", "down"],
+    ["/usr/sbin/ip", "link", "set", "dev", "enp1s0f1np1", "mtu", "1500"],     # not the declared MTU
+    ["/usr/sbin/ip", "addr", "add", "10.0.0.99/24", "dev", "enp1s0f1np1"],   # not the declared address
+    ["/usr/sbin/ip", "addr", "add", "192.168.200.13/24", "dev", "enP7s7"],
     ["/usr/sbin/ip", "link", "delete", "enp1s0f1np1"],
-    ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3", "kernel.panic=1"],         # exact rule: nothing appended
+    ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3", "kernel.panic=1"],
     ["/usr/sbin/sysctl", "-w", "kernel.panic=1"],
-    ["ip", "link", "set", "dev", "x", "up"],                                 # not the absolute path sudoers has
-    ["/bin/sh", "-c", "/usr/sbin/ip link set dev x up"],
-    ["sudo", "/usr/sbin/ip", "link", "set", "dev", "x"],
+    ["ip", "link", "set", "dev", "enp1s0f1np1", "up"],                       # not the absolute path sudoers has
+    ["/bin/sh", "-c", "/usr/sbin/ip link set dev enp1s0f1np1 up"],
+    ["sudo", "/usr/sbin/ip", "link", "set", "dev", "enp1s0f1np1", "up"],
 ])
-def test_sudo_refuses_anything_else(argv):
+def test_sudo_refuses_anything_else(argv, base_yaml):
     with pytest.raises(PermissionError):
-        remote.sudo_argv(argv)
+        remote.sudo_argv(argv, _allowed(base_yaml))
+
+
+def test_the_sudoers_lines_are_the_commands_the_code_may_send(base_yaml):
+    from reconciler import spec
+
+    desired = spec.loads(base_yaml)
+    text = remote.sudoers_snippet(desired)
+    assert "*" not in text.split("\n", 3)[3]
+    for node in desired.nodes:
+        line = next(t for t in text.splitlines() if t.startswith(f"{node.ssh.user} ALL=(root) NOPASSWD: ")
+                    and text.splitlines()[text.splitlines().index(t) - 1] == f"# on {node.name}")
+        assert line.split("NOPASSWD: ", 1)[1].split(", ") == [" ".join(c) for c in remote.sudo_commands(desired, node)]
 
 
 def test_launch_argv_carries_no_env_value_with_an_env_file():
@@ -102,7 +127,8 @@ def test_launch_argv_carries_no_env_value_with_an_env_file():
     from reconciler.vllm import launch_specs
 
     text = (Path(__file__).resolve().parents[2] / "desired-state" / "testbed.yaml").read_text()
-    desired = spec.loads(text.replace("  docker:\n", "  env: {HF_TOKEN: hf_secret_value}\n  docker:\n", 1))
+    desired = spec.loads(text.replace("  docker:\n", "  secrets: {HF_TOKEN: serving}\n  docker:\n", 1)
+                         ).with_secrets({"HF_TOKEN": "hf_secret_value"})
     for s in launch_specs(desired):
         with_file = s.run_argv(1, env_file="/tmp/spark-reconciler-env.abc")
         assert "hf_secret_value" not in " ".join(with_file)

@@ -183,10 +183,10 @@ RULES = [
     ("weights source", [("  path: /home", "  source: nobody\n  path: /home")], "22:11: model.source",
      "weights source 'nobody' is not a node"),
     ("model path key", [("  path: /home/spark/.cache/huggingface/hub",
-                         "  path: {head-a: /a, worker-b: /b, nobody: /c}")], "model.path.nobody",
+                         "  path: {head-a: /d/a, worker-b: /d/b, nobody: /d/c}")], "model.path.nobody",
      "'nobody' is not a node"),
     ("model path for source", [("  path: /home/spark/.cache/huggingface/hub",
-                                "  source: worker-b\n  path: {head-a: /a}")], "model.path",
+                                "  source: worker-b\n  path: {head-a: /d/a}")], "model.path",
      "no model path for"),
     ("subnet", [("address: 192.168.200.13/24", "address: 192.168.100.13/24")], "18:16: nodes[1].fabric.address",
      "not in the fabric subnet 192.168.200.0/24 of node 'head-a'"),
@@ -258,11 +258,11 @@ RULES = [
      "required field is missing"),
     ("missing image", [("  image: nvcr.io/nvidia/vllm:26.05-py3\n", "")], "23:1: serving.image",
      "required field is missing"),
-    ("reserved flag =", [("[\"--trust-remote-code\"]", "[\"--tensor-parallel-size=4\"]")],
+    ("reserved flag =", [("[\"--enforce-eager\"]", "[\"--tensor-parallel-size=4\"]")],
      "28:16: serving.extra_args[0]", "--tensor-parallel-size is set by the reconciler"),
-    ("reserved flag -tp", [("[\"--trust-remote-code\"]", "[\"-tp\", \"4\"]")], "28:16: serving.extra_args[0]",
+    ("reserved flag -tp", [("[\"--enforce-eager\"]", "[\"-tp\", \"4\"]")], "28:16: serving.extra_args[0]",
      "use serving.tensor_parallel_size"),
-    ("extra arg control char", [("[\"--trust-remote-code\"]", "[\"--x\\ty\"]")], "28:16: serving.extra_args[0]",
+    ("extra arg control char", [("[\"--enforce-eager\"]", "[\"--x\\ty\"]")], "28:16: serving.extra_args[0]",
      "control characters"),
     ("co-tenant unknown node", [("    head-a: [vllm_embeddings, reranker]",
                                  "    head-a: [vllm_embeddings, reranker]\n    nobody: [x]")],
@@ -311,7 +311,7 @@ def test_unknown_node_key_in_model_path_is_reported_at_the_key(edit, problems):
     """A problem about a mapping *key* is placed at the key, not at its value, which in block style is the next
     line (same for invalid env var names and co_tenants node keys: see the corpus)."""
     lines = problems(edit(("  path: /home/spark/.cache/huggingface/hub",
-                           "  path:\n    head-a: /a\n    worker-b: /b\n    nobody:\n      /c")))
+                           "  path:\n    head-a: /d/a\n    worker-b: /d/b\n    nobody:\n      /d/c")))
     assert any(l.startswith("X:25:5: model.path.nobody: ") for l in lines), lines
 
 
@@ -391,12 +391,12 @@ def test_env_values_coerce_scalars_and_refuse_control_characters():
 @pytest.mark.parametrize("text,seconds", [("30s", 30), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("1d", 86400),
                                           ("2h", 7200), ("1m30s", 90)])
 def test_durations_parse_and_round_trip_through_model_dump(text, seconds):
-    policy = spec.Policy(resync_interval=text)
-    assert policy.resync_interval == pytest.approx(seconds)
-    dumped = policy.model_dump()["resync_interval"]
+    timeouts = spec.Timeouts(stop_grace=text)
+    assert timeouts.stop_grace == pytest.approx(seconds)
+    dumped = timeouts.model_dump()["stop_grace"]
     assert dumped == text
-    assert policy.model_dump(mode="json")["resync_interval"] == text
-    assert spec.Policy(resync_interval=dumped) == policy
+    assert timeouts.model_dump(mode="json")["stop_grace"] == text
+    assert spec.Timeouts(stop_grace=dumped) == timeouts
 
 
 @pytest.mark.parametrize("text", ["1500ms", "2s500ms", "1m250ms"])
@@ -451,7 +451,7 @@ def test_defaults(base_yaml):
     assert (s.port, s.master_port, s.ray_port) == (8000, 29501, 6379)
     assert s.pipeline_parallel_size == 1 and s.nodes is None
     assert s.gpu_memory_utilization == 0.8 and s.max_model_len is None and s.served_model_name is None
-    assert s.docker.gpus == "all" and s.docker.ipc == "host" and s.docker.privileged is True
+    assert s.docker.gpus == "all" and s.docker.ipc == "host" and s.docker.privileged is False
     assert s.health_timeout == 3600
     assert d.co_tenants.protected == {} and d.co_tenants.unlisted == "stop"
     p = d.policy
@@ -466,7 +466,7 @@ def test_defaults(base_yaml):
 def test_minimal_single_node_file_takes_all_defaults():
     d = spec.loads("nodes:\n"
                    "  - {name: solo, role: head, ssh: {host: h}, fabric: {interface: e0, address: 10.0.0.1/24}}\n"
-                   "model: {id: a/b, path: /m}\nserving: {image: vllm}\n")
+                   "model: {id: a/b, path: /d/m}\nserving: {image: vllm}\n...\n")
     assert d.head.name == "solo" and [n.name for n in d.serving_nodes] == ["solo"]
     assert d.source_node == "solo" and d.policy.listen.startswith("127.0.0.1:")
 
@@ -498,15 +498,16 @@ def test_three_nodes_serving_span_follows_file_order_of_workers():
     nodes = "".join(
         f"  - {{name: n{i}, role: {'head' if i == 0 else 'worker'}, ssh: {{host: h{i}}}, "
         f"fabric: {{interface: e0, address: 10.0.0.{i + 1}/24}}}}\n" for i in range(3))
-    d = spec.loads(f"nodes:\n{nodes}model: {{id: a/b, path: /m}}\nserving: {{image: vllm, tensor_parallel_size: 2}}\n")
+    d = spec.loads(f"nodes:\n{nodes}model: {{id: a/b, path: /d/m}}\n"
+                   "serving: {image: vllm, tensor_parallel_size: 2}\n...\n")
     assert [n.name for n in d.serving_nodes] == ["n0", "n1"]
 
 
 def test_path_on_single_path_and_per_node_mapping(edit):
     d = spec.loads(edit())
     assert d.model.path_on("head-a") == d.model.path_on("worker-b") == "/home/spark/.cache/huggingface/hub"
-    d = spec.loads(edit(("  path: /home/spark/.cache/huggingface/hub", "  path: {head-a: /a, worker-b: /b}")))
-    assert d.model.path_on("head-a") == "/a" and d.model.path_on("worker-b") == "/b"
+    d = spec.loads(edit(("  path: /home/spark/.cache/huggingface/hub", "  path: {head-a: /d/a, worker-b: /d/b}")))
+    assert d.model.path_on("head-a") == "/d/a" and d.model.path_on("worker-b") == "/d/b"
 
 
 def test_co_tenant_globs_per_node_and_star(edit):

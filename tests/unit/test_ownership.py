@@ -1,0 +1,150 @@
+"""The reconciler acts only on containers it owns (issue 16, finding 1; docs/security.md "Containers").
+
+Owned = the managed label and this cluster's instance label (or no instance label: created before it existed).
+Protected wins over everything; a container under any name but the configured serving name is never removed.
+The plan is judged against the observation, and the step against a fake docker that records what it was asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from reconciler.observed import LABEL_INSTANCE, LABEL_MANAGED, Container, Observed
+from reconciler.plan import Step, plan
+from reconciler.remote import Result
+from reconciler.simulate import apply_plan
+from reconciler.spec import Desired, load, loads
+from reconciler.steps import StepContext, StepFailed
+from reconciler.steps.containers import stop_serving
+
+NODE = "spark-1a32"  # the sample's head
+
+
+@pytest.fixture
+def desired(cluster_yaml) -> Desired:
+    return load(cluster_yaml, os.environ)
+
+
+@pytest.fixture
+def converged(desired, seed_snapshot) -> Observed:
+    after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    for _ in range(3):
+        after = apply_plan(desired, after, plan(desired, after))
+    assert not plan(desired, after).changes
+    return after
+
+
+def _with(observed: Observed, *containers: Container) -> Observed:
+    node = observed.node(NODE)
+    return observed.model_copy(update={"nodes": {**observed.nodes, NODE: node.model_copy(
+        update={"containers": [*node.containers, *containers]})}})
+
+
+def _managed(name: str, instance: str | None = None) -> Container:
+    labels = {LABEL_MANAGED: "true", **({LABEL_INSTANCE: instance} if instance else {})}
+    return Container(name=name, id=f"id-{name}", image="nvcr.io/nvidia/vllm:26.05-py3", state="running",
+                     labels=labels)
+
+
+def _touching(result, name: str) -> list[str]:
+    return [s.id for s in result.steps if s.params.get("container") == name]
+
+
+def test_a_protected_container_with_the_managed_label_is_never_stopped(cluster_yaml, converged):
+    """A copied `docker run` line (or another deployment) carries the managed label: it used to get
+    stop-serving, i.e. docker stop then docker rm, although the file protects it."""
+    text = cluster_yaml.read_text().replace("  protected: {}", "  protected: {\"*\": [old_serving]}")
+    protecting = loads(text).with_secrets(os.environ)
+    result = plan(protecting, _with(converged, _managed("old_serving")))
+    assert _touching(result, "old_serving") == []
+
+
+def test_another_reconcilers_container_is_left_alone_and_blocks_our_name(desired, converged):
+    foreign = _managed("other_serving", instance="10.9.9.9:22")
+    assert _touching(plan(desired, _with(converged, foreign)), "other_serving") == []
+    node = converged.node(NODE)
+    ours = node.container(desired.serving.container_name)
+    taken = ours.model_copy(update={"labels": {**ours.labels, LABEL_INSTANCE: "10.9.9.9:22"}})
+    held = converged.model_copy(update={"nodes": {**converged.nodes, NODE: node.model_copy(update={
+        "containers": [c if c.name != ours.name else taken for c in node.containers]})}})
+    result = plan(desired, held)
+    assert _touching(result, ours.name) == []
+    assert any("another reconciler's container (instance 10.9.9.9:22)" in d.observed for d in result.drift
+               if d.blocking)
+
+
+def test_our_container_under_a_former_name_is_stopped_never_removed(desired, converged):
+    result = plan(desired, _with(converged, _managed("vllm_serving_old", instance=desired.instance)))
+    assert _touching(result, "vllm_serving_old") == [f"stop-serving/{NODE}/vllm_serving_old"]
+    docker = FakeDocker({"vllm_serving_old": {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance}})
+    stop_serving(_ctx(desired, docker), _step("vllm_serving_old"))
+    assert docker.calls == [["docker", "stop", "-t", "30", "vllm_serving_old"]]
+
+
+def test_the_step_checks_ownership_again_on_the_node(desired):
+    """The plan may be minutes old: the step re-reads the labels and the file before it acts."""
+    cases = {
+        "not managed": {},
+        "another instance": {LABEL_MANAGED: "true", LABEL_INSTANCE: "10.9.9.9:22"},
+    }
+    name = desired.serving.container_name
+    for why, labels in cases.items():
+        docker = FakeDocker({name: labels})
+        with pytest.raises(StepFailed):
+            stop_serving(_ctx(desired, docker), _step(name))
+        assert docker.calls == [], why
+    ours = FakeDocker({name: {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance}})
+    stop_serving(_ctx(desired, ours), _step(name))
+    assert ours.calls == [["docker", "stop", "-t", "30", name], ["docker", "rm", name]]
+
+
+def test_a_container_made_before_the_instance_label_is_still_ours(desired):
+    name = desired.serving.container_name
+    legacy = FakeDocker({name: {LABEL_MANAGED: "true"}})
+    stop_serving(_ctx(desired, legacy), _step(name))
+    assert ["docker", "rm", name] in legacy.calls
+
+
+def test_new_containers_carry_the_instance(desired):
+    from reconciler.vllm import launch_specs
+
+    for s in launch_specs(desired):
+        argv = s.run_argv(1)
+        assert f"{LABEL_INSTANCE}={desired.instance}" in argv and desired.instance == "10.1.230.180:22"
+
+
+# ---------------------------------------------------------------------------------------------- a fake docker
+
+
+class FakeDocker:
+    """`docker inspect/stop/rm` over an in-memory table; records the commands that change something."""
+
+    def __init__(self, containers: dict[str, dict[str, str]]):
+        self.containers = {n: {"labels": labels, "running": True} for n, labels in containers.items()}
+        self.calls: list[list[str]] = []
+
+    def run(self, argv, timeout=None, check=True, stdin=None):
+        name = argv[-1]
+        c = self.containers.get(name)
+        if argv[1] == "inspect":
+            if c is None:
+                return Result("", f"Error: No such container: {name}", 1)
+            return Result(json.dumps([{"Config": {"Labels": c["labels"]}, "State": {"Running": c["running"]}}]),
+                          "", 0)
+        self.calls.append(list(argv))
+        if argv[1] == "stop" and c is not None:
+            c["running"] = False
+        elif argv[1] == "rm":
+            self.containers.pop(name, None)
+        return Result("", "", 0)
+
+
+def _ctx(desired: Desired, docker: FakeDocker) -> StepContext:
+    return StepContext(desired=desired, sessions={NODE: docker}, observed=Observed(nodes={}))  # type: ignore[arg-type]
+
+
+def _step(name: str) -> Step:
+    return Step(f"stop-serving/{NODE}/{name}", "stop-serving", NODE, "test", (), params={"container": name})
