@@ -73,7 +73,8 @@ def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 
                 try:
                     stack.enter_context(held(desired, sessions, holder))
                 except LeaseHeld as exc:
-                    click.echo(f"Nothing changed: {exc} (reconciler status; stop the daemon or wait).", err=True)
+                    click.echo(printable(f"Nothing changed: {exc} (reconciler status; stop the daemon or wait)."),
+                               err=True)
                     return EXIT_HELD
             return _apply(desired, sessions, yes=yes, dry_run=dry_run, max_passes=max_passes, generation=generation)
     finally:

@@ -19,6 +19,7 @@ from reconciler import spec
 from reconciler.observed import Observed
 from reconciler.plan import plan as make_plan
 from reconciler.render import plan_text
+from reconciler.text import printable
 
 EXIT_INVALID = 2
 
@@ -35,7 +36,7 @@ def _load_or_exit(path: str, connects: bool = False) -> spec.Desired:
     except spec.InvalidDesiredState as exc:
         unsafe = exc.lines()
     for line in unsafe:
-        click.echo(line, err=True)
+        click.echo(printable(line), err=True)
     if unsafe:
         sys.exit(EXIT_INVALID)
     for value in desired.secret_values():
@@ -131,7 +132,7 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
                 stack.enter_context(held(desired, sessions, Holder.of("verify-repair", file)))
             results = [verify_weights(desired, sessions, node, repair=repair) for node in targets]
     except LeaseHeld as exc:
-        click.echo(f"Nothing repaired: {exc}.", err=True)
+        click.echo(printable(f"Nothing repaired: {exc}."), err=True)
         sys.exit(EXIT_HELD)
     finally:
         sessions.close()
@@ -139,7 +140,7 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
         click.echo(json.dumps([asdict(r) for r in results], indent=2))
     else:
         for r in results:
-            click.echo(r.message())
+            click.echo(printable(r.message()))
     sys.exit(0 if all(r.ok for r in results) else 1)
 
 
@@ -230,7 +231,7 @@ def status(url: str, as_json: bool) -> None:
         with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as response:
             doc = json.loads(response.read())
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        click.echo(f"cannot reach the daemon at {url}: {exc}", err=True)
+        click.echo(printable(f"cannot reach the daemon at {url}: {exc}"), err=True)
         sys.exit(1)
     click.echo(json.dumps(doc, indent=2) if as_json else status_text(doc))
     sys.exit(0 if doc.get("phase") == "Converged" else 1)
@@ -268,7 +269,7 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
     try:
         facts = disc.probe(sessions)
     except RemoteError as exc:
-        click.echo(f"discover: {exc}", err=True)
+        click.echo(printable(f"discover: {exc}"), err=True)
         sys.exit(3)
     finally:
         for s in reversed(sessions):

@@ -27,8 +27,6 @@ from paramiko.ssh_exception import AuthenticationException, BadHostKeyException,
 from reconciler.spec import Desired, Node
 
 
-#: the commands that may run under `sudo -n`, written like the sudoers rules in docs/operations.md (the same
-#: words, joined by spaces): a trailing "*" allows one or more further arguments, anything else is exact.
 def sudo_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
     """Every command this node may be sent as root, exactly (argv, no patterns): the one source of both
     `reconciler sudoers FILE` and the check each `sudo` command passes before it leaves the head. A wildcard

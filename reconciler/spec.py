@@ -311,8 +311,8 @@ class FabricPort(_Model):
     """One netdev of the fabric, with its RDMA device and address."""
 
     interface: Annotated[InterfaceName, AfterValidator(_not_loopback)] = Field(
-        description="Netdev, e.g. enp1s0f1np1 (<= 15 characters). Never `lo`; the reconciler also refuses to "
-        "touch an interface that carries its SSH session (a link step could cut the node off).")
+        description="Netdev, e.g. enp1s0f1np1 (<= 15 characters). Never `lo`; the reconciler also never changes "
+        "the MTU of the interface its SSH session arrives on (that could cut the node off).")
     rdma_device: RdmaDevice | None = Field(None, description="RDMA device, e.g. rocep1s0f1; its port must be ACTIVE.")
     address: ipaddress.IPv4Interface = Field(description="IPv4 address with prefix, e.g. 192.168.200.12/24.")
 
@@ -401,11 +401,11 @@ class Serving(_Model):
         None, description="Nodes the image may be copied from (default: the head only). A node not listed never "
         "becomes a source: a worker claiming to have the image cannot feed its `docker save` to the others.")
     launcher: Literal["native", "ray"] = "native"
-    host: ipaddress.IPv4Address | ipaddress.IPv6Address = Field(
-        ipaddress.IPv4Address("127.0.0.1"), description="Address vLLM's API binds on the head (host network). "
-        "Loopback by default: the API has no authentication unless serving.secrets holds VLLM_API_KEY, and the "
-        "reconciler's own health checks run on the head. 0.0.0.0 (or the head's LAN address) to serve others: "
-        "then set an API key or put a proxy in front (docs/operations.md).")
+    host: Literal["127.0.0.1", "0.0.0.0"] = Field(
+        "127.0.0.1", description="Address vLLM's API binds on the head (host network). Loopback by default: the "
+        "API has no authentication unless serving.secrets holds VLLM_API_KEY. 0.0.0.0 to serve other machines: "
+        "then with an API key or a proxy in front (docs/security.md). Nothing else: the reconciler's health checks "
+        "ask 127.0.0.1 on the head, which a bind to one LAN address would not answer.")
     container_name: ContainerName = "vllm_serving"
     nodes: list[NodeName] | None = Field(None, description="Nodes the model spans (default: head first, then "
                                                            "workers in file order, as many as tp x pp needs).")

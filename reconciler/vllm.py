@@ -229,7 +229,7 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
         env = mount_env | cache_env | _env(desired, node)
         serve_exec = None
         if s.launcher == "native":
-            command = _serve_argv(desired, model_arg) + ["--host", str(s.host), "--port", str(s.port)]
+            command = _serve_argv(desired, model_arg) + ["--host", s.host, "--port", str(s.port)]
             if len(nodes) > 1:
                 command += ["--nnodes", str(len(nodes)), "--node-rank", str(rank),
                             "--master-addr", head_ip, "--master-port", str(s.master_port)]
@@ -241,7 +241,7 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
             if rank == 0:
                 command = ["ray", "start", "--block", "--head", "--port", str(s.ray_port), "--node-ip-address", ip]
                 serve_exec = tuple(_serve_argv(desired, model_arg) + [
-                    "--host", str(s.host), "--port", str(s.port), "--distributed-executor-backend", "ray",
+                    "--host", s.host, "--port", str(s.port), "--distributed-executor-backend", "ray",
                     *s.extra_args])
             else:
                 command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip]

@@ -16,7 +16,7 @@ from reconciler.observe import Section, api_argv, auth_header, completion_argv, 
 from reconciler.plan import Step
 from reconciler.remote import RemoteError, quote
 from reconciler.steps import StepBlocked, StepContext, StepFailed, wait_for
-from reconciler.steps.containers import inspect, is_managed
+from reconciler.steps.containers import inspect, owner_problem
 from reconciler.vllm import LaunchSpec, cache_dirs, launch_specs
 
 GIB = 2**30
@@ -70,8 +70,8 @@ def start_serving(ctx: StepContext, step: Step) -> None:
     spec = spec_for(ctx, node)
     info = inspect(ctx, node, spec.container_name)
     if info is not None:
-        if not is_managed(info):
-            raise StepBlocked(f"{spec.container_name} on {node} exists and was not created by the reconciler")
+        if (problem := owner_problem(ctx, node, spec.container_name, info)) is not None:
+            raise StepBlocked(f"{spec.container_name} exists and is not ours to replace: {problem}")
         labels = info["Config"].get("Labels") or {}
         if info["State"]["Running"] and labels.get("spark-reconciler.spec-hash") == spec.spec_hash:
             return  # already what we want (a crash after `docker run`, before the step was recorded)

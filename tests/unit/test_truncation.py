@@ -2,8 +2,8 @@
 exactly what the whole file means (issue 16, finding 4; docs/security.md "Half-written files").
 
 The oracle is the whole file's own parse: every byte-prefix either is refused or parses to an equal `Desired`.
-Before the end marker, 1,169 of the 4,525 prefixes of the sample (in observe mode) validated, some stopping
-co-tenants the whole file allows.
+Before the end marker, 1,826 of the 5,545 byte-prefixes of the sample validated and 1,653 of them meant something
+else than the whole file, some stopping co-tenants the whole file allows.
 """
 
 from __future__ import annotations

@@ -217,3 +217,9 @@ def test_every_plan_lists_what_the_file_trusts(base_yaml, seed_snapshot):
     assert plan_text(loud).startswith("Trusted beyond the default (trust): privileged containers, the model "
                                       "repository's code (--trust-remote-code).\n")
     assert loud.as_dict()["trusted"] == ["privileged containers", "the model repository's code (--trust-remote-code)"]
+
+
+@pytest.mark.parametrize("host", ["192.168.1.10", "10.1.230.180", "::1", "localhost"])
+def test_the_api_binds_only_where_the_health_checks_can_ask(base_yaml, problems, host):
+    [line] = problems(base_yaml.replace("  port: 8000", f"  port: 8000\n  host: \"{host}\""))
+    assert "serving.host" in line
