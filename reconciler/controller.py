@@ -26,7 +26,7 @@ from reconciler import conditions, log, metrics, spec, trusted_files
 from reconciler.generations import GenerationStore
 from reconciler.health_watch import HealthWatch
 from reconciler.holds import Holds, vetoes
-from reconciler.lease import Holder, Lease
+from reconciler.lease import RENEW_AFTER, Holder, Lease
 from reconciler.observe import ask_serve_flags, flags_wanted, observe
 from reconciler.observed import Observed
 from reconciler.operations import FlagsQuery, Operations, admit
@@ -221,9 +221,13 @@ class Controller:
         return failures
 
     def _requeue_after(self, observed: Observed | None) -> float | None:
-        """The next moment something is due without any trigger: a backoff's end, a health grace's end."""
+        """The next moment something is due without any trigger: a backoff's end, a health grace's end, the
+        lease's renewal (a long resync must not let it lapse while our operations run)."""
         due = []
         now = self.clock()
+        if (self.lease is not None and self.lease.holding and self.desired is not None
+                and self.desired.policy.resync_interval > RENEW_AFTER):
+            due.append(RENEW_AFTER)
         if self.holds is not None and (when := self.holds.next_due(now)) is not None:
             due.append(when - now)
         if self.desired is not None and observed is not None:

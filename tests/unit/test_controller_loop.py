@@ -247,3 +247,14 @@ def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_pat
     c.reconcile({"start"})
     assert c._requeue_after(failing) == UNHEALTHY_RECHECK
     assert c._requeue_after(converged) is None and head.serving is not None
+
+
+def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_path, converged):
+    """resync_interval: 1h with nothing else happening: the lease (TTL 10 min) must not lapse under the daemon."""
+    from reconciler.lease import RENEW_AFTER
+
+    desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 1h"))
+    c, _ = _controller(desired_path, tmp_path, Script(converged), lambda *a, **k: None)
+    result = c.reconcile({"start"})
+    assert c.lease is not None and c.lease.holding
+    assert result.requeue_after == RENEW_AFTER
