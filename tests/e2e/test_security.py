@@ -146,7 +146,7 @@ def test_the_real_launch_argv_arrives_intact(recorder, testbed, tmp_path):
     from reconciler.vllm import launch_specs
 
     def hostile(data):
-        data["serving"]["env"] = {"HF_TOKEN": "hf_$(id) `x` ; rm -rf / 'q' \"d\"", "A": "  spaced  "}
+        data["serving"]["env"] = {"HOSTILE": "hf_$(id) `x` ; rm -rf / 'q' \"d\"", "A": "  spaced  "}
         data["serving"]["extra_args"] = ["--chat-template-content-format=string", "--max-num-seqs=8"]
 
     desired = spec.load(write_desired(tmp_path / "d.yaml", hostile))
@@ -157,52 +157,56 @@ def test_the_real_launch_argv_arrives_intact(recorder, testbed, tmp_path):
 
 # -- privilege ------------------------------------------------------------------------------------------------
 
-def sudoers_rules() -> list[str]:
-    """The rules of the sudoers snippet in docs/operations.md (```sudoers block), else the testbed's."""
-    ops = REPO / "docs" / "operations.md"
-    if ops.exists():
-        m = re.search(r"```sudoers\n(.*?)```", ops.read_text(), re.S)
-        if m:
-            text = m.group(1).replace("\\\n", " ")
-            rules = []
-            for line in text.splitlines():
-                if line.strip() and not line.lstrip().startswith("#") and "NOPASSWD:" in line:
-                    rules += [r.strip() for r in line.split("NOPASSWD:", 1)[1].split(",") if r.strip()]
-            return rules
-    from testbed.sshd import SUDO_RULES
-
-    return list(SUDO_RULES)
-
-
-def test_sudo_allow_list_matches_the_sudoers_snippet_exactly():
-    assert sorted(" ".join(c) for c in remote.SUDO_COMMANDS) == sorted(sudoers_rules())
+def test_each_node_grants_exactly_what_the_code_may_send(testbed):
+    """`reconciler.remote.sudo_commands` is both `reconciler sudoers FILE` and the check before sending: each of
+    the node's commands is permitted by the node's real sudo (`sudo -n -l CMD` asks without running it)."""
+    desired = spec.load(testbed.desired_state)
+    for node in desired.nodes:
+        allowed = remote.sudo_commands(desired, node)
+        assert allowed, node.name
+        for argv in allowed:
+            asked = testbed.exec(node.name, "sudo -n -l " + remote.quote(argv), check=False)
+            assert asked.returncode == 0, (node.name, argv, asked.stderr)
 
 
 def test_sudo_refuses_anything_else_before_it_is_sent(recorder):
-    for argv in (["/usr/sbin/ip", "link", "del", "enp1s0f1np1"], ["/usr/sbin/ip", "link", "set", "dev"],
+    """Another interface, another MTU or address, another command: refused in the reconciler, before sudo."""
+    fabric = recorder.node.fabric
+    for argv in (["/usr/sbin/ip", "link", "del", fabric.interface], ["/usr/sbin/ip", "link", "set", "dev"],
+                 ["/usr/sbin/ip", "link", "set", "dev", "eth0", "down"],
+                 ["/usr/sbin/ip", "link", "set", "dev", fabric.interface, "mtu", "1500"],
+                 ["/usr/sbin/ip", "addr", "add", "10.9.9.9/24", "dev", fabric.interface],
                  ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3", "kernel.panic=1"], ["ip", "link", "set", "dev", "x"],
                  ["/bin/sh", "-c", "id"], [RECORDER, "x"]):
         with pytest.raises(PermissionError):
             recorder.run(argv, sudo=True, timeout=10)
     # what is listed really works on the node, under sudo -n; what is not is refused by sudo itself too
-    assert recorder.run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True, timeout=20).ok
-    assert recorder.run(["/usr/sbin/ip", "link", "set", "dev", "lo", "up"], sudo=True, timeout=10).ok
+    assert recorder.run(["/usr/sbin/ip", "link", "set", "dev", fabric.interface, "up"], sudo=True, timeout=10).ok
     denied = recorder.run(["sudo", "-n", "/usr/sbin/ip", "link", "del", "enp1s0f1np1"], timeout=10, check=False)
     assert denied.exit_code != 0 and "password" in denied.stderr
 
 
-def test_every_sudo_call_in_the_code_is_listed():
+def test_every_sudo_call_in_the_code_is_one_of_the_exact_commands(testbed):
+    """Each `run([...], sudo=True)` in the code starts like one of the node's exact commands (its literal words up to
+    the first computed value), so nothing the code sends as root is missing from `reconciler sudoers`."""
+    text = testbed.desired_state.read_text().replace("policy:\n", "policy:\n  drop_caches: true\n", 1)
+    desired = spec.loads(text)  # every optional sudo command on (drop_caches)
+    shapes = {argv for node in desired.nodes for argv in remote.sudo_commands(desired, node)}
     calls = []
     for path in (REPO / "reconciler").rglob("*.py"):
         for m in re.finditer(r"run\(\[([^\]]*)\][^)]*sudo=True", path.read_text()):
             calls.append(m.group(1))
     assert calls, "the link and serving steps use sudo"
     for call in calls:
-        words = [w.strip().strip("\"'") for w in call.split(",")]
-        words = ["/usr/sbin/ip" if w == "IP" else w for w in words]
-        literal = tuple(w for w in words if w.startswith("/") or re.fullmatch(r"-{0,2}[a-z][a-z_.=0-9-]*", w))
-        assert any(literal[: len(c) - (c[-1] == "*")] == c[: len(c) - (c[-1] == "*")] for c in remote.SUDO_COMMANDS),\
-            call
+        prefix: list[str] = []
+        for word in (w.strip() for w in call.split(",")):
+            if word == "IP":
+                prefix.append("/usr/sbin/ip")
+            elif word[:1] in "\"'":
+                prefix.append(word.strip("\"'"))
+            else:
+                break
+        assert any(list(shape[: len(prefix)]) == prefix for shape in shapes), call
 
 
 # -- exposure -------------------------------------------------------------------------------------------------
