@@ -153,3 +153,19 @@ def _sample_secrets():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_API_KEY", "sk-unit-tests-0123456789")
         yield
+
+
+def converged_in_simulator(desired, seed_snapshot: Path):
+    """The seed snapshot after the simulator applied the plan until nothing is left (the shared starting point of
+    the loop's, the health watch's and the ownership tests)."""
+    import json
+
+    from reconciler.observed import Observed
+    from reconciler.plan import plan
+    from reconciler.simulate import apply_plan
+
+    after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
+    for _ in range(3):
+        after = apply_plan(desired, after, plan(desired, after))
+    assert not plan(desired, after).changes
+    return after

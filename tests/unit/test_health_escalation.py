@@ -9,7 +9,6 @@ of observations with a fake clock.
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 
 import pytest
@@ -18,8 +17,8 @@ from reconciler.health_watch import HealthWatch, _age
 from reconciler.loader import load_file
 from reconciler.observed import Observed, Serving
 from reconciler.plan import plan
-from reconciler.simulate import apply_plan
 from reconciler.spec import Desired
+from tests.unit.conftest import converged_in_simulator
 
 GRACE = 300.0
 
@@ -34,11 +33,7 @@ def desired(cluster_yaml) -> Desired:
 @pytest.fixture
 def deployed(desired, seed_snapshot) -> Observed:
     """The seed converged by the simulator: serving runs with the right spec and answers."""
-    after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
-    for _ in range(3):
-        after = apply_plan(desired, after, plan(desired, after))
-    assert not plan(desired, after).changes
-    return after
+    return converged_in_simulator(desired, seed_snapshot)
 
 
 def _head_serving(desired: Desired, observed: Observed, serving: Serving, container_id: str | None = None

@@ -15,10 +15,10 @@ import pytest
 from reconciler.observed import LABEL_INSTANCE, LABEL_MANAGED, Container, Observed
 from reconciler.plan import Step, plan
 from reconciler.remote import Result
-from reconciler.simulate import apply_plan
 from reconciler.spec import Desired, load, loads
 from reconciler.steps import StepContext, StepFailed
 from reconciler.steps.containers import stop_serving
+from tests.unit.conftest import converged_in_simulator
 
 NODE = "spark-1a32"  # the sample's head
 
@@ -30,11 +30,7 @@ def desired(cluster_yaml) -> Desired:
 
 @pytest.fixture
 def converged(desired, seed_snapshot) -> Observed:
-    after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
-    for _ in range(3):
-        after = apply_plan(desired, after, plan(desired, after))
-    assert not plan(desired, after).changes
-    return after
+    return converged_in_simulator(desired, seed_snapshot)
 
 
 def _with(observed: Observed, *containers: Container) -> Observed:
