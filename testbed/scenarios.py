@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 from pathlib import Path
 
 from . import dockerd, net, sshd, storage
@@ -171,6 +173,9 @@ def _restore(lay: Layout) -> None:
         dockerd.remove_all_containers(n)
         (n.model_root / FILL_FILE).unlink(missing_ok=True)
         (n.model_root / CRASH_MARKER).unlink(missing_ok=True)
+    # the cluster lease (reconciler.lease) is cluster state too: one a SIGKILLed daemon left would refuse every
+    # `apply` of the next test for its 10 minutes; a reset is a fresh cluster
+    shutil.rmtree(Path(pwd.getpwnam(SSH_USER).pw_dir) / ".spark-reconciler", ignore_errors=True)
 
 
 def apply(lay: Layout, scenario: str, weights_size: int) -> None:
