@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTEST ?= $(VENV)/bin/pytest
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: help deps venv lint test unit e2e demo demo-down bench soak docs clean
+.PHONY: help deps venv lint test unit e2e demo demo-down bench soak mutation docs clean
 
 help:
 	@echo "make test       install everything (system packages, venv) and run the whole suite, unit and e2e"
@@ -14,6 +14,7 @@ help:
 	@echo "make e2e        the end-to-end tests on the testbed (root)"
 	@echo "make bench      run the benchmarks and write docs/benchmarks.md"
 	@echo "make soak       the long randomized fault runs (docs/reliability.md)"
+	@echo "make mutation   the mutants of record, then mutmut over the pure core (docs/testing.md; hours)"
 	@echo "make docs       regenerate docs/desired-state.md from the models"
 
 deps:
@@ -53,6 +54,13 @@ bench: deps venv
 
 soak: deps venv
 	$(VENV)/bin/python bench/soak.py --trials 20 --seed 7 --weights-size 256M
+
+# Not part of `make test`: mutmut over the five core modules is ~3,400 mutants, hours on 2 cores.
+mutation: deps venv
+	$(VENV)/bin/python -m tests.named_mutants
+	rm -rf mutants
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results
 
 docs: venv
 	$(VENV)/bin/reconciler schema --markdown > docs/desired-state.md

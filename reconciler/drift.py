@@ -124,9 +124,10 @@ def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Dri
                   actionable=False, blocking=True)]
 
 
-def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
+def serving_drift(desired: Desired, observed: Observed, reference: str | None = None) -> list[Drift]:
     """Serving containers as the launch specs say. A container on another image than its node now holds under
-    the reference must restart (compared by the node's own id: ids are per engine)."""
+    the reference must restart (compared by the node's own id: ids are per engine), and so must one on a node
+    whose image is not the reference's content (`reference`), which this plan's image step replaces."""
     out = []
     specs = {s.node: s for s in launch_specs(desired)}
     name = desired.serving.container_name
@@ -158,6 +159,11 @@ def serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
                              f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
         elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
             out.append(Drift(node.name, "serving", res, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
+        elif reference is not None and (local is None or local.content != reference):
+            # the image step brings the reference's content in this plan; a rank left on the old one would
+            # serve beside ranks of the new (found by the oracle property, tests/unit/oracle.py)
+            out.append(Drift(node.name, "serving", res, f"image content {reference[:19]}",
+                             f"image content {local.content[:19] if local else 'missing'}"))
     return out
 
 
@@ -307,9 +313,11 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     out, reachable = _node_drift(desired, observed)
     serving = {n.name for n in desired.serving_nodes}
     ready = [n.name for n in desired.nodes if n.name in serving and reachable[n.name]]  # in file order
-    out += _image_drift(desired, observed, ready, image_holder(desired, observed))
+    holder = image_holder(desired, observed)
+    out += _image_drift(desired, observed, ready, holder)
     out += _weights_drift(desired, observed, ready)
-    served = serving_drift(desired, observed)
+    served = serving_drift(desired, observed,
+                           observed.node(holder).images[desired.serving.image].content if holder else None)
     out += served
     out += _memory_drift_where_serving_starts(desired, observed, ready, served,
                                               _freeing_memory(desired, observed, out))

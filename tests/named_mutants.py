@@ -1,0 +1,94 @@
+"""The mutants of record: the single-point mutations of the core that once survived the unit tests (issue 17).
+
+    python -m tests.named_mutants [--only NAME]
+
+Each is a behaviour users rely on, broken in one place. For each, the core is copied to a temporary tree, the one
+textual change is applied (it must match exactly once, so an edit of the core cannot make a mutant vanish
+silently), and the unit tests named for it run against the copy; the mutant must make them fail. Prints which
+tests killed each one; exit 1 if any survives. `make mutation` runs this before mutmut's full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROPS = "tests/unit/test_core_properties.py"
+LAUNCH = "tests/unit/test_launch_properties.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    before: str
+    after: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant("a changed spec hash is never acted on", "drift.py",
+           'elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:',
+           'elif c.labels.get("spark-reconciler.spec-hash") == "never":', (PROPS,)),
+    Mutant("an MTU-only mismatch is not drift", "drift.py",
+           "    if link.mtu != mtu:\n", "    if link.mtu != mtu and not link.addresses:\n", (PROPS,)),
+    Mutant("a wrong-size shard counts as in sync", "drift.py",
+           "elif got.size != f.size or (f.sha256", "elif (f.sha256", (PROPS,)),
+    Mutant("the Ray head start loses its dependency on weights and image", "plan.py",
+           '"start the Ray head first", stopped,', '"start the Ray head first", (),', (PROPS,)),
+    Mutant("every node takes the head's interface name", "vllm.py",
+           "    iface = node.fabric.interface\n", "    iface = desired.head.fabric.interface\n", (LAUNCH,)),
+    Mutant("env is not in the spec hash", "vllm.py",
+           "self.docker_flags, sorted(self.env.items()),", "self.docker_flags,", (LAUNCH,)),
+    Mutant("a node with a dead docker engine is treated as usable", "drift.py",
+           "    if not obs.docker_reachable:\n        return [Drift(",
+           "    if False:\n        return [Drift(", (PROPS,)),
+    Mutant("await-health while a serving node is unreachable", "plan.py",
+           "    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:",
+           "    if unseen := []:", (PROPS,)),
+]
+
+
+def run(m: Mutant) -> tuple[bool, list[str]]:
+    """(killed, the failing tests) for one mutant."""
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        tree = Path(tmp) / "repo"  # the whole source tree: the tests import `reconciler` from their rootdir
+        shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv", "mutants", ".hypothesis",
+                                                                  "__pycache__", "*.egg-info"))
+        path = tree / "reconciler" / m.file
+        text = path.read_text()
+        if text.count(m.before) != 1:
+            raise SystemExit(f"{m.name}: `{m.before.strip()}` occurs {text.count(m.before)} times in "
+                             f"reconciler/{m.file}; update the mutant of record with the code")
+        path.write_text(text.replace(m.before, m.after))
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", *m.tests],
+                             cwd=tree, capture_output=True, text=True, check=False)
+        failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.stdout.splitlines()
+                  if line.startswith("FAILED ")]
+        return out.returncode == 1 and bool(failed), failed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only")
+    a = p.parse_args()
+    survivors = 0
+    for m in MUTANTS:
+        if a.only and a.only not in m.name:
+            continue
+        killed, by = run(m)
+        survivors += not killed
+        print(f"{'killed' if killed else 'SURVIVED'}: {m.name} ({m.file})")
+        for test in by:
+            print(f"    by {test}")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Properties of the launch specs (reconciler/vllm.py), each judged by an oracle that does not call the code under
+test: a node's own fabric section, and the `docker run` the spec renders.
+
+Two mutants of record (tests/named_mutants.py) survived the example tests: every node taking the head's interface
+name (what breaks asymmetric cabling, sparkrun #135), and env left out of the spec hash (an edit of serving.env
+silently not applied).
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reconciler import spec
+from reconciler.observed import LABEL_INSTANCE
+from reconciler.vllm import launch_specs
+from tests.unit.strategies import desired_dict, desireds
+
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+INTERFACE_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "UCX_NET_DEVICES",
+                 "OMPI_MCA_btl_tcp_if_include")
+
+
+@SETTINGS
+@given(desireds())
+def test_each_rank_is_configured_with_its_own_nodes_fabric(desired):
+    for s in launch_specs(desired):
+        node = desired.node(s.node)
+        assert {s.env[k] for k in INTERFACE_ENV} == {node.fabric.interface}, (s.node, s.env)
+        assert s.env["VLLM_HOST_IP"] == str(node.fabric.address.ip)
+        assert s.env["MASTER_ADDR"] == str(desired.head.fabric.address.ip)
+        if node.fabric.rdma_device:
+            assert s.env["NCCL_IB_HCA"] == node.fabric.rdma_device
+        if desired.serving.launcher == "ray":
+            ip = s.command[s.command.index("--node-ip-address") + 1]
+            assert ip == str(node.fabric.address.ip)
+
+
+def what_runs(s) -> tuple:
+    """Everything a started container runs with, read off the `docker run` argv it is started with (env inline,
+    labels dropped: they carry the hash itself and the owner), plus the Ray head's serve command and list."""
+    argv = s.run_argv(generation=0)
+    kept = [a for i, a in enumerate(argv) if a != "--label" and (i == 0 or argv[i - 1] != "--label")]
+    return tuple(kept), s.serve_exec, s.keep_local
+
+
+def _set(path: tuple, value):
+    def edit(raw: dict) -> dict:
+        at = raw
+        for key in path[:-1]:
+            at = at[key] if isinstance(at, list) else at.setdefault(key, {})
+        at[path[-1]] = value
+        return raw
+    return edit
+
+
+EDITS = {
+    "env": _set(("serving", "env"), {"VLLM_LOGGING_LEVEL": "INFO", "EXTRA": "1"}),
+    "served_model_name": _set(("serving", "served_model_name"), "renamed"),
+    "image": _set(("serving", "image"), "vllm-standin:next"),
+    "ipc": _set(("serving", "docker", "ipc"), "private"),
+    "ulimits": _set(("serving", "docker", "ulimits"), {"nofile": "65536"}),
+    "extra_args": _set(("serving", "extra_args"), ["--enforce-eager"]),
+    "gpu_memory_utilization": _set(("serving", "gpu_memory_utilization"), 0.7),
+    "max_model_len": _set(("serving", "max_model_len"), 2048),
+    "port": _set(("serving", "port"), 8001),
+    "revision": _set(("model", "revision"), "2" * 40),
+    "model path": _set(("model", "path"), "/srv/other/hub"),
+    "compile_cache": _set(("serving", "compile_cache"), "/var/cache/vllm-compile"),
+    "head address": _set(("nodes", 0, "fabric", "address"), "10.232.0.99/24"),
+    "worker interface": _set(("nodes", 1, "fabric", "interface"), "enP2p1s0f1np1"),
+}
+
+
+@SETTINGS
+@given(n=st.integers(2, 4), launcher=st.sampled_from(["native", "ray"]),
+       layout=st.sampled_from(["hf-cache", "plain"]), edit=st.sampled_from(sorted(EDITS)))
+def test_the_spec_hash_changes_exactly_when_what_runs_changes(n, launcher, layout, edit):
+    raw = desired_dict(n_nodes=n, tp=n, launcher=launcher, layout=layout, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    before = {s.node: s for s in launch_specs(spec.Desired.model_validate(raw))}
+    after = {s.node: s for s in launch_specs(spec.Desired.model_validate(EDITS[edit](raw)))}
+    for node, old in before.items():
+        new = after[node]
+        assert (old.spec_hash == new.spec_hash) == (what_runs(old) == what_runs(new)), (edit, node)
+
+
+def test_every_edit_changes_what_some_rank_runs():
+    """The edits above are real changes (else the property would hold vacuously)."""
+    raw = desired_dict(n_nodes=2, tp=2, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    base = {s.node: what_runs(s) for s in launch_specs(spec.Desired.model_validate(raw))}
+    for name, edit in EDITS.items():
+        changed = {s.node: what_runs(s) for s in launch_specs(spec.Desired.model_validate(edit(desired_dict(
+            n_nodes=2, tp=2, env={"VLLM_LOGGING_LEVEL": "DEBUG"}))))}
+        assert changed != base, name
+
+
+def test_the_owner_is_a_label_not_part_of_the_hash():
+    """Who owns a container (the instance) names it; it is not part of what runs, so moving the head's SSH
+    port does not restart serving."""
+    raw = desired_dict()
+    a = launch_specs(spec.Desired.model_validate(raw))
+    raw["nodes"][0]["ssh"]["port"] = 2222
+    b = launch_specs(spec.Desired.model_validate(raw))
+    assert [s.spec_hash for s in a] == [s.spec_hash for s in b]
+    labels = [x for s in b for x in s.run_argv(0) if x.startswith(LABEL_INSTANCE)]
+    assert labels and all(x.endswith(":2222") for x in labels)
