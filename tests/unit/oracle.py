@@ -231,6 +231,3 @@ def excuse(desired: Desired, before: Observed, v: Violation) -> str | None:
             return "within the unhealthy grace"
     return None
 
-
-def unexcused(desired: Desired, before: Observed, after: Observed) -> list[tuple[Violation, str | None]]:
-    return [(v, None) for v in violations(desired, after) if excuse(desired, before, v) is None]

@@ -26,12 +26,17 @@ def cases(draw, all_reachable: bool = False):
     return desired, draw(observations(desired, all_reachable=all_reachable))
 
 
+def planned_and_after(case):
+    """(desired, observed, the plan, the state after its promised effects)."""
+    desired, observed = case
+    planned = plan(desired, observed)
+    return desired, observed, planned, apply_plan(desired, observed, planned)
+
+
 @SETTINGS
 @given(cases())
 def test_applying_a_plan_converges(case):
-    desired, observed = case
-    first = plan(desired, observed)
-    after = apply_plan(desired, observed, first)
+    desired, _, first, after = planned_and_after(case)
     second = plan(desired, after)
     assert second.steps == [], (first.steps, second.steps, second.drift)
 
@@ -39,9 +44,7 @@ def test_applying_a_plan_converges(case):
 @SETTINGS
 @given(cases())
 def test_a_plan_leaves_only_what_the_reconciler_cannot_fix(case):
-    desired, observed = case
-    planned = plan(desired, observed)
-    after = apply_plan(desired, observed, planned)
+    desired, observed, planned, after = planned_and_after(case)
     left = violations(desired, after)
     unexcused = [v for v in left if excuse(desired, observed, v) is None]
     assert unexcused == [], (unexcused, planned.blocked)
@@ -53,9 +56,7 @@ def test_a_plan_leaves_only_what_the_reconciler_cannot_fix(case):
 @SETTINGS
 @given(cases(all_reachable=True))
 def test_fully_reachable_cluster_converges_unless_the_oracle_says_why_not(case):
-    desired, observed = case
-    planned = plan(desired, observed)
-    after = apply_plan(desired, observed, planned)
+    desired, observed, planned, after = planned_and_after(case)
     left = violations(desired, after)
     assert all(excuse(desired, observed, v) for v in left), (left, planned.blocked)
     blocked = serving_cannot_restart(desired, observed)
