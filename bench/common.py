@@ -52,6 +52,14 @@ def summary(values: list[float]) -> dict:
             "min": min(values), "max": max(values)}
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (/proc/stat: user, nice, system, irq, softirq): on this one
+    VM that is both ends of a transfer, every process of it, plus what idles beside it (a few ms per second)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -162,9 +170,18 @@ def machine() -> dict:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 mem = int(line.split()[1]) * 1024
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "commit": commit(),
             "kernel": platform.release(), "python": platform.python_version(),
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def commit() -> str:
+    """The commit measured; `+changes` when the product, the harness or the testbed differ from it."""
+    def git(*argv: str) -> str:
+        p = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+        return p.stdout.strip() if p.returncode == 0 else ""
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--", "reconciler", "bench/*.py", "testbed") else "")
 
 
 def save(opts: Options, name: str, data: dict) -> Path:

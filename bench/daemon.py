@@ -160,7 +160,7 @@ def _save_as_editor(path: Path, text: str) -> None:
 
 
 def run_edit(opts: Options) -> dict:
-    trials, apply_trials = opts.n(8, 1), opts.n(3, 1)
+    trials, apply_trials = opts.n(8, 1), opts.n(5, 1)
     from testbed import api
     with on_testbed(2, "converged", serving=True) as run:
         tb = run.tb

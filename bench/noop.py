@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import sim
 from bench.common import (
     ROOT,
     Options,
@@ -36,22 +37,24 @@ ANSIBLE_PLAYBOOK = ROOT / ".venv" / "bin" / "ansible-playbook"
 
 
 def _cycle_fn(desired, sessions):
+    """One no-op cycle: (wall seconds, CPU seconds of this whole process, every thread: the head's own cost)."""
     from reconciler import observe as obs
     from reconciler.plan import plan as make_plan
 
-    def cycle() -> float:
-        t = time.perf_counter()
+    def cycle() -> tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
         observed, _ = obs.observe(desired, sessions, timeout=20)
         p = make_plan(desired, observed)
-        took = time.perf_counter() - t
+        took, cpu = time.perf_counter() - t, time.process_time() - c
         if p.steps or any(not n.reachable for n in observed.nodes.values()):
             raise RuntimeError(f"not a no-op cycle: steps {[s.id for s in p.steps]}, "
                                f"drift {[d.as_dict() for d in p.drift][:5]}")
-        return took
+        return took, cpu
     return cycle
 
 
-def measure_cycles(desired_path: Path, cycles: int) -> list[float]:
+def measure_cycles(desired_path: Path, cycles: int) -> tuple[list[float], list[float]]:
+    """(wall, head CPU) of `cycles` no-op cycles over open sessions, after 3 warm-ups that connect them."""
     from reconciler import spec
     from reconciler.remote import Sessions
     desired = spec.load(desired_path)
@@ -59,8 +62,9 @@ def measure_cycles(desired_path: Path, cycles: int) -> list[float]:
     try:
         cycle = _cycle_fn(desired, sessions)
         for _ in range(3):
-            cycle()  # warm-up: connects the sessions
-        return [cycle() for _ in range(cycles)]
+            cycle()
+        walls, cpus = zip(*(cycle() for _ in range(cycles)), strict=True)
+        return list(walls), list(cpus)
     finally:
         sessions.close()
 
@@ -216,7 +220,7 @@ def run_noop(opts: Options) -> dict:
         tb = run.tb
         d = tb.desired_state
         opts.log(f"noop: {cycles} cycles (project)")
-        project = measure_cycles(d, cycles)
+        project, cpu = measure_cycles(d, cycles)
         opts.log("noop: floor (local probe via nsenter)")
         floor = measure_floor(d, cycles)
         costs = section_costs(d, repeat=opts.n(5, 1))
@@ -224,7 +228,7 @@ def run_noop(opts: Options) -> dict:
         ansible = measure_ansible(d, ansible_runs)
     tb_left = run.leftovers
     s_p, s_a, s_fl = summary(project), summary(ansible), summary(floor)
-    data = {"project": s_p, "ansible": s_a, "floor": s_fl, "section_ms_head": costs,
+    data = {"project": s_p, "ansible": s_a, "floor": s_fl, "section_ms_head": costs, "head_cpu": summary(cpu),
             "ansible_over_project": ratio(s_a["median"], s_p["median"]),
             "project_over_floor": ratio(s_p["median"], s_fl["median"]), "leftovers": tb_left}
     save(opts, "noop", data)
@@ -243,7 +247,10 @@ def run_scaling(opts: Options) -> dict:
                 up_s = time.monotonic() - t
                 conv = converge(tb.desired_state, timeout=600)
                 opts.log(f"scaling: {n} nodes up in {up_s:.0f}s, converged in {conv:.0f}s; {cycles} cycles")
-                rows[n] = {"project": summary(measure_cycles(tb.desired_state, cycles)),
+                walls, cpus = measure_cycles(tb.desired_state, cycles)
+                if n == sim.RECORDED_NODES:
+                    sim.save_recording(opts, tb.desired_state)
+                rows[n] = {"project": summary(walls), "head_cpu": summary(cpus),
                            "up_seconds": up_s, "converge_seconds": conv}
         finally:
             left = testbed_down()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.common import Options, on_testbed, save, scratch_dir, summary, write_desired
+from bench.common import Options, busy_cpu_seconds, on_testbed, save, scratch_dir, summary, write_desired
 
 MODEL, REV = "bench/sync", "3" * 40
 KH = "/home/spark/.ssh/bench_fabric_known_hosts"
@@ -71,14 +71,15 @@ def _ssh(cipher: str | None) -> str:
             + (f" -c {cipher}" if cipher else ""))
 
 
-def _timed_exec(cmd: str, timeout: float = 900) -> float:
+def _timed_exec(cmd: str, timeout: float = 900) -> tuple[float, float]:
+    """(seconds, CPU seconds of the whole machine: both ends of the transfer, every process) of one command."""
     from testbed import api
-    t = time.monotonic()
+    t, c = time.monotonic(), busy_cpu_seconds()
     api.exec_("head", cmd, check=True, timeout=timeout)
-    return time.monotonic() - t
+    return time.monotonic() - t, busy_cpu_seconds() - c
 
 
-def _project_sync(desired_path: Path) -> float:
+def _project_sync(desired_path: Path) -> tuple[float, float]:
     from reconciler import spec
     from reconciler.observed import Observed
     from reconciler.plan import Step
@@ -93,17 +94,18 @@ def _project_sync(desired_path: Path) -> float:
         step = Step(id="weights/worker", kind="weights", node="worker", reason="bench", params={"source": "head"})
         for n in desired.nodes:
             sessions[n.name].run(["true"], timeout=10)  # connect first: not part of the copy
-        t = time.monotonic()
+        t, c = time.monotonic(), busy_cpu_seconds()
         sync_weights(ctx, step)
-        return time.monotonic() - t
+        return time.monotonic() - t, busy_cpu_seconds() - c
     finally:
         sessions.close()
 
 
 def run_weights(opts: Options) -> dict:
     total = (2 << 30) if not opts.quick else (96 << 20)
-    shards, rounds = (8, opts.n(2, 1))
+    shards, rounds = (8, opts.n(5, 1))
     results: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     with on_testbed(2, "converged", worker_disk="6G" if not opts.quick else None) as run:
         tb = run.tb
         work = scratch_dir("weights")
@@ -133,13 +135,16 @@ def run_weights(opts: Options) -> dict:
                 _clear_target(tb)
                 api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}",
                           user="root", check=True)
-                took = fn()
+                took, used = fn()
                 results.setdefault(name, []).append(took)
+                cpu.setdefault(name, []).append(used)
                 opts.log(f"weights round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s")
         _clear_target(tb)
         api.exec_("head", f"rm -rf {_root(tb.head)} {KH}", user="root", check=True)
     left = run.leftovers
-    rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6} for k, v in results.items()}
+    rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
+                "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6],
+                "cpu_s_per_gb": summary([c / (nbytes / 1e9) for c in cpu[k]])} for k, v in results.items()}
     proj = rows["project, 4 streams"]["mb_per_s"]
     data = {"bytes": nbytes, "shards": shards, "rows": rows,
             "vs_ssh_cat": proj / rows["ssh cat (default cipher)"]["mb_per_s"],

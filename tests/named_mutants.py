@@ -51,7 +51,7 @@ MUTANTS = [
            "    if False:\n        return [Drift(", (PROPS,)),
     Mutant("await-health while a serving node is unreachable", "plan.py",
            "    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:",
-           "    if unseen := []:", (PROPS,)),
+           "    if unseen := []:", (PROPS, "tests/unit/test_health_escalation.py")),
 ]
 
 

@@ -26,7 +26,7 @@ def test_bench_quick(testbed, tmp_path):
         api.up(nodes=2, scenario="seed")  # the benchmarks bring the testbed down; the session goes on with it
     assert p.returncode == 0, p.stderr[-4000:]
     r = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
-    assert set(r) == {"noop", "drift", "edit", "weights", "verify", "footprint", "scaling"}, sorted(r)
+    assert set(r) == {"noop", "drift", "edit", "weights", "verify", "footprint", "scaling", "sim"}, sorted(r)
     for name, d in r.items():
         assert d["quick"] is True and d["machine"]["cores"] >= 1
         assert d["leftovers"] == [], (name, d["leftovers"])
@@ -48,5 +48,7 @@ def test_bench_quick(testbed, tmp_path):
     f = r["footprint"]
     assert 1 < f["rss_max_mb"] < 2000 and 0 <= f["cpu_percent"] < 100 and f["seconds"] >= 5
     for row in r["scaling"]["rows"].values():
-        assert 0 < row["project"]["median"] < 60
+        assert 0 < row["project"]["median"] < 60 and 0 < row["head_cpu"]["median"] < 60
+    for row in r["sim"]["rows"].values():   # the simulated cluster's cycles were no-ops (else the run failed)
+        assert 0 < row["cpu"]["median"] < 60 and row["rss_after_kib"] > 0
     assert "| benchmark |" in p.stdout   # the table rendered

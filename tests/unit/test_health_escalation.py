@@ -15,7 +15,7 @@ import pytest
 
 from reconciler.health_watch import HealthWatch, _age
 from reconciler.loader import load_file
-from reconciler.observed import Observed, Serving
+from reconciler.observed import NodeObservation, Observed, Serving
 from reconciler.plan import plan
 from reconciler.spec import Desired
 from tests.unit.conftest import converged_in_simulator
@@ -86,6 +86,19 @@ def test_a_cold_start_that_never_served_waits_for_health_instead(desired, deploy
     for t in (0.0, 100.0, 10 * GRACE):
         result = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, Serving()), now=t))
         assert [s.kind for s in result.steps] == ["await-health"], t
+
+
+def test_no_wait_for_health_while_a_serving_node_cannot_be_reached(desired, deployed):
+    """Waiting for /health needs every rank: with a worker unreachable the plan says so instead of starting an
+    await-health step that can only time out (the mutant of record "await-health while a serving node is
+    unreachable"; the property test finds this case only by chance)."""
+    worker = desired.serving_nodes[1].name
+    cold = _head_serving(desired, deployed, Serving())
+    unseen = cold.model_copy(update={"nodes": {**cold.nodes, worker: NodeObservation(
+        name=worker, reachable=False, error="connection timed out")}})
+    result = plan(desired, HealthWatch().annotate(desired, unseen, now=0.0))
+    assert not [s.id for s in result.steps if s.kind == "await-health"]
+    assert any(worker in b.reason and "cannot be reached" in b.reason for b in result.blocked), result.blocked
 
 
 def test_a_container_older_than_the_cold_start_allowance_counts_as_having_served(desired, deployed):
