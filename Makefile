@@ -55,12 +55,14 @@ bench: deps venv
 soak: deps venv
 	$(VENV)/bin/python bench/soak.py --trials 20 --seed 7 --weights-size 256M
 
-# Not part of `make test`: mutmut over the five core modules is ~3,400 mutants, hours on 2 cores.
+# Not part of `make test` (docs/testing.md, "Mutation testing"): the mutants of record, then mutmut over the five
+# core modules (~3,500 mutants), then mutmut's import-time survivors re-judged with the mutant on disk.
 mutation: deps venv
 	$(VENV)/bin/python -m tests.named_mutants
 	rm -rf mutants
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/mutmut run --max-children 2
-	$(VENV)/bin/mutmut results
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/mutmut results
+	$(VENV)/bin/python -m tests.mutmut_recheck mutants
 
 docs: venv
 	$(VENV)/bin/reconciler schema --markdown > docs/desired-state.md

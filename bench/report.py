@@ -200,7 +200,9 @@ def _details(r: dict[str, dict]) -> list[str]:
                    "after the last): " + "; ".join(
                        f"{k} nodes: wall {spread(v['wall'], precise)}, CPU {spread(v['cpu'], precise)}, RSS "
                        f"{v['rss_before_kib'] / 1024:.1f} -> {v['rss_after_kib'] / 1024:.1f} MB"
-                       for k, v in _by_size(d["rows"])) + ". Recorded probe outputs replayed: "
+                       for k, v in _by_size(d["rows"])) + ". Where the largest cluster's cycle spends its CPU "
+                   "(cProfile, own time): " + ", ".join(f"{k} {v:.0%}" for k, v in _by_size(d["rows"])[-1][1].get(
+                       "profile", {}).items()) + ". Recorded probe outputs replayed: "
                    + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in d["recorded_bytes"].items()) + ".")
     if "footprint" in r:
         d = r["footprint"]
@@ -245,7 +247,7 @@ MISSED = {
                "on a Spark).",
     "scaling": "all testbed nodes' probe scripts run on the same 2 cores, so their CPU adds up in wall time; the "
                "head's own CPU per node (7b) and the simulated cluster (9) are what grows on a real head.",
-    "sim": "the head's per-node work is above the budget; profile `bench.sim` (py-spy is in the bench extra).",
+    "sim": "the head's per-node work is above the budget; the profile under the table says where it goes.",
 }
 
 
@@ -259,6 +261,20 @@ def missed(r: dict[str, dict]) -> str:
     return "\n".join(lines) if lines else "None in this run."
 
 
+def _same_code(commits: list[str]) -> str:
+    """When the results come from more than one commit, whether what they measured is the same code."""
+    import subprocess
+    shas = [c.split("+")[0] for c in commits if c != "unknown"]
+    if len(shas) < 2:
+        return ""
+    diff = subprocess.run(["git", "diff", "--stat", shas[0], shas[-1], "--", "reconciler", "testbed"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    same = diff.returncode == 0 and not diff.stdout.strip()
+    return (" The product (`reconciler/`) and the testbed are " + ("identical" if same else "**not** identical")
+            + f" in {' and '.join(shas)} (`git diff {shas[0]} {shas[-1]} -- reconciler testbed`); each result names "
+            "its commit in `bench/results/`.")
+
+
 def write(results: Path) -> None:
     r = _load(results)
     m = next(iter(r.values()))["machine"] if r else {}
@@ -267,7 +283,8 @@ def write(results: Path) -> None:
     text = PROSE.format(
         machine=f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, Linux {m.get('kernel')}, "
                 f"Python {m.get('python')}",
-        commit=", ".join(f"`{c}`" for c in commits), dates=f"{dates[0]} to {dates[-1]}" if dates else "never",
+        commit=", ".join(f"`{c}`" for c in commits) + _same_code(commits),
+        dates=f"{dates[0]} to {dates[-1]}" if dates else "never",
         table=table(results), details="\n\n".join(_details(r)), how_far=how_far(r), missed=missed(r))
     DOC.write_text(text)
 

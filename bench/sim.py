@@ -98,6 +98,38 @@ def _rss_kib() -> int:
     return 0
 
 
+AREAS = (("reconciler/observe.py", "parse the probe output"), ("reconciler/observed.py", "observed models"),
+         ("reconciler/drift.py", "drift"), ("reconciler/plan.py", "plan"), ("reconciler/vllm.py", "launch specs"),
+         ("pydantic", "pydantic models"), ("json", "json"), ("threading", "threads"),
+         ("concurrent/futures", "threads"), ("~", "C built-ins called from these (str, re, json scanning)"))
+
+
+def serial_cycle(desired, sessions) -> None:
+    """The cycle's work in this thread (cProfile sees one thread): every node's probe parsed, then the plan."""
+    from reconciler.observe import observe_node
+    from reconciler.observed import Observed
+    from reconciler.plan import plan
+    plan(desired, Observed(nodes={n.name: observe_node(desired, sessions, n) for n in desired.nodes}))
+
+
+def profile(cycle, cycles: int) -> dict[str, float]:
+    """Where a cycle's CPU goes (cProfile, own time per area, as shares; the threads of the real cycle aside)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(cycles):
+        cycle()
+    prof.disable()
+    shares: dict[str, float] = {}
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    for (filename, _line, _name), (_cc, _nc, tottime, _ct, _callers) in stats.items():
+        area = next((label for part, label in AREAS if part in filename), "other")
+        shares[area] = shares.get(area, 0.0) + tottime
+    total = sum(shares.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
+
+
 def child(nodes: int, recording_path: Path, cycles: int) -> dict:
     """In a fresh interpreter: build the N-node cluster, then time `cycles` no-op cycles (wall and CPU)."""
     from reconciler import spec
@@ -128,6 +160,7 @@ def child(nodes: int, recording_path: Path, cycles: int) -> dict:
             walls.append(w)
             cpus.append(c)
     return {"nodes": nodes, "wall": summary(walls), "cpu": summary(cpus), "rss_before_kib": before,
+            "profile": profile(lambda: serial_cycle(desired, sessions), cycles),
             "rss_after_kib": _rss_kib(), "rss_peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 

@@ -40,6 +40,14 @@ from reconciler.triggers import Requests, stream_events
 #: While serving that served fails its health check (within the grace), reconcile again after at most this long.
 UNHEALTHY_RECHECK = 5.0
 
+#: A docker event can arrive before the container list shows what it announces: dockerd logs "die" and only then
+#: cleans up and writes the container's new state to the view `/containers/json` reads (moby daemon/monitor.go,
+#: ProcessEvent: LogContainerEventWithAttributes "die", daemon.Cleanup, CheckpointTo(containersReplica);
+#: daemon/list.go lists from containersReplica.Snapshot()). A crashed rank then looked alive to the reconcile its
+#: own event triggered, and nothing else woke the loop before UNHEALTHY_RECHECK (4 of 10 kills took 5.3 s to
+#: plan in the benchmark). So a reconcile that a docker event triggered looks once more this long after.
+EVENT_SETTLE = 0.5
+
 
 @dataclass(frozen=True)
 class Result:
@@ -172,7 +180,8 @@ class Controller:
                       drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None,
                       blocked=[f"{b.node}: {b.reason}" for b in current.blocked] if current and current.blocked
                       else None, error=error)
-        return Result(self._requeue_after(observed), phase)
+        settle = any(r.startswith("docker:") for r in reasons)
+        return Result(self._requeue_after(observed, settle), phase)
 
     def _observe(self, desired: spec.Desired) -> Observed:
         assert self.sessions is not None, "a valid desired state opens the sessions"
@@ -220,10 +229,11 @@ class Controller:
                 failures.append(f"{r.step.id}: {r.message}")
         return failures
 
-    def _requeue_after(self, observed: Observed | None) -> float | None:
+    def _requeue_after(self, observed: Observed | None, settle: bool = False) -> float | None:
         """The next moment something is due without any trigger: a backoff's end, a health grace's end, the
-        lease's renewal (a long resync must not let it lapse while our operations run)."""
-        due = []
+        lease's renewal (a long resync must not let it lapse while our operations run), and after a docker event
+        the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
+        due = [EVENT_SETTLE] if settle else []
         now = self.clock()
         if (self.lease is not None and self.lease.holding and self.desired is not None
                 and self.desired.policy.resync_interval > RENEW_AFTER):

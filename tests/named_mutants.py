@@ -55,8 +55,9 @@ MUTANTS = [
 ]
 
 
-def run(m: Mutant) -> tuple[bool, list[str]]:
-    """(killed, the failing tests) for one mutant."""
+def run(m: Mutant, *pytest_args: str, env: dict[str, str] | None = None) -> tuple[bool, list[str]]:
+    """(killed, the failing tests) for one mutant. A mutant that breaks collection (an import-time error) fails
+    the suite too: it is killed by the test files that could not be collected."""
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         tree = Path(tmp) / "repo"  # the whole source tree: the tests import `reconciler` from their rootdir
         shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv", "mutants", ".hypothesis",
@@ -67,11 +68,12 @@ def run(m: Mutant) -> tuple[bool, list[str]]:
             raise SystemExit(f"{m.name}: `{m.before.strip()}` occurs {text.count(m.before)} times in "
                              f"reconciler/{m.file}; update the mutant of record with the code")
         path.write_text(text.replace(m.before, m.after))
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", *m.tests],
-                             cwd=tree, capture_output=True, text=True, check=False)
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no",
+                              *pytest_args, *m.tests], cwd=tree, capture_output=True, text=True, check=False,
+                             env=env)
         failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.stdout.splitlines()
-                  if line.startswith("FAILED ")]
-        return out.returncode == 1 and bool(failed), failed
+                  if line.startswith(("FAILED ", "ERROR "))]
+        return out.returncode in (1, 2) and bool(failed), failed
 
 
 def main() -> int:

@@ -249,6 +249,20 @@ def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_pat
     assert c._requeue_after(converged) is None and head.serving is not None
 
 
+def test_a_docker_event_is_looked_at_again_once_its_state_can_show(desired_path, tmp_path, converged):
+    """dockerd announces a container's death before `/containers/json` shows it (moby daemon/monitor.go): the
+    reconcile the event triggered sees the rank still running. It must look again shortly, not at the next
+    health recheck or resync; the second look, triggered by nothing new, asks for no third."""
+    from reconciler.controller import EVENT_SETTLE
+
+    c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    c.reconcile({"start"})
+    assert c.reconcile({"docker:spark-5be3"}).requeue_after == EVENT_SETTLE
+    assert c.reconcile({"docker:spark-5be3", "link:spark-1a32"}).requeue_after == EVENT_SETTLE
+    assert c.reconcile({"requeue"}).requeue_after is None
+    assert c.reconcile({"link:spark-5be3"}).requeue_after is None, "ip monitor reports what the kernel did"
+
+
 def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_path, converged):
     """resync_interval: 1h with nothing else happening: the lease (TTL 10 min) must not lapse under the daemon."""
     from reconciler.lease import RENEW_AFTER

@@ -14,10 +14,11 @@ from reconciler import spec
 from reconciler.drift import diff
 from reconciler.plan import plan
 from reconciler.simulate import apply_plan
+from tests.unit.examples import examples
 from tests.unit.oracle import excuse, serving_cannot_restart, usable, violations
 from tests.unit.strategies import desired_dict, desireds, observations
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(**examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -140,6 +141,20 @@ def test_every_step_waits_for_what_it_needs(case):
     health = of("await-health")
     assert health and set(starts.values()) <= waits[health[0].id], "health is awaited after every start"
     event(f"ordered start, {desired.serving.launcher}, {len(starts)} nodes")
+
+
+@SETTINGS
+@given(cases())
+def test_every_step_says_what_where_and_why(case):
+    """`plan --json` shows each step's id (`KIND/NODE[/NAME]`, docs/cli.md), reason and params: a serving start
+    carries its node's rank, the position of the node in the file's serving order (vLLM's --node-rank)."""
+    desired, observed = case
+    ranks = {n.name: str(i) for i, n in enumerate(desired.serving_nodes)}
+    for s in plan(desired, observed).steps:
+        assert s.id.split("/")[:2] == [s.kind, s.node], s.id
+        assert isinstance(s.reason, str) and s.reason.strip(), s.id
+        if s.kind == "start-serving":
+            assert s.params == {"rank": ranks[s.node]}, (s.id, s.params)
 
 
 @SETTINGS

@@ -16,7 +16,7 @@ import pytest
 from reconciler.health_watch import HealthWatch, _age
 from reconciler.loader import load_file
 from reconciler.observed import NodeObservation, Observed, Serving
-from reconciler.plan import plan
+from reconciler.plan import plan, unhealthy_grace
 from reconciler.spec import Desired
 from tests.unit.conftest import converged_in_simulator
 
@@ -86,6 +86,15 @@ def test_a_cold_start_that_never_served_waits_for_health_instead(desired, deploy
     for t in (0.0, 100.0, 10 * GRACE):
         result = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, Serving()), now=t))
         assert [s.kind for s in result.steps] == ["await-health"], t
+
+
+def test_the_grace_is_the_files_until_a_restart_has_failed_to_hold(desired, deployed):
+    """No health history (a fresh daemon, or the head's API never answered) is no failed restart: the grace is
+    serving.unhealthy_grace itself, and it doubles per restart that did not hold."""
+    unseen = _head_serving(desired, deployed, None)
+    assert unhealthy_grace(desired, unseen) == GRACE
+    twice = _head_serving(desired, deployed, WEDGED.model_copy(update={"health_restarts": 2}))
+    assert unhealthy_grace(desired, twice) == 4 * GRACE
 
 
 def test_no_wait_for_health_while_a_serving_node_cannot_be_reached(desired, deployed):

@@ -18,6 +18,7 @@ from reconciler.observed import Container, NodeObservation, Observed
 from reconciler.plan import plan
 from reconciler.render import observed_text, plan_text, status_text
 from reconciler.text import printable
+from tests.unit.examples import examples
 from tests.unit.strategies import desired_dict
 
 #: rich markup, an OSC title change ended by BEL, a screen clear, a YAML injection, a bidi override, a comment
@@ -39,7 +40,7 @@ def assert_terminal_safe(text: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- the one rule
 
-@settings(max_examples=500)
+@settings(**examples(500))
 @given(st.text(st.characters(exclude_categories=())))
 def test_printable_leaves_one_line_of_shown_characters_and_changes_only_what_it_must(text):
     out = printable(text)

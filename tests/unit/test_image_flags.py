@@ -37,6 +37,13 @@ def test_help_reading_finds_the_flags_and_their_aliases(known):
     assert len(known) > 300
 
 
+def test_a_description_is_not_read_as_flags():
+    """Only the option column counts: argparse separates it from the description by two spaces, and a
+    description may itself hold ", -1" or two spaces."""
+    line = "  --max-loras N, -ml N  Max LoRAs in a batch, -1 disables.  Default: 1, -2 never"
+    assert parse_serve_help("options:\n" + line + "\n") == ["--max-loras", "-ml"]
+
+
 @pytest.mark.parametrize(("extra", "unknown"), [
     (["--trust-remote-code"], []),
     (["--max-num-seqs", "4", "--enforce-eager"], []),

@@ -12,19 +12,20 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
 from reconciler import remote, spec
+from tests.unit.examples import examples
 
 TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=60)
 SHELLY = st.lists(st.sampled_from(list("a-_./:=$`'\"\\;|&<>(){}[]*?!~# \t\n") + ["$(id)", "`id`"]),
                   max_size=20).map("".join)
 
 
-@settings(max_examples=400)
+@settings(**examples(400))
 @given(argv=st.lists(st.one_of(TEXT, SHELLY), min_size=1, max_size=6))
 def test_quote_round_trips_through_a_posix_shell_split(argv):
     assert shlex.split(remote.quote(argv)) == argv
 
 
-@settings(max_examples=200)
+@settings(**examples(200))
 @given(value=st.one_of(TEXT, SHELLY))
 def test_a_quoted_value_is_one_word_even_next_to_others(value):
     line = remote.quote(["cmd", value, "--flag"])
@@ -39,7 +40,7 @@ SAFE = {
 META = set("$`'\"\\;|&<>(){}*?!~# \t\n")
 
 
-@settings(max_examples=300)
+@settings(**examples(300))
 @given(field=st.sampled_from(sorted(SAFE)), value=st.one_of(TEXT, SHELLY))
 def test_names_paths_and_refs_accept_no_shell_metacharacter(field, value):
     try:
@@ -51,7 +52,7 @@ def test_names_paths_and_refs_accept_no_shell_metacharacter(field, value):
     assert not accepted.startswith("-") or field == "path", "cannot be taken for an option"
 
 
-@settings(max_examples=300)
+@settings(**examples(300))
 @given(value=st.one_of(TEXT, SHELLY))
 def test_env_values_and_extra_args_are_free_text_but_one_word(value):
     for kind in (spec.EnvValue, spec.ExtraArg):

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from reconciler import spec
 from reconciler.observed import LABEL_INSTANCE
 from reconciler.vllm import launch_specs
+from tests.unit.examples import examples
 from tests.unit.strategies import desired_dict, desireds
 
-SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(**examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 INTERFACE_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "UCX_NET_DEVICES",
                  "OMPI_MCA_btl_tcp_if_include")
 
@@ -104,3 +105,47 @@ def test_the_owner_is_a_label_not_part_of_the_hash():
     assert [s.spec_hash for s in a] == [s.spec_hash for s in b]
     labels = [x for s in b for x in s.run_argv(0) if x.startswith(LABEL_INSTANCE)]
     assert labels and all(x.endswith(":2222") for x in labels)
+
+
+def docker_run(argv: list[str]) -> dict:
+    """The parts of a `docker run` argv the reconciler relies on, read the way the docker CLI reads them: options
+    before the image, `--label K=V` and `-e K=V` repeatable, then the image and its command."""
+    assert argv[0] == "run"
+    out: dict = {"labels": {}, "env": {}, "flags": []}
+    i = 1
+    takes_value = {"--name", "--label", "-e", "--env-file"}
+    while argv[i].startswith("-"):
+        flag = argv[i]
+        if flag in takes_value:
+            value = argv[i + 1]
+            if flag == "--label":
+                out["labels"].__setitem__(*value.split("=", 1))
+            elif flag == "-e":
+                out["env"].__setitem__(*value.split("=", 1))
+            else:
+                out[flag] = value
+            i += 2
+        else:
+            out["flags"].append(flag)
+            i += 1 if flag in ("-d", "--privileged") else 2  # docker run's boolean options used here
+    out["image"], out["command"] = argv[i], argv[i + 1:]
+    return out
+
+
+@SETTINGS
+@given(desireds(), st.integers(min_value=0, max_value=99))
+def test_docker_runs_each_rank_detached_named_and_labelled_for_the_next_observe(desired, generation):
+    """What the next observe and diff read back off the container: its name, the owner, the spec hash, the
+    generation and the role; detached, so the step returns; env inline or from the file, never both."""
+    for s in launch_specs(desired):
+        run = docker_run(s.run_argv(generation))
+        assert "-d" in run["flags"] and run["--name"] == s.container_name
+        assert run["labels"] == {"spark-reconciler.managed": "true", "spark-reconciler.spec-hash": s.spec_hash,
+                                 "spark-reconciler.generation": str(generation),
+                                 "spark-reconciler.role": "head" if s.rank == 0 else "worker",
+                                 LABEL_INSTANCE: desired.instance}
+        assert run["env"] == s.env and (run["image"], tuple(run["command"])) == (s.image, s.command)
+        from_file = docker_run(s.run_argv(generation, env_file="/dev/stdin"))
+        assert from_file["env"] == {} and from_file["--env-file"] == "/dev/stdin"
+        lines = s.env_file_text().splitlines()
+        assert dict(line.split("=", 1) for line in lines) == s.env and len(lines) == len(s.env)

@@ -388,7 +388,7 @@ def test_other_os_errors_are_mapped(tmp_path):
     with pytest.raises(LoadError) as info:
         loader.load_file(loop)
     message = _only(info.value.problems).message
-    assert message.startswith("cannot read:") and "symbolic links" in message
+    assert message == "cannot read: Too many levels of symbolic links"  # the OS's words, not errno and path
 
 
 def test_load_error_message_joins_problems():

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reconciler import spec
+from tests.unit.examples import examples
 
 pytestmark = pytest.mark.usefixtures("build_meter")
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]}
@@ -31,7 +32,7 @@ def check(data: str | bytes) -> None:
         assert isinstance(result, spec.Desired)
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(**examples(300), **SETTINGS)
 @given(st.one_of(st.text(max_size=500), YAMLISH))
 @example("a: &a [x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n")
 @example("\ufeffnodes: []\n")
@@ -42,7 +43,7 @@ def test_any_text(text):
     check(text)
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(**examples(300), **SETTINGS)
 @given(st.binary(max_size=500))
 @example(b"\xff\xfe\x00n\x00o")
 @example(b"nodes: \xc3\x28\n")
@@ -50,7 +51,7 @@ def test_any_bytes(data):
     check(data)
 
 
-@settings(max_examples=200, **SETTINGS)
+@settings(**examples(200), **SETTINGS)
 @given(pos=st.integers(0, len(GOOD) - 1), junk=st.binary(min_size=1, max_size=8), cut=st.booleans())
 def test_mutations_of_the_real_file(pos, junk, cut):
     check(GOOD[:pos] + (b"" if cut else junk + GOOD[pos:]))

@@ -19,6 +19,7 @@ from reconciler import observe
 from reconciler.observe import ProbeError, Section, parse_probe
 from reconciler.spec import load
 from reconciler.vllm import parse_serve_help
+from tests.unit.examples import examples
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
@@ -50,7 +51,7 @@ def only_probe_errors(call) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 @given(section=SECTIONS)
 def test_a_section_parser_raises_nothing_but_probe_error(name, section):
     only_probe_errors(lambda: PARSERS[name](section))
@@ -64,7 +65,7 @@ def desired(cluster_yaml):
 SECTION_NAMES = ["containers", "image", "link", "rdma", "meminfo", "weights", "health", "models", "completion"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 @given(parts=st.lists(st.tuples(st.sampled_from(SECTION_NAMES), BODY, st.integers(-1, 300)), max_size=10),
        garbage=st.one_of(st.just(""), TEXT))
 @example(parts=[("containers", 'API {"Id": 1}', 0)], garbage="")
@@ -78,7 +79,7 @@ def test_a_whole_probe_output_yields_an_observation_or_a_probe_error(desired, pa
         only_probe_errors(lambda node=node: parse_probe(desired, node, output))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(**examples(200), deadline=None, suppress_health_check=list(HealthCheck))
 @given(text=st.one_of(TEXT, st.lists(st.one_of(ODD, TEXT, st.just("  --flag X")), max_size=10).map("\n".join)))
 def test_the_serve_help_parser_never_raises(text):
     assert isinstance(parse_serve_help(text), list)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconciler import log
+from tests.unit.examples import examples
 
 SHORT = "Xy7abc"  # a short value: redacted by the name it stands behind, not by registration
 HF = "hf_" + "aB3dE5gH7jK9mN1pQ3rS5tU7vW9xY1zZ2c"  # the Hugging Face token format: hf_ and 30+ letters and digits
@@ -331,7 +332,7 @@ def test_property_a_registered_value_embedded_anywhere_is_redacted(secret, befor
         assert all(secret not in key for key in redacted)
 
 
-@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=50)
+@settings(suppress_health_check=[HealthCheck.too_slow], **examples(50))
 @given(secret=st.text(SECRET_CHARS, min_size=8, max_size=40), before=st.text(max_size=40),
        after=st.text(max_size=40))
 def test_property_a_registered_value_never_reaches_a_log_line(secret, before, after):

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
 from reconciler import spec
@@ -405,6 +407,14 @@ def test_durations_with_milliseconds_above_a_second_round_trip(text):
     policy = spec.Policy(resync_interval=text)
     again = spec.Policy.model_validate(policy.model_dump(mode="json"))
     assert again.resync_interval == pytest.approx(policy.resync_interval)
+
+
+@given(st.integers(min_value=0, max_value=10**10))
+def test_every_duration_is_shown_in_a_form_that_parses_back(millis):
+    """What `schema`, `plan` and the dumped file show for a duration reads back as the same value, zero too."""
+    shown = spec.format_duration(millis / 1000)
+    assert spec.parse_duration(shown) == pytest.approx(millis / 1000)
+    assert shown == "0s" if millis == 0 else not shown.startswith("0")
 
 
 @pytest.mark.parametrize("bad", [30, "30", "5 minutes", "", "s", "1.5s", "-5s", "5M", True, None, "30 s"])

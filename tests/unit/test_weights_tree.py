@@ -27,6 +27,7 @@ from reconciler.remote import CommandFailed, Result
 from reconciler.steps import StepContext, StepFailed, hop
 from reconciler.steps import weights as step
 from testbed.weights import generate
+from tests.unit.examples import examples
 
 MODEL = "testorg/tiny-dense"
 REV = "3" * 40
@@ -179,7 +180,7 @@ def _value(base: str, where: str):
     return st.one_of(aimed, aimed, aimed, jumble)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(**examples(100), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_where_a_link_leads_on_the_listing_is_where_the_kernel_goes(data):
     """Links of any shape (relative, absolute, through other links, loops, into the hub's store, out of it): a link
@@ -234,7 +235,7 @@ def test_rsync_keeps_link_cases(path, value, kept):
     assert step.rsync_keeps_link(path, value) is kept
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(**examples(60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(links=st.lists(st.tuples(st.sampled_from(["l", "a/l", "a/b/l"]),
                                 st.lists(st.sampled_from(["..", ".", "a", "b", "x", ""]), min_size=1,
                                          max_size=5).map("/".join)), min_size=1, max_size=6))
@@ -427,7 +428,7 @@ def test_rsync_itself_never_copies_a_link_out_of_the_tree(tmp_path, nodes):
 SEGMENTS = st.sampled_from(["a", "b", "blobs", "..", ".", "", "x y", "-n", "l"])
 
 
-@settings(max_examples=500, deadline=None)
+@settings(**examples(500), deadline=None)
 @given(parts=st.lists(SEGMENTS, min_size=0, max_size=6), absolute=st.booleans())
 @example(parts=["a", "..", "..", "b"], absolute=False)
 @example(parts=["..", "x"], absolute=False)
