@@ -567,3 +567,51 @@ def test_extra_field_raises_on_construction():
 def test_consistency_problems_returns_all_problems_with_paths(edit):
     d = spec.loads(edit())
     assert spec.consistency_problems(d) == []
+
+
+@pytest.mark.parametrize(("section", "field", "floor"), [
+    ("policy", "resync_interval", "1s"), ("serving", "health_timeout", "10s"),
+    ("serving", "unhealthy_grace", "10s"), ("retries", "backoff_initial", "100ms"),
+    ("retries", "backoff_max", "100ms")])
+def test_a_duration_at_its_documented_minimum_is_allowed_and_a_millisecond_less_is_not(section, field, floor):
+    """The minimums docs/desired-state.md states: exactly the minimum is valid, anything below says why."""
+    from tests.unit.strategies import desired_dict
+
+    def with_value(value: str) -> dict:
+        raw = desired_dict()
+        at = raw.setdefault("policy", {}).setdefault("retries", {}) if section == "retries" else raw[section]
+        at[field] = value
+        return raw
+
+    spec.Desired.model_validate(with_value(floor))
+    below = spec.format_duration(spec.parse_duration(floor) - 0.001)
+    with pytest.raises(ValidationError, match=f"{below} is below the minimum {floor}: "):
+        spec.Desired.model_validate(with_value(below))
+
+
+def test_cross_field_problems_read_as_paths_and_messages():
+    """What pydantic shows for a Desired built in code (not through the loader, which places each problem)."""
+    err = spec.ConsistencyError([(("nodes", 1, "name"), "duplicate node name 'a'"),
+                                 (("co_tenants", "allowed", "ghost", spec.KEY), "no such node")])
+    assert str(err) == "nodes[1].name: duplicate node name 'a'; co_tenants.allowed.ghost: no such node"
+    assert str(spec.MissingSecrets(["HF_TOKEN", "VLLM_API_KEY"])) == "HF_TOKEN, VLLM_API_KEY"
+
+
+def test_a_rotated_secret_is_a_new_desired_state():
+    """The daemon takes a new generation when the fingerprint changes: a key rotated by SIGHUP (same file, new
+    value in the environment) must change it, the same value must not."""
+    from tests.unit.strategies import desired_dict
+
+    raw = desired_dict()
+    raw["serving"]["secrets"] = {"VLLM_API_KEY": "serving"}
+    base = spec.Desired.model_validate(raw)
+    one = base.with_secrets({"VLLM_API_KEY": "sk-one-0123456789"})
+    assert one.fingerprint() == base.with_secrets({"VLLM_API_KEY": "sk-one-0123456789"}).fingerprint()
+    assert one.fingerprint() != base.with_secrets({"VLLM_API_KEY": "sk-two-0123456789"}).fingerprint()
+
+
+def test_the_schema_carries_the_length_limits_the_validation_enforces():
+    """`reconciler schema` (and editors using it) must refuse what the loader refuses: an interface name is at
+    most 15 characters (the kernel's IFNAMSIZ - 1)."""
+    port = spec.Desired.model_json_schema()["$defs"]["FabricPort"]["properties"]["interface"]
+    assert port["maxLength"] == 15 and port["pattern"].startswith("^(?:")
