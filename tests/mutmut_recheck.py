@@ -1,15 +1,24 @@
-"""Re-judge mutmut's survivors in code that runs at import time, with the mutant written to disk.
+"""The verdict on a mutmut run: every survivor classified, and those in import-time code re-judged on disk.
 
-    python -m tests.mutmut_recheck [MUTANTS_DIR]
+    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge]
 
-mutmut 3 switches a mutant on inside the function, at call time, in a process that has already imported the
-code, and it runs only the tests its stats pass saw calling that function. A function that runs once while the
-module is imported (a pydantic schema hook, a validator factory such as `spec.at_least`, a class's `__init__`
-called at class creation) is therefore never run mutated, and its stats name only the first test that happened
-to import the module: every such mutant "survives" whatever the tests do (the same false survivors are described
-in cdeust/Cortex#269, fixed there the same way in #286). Here each of them is written into a copy of the tree in
-place of the original function, and the whole unit suite judges it, collection included; `make mutation` runs
-this after mutmut and docs/testing.md reports the result as its own line.
+Prints the score and one line per survivor that is neither message wording nor re-judged killed, as markdown for
+docs/testing.md. The classes:
+
+- **killed** by the unit tests (mutmut's own verdict), or **killed on disk** (below);
+- **wording**: the mutant changes only the text of a message (a string literal with a space in it) and nothing
+  the program decides on; users read it, no behaviour depends on it;
+- **survived**: everything else, listed one by one with the changed line.
+
+Re-judging: mutmut 3 switches a mutant on inside the function, at call time, in a process that has already
+imported the code, and it runs only the tests its stats pass saw calling that function. A function that runs once
+while the module is imported (a pydantic schema hook, a validator factory such as `spec.at_least`, a class's
+`__init__` called at class creation) is therefore never run mutated, and its stats name only the first test that
+happened to import the module: every such mutant "survives" whatever the tests do (the same false survivors are
+described in cdeust/Cortex#269 and fixed there the same way in #286). Each of them is written into a copy of the
+tree in place of the original function, and the unit test files that call it or import its module judge it,
+collection included. `--rejudge` does the same for every survivor that is not wording: the verdict of the tests as
+they are now, when tests were added after mutmut's run (mutmut would only rerun the tests its stats know).
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 from tests.named_mutants import REPO, Mutant, run
@@ -35,6 +46,8 @@ import reconciler.cli
 sys.setprofile(None)
 print("\\n".join(sorted(seen)))
 """
+STATUS = {1: "killed", 0: "survived", 33: "no tests", 37: "type check", 36: "timeout", -24: "timeout",
+          None: "not run"}
 
 
 def import_time_functions() -> set[str]:
@@ -43,9 +56,9 @@ def import_time_functions() -> set[str]:
     return set(out.stdout.split())
 
 
-def qualname(mangled: str) -> str:
-    """mutmut's `x_func` / `xǁClassǁmethod` -> `func` / `Class.method`."""
-    name = mangled.rsplit(".", 1)[-1]
+def qualname(key: str) -> str:
+    """mutmut's `reconciler.spec.x_func__mutmut_3` / `...xǁClassǁmethod__mutmut_3` -> `func` / `Class.method`."""
+    name = key.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[-1]
     return ".".join(name.split("ǁ")[1:]) if name.startswith("xǁ") else name[2:]
 
 
@@ -63,46 +76,116 @@ def _functions(source: str) -> dict[str, ast.FunctionDef]:
 
 
 def _segment(source: str, node: ast.FunctionDef) -> str:
-    lines = source.splitlines(keepends=True)
-    return "".join(lines[node.lineno - 1:node.end_lineno])
+    return "".join(source.splitlines(keepends=True)[node.lineno - 1:node.end_lineno])
 
 
-def mutant_on_disk(mutants: Path, file: str, key: str) -> Mutant:
-    """The survivor as a textual mutant of the pristine file: the original function's text -> mutmut's mutated
-    function, renamed back and indented like the original."""
-    pristine = (REPO / "reconciler" / file).read_text()
-    mutated = (mutants / "reconciler" / file).read_text()
-    fn_name = key.rsplit(".", 1)[-1]
-    original = _functions(pristine)[qualname(key.rsplit("__mutmut_", 1)[0])]
-    by_name = {q.rsplit(".", 1)[-1]: n for q, n in _functions(mutated).items()}
-    mutant = by_name[fn_name]
-    before = _segment(pristine, original)
-    body = textwrap.dedent(_segment(mutated, mutant)).replace(f"def {fn_name}(", f"def {original.name}(", 1)
-    after = textwrap.indent(body, " " * original.col_offset)
-    return Mutant(key, file, before, after, ("tests/unit",))
+class Mutants:
+    """mutmut's mutants/ tree: each mutant's function text next to the original's."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.mutated = {p.name[:-5]: (p.with_suffix("").read_text()) for p in (root / "reconciler").glob("*.meta")}
+        self.by_name = {f: {q.rsplit(".", 1)[-1]: n for q, n in _functions(text).items()}
+                        for f, text in self.mutated.items()}
+
+    def codes(self) -> list[tuple[str, str, int | None]]:
+        out = []
+        for meta in sorted((self.root / "reconciler").glob("*.py.meta")):
+            codes = json.loads(meta.read_text())["exit_code_by_key"]
+            out += [(meta.name[:-5], key, code) for key, code in sorted(codes.items())]
+        return out
+
+    def texts(self, file: str, key: str) -> tuple[str, str]:
+        """(original, mutant) function source, both dedented, as mutmut wrote them."""
+        fns = self.by_name[file]
+        base = key.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0]
+        return (textwrap.dedent(_segment(self.mutated[file], fns[base + "__mutmut_orig"])),
+                textwrap.dedent(_segment(self.mutated[file], fns[key.rsplit(".", 1)[-1]])))
+
+    def test_files(self, file: str, key: str) -> tuple[str, ...]:
+        """The unit test files that can judge a mutant of `file`: those mutmut's stats saw calling the function,
+        and every one that imports the module (tests written after the stats pass are not in them)."""
+        stats = json.loads((self.root / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+        files = {t.split("::")[0] for t in stats.get(key.rsplit("__mutmut_", 1)[0], ())}
+        module = file.removesuffix(".py")
+        uses = re.compile(rf"reconciler\.{module}\b|from reconciler import [^\n]*\b{module}\b")
+        files |= {str(p.relative_to(REPO)) for p in (REPO / "tests" / "unit").glob("test_*.py")
+                  if uses.search(p.read_text())}
+        return tuple(sorted(files))
+
+    def on_disk(self, file: str, key: str) -> Mutant:
+        """The mutant as a textual change of the pristine file: the original function -> the mutated one, renamed
+        back and indented like the original."""
+        pristine = (REPO / "reconciler" / file).read_text()
+        original = _functions(pristine)[qualname(key)]
+        fn_name = key.rsplit(".", 1)[-1]
+        body = textwrap.dedent(_segment(self.mutated[file], self.by_name[file][fn_name]))
+        body = body.replace(f"def {fn_name}(", f"def {original.name}(", 1)
+        return Mutant(key, file, _segment(pristine, original), textwrap.indent(body, " " * original.col_offset),
+                      self.test_files(file, key))
 
 
-def survivors(mutants: Path) -> list[tuple[str, str]]:
-    out = []
-    for meta in sorted((mutants / "reconciler").glob("*.py.meta")):
-        codes = json.loads(meta.read_text())["exit_code_by_key"]
-        out += [(meta.name[:-5], key) for key, code in sorted(codes.items()) if code == 0]
-    return out
+def _strings(tree: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def wording_only(original: str, mutant: str) -> bool:
+    """The two functions differ only in string literals, and every changed literal is prose (has a space)."""
+    a, b = ast.parse(original), ast.parse(mutant)
+    for tree in (a, b):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.FunctionDef):
+                n.name = "f"
+    sa, sb = _strings(a), _strings(b)
+    for tree in (a, b):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                n.value = ""
+    if ast.dump(a) != ast.dump(b) or len(sa) != len(sb):
+        return False
+    changed = [(x, y) for x, y in zip(sa, sb, strict=True) if x != y]
+    return bool(changed) and all(" " in x.strip() for x, _ in changed)
+
+
+def changed_line(original: str, mutant: str) -> str:
+    o, m = original.splitlines(), mutant.splitlines()
+    for x, y in zip(o[1:], m[1:], strict=False):
+        if x != y:
+            return f"`{x.strip()}` -> `{y.strip()}`"
+    return "(signature or length)"
 
 
 def main() -> int:
-    mutants = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "mutants"
-    at_import = import_time_functions()
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    mutants = Mutants(Path(args[0]) if args else REPO / "mutants")
+    at_import = import_time_functions() if "--no-recheck" not in sys.argv else set()
+    rejudge = "--rejudge" in sys.argv  # every survivor, with the tests as they are now
     env = {**os.environ, "MUTANT_UNDER_TEST": "recheck"}  # the examples of a mutation run (tests/unit/examples.py)
-    killed = survived = 0
-    for file, key in survivors(mutants):
-        if f"{file}:{qualname(key.rsplit('__mutmut_', 1)[0])}" not in at_import:
-            continue
-        dead, by = run(mutant_on_disk(mutants, file, key), "-x", env=env)
-        killed += dead
-        survived += not dead
-        print(f"{'killed' if dead else 'SURVIVED'}: {key}" + (f" by {by[0]}" if by else ""), flush=True)
-    print(f"import-time survivors re-judged on disk: {killed} killed, {survived} survived")
+    verdict: Counter[str] = Counter()
+    listed = []
+    for file, key, code in mutants.codes():
+        status = STATUS.get(code, f"exit {code}")
+        if status == "survived":
+            original, mutant = mutants.texts(file, key)
+            if wording_only(original, mutant):
+                status = "wording"
+            elif rejudge or f"{file}:{qualname(key)}" in at_import:
+                dead, by = run(mutants.on_disk(file, key), "-x", env=env)
+                status = "killed on disk" if dead else "survived"
+                print(f"re-judged on disk: {key}: {status}" + (f" by {by[0]}" if by else ""), file=sys.stderr,
+                      flush=True)
+            if status.startswith("survived"):
+                listed.append(f"| `{re.sub(r'^reconciler.', '', key)}` | {changed_line(original, mutant)} |")
+        verdict[status] += 1
+    run_total = sum(n for s, n in verdict.items() if s != "not run")
+    killed = verdict["killed"] + verdict["killed on disk"] + verdict["timeout"] + verdict["type check"]
+    print(f"mutants: {sum(verdict.values())}, run: {run_total}; " + ", ".join(f"{s}: {n}" for s, n in
+                                                                         verdict.most_common()))
+    if run_total:
+        print(f"killed: {killed / run_total:.1%} of those run; "
+              f"{killed / max(1, run_total - verdict['wording']):.1%} leaving message wording out")
+    print("\n| survivor | the change |\n|---|---|")
+    print("\n".join(listed))
     return 0
 
 

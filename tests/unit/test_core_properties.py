@@ -127,6 +127,11 @@ def test_every_step_waits_for_what_it_needs(case):
         missing = [s.id for s in of("stop-container", "link", "image", "weights", "stop-serving")
                    if s.id not in waits[start.id]]
         assert not missing, f"{start.id} does not wait for {missing}"
+    serving_nodes = {n.name for n in desired.serving_nodes}
+    for stop in of("stop-serving"):
+        if stop.node in serving_nodes and stop.params["container"] == desired.serving.container_name:
+            early = [s.id for s in of("link", "image", "weights") if s.id not in waits[stop.id]]
+            assert not early, f"{stop.id} stops the running generation before {early} is in place"
     starts = {s.node: s.id for s in of("start-serving")}
     if not starts:
         return
@@ -150,11 +155,15 @@ def test_every_step_says_what_where_and_why(case):
     carries its node's rank, the position of the node in the file's serving order (vLLM's --node-rank)."""
     desired, observed = case
     ranks = {n.name: str(i) for i, n in enumerate(desired.serving_nodes)}
-    for s in plan(desired, observed).steps:
+    result = plan(desired, observed)
+    for s in result.steps:
         assert s.id.split("/")[:2] == [s.kind, s.node], s.id
         assert isinstance(s.reason, str) and s.reason.strip(), s.id
         if s.kind == "start-serving":
             assert s.params == {"rank": ranks[s.node]}, (s.id, s.params)
+    names = {n.name for n in desired.nodes}
+    for b in result.blocked:
+        assert b.node in names and isinstance(b.reason, str) and b.reason.strip(), b
 
 
 @SETTINGS
@@ -188,8 +197,9 @@ def test_observe_and_paused_report_drift_but_plan_no_steps(case, mode):
     raw["policy"] = {"mode": "observe"} if mode == "observe" else {"paused": True}
     quiet = spec.Desired.model_validate(raw)
     result = plan(quiet, observed)
-    assert result.steps == []
+    assert result.steps == [] and result.blocked == []
     assert result.drift == diff(desired, observed)
+    assert result.as_dict()["mode"] == mode, "status and `plan --json` say why nothing is planned"
 
 
 def test_unreachable_worker_blocks_serving_but_not_the_head_cleanup():

@@ -66,3 +66,49 @@ def test_a_first_start_runs_in_the_launchers_order_after_everything_it_needs(lau
             assert "start-serving/head" in waits[later.id]
             continue
         assert earlier.id in waits[later.id], f"{later.id} waits for {earlier.id}"
+
+
+def _running_old_generation(desired: spec.Desired, observed: Observed) -> Observed:
+    """Every serving node runs our container with a spec the file no longer asks for: a restart is due."""
+    from reconciler.observed import LABEL_INSTANCE, Container
+    nodes = {}
+    for name, obs in observed.nodes.items():
+        old = Container(name=desired.serving.container_name, id=f"{name}-old", image=IMAGE, image_id="sha256:good",
+                        state="running", labels={"spark-reconciler.managed": "true",
+                                                 "spark-reconciler.spec-hash": "0123456789abcdef",
+                                                 LABEL_INSTANCE: desired.instance})
+        nodes[name] = obs.model_copy(update={"containers": [old]})
+    return Observed(nodes=nodes)
+
+
+def test_a_restart_waits_when_no_node_can_give_the_image_and_nothing_is_stopped():
+    """The workers lack the image and no image source holds it (removed from the head): no step can bring it, so
+    the running generation must keep serving; the plan says what the restart waits for."""
+    desired = spec.Desired.model_validate(desired_dict(n_nodes=3, tp=3))
+    cluster = fresh_cluster(desired)
+    ready = {n: o.model_copy(update={"weights": cluster.node(desired.head.name).weights.model_copy(
+        update={"root": desired.model.path_on(n)}), "fabric": cluster.node(desired.head.name).fabric.model_copy(
+        update={"addresses": [str(desired.node(n).fabric.address)]}), "images": {}})
+        for n, o in cluster.nodes.items()}
+    observed = _running_old_generation(desired, Observed(nodes=ready))
+    result = plan(desired, observed)
+    assert not [s.id for s in result.steps if s.kind in ("stop-serving", "start-serving")], result.steps
+    assert any("serving restart waits for image" in b.reason for b in result.blocked), result.blocked
+
+
+def test_a_restart_that_needs_new_weights_is_ordered_after_the_sync_not_blocked():
+    """A spec change while a worker's copy lags: the sync is planned, and the ordered restart follows it (the
+    running generation is stopped only once the weights are in place)."""
+    desired = spec.Desired.model_validate(desired_dict(n_nodes=2, tp=2))
+    cluster = fresh_cluster(desired)
+    head = cluster.node(desired.head.name)
+    ready = {n: o.model_copy(update={"fabric": head.fabric.model_copy(
+        update={"addresses": [str(desired.node(n).fabric.address)]}), "images": head.images})
+        for n, o in cluster.nodes.items()}
+    result = plan(desired, _running_old_generation(desired, Observed(nodes=ready)))
+    ids = [s.id for s in result.steps]
+    assert ids[0] == "weights/worker1" and not result.blocked, (ids, result.blocked)
+    waits = closure(result.steps)
+    for s in result.steps[1:]:
+        assert "weights/worker1" in waits[s.id], f"{s.id} runs before the weights are in place"
+    assert {s.kind for s in result.steps[1:]} == {"stop-serving", "start-serving", "await-health"}

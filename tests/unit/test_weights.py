@@ -130,3 +130,21 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError):
         generate(tmp_path, "a/b", "../x", "hf-cache", 1, 10)
     assert parse_size("64K") == 65536 and parse_size("1.5G") == 3 << 29 and parse_size("10MiB") == 10 << 20
+
+
+def test_the_difference_counts_each_missing_and_each_different_file():
+    """What `plan` shows for a copy that lags: missing paths (or a broken link: no size) and files of another
+    size or hash are counted apart, out of the source's count."""
+    from reconciler.drift import weights_difference
+    from reconciler.observed import WeightFile, Weights
+
+    def f(path, size, sha=None):
+        return WeightFile(path=path, size=size, mtime=1.0, sha256=sha)
+    source = Weights(root="/m", present=True, files=[f("a", 1, "1" * 64), f("b", 2, "2" * 64), f("c", 3, "3" * 64),
+                                                      f("d", 4), f("e", 5)])
+    copy = Weights(root="/m", present=True, files=[f("a", 1, "1" * 64), f("b", 2, "f" * 64), f("c", 4),
+                                                    f("d", None)])
+    assert weights_difference(source, copy) == "2 missing, 2 different of 5 files"
+    assert weights_difference(source, None) == "missing"
+    assert weights_difference(source, Weights(root="/m", present=False)) == "missing"
+    assert weights_difference(source, source) is None
