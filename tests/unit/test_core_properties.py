@@ -166,6 +166,27 @@ def test_every_step_says_what_where_and_why(case):
         assert b.node in names and isinstance(b.reason, str) and b.reason.strip(), b
 
 
+RESOURCE = {"unreachable": "node/", "probe": "probe/", "docker": "docker/", "co-tenant": "container/",
+            "link": "link/", "rdma": "rdma/", "weights": "weights/", "image": "image/", "serving": "container/",
+            "health": "api/", "memory": "memory/"}  # docs/architecture.md, the drift table
+
+
+@SETTINGS
+@given(cases())
+def test_every_drift_is_reported_in_the_documented_shape(case):
+    """`plan --json`, /status and the metrics carry each drift as docs/cli.md prints it: a node of the file, a
+    documented kind with its resource prefix, what was expected and what was seen as text, two booleans."""
+    desired, observed = case
+    names = {n.name for n in desired.nodes}
+    for d in diff(desired, observed):
+        assert d.node in names and d.resource.startswith(RESOURCE[d.kind]), d
+        assert all(isinstance(x, str) and x.strip() for x in (d.expected, d.observed)), d
+        assert isinstance(d.actionable, bool) and isinstance(d.blocking, bool), d
+        assert not (d.actionable and d.blocking), f"{d}: the operator's or ours, not both"
+        if d.kind in ("unreachable", "probe", "docker", "memory"):
+            assert (d.actionable, d.blocking) == (False, True), f"{d}: nothing to do but wait, and it blocks"
+
+
 @SETTINGS
 @given(cases())
 def test_nothing_acts_through_a_node_that_cannot_be_asked(case):
