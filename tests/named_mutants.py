@@ -57,7 +57,8 @@ MUTANTS = [
 
 def run(m: Mutant, *pytest_args: str, env: dict[str, str] | None = None) -> tuple[bool, list[str]]:
     """(killed, the failing tests) for one mutant. A mutant that breaks collection (an import-time error) fails
-    the suite too: it is killed by the test files that could not be collected."""
+    the suite too: it is killed by the test files that could not be collected, or by the conftest that could not
+    import the package (pytest's exit 4)."""
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         tree = Path(tmp) / "repo"  # the whole source tree: the tests import `reconciler` from their rootdir
         shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv", "mutants", ".hypothesis",
@@ -73,7 +74,9 @@ def run(m: Mutant, *pytest_args: str, env: dict[str, str] | None = None) -> tupl
                              env=env)
         failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.stdout.splitlines()
                   if line.startswith(("FAILED ", "ERROR "))]
-        return out.returncode in (1, 2) and bool(failed), failed
+        if out.returncode == 4 and "while loading conftest" in out.stderr + out.stdout:
+            failed = ["tests/unit/conftest.py (the package does not import)"]
+        return out.returncode in (1, 2, 4) and bool(failed), failed
 
 
 def main() -> int:
