@@ -60,6 +60,14 @@ def busy_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory now (/proc/PID/status VmRSS), 0 if it is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 

@@ -24,7 +24,17 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import ROOT, Options, free_port, on_testbed, save, scratch_dir, summary, write_desired
+from bench.common import (
+    ROOT,
+    Options,
+    free_port,
+    on_testbed,
+    rss_bytes,
+    save,
+    scratch_dir,
+    summary,
+    write_desired,
+)
 
 RECONCILER = ROOT / ".venv" / "bin" / "reconciler"
 
@@ -234,13 +244,6 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_footprint(opts: Options) -> dict:
     duration = opts.n(300, 5)
     with on_testbed(2, "converged", serving=True) as run:
@@ -253,11 +256,11 @@ def run_footprint(opts: Options) -> dict:
             rss, cpu0, t0 = [], _cpu_seconds(pid), time.monotonic()
             mark = d.mark()
             while time.monotonic() - t0 < duration:
-                rss.append(_rss(pid))
+                rss.append(rss_bytes(pid))
                 time.sleep(min(5.0, max(0.1, duration - (time.monotonic() - t0))))
             wall = time.monotonic() - t0
             cpu = _cpu_seconds(pid) - cpu0
-            rss.append(_rss(pid))
+            rss.append(rss_bytes(pid))
             reconciles = sum(1 for _, doc in d.lines[mark:] if doc.get("event") == "reconcile.end")
         finally:
             d.stop()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import PY, ROOT, Options, save, scratch_dir, summary
+from bench.common import PY, ROOT, Options, rss_bytes, save, scratch_dir, summary
 
 RECORDED_NODES = 4  # the testbed the recordings come from: head + worker1..3 (the naming of every size above 2)
 TEMPLATE_WORKER = "worker2"
@@ -91,13 +91,6 @@ class _Replay:
         return self.answer
 
 
-def _rss_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
 AREAS = (("reconciler/observe.py", "parse the probe output"), ("reconciler/observed.py", "observed models"),
          ("reconciler/drift.py", "drift"), ("reconciler/plan.py", "plan"), ("reconciler/vllm.py", "launch specs"),
          ("pydantic", "pydantic models"), ("json", "json"), ("threading", "threads"),
@@ -147,7 +140,7 @@ def child(nodes: int, recording_path: Path, cycles: int) -> dict:
     for n in desired.nodes[1:]:
         sessions[n.name] = _Replay(rewrite(rec["outputs"][TEMPLATE_WORKER], recorded, TEMPLATE_WORKER, desired,
                                            n.name))
-    before = _rss_kib()
+    before = rss_bytes() // 1024
     walls, cpus = [], []
     for i in range(cycles + 3):
         w, c = time.perf_counter(), time.process_time()
@@ -161,7 +154,7 @@ def child(nodes: int, recording_path: Path, cycles: int) -> dict:
             cpus.append(c)
     return {"nodes": nodes, "wall": summary(walls), "cpu": summary(cpus), "rss_before_kib": before,
             "profile": profile(lambda: serial_cycle(desired, sessions), cycles),
-            "rss_after_kib": _rss_kib(), "rss_peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+            "rss_after_kib": rss_bytes() // 1024, "rss_peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
 def recording_path(opts: Options) -> Path:
