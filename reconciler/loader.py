@@ -119,11 +119,17 @@ class _Builder:
             return self._mapping(node, loc)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, loc + (i,)) for i, item in enumerate(node.value)]
+        return self._scalar(node, loc)
+
+    def _scalar(self, node: yaml.Node, loc: Loc) -> Any:
+        """A plain scalar as PyYAML's safe constructors read it. An explicit tag on text it does not fit
+        (`!!int abc`, `!!bool maybe`, `!!float x`) makes those constructors raise ValueError or KeyError, not a
+        YAMLError (yaml/constructor.py: construct_yaml_int/float/bool); each is the file's error, placed."""
         try:
             return self._scalars.construct_object(node, deep=True)
-        except yaml.YAMLError as exc:
-            raise _fail(node.start_mark, f"invalid value: {getattr(exc, 'problem', None) or exc}",
-                        format_loc(loc)) from None
+        except (yaml.YAMLError, ValueError, KeyError) as exc:
+            why = getattr(exc, "problem", None) or f"{node.value!r} does not read as !!{node.tag.rsplit(':', 1)[-1]}"
+            raise _fail(node.start_mark, f"invalid value: {why}", format_loc(loc)) from None
 
     def _mapping(self, node: yaml.MappingNode, loc: Loc) -> dict[str, Any]:
         if node.tag == "tag:yaml.org,2002:merge" or any(k.tag == "tag:yaml.org,2002:merge" for k, _ in node.value):
@@ -135,7 +141,7 @@ class _Builder:
             if key_node.tag == _TIMESTAMP:
                 key = key_node.value  # a date-like key stays text, as a date-like value does
             elif key_node.tag in _PLAIN_TAGS:
-                key = self._scalars.construct_object(key_node)
+                key = self._scalar(key_node, loc)
             else:  # an unknown tag: yaml would raise ConstructorError out of the loader (found by the fuzz test)
                 raise _fail(key_node.start_mark, f"YAML tag {key_node.tag!r} is not allowed in a desired state",
                             format_loc(loc))

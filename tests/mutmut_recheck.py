@@ -1,6 +1,6 @@
 """The verdict on a mutmut run: every survivor classified, and those in import-time code re-judged on disk.
 
-    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge]
+    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge] [--with=TEST_FILE,...]
 
 Prints the score and one line per survivor that is neither message wording nor re-judged killed, as markdown for
 docs/testing.md. The classes:
@@ -19,6 +19,8 @@ described in cdeust/Cortex#269 and fixed there the same way in #286). Each of th
 tree in place of the original function, and the unit test files that call it or import its module judge it,
 collection included. `--rejudge` does the same for every survivor that is not wording: the verdict of the tests as
 they are now, when tests were added after mutmut's run (mutmut would only rerun the tests its stats know).
+`--with=FILES` re-judges every survivor (not wording) by those test files only: the files added after the run
+began. Every older test already had its chance in mutmut's run, so this is the same verdict in minutes, not hours.
 """
 
 from __future__ import annotations
@@ -113,16 +115,16 @@ class Mutants:
                   if uses.search(p.read_text())}
         return tuple(sorted(files))
 
-    def on_disk(self, file: str, key: str) -> Mutant:
+    def on_disk(self, file: str, key: str, tests: tuple[str, ...] = ()) -> Mutant:
         """The mutant as a textual change of the pristine file: the original function -> the mutated one, renamed
-        back and indented like the original."""
+        back and indented like the original; judged by `tests`, or by every file that can judge it."""
         pristine = (REPO / "reconciler" / file).read_text()
         original = _functions(pristine)[qualname(key)]
         fn_name = key.rsplit(".", 1)[-1]
         body = textwrap.dedent(_segment(self.mutated[file], self.by_name[file][fn_name]))
         body = body.replace(f"def {fn_name}(", f"def {original.name}(", 1)
         return Mutant(key, file, _segment(pristine, original), textwrap.indent(body, " " * original.col_offset),
-                      self.test_files(file, key))
+                      tests or self.test_files(file, key))
 
 
 def _strings(tree: ast.AST) -> list[str]:
@@ -159,7 +161,8 @@ def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     mutants = Mutants(Path(args[0]) if args else REPO / "mutants")
     at_import = import_time_functions() if "--no-recheck" not in sys.argv else set()
-    rejudge = "--rejudge" in sys.argv  # every survivor, with the tests as they are now
+    added = tuple(next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--with=")), ()))
+    rejudge = "--rejudge" in sys.argv or bool(added)  # every survivor, with the tests as they are now
     env = {**os.environ, "MUTANT_UNDER_TEST": "recheck"}  # the examples of a mutation run (tests/unit/examples.py)
     verdict: Counter[str] = Counter()
     listed = []
@@ -173,7 +176,8 @@ def main() -> int:
             if wording_only(original, mutant):
                 status = "wording"
             elif rejudge or f"{file}:{qualname(key)}" in at_import:
-                dead, by = run(mutants.on_disk(file, key), "-x", env=env)
+                at_run = f"{file}:{qualname(key)}" in at_import or not added
+                dead, by = run(mutants.on_disk(file, key, () if at_run else added), "-x", env=env)
                 status = "killed on disk" if dead else "survived"
                 print(f"re-judged on disk: {key}: {status}" + (f" by {by[0]}" if by else ""), file=sys.stderr,
                       flush=True)

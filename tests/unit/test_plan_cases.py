@@ -1,0 +1,265 @@
+"""Whole plans for the situations users meet, written out by hand: every step's id, reason, what it waits for
+and its parameters, and every blocker's words.
+
+Each case starts from the recorded converged 4-node cluster (tests/unit/recorded.py) with one thing changed. The
+expected order is the one docs/architecture.md and the seed story give: stop what is not allowed and bring the
+fabric up first; the image and the weights over the fabric; then a serving change stops every rank, starts the
+workers headless and rank 0 last (Ray: the head's GCS, the workers join, `vllm serve` on the head) and waits for
+/health. The properties (test_core_properties.py) judge plans against an independent oracle; these cases pin
+what a plan says, which `plan`, `apply` and `/status` print.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from reconciler import spec
+from reconciler.observed import LABEL_SPEC_HASH, Container, Observed, ServeFlags, Serving
+from reconciler.plan import Blocker, Plan, Step, plan
+from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
+
+STOPS = tuple(f"stop-serving/{n}/vllm_serving" for n in ("head", *WORKERS))
+
+
+@pytest.fixture
+def desired() -> spec.Desired:
+    return load()
+
+
+@pytest.fixture
+def seen(desired) -> Observed:
+    observed = observe(desired)
+    assert plan(desired, observed) == Plan([], [], [], "enforce", ())
+    return observed
+
+
+def step(sid: str, reason: str, after: tuple[str, ...] = (), **params: str) -> Step:
+    """A step by its documented id, `KIND/NODE[/CONTAINER]`."""
+    kind, node = sid.split("/")[:2]
+    return Step(sid, kind, node, reason, after, params)  # type: ignore[arg-type]
+
+
+def ordered_restart(why: str, before: tuple[str, ...] = (), stopped: tuple[str, ...] = STOPS) -> list[Step]:
+    """Stop every running rank, start ranks 1-3 headless, rank 0 last, then wait for health (native launcher)."""
+    stops = [step(s, f"ordered restart ({why})", before, container="vllm_serving") for s in stopped]
+    starts = [step(f"start-serving/{w}", f"start rank {i} (headless) first", before + stopped, rank=str(i))
+              for i, w in enumerate(WORKERS, start=1)]
+    head = step("start-serving/head", "start rank 0 last: it waits for the workers",
+                before + stopped + tuple(s.id for s in starts), rank="0")
+    return [*stops, *starts, head, step("await-health/head", "wait for /health and /v1/models", (head.id,))]
+
+
+def steps_and_blockers(desired: spec.Desired, observed: Observed) -> tuple[list[Step], list[Blocker]]:
+    result = plan(desired, observed)
+    return result.steps, result.blocked
+
+
+# ------------------------------------------------------------------------------------------------ modes
+
+
+@pytest.mark.parametrize(("edit", "mode"), [(("mode: enforce", "mode: enforce\n  paused: true"), "paused"),
+                                            (("mode: enforce", "mode: observe"), "observe")])
+def test_paused_or_observing_reports_the_drift_and_plans_nothing(seen, edit, mode):
+    desired = load(edit)
+    after = changed(seen, "worker3", containers=without(seen, "worker3", "vllm_serving"))
+    result = plan(desired, after)
+    assert (result.steps, result.blocked, result.mode, result.trusted) == ([], [], mode, ())
+    assert [(d.node, d.kind) for d in result.drift] == [("worker3", "serving")]
+    assert result.changes
+
+
+def test_trust_opt_ins_are_named_with_every_plan():
+    desired = load(("    privileged: false", "    privileged: true"),
+                   ("co_tenants:", "trust:\n  privileged: true\n\nco_tenants:"))
+    assert plan(desired, observe(desired)).trusted == tuple(desired.trust.granted())
+    assert len(desired.trust.granted()) == 1
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+def test_a_changed_spec_on_one_rank_restarts_every_rank_in_order(desired, seen):
+    c = seen.node("worker1").container("vllm_serving")
+    assert c is not None
+    after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={**c.labels,
+                                                                                        LABEL_SPEC_HASH: "0"}))
+    why = f"worker1: container/vllm_serving: expected spec {hashes(desired)['worker1']}, observed spec 0"
+    assert steps_and_blockers(desired, after) == (ordered_restart(why), [])
+
+
+def test_with_ray_the_head_starts_first_the_workers_join_and_the_head_launches(seen):
+    desired = load(("launcher: native", "launcher: ray"))
+    old, new = hashes(load()), hashes(desired)
+    why = "; ".join(f"{n}: container/vllm_serving: expected spec {new[n]}, observed spec {old[n]}"
+                    for n in ("head", *WORKERS))
+    stops = [step(s, f"ordered restart ({why})", container="vllm_serving") for s in STOPS]
+    head = step("start-serving/head", "start the Ray head first", STOPS, rank="0")
+    joins = [step(f"start-serving/{w}", "join the Ray cluster", (head.id,), rank=str(i))
+             for i, w in enumerate(WORKERS, start=1)]
+    launch = step("launch-model/head", "vllm serve on the Ray head once all nodes joined",
+                  (head.id, *(j.id for j in joins)))
+    assert steps_and_blockers(desired, seen) == (
+        [*stops, head, *joins, launch, step("await-health/head", "wait for /health and /v1/models", (launch.id,))],
+        [])
+
+
+def test_a_missing_rank_restarts_the_others_but_has_nothing_of_its_own_to_stop(desired, seen):
+    after = changed(seen, "worker3", containers=without(seen, "worker3", "vllm_serving"))
+    why = f"worker3: container/vllm_serving: expected running, spec {hashes(desired)['worker3']}, observed missing"
+    assert steps_and_blockers(desired, after) == (ordered_restart(why, stopped=STOPS[:3]), [])
+
+
+def test_our_container_under_a_former_name_is_stopped_by_its_own_name(desired, seen):
+    c = seen.node("worker2").container("vllm_serving")
+    assert c is not None
+    old = c.model_copy(update={"name": "vllm_old", "id": "0" * 64})
+    after = changed(seen, "worker2", containers=[*seen.node("worker2").containers, old])
+    assert steps_and_blockers(desired, after) == ([step(
+        "stop-serving/worker2/vllm_old", "container/vllm_old: expected not running (no longer wanted), observed "
+        "running", container="vllm_old")], [])
+
+
+# ------------------------------------------------------------------------------------- one worker, all at once
+
+
+def test_a_worker_with_everything_wrong_is_repaired_in_order_then_serving_restarts(desired, seen):
+    foreign = Container(name="vllm_node", id="f" * 64, image="glm:latest", state="running")
+    weights = seen.node("worker2").weights
+    assert weights is not None
+    after = changed(seen, "worker2", containers=[*seen.node("worker2").containers, foreign], images={},
+                    fabric=link(seen, "worker2", admin_up=False, mtu=1500),
+                    weights=weights.model_copy(update={"present": False, "files": []}))
+    reference = seen.node("head").images["vllm-standin:latest"].content
+    head_weights = seen.node("head").weights
+    assert head_weights is not None
+    repairs = [
+        step("stop-container/worker2/vllm_node", "vllm_node is running but not allowed", container="vllm_node"),
+        step("link/worker2", "link/enp1s0f1np1: expected up, observed admin-down; link/enp1s0f1np1/mtu: expected "
+             "9000, observed 1500"),
+        step("image/worker2", f"image/vllm-standin:latest: expected content {reference[:19]}, observed missing",
+             ("link/worker2",), source="head", image="vllm-standin:latest", content=reference),
+        step("weights/worker2", f"weights/testorg/tiny-moe: expected {len(head_weights.files)} files, "
+             f"{head_weights.total_bytes} bytes, observed missing", ("link/worker2",), source="head",
+             path="/srv/spark-testbed/worker2/models/hub")]
+    why = (f"worker2: container/vllm_serving: expected image content {reference[:19]}, observed image content "
+           "missing")
+    assert steps_and_blockers(desired, after) == (repairs + ordered_restart(why, tuple(s.id for s in repairs)), [])
+
+
+def test_the_link_of_the_image_source_orders_the_copy_too(desired, seen):
+    after = changed(changed(seen, "worker1", images={}), "head", fabric=link(seen, "head", mtu=1500))
+    steps, _ = steps_and_blockers(desired, after)
+    assert steps[0] == step("link/head", "link/enp1s0f1np1/mtu: expected 9000, observed 1500")
+    assert steps[1].id == "image/worker1" and steps[1].after == ("link/head",)
+
+
+# ------------------------------------------------------------------------------------------------ what waits
+
+
+def test_a_restart_waits_for_a_rank_whose_output_does_not_parse(desired, seen):
+    c = seen.node("worker1").container("vllm_serving")
+    assert c is not None
+    after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={**c.labels,
+                                                                                        LABEL_SPEC_HASH: "0"}))
+    after = changed(after, "worker3", probe_error="docker section: not JSON", fabric=None, fabric_twin=None)
+    assert steps_and_blockers(desired, after) == ([], [Blocker(
+        "worker3", "serving restart waits for probe on worker3: probe/worker3: expected probe output that parses, "
+        "observed docker section: not JSON")])
+
+
+def test_a_restart_waits_for_weights_no_step_brings(desired, seen):
+    c = seen.node("worker1").container("vllm_serving")
+    assert c is not None
+    after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={**c.labels,
+                                                                                        LABEL_SPEC_HASH: "0"}))
+    after = changed(after, "head", weights=seen.node("head").weights.model_copy(  # type: ignore[union-attr]
+        update={"present": False}))
+    steps, blocked = steps_and_blockers(desired, after)
+    assert steps == []
+    assert blocked == [Blocker("head", "serving restart waits for weights on head: weights/testorg/tiny-moe: "
+                                       "expected present on the source node, observed missing")]
+
+
+def test_no_link_step_on_a_node_docker_cannot_be_asked_on_but_its_link_is_repaired(desired, seen):
+    after = changed(seen, "worker2", docker_reachable=False, docker_error="down", containers=[], images={},
+                    fabric=link(seen, "worker2", admin_up=False))
+    steps, _ = steps_and_blockers(desired, after)
+    assert [s.id for s in steps] == ["link/worker2"]
+
+
+# ------------------------------------------------------------------------------------------------ health
+
+
+def _health(**fields: object) -> Serving:
+    return Serving(reachable=True, healthy=False, models=[]).model_copy(update=fields)
+
+
+def test_a_cold_start_is_waited_for(desired, seen):
+    after = changed(seen, "head", serving=_health())
+    assert steps_and_blockers(desired, after) == ([step(
+        "await-health/head", "serving containers are up; wait for the API to become healthy")], [])
+
+
+def test_a_serving_that_served_and_fails_within_the_grace_is_left_alone_and_says_when(desired, seen):
+    after = changed(seen, "head", serving=_health(served_before=True, unhealthy_for=30.4))
+    grace = desired.serving.unhealthy_grace
+    assert steps_and_blockers(desired, after) == ([], [Blocker(
+        "head", f"serving served, then failed its health check for 30s; restarted in order after {grace:.0f}s")])
+    after = changed(seen, "head", serving=_health(served_before=True))
+    assert steps_and_blockers(desired, after)[1] == [Blocker(
+        "head", f"serving served, then failed its health check for 0s; restarted in order after {grace:.0f}s")]
+
+
+def test_a_wedged_serving_is_restarted_in_order_after_a_grace_that_doubles(desired, seen):
+    grace = desired.serving.unhealthy_grace
+    wedged = _health(served_before=True, unhealthy_for=2 * grace, health_restarts=1)
+    note = (f"serving served, then failed its health check for {2 * grace:.0f}s; restarted in order after "
+            f"{2 * grace:.0f}s")
+    why = f"head: api/:8000: expected healthy, serving tiny-moe, completing, observed unhealthy; {note}"
+    assert steps_and_blockers(desired, changed(seen, "head", serving=wedged)) == (ordered_restart(why), [])
+    waiting = wedged.model_copy(update={"unhealthy_for": 2 * grace - 1})
+    assert steps_and_blockers(desired, changed(seen, "head", serving=waiting))[0] == []
+
+
+def test_waiting_for_health_needs_every_serving_node(desired, seen):
+    after = changed(changed(seen, "head", serving=_health()), "worker2", reachable=False, error="timed out",
+                    fabric=None, fabric_twin=None, containers=[], images={}, weights=None)
+    assert steps_and_blockers(desired, after) == ([], [Blocker(
+        "head", "serving is not healthy; waiting needs worker2, which cannot be reached")])
+
+
+# ------------------------------------------------------------------------------------------------ the image says no
+
+
+def _flags(seen: Observed, **fields: object) -> ServeFlags:
+    image_id = seen.node("head").images["vllm-standin:latest"].id
+    return ServeFlags(image_id=image_id, flags=["--port", "--host"], has_ray=True).model_copy(update=fields)
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ('["--foo"]', "--foo is not a flag"),
+    ('["--foo", "--bar=1"]', "--foo, --bar are not flags"),
+])
+def test_flags_the_image_does_not_know_stop_nothing(seen, extra, words):
+    desired = load(("  health_timeout: 2m", f"  health_timeout: 2m\n  extra_args: {extra}"))
+    observed = seen.model_copy(update={"serve_flags": _flags(seen)})
+    image_id = observed.serve_flags.image_id  # type: ignore[union-attr]
+    assert steps_and_blockers(desired, observed) == ([], [Blocker(
+        "head", f"serving.extra_args: {words} of `vllm serve` in vllm-standin:latest ({image_id[:19]}); nothing is "
+        "stopped or started")])
+
+
+def test_a_restart_waits_while_the_image_is_being_asked(seen):
+    desired = load(("  health_timeout: 2m", '  health_timeout: 2m\n  extra_args: ["--foo"]'))
+    observed = seen.model_copy(update={"serve_flags": _flags(seen, pending=True)})
+    image_id = observed.serve_flags.image_id  # type: ignore[union-attr]
+    assert steps_and_blockers(desired, observed)[1] == [Blocker(
+        "head", f"serving waits for vllm-standin:latest ({image_id[:19]}) to say which flags its `vllm serve` "
+        "knows and whether it has Ray (asked once per image id), to judge it before anything stops")]
+
+
+def test_flags_of_another_image_id_judge_nothing(seen):
+    desired = load(("  health_timeout: 2m", '  health_timeout: 2m\n  extra_args: ["--foo"]'))
+    observed = seen.model_copy(update={"serve_flags": _flags(seen, image_id="sha256:" + "0" * 64)})
+    steps, blocked = steps_and_blockers(desired, observed)
+    assert blocked == [] and [s.kind for s in steps][-1] == "await-health"
