@@ -169,3 +169,23 @@ def converged_in_simulator(desired, seed_snapshot: Path):
         after = apply_plan(desired, after, plan(desired, after))
     assert not plan(desired, after).changes
     return after
+
+
+@pytest.fixture
+def desired():
+    """The recorded converged 4-node cluster's desired state (tests/unit/recorded.py), for the case tests; a
+    module with a `desired` of its own overrides it."""
+    from tests.unit.recorded import load
+
+    return load()
+
+
+@pytest.fixture
+def seen(desired):
+    """What the probe really printed on that cluster, parsed: it plans nothing (checked here, once per test)."""
+    from reconciler.plan import Plan, plan
+    from tests.unit.recorded import observe
+
+    observed = observe(desired)
+    assert plan(desired, observed) == Plan([], [], [], "enforce", ()), "the recording must plan nothing"
+    return observed

@@ -52,18 +52,6 @@ from tests.unit.recorded import (
 GIB = 2**30
 
 
-@pytest.fixture
-def desired() -> spec.Desired:
-    return load()
-
-
-@pytest.fixture
-def seen(desired) -> Observed:
-    observed = observe(desired)
-    assert diff(desired, observed) == [], "the recorded converged cluster must diff to nothing"
-    return observed
-
-
 def unreachable(name: str, why: str) -> Drift:
     return Drift(name, "unreachable", f"node/{name}", "reachable over SSH", why, actionable=False, blocking=True)
 

@@ -15,22 +15,10 @@ import pytest
 
 from reconciler import spec
 from reconciler.observed import LABEL_SPEC_HASH, Container, Observed, ServeFlags, Serving
-from reconciler.plan import Blocker, Plan, Step, plan
+from reconciler.plan import Blocker, Step, plan
 from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
 
 STOPS = tuple(f"stop-serving/{n}/vllm_serving" for n in ("head", *WORKERS))
-
-
-@pytest.fixture
-def desired() -> spec.Desired:
-    return load()
-
-
-@pytest.fixture
-def seen(desired) -> Observed:
-    observed = observe(desired)
-    assert plan(desired, observed) == Plan([], [], [], "enforce", ())
-    return observed
 
 
 def step(sid: str, reason: str, after: tuple[str, ...] = (), **params: str) -> Step:
