@@ -78,7 +78,6 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     steps: list[Step] = []
     blocked: list[Blocker] = []
     down = {d.node for d in drift if d.kind in ("unreachable", "probe", "docker")}
-    unreachable = {d.node for d in drift if d.kind == "unreachable"}
 
     for d in drift:
         if d.kind == "co-tenant" and d.actionable:
@@ -88,35 +87,27 @@ def plan(desired: Desired, observed: Observed) -> Plan:
 
     link_ids: dict[str, str] = {}
     for name in dict.fromkeys(d.node for d in drift if d.kind in ("link", "rdma") and d.actionable):
-        if name in unreachable:
-            continue
         reasons = "; ".join(_explain(d) for d in drift if d.node == name and d.kind in ("link", "rdma"))
         link_ids[name] = f"link/{name}"
         steps.append(Step(link_ids[name], "link", name, reasons))
 
     image = desired.serving.image
     holder = image_holder(desired, observed)
-    image_ids: list[str] = []
     for d in drift:
         if d.kind != "image" or not d.actionable or holder is None:
             continue
         after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
         expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
-        step = Step(f"image/{d.node}", "image", d.node, _explain(d), after,
-                    params={"source": holder, "image": image, "content": expect})
-        image_ids.append(step.id)
-        steps.append(step)
+        steps.append(Step(f"image/{d.node}", "image", d.node, _explain(d), after,
+                          params={"source": holder, "image": image, "content": expect}))
 
     source = desired.source_node
-    weight_ids: list[str] = []
     for d in drift:
         if d.kind != "weights" or not d.actionable:
             continue
         after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids)
-        step = Step(f"weights/{d.node}", "weights", d.node, _explain(d), after,
-                    params={"source": source, "path": desired.model.path_on(d.node)})
-        weight_ids.append(step.id)
-        steps.append(step)
+        steps.append(Step(f"weights/{d.node}", "weights", d.node, _explain(d), after,
+                          params={"source": source, "path": desired.model.path_on(d.node)}))
 
     steps += _serving_steps(desired, observed, drift, steps, blocked, down)
     return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()))
@@ -150,7 +141,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     if alien := _image_refuses(desired, observed):
         blocked.append(Blocker(head, alien))
         return steps
-    hurdles = _restart_hurdles(drift, serving, before)
+    hurdles = _restart_hurdles(drift, serving)
     if hurdles:
         blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
                        for d in dict.fromkeys(hurdles))
@@ -240,13 +231,12 @@ def _image_refuses(desired: Desired, observed: Observed) -> str | None:
             f"of `vllm serve` in {named}; nothing is stopped or started")
 
 
-def _restart_hurdles(drift: list[Drift], serving: list[str], before: list[Step]) -> list[Drift]:
-    """What a serving restart must wait for: blocking drift on a serving node (or of the weights' source), and
-    weights or images a serving node lacks that no earlier step of this plan brings."""
-    hurdles = [d for d in drift if d.blocking and (d.node in serving or d.kind == "weights")]
-    hurdles += [d for d in drift if d.kind in ("weights", "image") and d.node in serving
-                and not any(s.node == d.node and s.kind == d.kind for s in before)]
-    return hurdles
+def _restart_hurdles(drift: list[Drift], serving: list[str]) -> list[Drift]:
+    """What a serving restart must wait for: blocking drift on a serving node, or of the weights or the image,
+    wherever it is: their reference may live on a node that does not serve (a weights source, an image source
+    whose image is not the pinned one). An actionable weights or image drift needs no wait of its own: `plan()`
+    gives it a step, which the stops come after."""
+    return [d for d in drift if d.blocking and (d.node in serving or d.kind in ("weights", "image"))]
 
 
 def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...]) -> list[Step]:

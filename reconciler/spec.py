@@ -993,10 +993,11 @@ def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader
         out = []
         for cause in consistency:
             for loc, message in cause.problems:
-                loc = loc[:-1] if loc[-1:] == (KEY,) else loc
+                at_key = loc[-1:] == (KEY,)  # placed at the key, as when the file has no other error
+                loc = loc[:-1] if at_key else loc
                 if any(loc[: len(b) - 1] == b[:-1] or b[: len(loc)] == loc for b in broken):
                     continue
-                out.append(loader.Problem(doc.position_of(loc), loader.format_loc(loc), message))
+                out.append(loader.Problem(_place(doc, loc, at_key), loader.format_loc(loc), message))
         return out
     except (KeyError, IndexError, TypeError):
         return []

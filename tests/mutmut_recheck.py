@@ -33,6 +33,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.named_mutants import REPO, Mutant, run
@@ -164,27 +165,32 @@ def main() -> int:
     added = tuple(next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--with=")), ()))
     rejudge = "--rejudge" in sys.argv or bool(added)  # every survivor, with the tests as they are now
     env = {**os.environ, "MUTANT_UNDER_TEST": "recheck"}  # the examples of a mutation run (tests/unit/examples.py)
-    verdict: Counter[str] = Counter()
-    listed = []
-    for file, key, code in mutants.codes():
+
+    def on_disk(file: str, key: str) -> str:
+        tests = () if f"{file}:{qualname(key)}" in at_import or not added else added
+        dead, by = run(mutants.on_disk(file, key, tests), "-x", env=env)
+        status = "killed on disk" if dead else "survived"
+        print(f"re-judged on disk: {key}: {status}" + (f" by {by[0]}" if by else ""), file=sys.stderr, flush=True)
+        return status
+
+    def judge(item: tuple[str, str, int | None]) -> str:
+        file, key, code = item
         status = STATUS.get(code, f"exit {code}")
         if status == "timeout" and rejudge:  # e.g. a run paused (SIGSTOP) while benchmarks ran: proves nothing
-            dead, _ = run(mutants.on_disk(file, key), "-x", env=env)
-            status = "killed on disk" if dead else "survived"
+            return on_disk(file, key)
         if status == "survived" and code == 0:
-            original, mutant = mutants.texts(file, key)
-            if wording_only(original, mutant):
-                status = "wording"
-            elif rejudge or f"{file}:{qualname(key)}" in at_import:
-                at_run = f"{file}:{qualname(key)}" in at_import or not added
-                dead, by = run(mutants.on_disk(file, key, () if at_run else added), "-x", env=env)
-                status = "killed on disk" if dead else "survived"
-                print(f"re-judged on disk: {key}: {status}" + (f" by {by[0]}" if by else ""), file=sys.stderr,
-                      flush=True)
-        if status == "survived":
-            original, mutant = mutants.texts(file, key)
-            listed.append(f"| `{re.sub(r'^reconciler.', '', key)}` | {changed_line(original, mutant)} |")
-        verdict[status] += 1
+            if wording_only(*mutants.texts(file, key)):
+                return "wording"
+            if rejudge or f"{file}:{qualname(key)}" in at_import:
+                return on_disk(file, key)
+        return status
+
+    items = mutants.codes()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # each judgement is its own pytest process
+        statuses = list(pool.map(judge, items))
+    verdict = Counter(statuses)
+    listed = [f"| `{re.sub(r'^reconciler.', '', key)}` | {changed_line(*mutants.texts(file, key))} |"
+              for (file, key, _), status in zip(items, statuses, strict=True) if status == "survived"]
     run_total = sum(n for s, n in verdict.items() if s != "not run")
     killed = verdict["killed"] + verdict["killed on disk"] + verdict["timeout"] + verdict["type check"]
     print(f"mutants: {sum(verdict.values())}, run: {run_total}; " + ", ".join(f"{s}: {n}" for s, n in

@@ -125,8 +125,8 @@ def test_a_plain_model_directory_is_mounted_read_only_and_served_by_path():
           "triton": "/home/spark/.triton"}),
     ([("      user: spark\n      known_hosts", "      user: root\n      known_hosts")],
      {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton"}),
-    ([("  health_timeout: 1h", "  health_timeout: 1h\n  compile_cache: /data/cc/")],
-     {"vllm": "/data/cc/vllm", "flashinfer": "/data/cc/flashinfer", "triton": "/data/cc/triton"}),
+    ([("  health_timeout: 1h", "  health_timeout: 1h\n  compile_cache: /data/ccX/")],
+     {"vllm": "/data/ccX/vllm", "flashinfer": "/data/ccX/flashinfer", "triton": "/data/ccX/triton"}),
     ([("  health_timeout: 1h", "  health_timeout: 1h\n  compile_cache: null")], {}),
 ])
 def test_compile_caches_live_in_the_ssh_users_home_or_below_the_declared_directory(edits, dirs):
@@ -140,9 +140,9 @@ def test_compile_caches_live_in_the_ssh_users_home_or_below_the_declared_directo
 
 
 def test_the_option_names_of_extra_args_are_what_vllms_parser_would_read():
-    args = ["--x=1", "--a=b=c", "-5", "-0.5", "-1.2.3", "--y", "value", "--x", "--kv_cache_dtype", "fp8"]
-    assert extra_flags(args) == ["--x", "--a", "-1.2.3", "--y", "--kv_cache_dtype"]
-    assert unknown_flags(args, ["--x", "--y", "--kv-cache-dtype"]) == ["--a", "-1.2.3"]
+    args = ["--x=1", "--a=b=c", "-5", "-0.5", "-1.2.3", "-X1", "--y", "value", "--x", "--kv_cache_dtype", "fp8"]
+    assert extra_flags(args) == ["--x", "--a", "-1.2.3", "-X1", "--y", "--kv_cache_dtype"]
+    assert unknown_flags(args, ["--x", "--y", "--kv-cache-dtype"]) == ["--a", "-1.2.3", "-X1"]
 
 
 def test_the_serve_help_of_vllm_0_32_lists_every_alias():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -405,3 +406,32 @@ def test_unknown_tags_on_keys_are_a_load_error_not_a_crash(text):
 
 def test_date_like_keys_stay_text():
     assert loader.load_text(b"2001-01-01: x\n").data == {"2001-01-01": "x"}
+
+
+def test_a_stream_larger_than_the_cap_is_refused_without_reading_it_to_the_end(tmp_path):
+    """A FIFO (or /dev/zero, or a file still being written) has no size to check first: the loader must stop after
+    the cap, not read to an end that may never come. The writer holds the pipe open until the loader is done or a
+    deadline passes; a loader that read to the end would only return after the writer gave up."""
+    fifo = tmp_path / "endless.yaml"
+    os.mkfifo(fifo)
+    finished, gave_up = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        try:
+            with open(fifo, "wb") as out:
+                out.write(b"#" * (loader.MAX_BYTES + 100))
+                if not finished.wait(timeout=20):
+                    gave_up.set()
+        except BrokenPipeError:  # the loader closed its end after the cap: what it should do
+            pass
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    with pytest.raises(loader.LoadError) as info:
+        loader.load_file(fifo)
+    stopped_early = not gave_up.is_set()
+    finished.set()
+    thread.join(timeout=30)
+    assert stopped_early, "the loader read the stream to its end"
+    assert [p.message for p in info.value.problems] == [
+        f"file is larger than the {loader.MAX_BYTES}-byte (1 MiB) limit for a desired state"]

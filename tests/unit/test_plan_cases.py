@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from reconciler import spec
-from reconciler.observed import LABEL_SPEC_HASH, Container, Observed, ServeFlags, Serving
+from reconciler.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, Serving
 from reconciler.plan import Blocker, Step, plan
 from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
 
@@ -56,9 +56,11 @@ def test_paused_or_observing_reports_the_drift_and_plans_nothing(seen, edit, mod
     assert result.changes
 
 
-def test_trust_opt_ins_are_named_with_every_plan():
+@pytest.mark.parametrize("paused", [False, True])
+def test_trust_opt_ins_are_named_with_every_plan(paused):
     desired = load(("    privileged: false", "    privileged: true"),
-                   ("co_tenants:", "trust:\n  privileged: true\n\nco_tenants:"))
+                   ("co_tenants:", "trust:\n  privileged: true\n\nco_tenants:"),
+                   ("mode: enforce", f"mode: enforce\n  paused: {str(paused).lower()}"))
     assert plan(desired, observe(desired)).trusted == tuple(desired.trust.granted())
     assert len(desired.trust.granted()) == 1
 
@@ -212,8 +214,18 @@ def test_a_wedged_serving_is_restarted_in_order_after_a_grace_that_doubles(desir
 def test_waiting_for_health_needs_every_serving_node(desired, seen):
     after = changed(changed(seen, "head", serving=_health()), "worker2", reachable=False, error="timed out",
                     fabric=None, fabric_twin=None, containers=[], images={}, weights=None)
-    assert steps_and_blockers(desired, after) == ([], [Blocker(
-        "head", "serving is not healthy; waiting needs worker2, which cannot be reached")])
+    after = changed(after, "worker1", probe_error="docker section: not JSON", fabric=None, fabric_twin=None)
+    after = changed(after, "worker3", docker_reachable=False, docker_error="down", containers=[], images={})
+    assert steps_and_blockers(desired, after)[1] == [Blocker(
+        "head", "serving is not healthy; waiting needs worker1, worker2, worker3, which cannot be reached")]
+
+
+@pytest.mark.parametrize("down", [{"probe_error": "docker section: not JSON", "fabric": None, "fabric_twin": None},
+                                  {"docker_reachable": False, "docker_error": "down", "containers": [], "images": {}}])
+def test_a_node_that_cannot_be_asked_holds_the_wait_for_health(desired, seen, down):
+    after = changed(changed(seen, "head", serving=_health()), "worker2", **down)
+    assert Blocker("head", "serving is not healthy; waiting needs worker2, which cannot be reached") in \
+        steps_and_blockers(desired, after)[1]
 
 
 # ------------------------------------------------------------------------------------------------ the image says no
@@ -251,3 +263,60 @@ def test_flags_of_another_image_id_judge_nothing(seen):
     observed = seen.model_copy(update={"serve_flags": _flags(seen, image_id="sha256:" + "0" * 64)})
     steps, blocked = steps_and_blockers(desired, observed)
     assert blocked == [] and [s.kind for s in steps][-1] == "await-health"
+
+
+# ------------------------------------------------------------------------------ sources that do not serve
+
+
+PIN = "sha256:" + "9" * 64
+THREE_SERVE = ("tensor_parallel_size: 4", "tensor_parallel_size: 3\n  nodes: [head, worker1, worker2]")
+
+
+def _serving_three(desired: spec.Desired, seen: Observed, changed_rank: str) -> Observed:
+    """The recording with worker3 out of the span: ranks 0-2 on the specs of `desired`, `changed_rank` on an old
+    one, worker3's container gone."""
+    h = hashes(desired)
+    for n in ("head", "worker1", "worker2"):
+        c = seen.node(n).container("vllm_serving")
+        assert c is not None
+        label = h[n] if n != changed_rank else "0"
+        seen = changed(seen, n, containers=serving_with(seen, n, labels={**c.labels, LABEL_SPEC_HASH: label}))
+    return changed(seen, "worker3", containers=without(seen, "worker3", "vllm_serving"))
+
+
+def test_a_restart_waits_for_a_pin_the_reference_image_on_a_node_that_does_not_serve_misses():
+    # found by mutation testing (issue 17): the reference lived on worker3, outside the span, and the restart went
+    # ahead on the unpinned image although the drift said "nothing is copied or started"
+    desired = load(THREE_SERVE, ("  health_timeout: 2m\n", f'  health_timeout: 2m\n  image_id: "{PIN}"\n'
+                                                           "  image_sources: [worker3, head]\n"))
+    after = _serving_three(desired, observe(desired), "worker1")
+    steps, blocked = steps_and_blockers(desired, after)
+    assert steps == []
+    assert [b.node for b in blocked] == ["worker3"] and blocked[0].reason.startswith(
+        "serving restart waits for image on worker3: image/vllm-standin:latest: expected pinned sha256:999999999999")
+
+
+def test_a_restart_waits_for_weights_missing_on_a_source_that_does_not_serve():
+    desired = load(THREE_SERVE, ("  source: head", "  source: worker3"))
+    seen = observe(desired)
+    weights = seen.node("worker3").weights
+    assert weights is not None
+    after = changed(_serving_three(desired, seen, "worker1"), "worker3",
+                    weights=weights.model_copy(update={"present": False}))
+    assert steps_and_blockers(desired, after)[1] == [Blocker(
+        "worker3", "serving restart waits for weights on worker3: weights/testorg/tiny-moe: expected present on the "
+        "source node, observed missing")]
+
+
+def test_an_rdma_port_down_with_its_netdev_is_in_the_link_steps_reason():
+    desired = load(("address: 10.232.0.11/24\n", "address: 10.232.0.11/24\n      rdma_device: rocep1s0f1\n"),
+                   ("address: 10.232.1.11/24\n", "address: 10.232.1.11/24\n        rdma_device: roceP2p1s0f1\n"))
+    seen = observe(desired)
+    c = seen.node("worker1").container("vllm_serving")
+    assert c is not None
+    seen = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={
+        **c.labels, LABEL_SPEC_HASH: hashes(desired)["worker1"]}))
+    port = link(seen, "worker1", admin_up=False, rdma=RdmaPort(state="1: DOWN", phys_state="3: Disabled"))
+    assert steps_and_blockers(desired, changed(seen, "worker1", fabric=port)) == ([step(
+        "link/worker1", "link/enp1s0f1np1: expected up, observed admin-down; rdma/rocep1s0f1: expected 4: ACTIVE, "
+        "observed 1: DOWN (3: Disabled)")], [])

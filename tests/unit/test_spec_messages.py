@@ -208,3 +208,81 @@ def test_an_empty_mapping_is_missing_its_sections_and_its_marker_at_the_first_li
         spec.loads("{}\n", "X")
     assert info.value.lines() == ["X:1:1: nodes: required field is missing", "X:1:1: model: required field is missing",
                                   "X:1:1: serving: required field is missing", f"X:1:1: {UNENDED}"]
+
+
+# ------------------------------------------------------------------------------------------- each rule's words
+
+
+HEAD_JUMPS = ("      host: 10.1.230.180            #", "      jump: spark-5be3\n      host: 10.1.230.180            #")
+EXTRA_ARGS = 'extra_args: ["--load-format", "fastsafetensors"]'
+VOLUMES_AT = ("    ipc: host", "    ipc: host\n    volumes: ")
+
+
+@pytest.mark.parametrize(("edits", "lines"), [
+    pytest.param([HEAD_JUMPS, ("      jump: spark-1a32 ", "      jump: nosuch     ")], [
+        "X:35:13: nodes[1].ssh.jump: jump host 'nosuch' is not a node (known: spark-1a32, spark-5be3)"],
+        id="a-chain-ending-nowhere"),
+    pytest.param([("      host: 10.1.230.180            #", "      port: 0\n      jump: nosuch\n"
+                   "      host: 10.1.230.180            #")], [
+        "X:13:13: nodes[0].ssh.port: must be greater than or equal to 1"], id="beside-a-broken-value-waits"),
+    pytest.param([("      host: 10.1.230.180            #", "      port: 0\n      host: 10.1.230.180            #"),
+                  ("    spark-5be3: [vllm_embeddings]", "    spark-5be3: [vllm_embeddings]\n    spark-9999: [x]")], [
+        "X:13:13: nodes[0].ssh.port: must be greater than or equal to 1",
+        "X:93:5: co_tenants.allowed.spark-9999: 'spark-9999' is not a node"], id="a-key-elsewhere-despite"),
+    pytest.param([("path: /home/spark/.cache/huggingface/hub", "path: /etc/models")], [
+        "X:54:9: model.path: /etc/models is under /etc: not a data directory"], id="model-under-the-system"),
+    pytest.param([("path: /home/spark/.cache/huggingface/hub", "path: /home/spark/.ssh/models")], [
+        "X:54:9: model.path: /home/spark/.ssh/models is a key directory: not a data directory"], id="model-in-keys"),
+    pytest.param([("master_port: 29501", "master_port: 8000\n  ray_port: 8000")], [
+        "X:62:9: serving.port: port 8000 is also serving.master_port, serving.ray_port",
+        "X:63:16: serving.master_port: port 8000 is also serving.port, serving.ray_port",
+        "X:64:13: serving.ray_port: port 8000 is also serving.port, serving.master_port"], id="three-ports-one"),
+    pytest.param([("env: {}", "env: {VLLM_HOST_IP: x, LD_PRELOAD: /x.so}")], [
+        "X:72:9: serving.env.VLLM_HOST_IP: VLLM_HOST_IP is set by the reconciler from nodes[].fabric.address",
+        "X:72:26: serving.env.LD_PRELOAD: LD_PRELOAD loads code into every process of the container; refused "
+        "(docs/security.md)"], id="reserved-env"),
+    pytest.param([(EXTRA_ARGS, 'extra_args: ["--chat-template={{ x }}", "--port-x=1"]')], [], id="spaces-are-fine"),
+    pytest.param([(EXTRA_ARGS, 'extra_args: ["--x=\\x7f", "--port=1=2"]')], [
+        "X:68:16: serving.extra_args[0]: '--x=\\x7f' contains control characters",
+        "X:68:28: serving.extra_args[1]: --port is set by the reconciler; use serving.port instead"],
+        id="delete-and-a-reserved-flag"),
+    pytest.param([("  health_timeout: 1h", "  health_timeout: 1h\n  image_sources: [spark-1a32, nosuch]")], [
+        "X:83:31: serving.image_sources[1]: 'nosuch' is not a node"], id="image-source-unknown"),
+    pytest.param([("tensor_parallel_size: 2", "tensor_parallel_size: 1"), ("source: spark-1a32", "source: spark-5be3"),
+                  ("path: /home/spark/.cache/huggingface/hub", "path: {spark-1a32: /home/spark/models}")],
+                 ["X:54:9: model.path: no model path for the source node 'spark-5be3'"], id="no-path-for-the-source"),
+    pytest.param([("env: {}", "env: {MY_SETTING: '1'}"), ("    VLLM_API_KEY: head", "    VLLM_API_KEY: head\n"
+                                                                               "    MY_SETTING: head")], [
+        "X:76:5: serving.secrets.MY_SETTING: MY_SETTING is also in serving.env"], id="a-secret-also-in-env"),
+    pytest.param([(VOLUMES_AT[0], VOLUMES_AT[1] + "['/:/host', /home/spark/.gnupg/x:/g]")], [
+        "X:82:15: serving.docker.volumes[0]: / is under /: never mounted into a serving container",
+        "X:82:26: serving.docker.volumes[1]: /home/spark/.gnupg/x is a key directory: never mounted into a serving "
+        "container"], id="root-and-gnupg"),
+    pytest.param([(VOLUMES_AT[0], VOLUMES_AT[1] + "[/data/x/:/x, /X:/y]"),
+                  ("  remote_code: true", "  remote_code: true\n  host_paths: [/data/, /X]")], [],
+                 id="trailing-slashes-and-odd-names"),
+    pytest.param([(VOLUMES_AT[0], VOLUMES_AT[1] + "[/data/z:/z]"),
+                  ("  remote_code: true", "  remote_code: true\n  host_paths: [/X]")], [
+        "X:82:15: serving.docker.volumes[0]: /data/z is not below a trusted host path: add its directory to "
+        "trust.host_paths"], id="a-trusted-path-is-only-itself"),
+    pytest.param([("devices: [/dev/infiniband]", "devices: [/dev/infiniband, /dev/foo]"),
+                  ("  remote_code: true", "  remote_code: true\n  devices: ['/']")], [], id="every-device-trusted"),
+    pytest.param([(LISTEN, "listen: '[::ffff:127.0.0.1]:9464'")], [], id="listen-v4-mapped-v6"),
+])
+def test_each_rule_says_where_and_what(edits, lines):
+    assert validate(*edits) == lines
+
+
+@pytest.mark.timeout(60)  # the deadline of a regression that loops: following jumps must end
+def test_a_jump_chain_that_enters_a_loop_is_a_cycle_and_validation_ends():
+    assert validate(HEAD_JUMPS, ("      jump: spark-1a32 ", "      jump: spark-5be3 ")) == [
+        "X:13:13: nodes[0].ssh.jump: jump hosts form a cycle through 'spark-5be3'",
+        "X:35:13: nodes[1].ssh.jump: a node cannot be its own jump host"]
+
+
+def test_the_exception_reads_as_its_lines_and_a_nameless_text_is_called_string():
+    with pytest.raises(spec.InvalidDesiredState) as info:
+        spec.loads(SAMPLE.replace("mode: enforce", "mode: x").replace("port: 8000", "port: 0"))
+    assert str(info.value) == "\n".join(info.value.lines())
+    assert info.value.lines() == ["<string>:62:9: serving.port: must be greater than or equal to 1",
+                                  "<string>:96:9: policy.mode: must be 'enforce' or 'observe'"]
