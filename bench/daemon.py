@@ -122,6 +122,22 @@ def _quiet(d: Daemon, seconds: float = 1.0) -> None:
 FAULTS = {"kill-serving": ("kill-container", {"name": "vllm_serving"}), "link-down": ("link-down", {})}
 
 
+def _serving_up(timeout: float = 120) -> None:
+    """Wait until both ranks' serving containers run. A fault can take one down later than the daemon's last
+    `converged` (a rank that loses the fabric exits after its peer timeout); the next trial must start from a
+    serving cluster, or it measures nothing (and a kill finds no process)."""
+    from testbed import api, dockerd
+    lay = api.current_layout()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        states = [dockerd.docker(lay.node(n), "inspect", "--format", "{{.State.Running}}", "vllm_serving",
+                                 check=False).stdout.strip() for n in ("head", "worker")]
+        if states == ["true", "true"]:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"serving not running on both nodes within {timeout:.0f} s")
+
+
 def _detect(opts: Options, desired: Path, events: bool, trials: int, jitter: float) -> dict[str, list[float]]:
     from testbed import api
     out: dict[str, list[float]] = {k: [] for k in FAULTS}
@@ -130,6 +146,7 @@ def _detect(opts: Options, desired: Path, events: bool, trials: int, jitter: flo
         d.converged_after(0, timeout=180)
         for i in range(trials):
             for name, (kind, kw) in FAULTS.items():
+                _serving_up()
                 _quiet(d, 0.5)
                 time.sleep(random.uniform(0, jitter))
                 mark = d.mark()
