@@ -14,7 +14,7 @@ help:
 	@echo "make e2e        the end-to-end tests on the testbed (root)"
 	@echo "make bench      run the benchmarks and write docs/benchmarks.md"
 	@echo "make soak       the long randomized fault runs (docs/reliability.md)"
-	@echo "make mutation   the mutants of record, then mutmut over the pure core (docs/testing.md; hours)"
+	@echo "make mutation   the mutants of record, then mutmut over the pure core (docs/testing.md; ~1 h on 2 cores)"
 	@echo "make docs       regenerate docs/desired-state.md from the models"
 
 deps:

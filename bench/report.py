@@ -272,9 +272,9 @@ def _same_code(commits: list[str]) -> str:
     diff = subprocess.run(["git", "diff", "--stat", shas[0], shas[-1], "--", "reconciler", "testbed"], cwd=ROOT,
                           capture_output=True, text=True, check=False)
     same = diff.returncode == 0 and not diff.stdout.strip()
-    return (" The product (`reconciler/`) and the testbed are " + ("identical" if same else "**not** identical")
+    return ("; the product (`reconciler/`) and the testbed are " + ("identical" if same else "**not** identical")
             + f" in {' and '.join(shas)} (`git diff {shas[0]} {shas[-1]} -- reconciler testbed`); each result names "
-            "its commit in `bench/results/`.")
+            "its commit in `bench/results/`")
 
 
 def write(results: Path) -> None:
