@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from reconciler import spec
+from tests.unit.edits import edited
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,17 +85,10 @@ def base_yaml() -> str:
     return BASE_YAML
 
 
-def _edit(text: str, *subs: tuple[str, str]) -> str:
-    for old, new in subs:
-        assert old in text, f"test bug: {old!r} not in the base text"
-        text = text.replace(old, new, 1)
-    return text
-
-
 @pytest.fixture
 def edit() -> Callable[..., str]:
     """edit((old, new), ...) -> the base text with each `old` replaced once (asserting it was there)."""
-    return lambda *subs: _edit(BASE_YAML, *subs)
+    return lambda *subs: edited(BASE_YAML, *subs)
 
 
 @pytest.fixture

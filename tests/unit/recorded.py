@@ -15,6 +15,7 @@ from reconciler import spec
 from reconciler.observe import parse_probe
 from reconciler.observed import Container, Link, Observed
 from reconciler.vllm import launch_specs
+from tests.unit.edits import edited
 
 FIXTURE = Path(__file__).with_name("fixtures") / "probe-4-nodes.json"
 RAW = json.loads(FIXTURE.read_text())
@@ -27,12 +28,8 @@ REV = "1111111111111111111111111111111111111111"
 
 
 def load(*edits: tuple[str, str]) -> spec.Desired:
-    """The recorded cluster's desired state, with each `before` replaced by `after` (all occurrences)."""
-    text = RAW["desired"]
-    for before, after in edits:
-        assert before in text, before
-        text = text.replace(before, after)
-    return spec.loads(text, "testbed.yaml")
+    """The recorded cluster's desired state, with each `before` replaced by `after`."""
+    return spec.loads(edited(RAW["desired"], *edits), "testbed.yaml")
 
 
 def observe(desired: spec.Desired) -> Observed:

@@ -15,6 +15,7 @@ import pytest
 
 from reconciler import spec
 from reconciler.vllm import cache_dirs, extra_flags, launch_specs, parse_serve_help, unknown_flags
+from tests.unit.edits import edited
 
 SAMPLE = (Path(__file__).parents[2] / "desired-state" / "cluster.yaml").read_text()
 HELP = (Path(__file__).with_name("fixtures") / "vllm-0.32.0-cpu-serve-help-all.txt").read_text()
@@ -32,11 +33,7 @@ SERVE = ["vllm", "serve", "Qwen/Qwen3.5-122B-A10B-FP8", "--revision", "main", "-
 
 
 def desired(*edits: tuple[str, str]) -> spec.Desired:
-    text = SAMPLE
-    for before, after in edits:
-        assert before in text, before
-        text = text.replace(before, after, 1)
-    return spec.loads(text, "X")
+    return spec.loads(edited(SAMPLE, *edits), "X")
 
 
 def env(ip: str, *extra: str) -> str:

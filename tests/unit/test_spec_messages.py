@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from reconciler import spec
+from tests.unit.edits import edited
 
 SAMPLE = (Path(__file__).parents[2] / "desired-state" / "cluster.yaml").read_text()
 WORKER_TWIN = ("      twin:\n        interface: enP2p1s0f1np1\n        rdma_device: roceP2p1s0f1\n"
@@ -22,12 +23,8 @@ LISTEN = "listen: 127.0.0.1:9464"
 
 
 def validate(*edits: tuple[str, str]) -> list[str]:
-    text = SAMPLE
-    for before, after in edits:
-        assert before in text, before
-        text = text.replace(before, after, 1)
     try:
-        spec.loads(text, "X")
+        spec.loads(edited(SAMPLE, *edits), "X")
     except spec.InvalidDesiredState as exc:
         return exc.lines()
     return []
