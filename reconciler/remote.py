@@ -48,6 +48,7 @@ KEEPALIVE_MISSES = 3
 #: Channels open at once per node, below OpenSSH's default MaxSessions (10): an eleventh waits for a free one
 #: instead of being refused by sshd (which paramiko reports as a ChannelException).
 MAX_CHANNELS = 9
+REFUSAL_RETRIES = 3  # see Session._open
 #: What the node gets on top of a command's deadline to exit after `timeout` sent TERM, before KILL.
 KILL_AFTER = 2
 #: Output kept from one command: a probe of a huge or hostile node must not eat the daemon's memory. Streaming
@@ -262,25 +263,36 @@ class Session:
             raise ChannelRefused(self.node.name, f"no free channel within {timeout:g}s "
                                                  f"({MAX_CHANNELS} in use): `{command[:80]}`")
         try:
-            transport = self.connection().transport
-            try:
-                channel = transport.open_session(timeout=timeout)
-                channel.exec_command(command)
-            except (SSHException, OSError, EOFError) as exc:
-                # A refusal (sshd's MaxSessions) is a ChannelException only for the thread that reads it first:
-                # paramiko keeps one saved exception per transport, so concurrent openers see a bare
-                # SSHException("Unable to open channel."). What tells a refusal from a lost connection is whether
-                # the transport still lives (measured against the testbed's sshd, tests/e2e/test_remote_deadlines).
-                if isinstance(exc, paramiko.ChannelException) or self._alive():
-                    raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
-                self.close()
-                raise Unreachable(self.node.name, f"session lost: {exc}") from None
+            channel = self._open(command, timeout)
             try:
                 yield channel
             finally:
                 channel.close()
         finally:
             self._channels.release()
+
+    def _open(self, command: str, timeout: float) -> paramiko.Channel:
+        """Open an exec channel. sshd frees a session's MaxSessions slot a moment after the channel's close, so a
+        channel opened right after another closed can be refused although fewer than MAX_CHANNELS are open: a
+        refusal is retried briefly (REFUSAL_RETRIES, 0.25 s apart); one that lasts fails this command only."""
+        for attempt in range(REFUSAL_RETRIES + 1):
+            transport = self.connection().transport
+            try:
+                channel = transport.open_session(timeout=timeout)
+                channel.exec_command(command)
+                return channel
+            except (SSHException, OSError, EOFError) as exc:
+                # A refusal (sshd's MaxSessions) is a ChannelException only for the thread that reads it first:
+                # paramiko keeps one saved exception per transport, so concurrent openers see a bare
+                # SSHException("Unable to open channel."). What tells a refusal from a lost connection is whether
+                # the transport still lives (measured against the testbed's sshd, tests/e2e/test_remote_deadlines).
+                if not (isinstance(exc, paramiko.ChannelException) or self._alive()):
+                    self.close()
+                    raise Unreachable(self.node.name, f"session lost: {exc}") from None
+                if attempt == REFUSAL_RETRIES:
+                    raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
+                time.sleep(0.25)
+        raise AssertionError("unreachable")
 
     def _close_if_dead(self) -> None:
         """After a channel error: drop the connection only when it is really gone (sibling channels, e.g. the
