@@ -49,6 +49,7 @@ KEEPALIVE_MISSES = 3
 #: instead of being refused by sshd (which paramiko reports as a ChannelException).
 MAX_CHANNELS = 9
 REFUSAL_RETRIES = 3  # see Session._open
+REFUSAL_GAP = 0.25  # seconds between those retries
 #: What the node gets on top of a command's deadline to exit after `timeout` sent TERM, before KILL.
 KILL_AFTER = 2
 #: Output kept from one command: a probe of a huge or hostile node must not eat the daemon's memory. Streaming
@@ -258,12 +259,14 @@ class Session:
     @contextlib.contextmanager
     def channel(self, command: str, timeout: float) -> Iterator[paramiko.Channel]:
         """One exec channel, closed on exit. At most MAX_CHANNELS are open per node (a further one waits for a
-        free one, up to `timeout`); a channel sshd refuses fails this command only, not the connection."""
+        free one); waiting for a free one and opening it share the one `timeout`. A channel sshd refuses fails
+        this command only, not the connection."""
+        deadline = time.monotonic() + timeout
         if not self._channels.acquire(timeout=timeout):
             raise ChannelRefused(self.node.name, f"no free channel within {timeout:g}s "
                                                  f"({MAX_CHANNELS} in use): `{command[:80]}`")
         try:
-            channel = self._open(command, timeout)
+            channel = self._open(command, max(deadline - time.monotonic(), 0.1))
             try:
                 yield channel
             finally:
@@ -272,13 +275,16 @@ class Session:
             self._channels.release()
 
     def _open(self, command: str, timeout: float) -> paramiko.Channel:
-        """Open an exec channel. sshd frees a session's MaxSessions slot a moment after the channel's close, so a
-        channel opened right after another closed can be refused although fewer than MAX_CHANNELS are open: a
-        refusal is retried briefly (REFUSAL_RETRIES, 0.25 s apart); one that lasts fails this command only."""
+        """Open an exec channel within `timeout`. sshd frees a session's MaxSessions slot a moment after the
+        channel's close, so a channel opened right after another closed can be refused although fewer than
+        MAX_CHANNELS are open: a refusal is retried briefly (REFUSAL_RETRIES, REFUSAL_GAP apart), but only inside
+        the one deadline: a node that does not answer at all (a cut cable, whose transport still looks alive)
+        must not hold the caller for several timeouts."""
+        deadline = time.monotonic() + timeout
         for attempt in range(REFUSAL_RETRIES + 1):
             transport = self.connection().transport
             try:
-                channel = transport.open_session(timeout=timeout)
+                channel = transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
                 channel.exec_command(command)
                 return channel
             except (SSHException, OSError, EOFError) as exc:
@@ -289,9 +295,9 @@ class Session:
                 if not (isinstance(exc, paramiko.ChannelException) or self._alive()):
                     self.close()
                     raise Unreachable(self.node.name, f"session lost: {exc}") from None
-                if attempt == REFUSAL_RETRIES:
+                if attempt == REFUSAL_RETRIES or deadline - time.monotonic() < REFUSAL_GAP:
                     raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
-                time.sleep(0.25)
+                time.sleep(REFUSAL_GAP)
         raise AssertionError("unreachable")
 
     def _close_if_dead(self) -> None:
