@@ -60,6 +60,20 @@ def busy_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def transfer_cpu_seconds() -> float:
+    """CPU seconds spent so far by the processes a transfer runs, on both ends and nothing else: every testbed
+    node's SSH sessions and `exec` commands (their cpuacct cgroups: a sender, an ssh client, sshd's cipher, the
+    receiving rsync, the daemon helper; the exited ones included), plus this process itself (the project's SSH
+    client). Unlike `busy_cpu_seconds`, it leaves out the kernel threads that write the nodes' loop-mounted
+    filesystems back (on a Spark: an NVMe queue), the containers, and whatever else runs on the VM."""
+    from testbed import api, memory
+    t = os.times()
+    nodes = [memory.cpu_seconds(n) for n in api.current_layout().nodes]
+    if any(n is None for n in nodes):
+        raise RuntimeError("the testbed has no per-node CPU accounting (cgroup v1 cpuacct)")
+    return t.user + t.system + sum(n or 0.0 for n in nodes)
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """A process's resident memory now (/proc/PID/status VmRSS), 0 if it is gone."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -345,16 +345,21 @@ class Session:
         `on_output(bytes)` sees stdout as it arrives (rsync progress); `cancel` (a threading.Event) closes the
         channel. Without a pty, closing the channel does not stop a remote process that rarely writes; with
         `supervised` (long commands: rsync) it is sent SIGTERM as soon as the channel closes, so it stops and
-        cleans up (rsync then keeps its partial data for the resume). A supervised command gets no stdin.
+        cleans up (rsync then keeps its partial data for the resume). A supervised command's stdin is at most
+        one line (`stdin`: rsync's `--password-file=-`).
         Every command is bounded on the node too (`bounded`): the node ends it at `timeout`, the head waits a
         little longer for that answer."""
         argv = sudo_argv(argv, self.sudo) if sudo else list(argv)
         command = quote(bounded(argv, timeout))
         if supervised:
-            if stdin is not None:
-                raise ValueError("a supervised command reads no stdin (its stdin is the watch on the channel)")
-            # fd 3 keeps the channel's stdin: a background job's own stdin is /dev/null in a non-interactive sh
-            command = quote(["sh", "-c", f"exec 3<&0; {command} 3<&- & pid=$!; "
+            if stdin is not None and (stdin.count(b"\n") != 1 or not stdin.endswith(b"\n")):
+                raise ValueError("a supervised command reads one line at most (the rest of its stdin is the watch "
+                                 "on the channel)")
+            # fd 3 keeps the channel's stdin: a background job's own stdin is /dev/null in a non-interactive sh.
+            # The one line (a secret) is read by sh's builtin `read` and handed on by its builtin `printf`: in no
+            # process's argv or environment, on no disk.
+            feed = 'IFS= read -r line <&3; printf "%s\\n" "$line" | ' if stdin is not None else ""
+            command = quote(["sh", "-c", f"exec 3<&0; {feed}{command} 3<&- & pid=$!; "
                                          "(cat <&3 >/dev/null 2>&1; kill -TERM $pid 2>/dev/null) >/dev/null 2>&1 & "
                                          "w=$!; exec 3<&-; wait $pid; rc=$?; kill $w 2>/dev/null; exit $rc"])
         start = time.monotonic()
@@ -366,6 +371,20 @@ class Session:
         if check and not result.ok:
             raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
         return result
+
+    @contextlib.contextmanager
+    def companion(self, argv: Sequence[str], *, timeout: float, stdin: bytes,
+                  open_timeout: float) -> Iterator[Companion]:
+        """A command that serves the caller's work on another node (the fabric rsync daemon): it gets `stdin`,
+        then its stdin stays open as its lifeline, and leaving the block closes it (and the channel), which is
+        its signal to end. Bounded on the node at `timeout`, like `run`."""
+        with self.channel(quote(bounded(argv, timeout)), open_timeout) as channel:
+            try:
+                channel.sendall(stdin)
+            except (SSHException, OSError, EOFError) as exc:
+                self._close_if_dead()
+                raise Unreachable(self.node.name, f"session lost starting `{argv[0]}`: {exc}") from None
+            yield Companion(self, channel, argv[0])
 
     def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> Result:
         """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node; bounded on
@@ -414,6 +433,63 @@ class Session:
             if not streaming:
                 raise OutputTooLarge(self.node.name, f"`{command[:80]}` wrote more than {MAX_OUTPUT} bytes")
             del buffer[: len(buffer) - MAX_OUTPUT]
+
+
+class Companion:
+    """The running command of `Session.companion`: its stdout read line by line, then its end."""
+
+    def __init__(self, session: Session, channel: paramiko.Channel, name: str):
+        self._session, self._channel, self._name = session, channel, name
+        self._out, self._err = bytearray(), bytearray()
+
+    def line(self, timeout: float) -> str | None:
+        """The next line of its stdout, or None when it ended without one; CommandTimeout after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._out:
+            if not self._read(deadline) and b"\n" not in self._out:
+                return None
+        line, _, rest = bytes(self._out).partition(b"\n")
+        self._out[:] = rest
+        return line.decode(errors="replace")
+
+    def finish(self, timeout: float) -> Result:
+        """Wait up to `timeout` for it to end by itself, then close its stdin (its signal to end) and wait as long
+        again: its exit code (-1: still running) and what it wrote since the last `line`."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self._read(deadline):
+                pass
+        except CommandTimeout:
+            with contextlib.suppress(SSHException, OSError, EOFError):
+                self._channel.shutdown_write()
+            deadline = time.monotonic() + timeout
+            with contextlib.suppress(CommandTimeout):
+                while self._read(deadline):
+                    pass
+        code = self._channel.recv_exit_status() if self._channel.exit_status_ready() else -1
+        return Result(self._out.decode(errors="replace"), self._err.decode(errors="replace"), code)
+
+    def _read(self, deadline: float) -> bool:
+        """Read what arrived; False once the command ended and all its output is in."""
+        node = self._session.node.name
+        channel = self._channel
+        try:
+            while True:
+                if channel.recv_ready():
+                    self._session._keep(self._out, channel.recv(1 << 16), self._name, streaming=False)
+                    return True
+                if channel.recv_stderr_ready():
+                    self._session._keep(self._err, channel.recv_stderr(1 << 16), self._name, streaming=True)
+                    continue
+                if (channel.exit_status_ready() and channel.eof_received) or channel.closed:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(node, f"`{self._name}` said nothing within the deadline")
+                select.select([channel], [], [], min(remaining, 1.0))
+        except (SSHException, OSError, EOFError) as exc:
+            self._session._close_if_dead()
+            raise Unreachable(node, f"session lost during `{self._name}`: {exc}") from None
 
 
 def _tcp(host: str, port: int, timeout: float) -> socket.socket:

@@ -479,6 +479,11 @@ class Retries(_Model):
 
 class WeightsPolicy(_Model):
     parallel_streams: int = Field(4, ge=1, le=32)
+    transport: Literal["rsync-daemon", "ssh"] = Field(
+        "rsync-daemon", description="rsync-daemon: a one-time rsync daemon on the target's fabric address, with a "
+        "one-time secret (no cipher: the fabric is a dedicated cable, the bytes are public weights; "
+        "docs/weights-transport.md); needs python3 on the target. ssh: rsync over ssh (aes128-gcm), slower, for "
+        "a fabric you do not trust or a target without python3.")
     bandwidth_limit: ByteSize | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
 
 

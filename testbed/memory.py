@@ -14,6 +14,11 @@ every node saw the host's /proc/meminfo and nothing the node ran counted against
   reconciler's probe (`grep MemTotal /proc/meminfo` over SSH) reads the node's own numbers. A kept-current file
   was the alternative: it would lag, and a reader could see it half-written; lxcfs answers each read fresh.
 
+* **a CPU-accounting cgroup per node** (`spark-testbed-ssh-NODE`, cgroup v1's cpuacct, where the controller
+  exists) holding the node's sshd and the `exec` commands: what every SSH session on the node spent, both ends of a
+  transfer included, read by `cpu_seconds` (bench/: CPU seconds per GB copied). Its name differs from the memory
+  cgroup's on purpose: the containers dockerd puts below `spark-testbed-NODE` are not what a transfer costs.
+
 Docker's cgroupfs driver puts a relative `--cgroup-parent` below dockerd's own cgroup, so the node cgroups live
 below the memory cgroup of the process that started the testbed (in a sandbox that is not the root); the paths
 are recorded in STATE/memory.json at `up`.
@@ -32,6 +37,7 @@ from .storage import is_mount
 
 DEFAULT_NODE_MEMORY = 8 << 30
 V1_MEMORY = Path("/sys/fs/cgroup/memory")
+V1_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 LXCFS_PID = "lxcfs"
 
 
@@ -43,21 +49,30 @@ def _view_dir() -> Path:
     return state_dir() / "lxcfs"
 
 
-def _own_memory_cgroup() -> str:
+def _own_cgroup(controller: str = "memory") -> str:
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
+        if controller in controllers.split(","):
             return path
-    raise TestbedError("per-node memory needs cgroup v1's memory controller (/proc/self/cgroup names none)")
+    raise TestbedError(f"per-node {controller} needs cgroup v1's {controller} controller (/proc/self/cgroup names "
+                       "none)")
 
 
-def cgroup_dir(node: Node) -> Path | None:
-    """The node's memory cgroup, or None when the testbed was brought up without per-node memory."""
+def cgroup_dir(node: Node, controller: str = "memory") -> Path | None:
+    """The node's memory (or cpuacct) cgroup, or None when the testbed was brought up without it."""
     try:
         paths = json.loads(_record().read_text())
     except (OSError, ValueError):
         return None
-    return Path(paths[node.name]) if node.name in paths else None
+    key = node.name if controller == "memory" else f"{controller}/{node.name}"
+    return Path(paths[key]) if key in paths else None
+
+
+def cpu_seconds(node: Node) -> float | None:
+    """CPU seconds spent so far by the node's SSH sessions and `exec` commands (all of them, the exited included),
+    or None without per-node CPU accounting."""
+    d = cgroup_dir(node, "cpuacct")
+    return int((d / "cpuacct.usage").read_text()) / 1e9 if d else None
 
 
 def budget(node: Node) -> int | None:
@@ -70,13 +85,18 @@ def setup(lay: Layout, node_memory: int) -> bool:
     is new: a running sshd's mount namespace still holds the old one, so it must be restarted to see it."""
     if not V1_MEMORY.is_dir():
         raise TestbedError(f"per-node memory needs cgroup v1's memory controller at {V1_MEMORY}")
-    base = V1_MEMORY / _own_memory_cgroup().lstrip("/")
+    base = V1_MEMORY / _own_cgroup().lstrip("/")
     paths = {}
     for n in lay.nodes:
         d = base / f"spark-testbed-{n.name}"
         d.mkdir(exist_ok=True)
         set_budget(d, node_memory)
         paths[n.name] = str(d)
+    if V1_CPUACCT.is_dir():
+        cpu_base = V1_CPUACCT / _own_cgroup("cpuacct").lstrip("/")
+        for n in lay.nodes:
+            (cpu_base / f"spark-testbed-ssh-{n.name}").mkdir(exist_ok=True)
+            paths[f"cpuacct/{n.name}"] = str(cpu_base / f"spark-testbed-ssh-{n.name}")
     _record().write_text(json.dumps(paths, indent=1))
     return _start_view()
 
@@ -102,10 +122,11 @@ def _start_view() -> bool:
 
 
 def join(node: Node, pid: int) -> None:
-    """Move a process (and so everything it starts later) into the node's memory cgroup."""
-    d = cgroup_dir(node)
-    if d is not None:
-        (d / "cgroup.procs").write_text(str(pid))
+    """Move a process (and so everything it starts later) into the node's memory and CPU-accounting cgroups."""
+    for controller in ("memory", "cpuacct"):
+        d = cgroup_dir(node, controller)
+        if d is not None:
+            (d / "cgroup.procs").write_text(str(pid))
 
 
 def attach_sshd(node: Node, pid: int) -> None:
@@ -124,8 +145,7 @@ def teardown(lay: Layout) -> None:
     """Stop lxcfs, unmount its view, remove the node cgroups (their processes are gone by now)."""
     stop_recorded(LXCFS_PID, timeout=10)
     _unmount(_view_dir())
-    for n in lay.nodes:
-        d = cgroup_dir(n)
+    for d in [cgroup_dir(n, c) for n in lay.nodes for c in ("memory", "cpuacct")]:
         if d is None:
             continue
         for sub in sorted(d.glob("**/"), key=lambda p: len(str(p)), reverse=True):

@@ -41,6 +41,7 @@ from reconciler.observed import Weights
 from reconciler.plan import Step
 from reconciler.remote import CommandFailed
 from reconciler.steps import StepContext, StepFailed, hop
+from reconciler.steps.rsyncd import Door, rsync_daemon
 
 RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
@@ -131,8 +132,10 @@ def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
 
 
 def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
-                files_from: str | None, follow: bool = False) -> list[str]:
-    ssh = shlex.join(hop.ssh_options(ctx, target))
+                files_from: str | None, follow: bool = False, door: Door | None = None) -> list[str]:
+    """The source's rsync for one stream: to the one-time daemon at `door` (its secret on stdin, bound to the
+    source's fabric address, which is the only peer the daemon accepts), or over ssh (`policy.weights.transport:
+    ssh`)."""
     # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
     # the resume, instead of holding the step until its 12 h deadline.
     # Links: a run that keeps links skips any whose value leaves the tree (--safe-links: the receiver judges the
@@ -140,13 +143,17 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     # inside copies what they point to (--copy-links: nothing else is in its list). Never --copy-unsafe-links: it
     # copies whatever an outside link points to (a link to / copies the whole disk).
     argv = ["rsync", "-a", "--copy-links" if follow else "--safe-links", f"--partial-dir={PARTIAL_DIR}",
-            "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}", "-e", ssh]
+            "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}"]
+    if door is not None:
+        argv += ["--password-file=-", f"--address={ctx.desired.node(source).fabric.address.ip}"]
+    else:
+        argv += ["-e", shlex.join(hop.ssh_options(ctx, target))]
     limit = ctx.desired.policy.weights.bandwidth_limit
     if limit:
         argv.append(f"--bwlimit={max(1, limit // 1024)}")
     if files_from:
         argv += [f"--files-from={files_from}", "--from0"]
-    return argv + [f"{src_root}/", f"{hop.address(ctx, target)}:{dst_root}/"]
+    return argv + [f"{src_root}/", door.url() if door is not None else f"{hop.address(ctx, target)}:{dst_root}/"]
 
 
 def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, missing: int) -> str:
@@ -237,9 +244,9 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     todo = _files_to_copy(expected, before, copied)
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
-    hop.trust_target_on_source(ctx, source, target)
     groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams, copied)
     done = [0] * len(groups)
+    door: Door | None = None
     lock = threading.Lock()
     ctx.progress("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
                                    "streams": len(groups)})
@@ -255,15 +262,32 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
 
         files, follow = group
         listing = _upload_file_list(ctx, source, target, index, files)
-        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow),
-                                 timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True)
+        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow, door),
+                                 timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True,
+                                 stdin=f"{door.secret}\n".encode() if door is not None else None)
 
-    errors = _run_streams(run, groups)
+    if ctx.desired.policy.weights.transport == "rsync-daemon":
+        with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
+            door = daemon.door
+            errors = _run_streams(run, groups)
+            if not errors:
+                daemon.confirm()
+    else:
+        hop.trust_target_on_source(ctx, source, target)
+        errors = _run_streams(run, groups)
     if errors:
         first = errors[0]
         if isinstance(first, CommandFailed):
             raise StepFailed(_explain_failure(ctx, target, dst_root, first, total - sum(done))) from None
         raise first
+    _check_copy(ctx, expected, source, target, dst_root)
+    ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
+
+
+def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> None:
+    """Make the copy durable (before it is called done: the page cache still holds much of it, and a power cut
+    would lose that), then require the target's manifest to equal the source's."""
+    ctx.sessions[target].run(["sync", "-f", dst_root], timeout=ctx.remaining())
     after = read_manifest(ctx, target)
     problem = weights_difference(expected, after)
     if problem:
@@ -273,7 +297,6 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                          + (f"is not fully listed ({after.truncated})" if after.truncated else
                             f"holds link(s) leading out of it, not made by the reconciler: {_unsafe(after)}; "
                             "remove them"))
-    ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
 
 
 # -- full verification (the flipped byte that sizes and mtimes cannot see) -------------------------------------

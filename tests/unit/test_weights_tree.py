@@ -9,6 +9,7 @@ the whole disk): such links only meet the probe, whose output is capped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -262,8 +263,10 @@ def test_a_link_kept_by_the_model_is_kept_by_rsync(links):
 # -- the weights step, this machine as both nodes --------------------------------------------------------------
 
 class Local:
-    """A node that is this machine: argv and scripts run here, in $HOME = `home`; the hop's rsync runs locally
-    (its `-e ssh ...` and the target's `host:` dropped). `after_listing` runs once after the first manifest."""
+    """A node that is this machine: argv and scripts run here, in $HOME = `home`. Over the daemon transport, all
+    of it is real: the helper listens on loopback (both nodes' fabric address here), the real rsync clients get the
+    secret on stdin. Over ssh, the hop's rsync runs locally (its `-e ssh ...` and the target's `host:` dropped).
+    `after_listing` runs once after the first manifest."""
 
     def __init__(self, home: Path, after_listing=None):
         self.home = home
@@ -277,10 +280,11 @@ class Local:
             sudo=False):
         argv = list(argv)
         self.argvs.append(argv)
-        if argv[0] == "rsync":
+        if argv[0] == "rsync" and "-e" in argv:
             i = argv.index("-e")
             del argv[i:i + 2]
             argv[-1] = argv[-1].split(":", 1)[1]
+        if argv[0] == "rsync":
             listed = next((a.split("=", 1)[1] for a in argv if a.startswith("--files-from=")), None)
             if listed:
                 self.lists[" ".join(argv)] = (self.home / listed).read_bytes().decode().strip("\0").split("\0")
@@ -294,6 +298,21 @@ class Local:
         if check and not result.ok:
             raise CommandFailed("local", argv, result.exit_code, result.stdout, result.stderr)
         return result
+
+    @contextlib.contextmanager
+    def companion(self, argv, *, timeout, stdin, open_timeout):
+        self.argvs.append(list(argv))
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=self.env, cwd=self.home)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(stdin)
+        proc.stdin.flush()
+        try:
+            yield LocalCompanion(proc)
+        finally:
+            if proc.poll() is None:
+                proc.stdin.close()
+            proc.wait(timeout=10)
 
     def run_script(self, script, *, timeout, cancel=None):
         p = subprocess.run(["sh", "-s"], input=script.encode(), capture_output=True, timeout=timeout, env=self.env,
@@ -311,14 +330,31 @@ class Local:
         return [a for a in self.argvs if a[0] == "rsync"]
 
 
-def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2):
+class LocalCompanion:
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def line(self, timeout):
+        return self.proc.stdout.readline().decode() or None
+
+    def finish(self, timeout):
+        """As `remote.Companion.finish`: wait for it to end by itself, then close its stdin."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout)
+        out, err = self.proc.communicate(timeout=timeout)
+        return Result(out.decode(), err.decode(), self.proc.returncode)
+
+
+def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transport: str = "rsync-daemon"):
     paths = {"src": str(tmp_path / "src" / "hub"), "dst": str(tmp_path / "dst" / "hub")}
     if layout == "plain":
         paths = {"src": str(tmp_path / "src" / "model"), "dst": str(tmp_path / "dst" / "model")}
     model = SimpleNamespace(id=MODEL, layout=layout, path_on=paths.__getitem__)
-    policy = SimpleNamespace(weights=SimpleNamespace(parallel_streams=streams, bandwidth_limit=None),
+    policy = SimpleNamespace(weights=SimpleNamespace(parallel_streams=streams, bandwidth_limit=None,
+                                                     transport=transport),
                              timeouts=SimpleNamespace(command=60))
-    return SimpleNamespace(model=model, policy=policy, source_node="src")
+    loopback = SimpleNamespace(fabric=SimpleNamespace(address=SimpleNamespace(ip="127.0.0.1")))
+    return SimpleNamespace(model=model, policy=policy, source_node="src", node=lambda name: loopback)
 
 
 @pytest.fixture
@@ -329,19 +365,21 @@ def nodes(tmp_path, monkeypatch):
     return {"src": Local(tmp_path / "home-src"), "dst": Local(tmp_path / "home-dst")}
 
 
-def sync(tmp_path, nodes, streams=2, events=None):
-    ctx = StepContext(desired=_desired(tmp_path, streams=streams), sessions=nodes, observed=None,
+def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon"):
+    ctx = StepContext(desired=_desired(tmp_path, streams=streams, transport=transport), sessions=nodes, observed=None,
                       progress=lambda e, f: (events if events is not None else []).append((e, f)),
                       deadline=time.monotonic() + 120)
     step.sync_weights(ctx, Step(id="weights/dst", kind="weights", node="dst", reason="test",
                                 params={"source": "src"}))
 
 
-@pytest.mark.parametrize("streams", [1, 3])
-def test_a_hf_cache_with_shared_blobs_arrives_as_real_files(tmp_path, nodes, streams):
+@pytest.mark.parametrize("streams,transport", [(1, "rsync-daemon"), (3, "rsync-daemon"), (1, "ssh"), (3, "ssh")])
+def test_a_hf_cache_with_shared_blobs_arrives_as_real_files(tmp_path, nodes, streams, transport):
+    """Over the daemon too: a daemon outside a chroot munges every link by default, and with `--safe-links` the
+    snapshot links would all be dropped (`munge symlinks = no` in rsyncd_helper)."""
     repo = hf_tree(tmp_path / "src", shards=3, shard_bytes=30_000, shared=2)
     events: list = []
-    sync(tmp_path, nodes, streams, events)
+    sync(tmp_path, nodes, streams, events, transport)
     dst = tmp_path / "dst" / "hub" / repo.name
     src_w, dst_w = probe(repo), probe(dst)
     assert [(f.path, f.size) for f in dst_w.files] == [(f.path, f.size) for f in src_w.files]

@@ -1,0 +1,180 @@
+"""Runs ON THE TARGET NODE (python3, standard library only): a one-time rsync daemon on the fabric address.
+
+Sent as `python3 -c SOURCE BIND PEER STREAMS ROOT LIFETIME` over the reconciler's SSH session to the target; the
+first line of its stdin is the one-time secret, and after that its stdin is the lifeline: when the reconciler
+closes the channel (done, cancelled, or the head died and sshd noticed) every daemon it started is ended.
+
+Why this shape (docs/research/weights-transport.md, from rsync's source):
+- `rsync --daemon` whose stdin is a socket serves that one connection and exits (inetd mode), so each accepted
+  connection gets its own daemon and nothing listens once STREAMS connections came in;
+- the listener binds the fabric address only, on a port the kernel picks, and accepts only the peer's fabric
+  address (rsync's `hosts allow` checks it again);
+- the secret never touches a disk: each daemon reads it from a FIFO of its own (`--dparam=secretsfile=...`), which
+  this helper writes once that daemon opens it; rsync 3.5 opens its config and secrets files by walking the path
+  without following links, so `/proc/self/fd/N` of a memfd is refused (measured on the testbed's rsync 3.5.0). The
+  config (no secret in it) and the FIFOs live in a 0700 directory that is removed at the end;
+- `munge symlinks = no` is mandatory: a daemon not in a chroot munges links by default, and with the client's
+  `--safe-links` every Hugging Face snapshot link would then be dropped.
+
+It prints `port N` once listening, `daemon EXIT` for each daemon that ended, and exits 0 when all STREAMS
+daemons ended with 0; 2 on bad arguments, 3 when the lifeline closed or LIFETIME passed first, 4 on a stranger at
+the door, 1 when a daemon failed.
+"""
+
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MODULE = "models"
+USER = "fabric"
+GRACE = 2.0  # seconds between SIGTERM and SIGKILL at teardown
+ACCEPT_WINDOW = 60.0  # seconds the listener waits for all its connections
+LOG_TAIL = 4000  # bytes of the daemons' log shown when one failed
+
+
+def config(root: str, peer: str, log_path: str) -> str:
+    """The daemons' config: the secrets file is each daemon's own FIFO, given by `--dparam`."""
+    return "\n".join([
+        "use chroot = no", "munge symlinks = no", "reverse lookup = no", "numeric ids = no",
+        # as whoever started it (the SSH user; rsync's default for a root daemon is to become `nobody`)
+        *([f"uid = {os.getuid()}", f"gid = {os.getgid()}"] if os.getuid() == 0 else []),
+        f"log file = {log_path}", "transfer logging = no",
+        f"[{MODULE}]", f"path = {root}", "read only = no", "write only = yes", "list = no",
+        f"hosts allow = {peer}", f"auth users = {USER}", "strict modes = yes",
+        "timeout = 60", "refuse options = delete remove-source-files", ""])
+
+
+def hand_secret(fifo: str, line: bytes) -> None:
+    """Give the secret to the one daemon that opens `fifo` (the open waits for it), then close: it reads one line."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the daemon went away before it asked: its client fails the authentication
+
+
+def main(argv: list) -> int:
+    try:
+        bind, peer, streams, root, lifetime = argv[0], argv[1], int(argv[2]), argv[3], float(argv[4])
+        socket.inet_aton(bind), socket.inet_aton(peer)
+    except (IndexError, ValueError, OSError) as exc:
+        print(f"usage: BIND PEER STREAMS ROOT LIFETIME ({exc})", file=sys.stderr)
+        return 2
+    secret = sys.stdin.buffer.readline(1024).strip()
+    if not secret:
+        print("no secret on stdin", file=sys.stderr)
+        return 2
+    line = USER.encode() + b":" + secret + b"\n"
+    rundir = tempfile.mkdtemp(prefix="spark-reconciler-rsyncd-", dir=os.environ.get("XDG_RUNTIME_DIR") or None)
+    log_path = os.path.join(rundir, "rsyncd.log")
+    config_path = os.path.join(rundir, "rsyncd.conf")
+    with open(config_path, "w") as f:
+        f.write(config(root, peer, log_path))
+    end = time.monotonic() + lifetime
+    accept_end = time.monotonic() + min(lifetime, ACCEPT_WINDOW)
+    children: list = []
+    stopping: list = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
+    signal.signal(signal.SIGHUP, lambda *_: stopping.append("SIGHUP"))
+    listener = socket.create_server((bind, 0), backlog=streams)
+    print(f"port {listener.getsockname()[1]}", flush=True)
+    stdin = sys.stdin.fileno()
+    status = None
+    try:
+        status = serve(listener, stdin, peer, streams, rundir, config_path, line, children, stopping, end,
+                       accept_end)
+        return status
+    finally:
+        end_all(children)
+        if status and os.path.exists(log_path):
+            with open(log_path, "rb") as f:
+                sys.stderr.write(f.read()[-LOG_TAIL:].decode(errors="replace"))
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+def serve(listener, stdin: int, peer: str, streams: int, rundir: str, config_path: str, line: bytes,
+          children: list, stopping: list, end: float, accept_end: float) -> int:
+    """Accept `streams` connections from `peer`, one daemon each; wait for them all. Returns the exit status."""
+    ended = 0
+    status = 0
+    while ended < streams:
+        if stopping:
+            print(f"stopped by {stopping[0]}", file=sys.stderr)
+            return 3
+        now = time.monotonic()
+        if now > end or (listener is not None and now > accept_end):
+            print("lifetime over" if now > end else "not all streams connected in time", file=sys.stderr)
+            return 3
+        ready, _, _ = select.select([stdin] + ([listener] if listener is not None else []), [], [], 0.2)
+        if stdin in ready and not os.read(stdin, 4096):
+            ended, status = reap(children, ended, status)
+            if ended == streams:
+                break
+            print("lifeline closed", file=sys.stderr)
+            return 3
+        if listener is not None and listener in ready:
+            conn, (addr, _port) = listener.accept()
+            if addr != peer:
+                conn.close()
+                print(f"refused a connection from {addr}", file=sys.stderr)
+                return 4
+            fifo = os.path.join(rundir, f"secret-{len(children)}")
+            os.mkfifo(fifo, 0o600)
+            threading.Thread(target=hand_secret, args=(fifo, line), daemon=True).start()
+            children.append(subprocess.Popen(
+                ["rsync", "--daemon", f"--config={config_path}", f"--dparam=secretsfile={fifo}"],
+                stdin=conn, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+            conn.close()
+            if len(children) == streams:
+                listener.close()
+                listener = None
+        ended, status = reap(children, ended, status)
+    if listener is not None:
+        listener.close()
+    return status
+
+
+def reap(children: list, ended: int, status: int) -> tuple:
+    """Count the daemons that ended since the last look, each reported as `daemon EXIT`."""
+    for child in children:
+        if child.returncode is None and child.poll() is not None:
+            ended += 1
+            status = status or (1 if child.returncode else 0)
+            print(f"daemon {child.returncode}", flush=True)
+    return ended, status
+
+
+def end_all(children: list) -> None:
+    """SIGTERM each daemon's whole session (rsync's receiver forks a generator), SIGKILL after GRACE."""
+    live = [c for c in children if c.poll() is None]
+    for child in live:
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + GRACE
+    for child in live:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in children:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # also whatever of the session outlived its leader
+        except ProcessLookupError:
+            pass
+        child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
