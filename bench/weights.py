@@ -14,10 +14,14 @@ head is copied to the worker's fabric address by
 """
 from __future__ import annotations
 
+import os
+import shlex
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import Options, busy_cpu_seconds, on_testbed, save, scratch_dir, summary, write_desired
+from bench.common import Options, on_testbed, save, scratch_dir, summary, transfer_cpu_seconds, write_desired
 
 MODEL, REV = "bench/sync", "3" * 40
 KH = "/home/spark/.ssh/bench_fabric_known_hosts"
@@ -41,13 +45,13 @@ def _generate(tb, shards: int, total: int) -> Path:
     return _model_dir(tb.head)
 
 
-def _desired(tb, work: Path, streams: int) -> Path:
+def _desired(tb, work: Path, streams: int, transport: str = "rsync-daemon") -> Path:
     repl = {"id: testorg/tiny-moe": f"id: {MODEL}", "layout: hf-cache": "layout: plain",
             f'revision: "{"1" * 40}"': f'revision: "{REV}"',
-            "policy:\n": f"policy:\n  weights: {{parallel_streams: {streams}}}\n"}
+            "policy:\n": f"policy:\n  weights: {{parallel_streams: {streams}, transport: {transport}}}\n"}
     for n in tb.nodes:
         repl[f"{n.name}: {n.model_root}/hub"] = f"{n.name}: {_model_dir(n)}"
-    return write_desired(tb.desired_state, work / f"weights-{streams}.yaml", repl)
+    return write_desired(tb.desired_state, work / f"weights-{streams}-{transport}.yaml", repl)
 
 
 def _clear_target(tb) -> None:
@@ -71,41 +75,100 @@ def _ssh(cipher: str | None) -> str:
             + (f" -c {cipher}" if cipher else ""))
 
 
-def _timed_exec(cmd: str, timeout: float = 900) -> tuple[float, float]:
-    """(seconds, CPU seconds of the whole machine: both ends of the transfer, every process) of one command."""
-    from testbed import api
-    t, c = time.monotonic(), busy_cpu_seconds()
-    api.exec_("head", cmd, check=True, timeout=timeout)
-    return time.monotonic() - t, busy_cpu_seconds() - c
+_RAW_PORT = 47000  # in the worker's own network namespace, which the testbed created
 
-
-def _project_sync(desired_path: Path) -> tuple[float, float]:
-    from reconciler import spec
-    from reconciler.observed import Observed
-    from reconciler.plan import Step
-    from reconciler.remote import Sessions
-    from reconciler.steps import StepContext
-    from reconciler.steps.weights import sync_weights
-    desired = spec.load(desired_path)
-    sessions = Sessions(desired)
+# raw TCP, the floor: the receiver copies the socket into one file on the worker's model filesystem; the sender
+# hands the shards to the kernel (sendfile), no user-space copy, no checksum, no cipher
+_RAW_RECV = """import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+c, _ = s.accept()
+buf = bytearray(1 << 20)
+view = memoryview(buf)
+with open(sys.argv[3], "wb") as f:
+    while n := c.recv_into(buf):
+        f.write(view[:n])
+"""
+_RAW_SEND = """import socket, sys, time
+deadline = time.monotonic() + 30
+while True:
     try:
-        ctx = StepContext(desired=desired, sessions=sessions, observed=Observed(nodes={}),
-                          deadline=time.monotonic() + 900)
-        step = Step(id="weights/worker", kind="weights", node="worker", reason="bench", params={"source": "head"})
-        for n in desired.nodes:
-            sessions[n.name].run(["true"], timeout=10)  # connect first: not part of the copy
-        t, c = time.monotonic(), busy_cpu_seconds()
-        sync_weights(ctx, step)
-        return time.monotonic() - t, busy_cpu_seconds() - c
-    finally:
-        sessions.close()
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+        break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.02)
+for p in sys.argv[3:]:
+    with open(p, "rb") as f:
+        s.sendfile(f)
+s.close()
+"""
+
+
+def _cpu() -> dict[str, float]:
+    """CPU seconds so far: each node's SSH sessions and `exec` commands, and this process (the project's
+    client): `transfer_cpu_seconds` split by end."""
+    from testbed import api, memory
+    t = os.times()
+    return {"bench": t.user + t.system, **{n.name: memory.cpu_seconds(n) or 0.0 for n in api.current_layout().nodes}}
+
+
+def _measured(copy: Callable[[], None], w) -> tuple[float, dict[str, float]]:
+    """Seconds and CPU seconds by end of one copy, up to the data on the worker's disk (`sync -f` of its model
+    filesystem, for every method alike: the project ends its step with the same)."""
+    from testbed import api
+    assert transfer_cpu_seconds() >= 0  # the testbed has per-node CPU accounting
+    t, c = time.monotonic(), _cpu()
+    copy()
+    api.exec_(w.name, f"sync -f {w.model_root}", check=True, timeout=300)
+    after = _cpu()
+    return time.monotonic() - t, {k: after[k] - c[k] for k in c}
+
+
+def _exec(cmd: str, node: str = "head") -> Callable[[], None]:
+    from testbed import api
+    return lambda: api.exec_(node, cmd, check=True, timeout=900) and None
+
+
+def _raw_tcp(src: Path, files: str, w) -> Callable[[], None]:
+    def copy() -> None:
+        from testbed import api
+        recv = threading.Thread(target=api.exec_, args=(w.name, f"python3 -c {shlex.quote(_RAW_RECV)} "
+                                                        f"{w.fabric_ip} {_RAW_PORT} {w.model_root}/bench.raw"),
+                                kwargs={"check": True, "timeout": 900})
+        recv.start()
+        api.exec_("head", f"cd {src} && python3 -c {shlex.quote(_RAW_SEND)} {w.fabric_ip} {_RAW_PORT} {files}",
+                  check=True, timeout=900)
+        recv.join(60)
+    return copy
+
+
+def _project_sync(desired_path: Path) -> Callable[[], None]:
+    def copy() -> None:
+        from reconciler import spec
+        from reconciler.observed import Observed
+        from reconciler.plan import Step
+        from reconciler.remote import Sessions
+        from reconciler.steps import StepContext
+        from reconciler.steps.weights import sync_weights
+        desired = spec.load(desired_path)
+        sessions = Sessions(desired)
+        try:
+            ctx = StepContext(desired=desired, sessions=sessions, observed=Observed(nodes={}),
+                              deadline=time.monotonic() + 900)
+            step = Step(id="weights/worker", kind="weights", node="worker", reason="bench",
+                        params={"source": "head"})
+            sync_weights(ctx, step)
+        finally:
+            sessions.close()  # its sessions end before the CPU is read: all they cost is counted
+    return copy
 
 
 def run_weights(opts: Options) -> dict:
     total = (2 << 30) if not opts.quick else (96 << 20)
     shards, rounds = (8, opts.n(5, 1))
     results: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
+    cpu: dict[str, list[dict[str, float]]] = {}
     with on_testbed(2, "converged", worker_disk="6G" if not opts.quick else None) as run:
         tb = run.tb
         work = scratch_dir("weights")
@@ -116,41 +179,47 @@ def run_weights(opts: Options) -> dict:
         dst = _model_dir(w)
         files = " ".join(sorted(p.name for p in src.glob("*.safetensors")))
         methods = {
-            "project, 4 streams": lambda: _project_sync(_desired(tb, work, 4)),
-            "project, 1 stream": lambda: _project_sync(_desired(tb, work, 1)),
-            "ssh cat (default cipher)": lambda: _timed_exec(
+            "project, 4 streams": _project_sync(_desired(tb, work, 4)),
+            "project, 1 stream": _project_sync(_desired(tb, work, 1)),
+            "project over ssh, 4 streams": _project_sync(_desired(tb, work, 4, "ssh")),
+            "raw TCP": _raw_tcp(src, files, w),
+            "ssh cat (default cipher)": _exec(
                 f"cd {src} && cat {files} | {_ssh(None)} spark@{w.fabric_ip} 'cat > {w.model_root}/bench.cat'"),
-            "ssh cat (aes128-gcm)": lambda: _timed_exec(
+            "ssh cat (aes128-gcm)": _exec(
                 f"cd {src} && cat {files} | {_ssh('aes128-gcm@openssh.com')} spark@{w.fabric_ip} "
                 f"'cat > {w.model_root}/bench.cat'"),
-            "plain rsync -a": lambda: _timed_exec(
-                f"mkdir -p {dst.parent} && rsync -a -e '{_ssh(None)}' {src}/ "
-                f"spark@{w.fabric_ip}:{dst}/"),
+            "plain rsync -a": _exec(
+                f"mkdir -p {dst.parent} && rsync -a -e '{_ssh(None)}' {src}/ spark@{w.fabric_ip}:{dst}/"),
         }
         from testbed import api
-        api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}", user="root",
-                  check=True)
         for r in range(rounds):
-            for name, fn in methods.items():
+            for name, copy in methods.items():
                 _clear_target(tb)
                 api.exec_(w.name, f"mkdir -p {_root(w)}/plain && chown -R spark:spark {_root(w)}",
                           user="root", check=True)
-                took, used = fn()
+                took, used = _measured(copy, w)
                 results.setdefault(name, []).append(took)
                 cpu.setdefault(name, []).append(used)
-                opts.log(f"weights round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s")
+                opts.log(f"weights round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s, "
+                         f"{sum(used.values()) / (nbytes / 1e9):.2f} CPU s/GB")
         _clear_target(tb)
         api.exec_("head", f"rm -rf {_root(tb.head)} {KH}", user="root", check=True)
     left = run.leftovers
+    gb = nbytes / 1e9
     rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
                 "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6],
-                "cpu_s_per_gb": summary([c / (nbytes / 1e9) for c in cpu[k]])} for k, v in results.items()}
-    proj = rows["project, 4 streams"]["mb_per_s"]
+                "cpu_s_per_gb": summary([sum(c.values()) / gb for c in cpu[k]]),
+                "cpu_s_per_gb_by_end": {end: summary([c[end] / gb for c in cpu[k]]) for end in cpu[k][0]}}
+            for k, v in results.items()}
+    proj = rows["project, 4 streams"]
     data = {"bytes": nbytes, "shards": shards, "rows": rows,
-            "vs_ssh_cat": proj / rows["ssh cat (default cipher)"]["mb_per_s"],
-            "vs_ssh_cat_aes": proj / rows["ssh cat (aes128-gcm)"]["mb_per_s"],
-            "vs_plain_rsync": proj / rows["plain rsync -a"]["mb_per_s"],
-            "streams_gain": proj / rows["project, 1 stream"]["mb_per_s"], "leftovers": left}
+            "vs_raw_tcp": proj["mb_per_s"] / rows["raw TCP"]["mb_per_s"],
+            "cpu_vs_rsync": proj["cpu_s_per_gb"]["median"] / rows["plain rsync -a"]["cpu_s_per_gb"]["median"],
+            "cpu_vs_ssh_cat_aes": proj["cpu_s_per_gb"]["median"]
+            / rows["ssh cat (aes128-gcm)"]["cpu_s_per_gb"]["median"],
+            "vs_ssh_cat_aes": proj["mb_per_s"] / rows["ssh cat (aes128-gcm)"]["mb_per_s"],
+            "vs_plain_rsync": proj["mb_per_s"] / rows["plain rsync -a"]["mb_per_s"],
+            "streams_gain": proj["mb_per_s"] / rows["project, 1 stream"]["mb_per_s"], "leftovers": left}
     save(opts, "weights", data)
     return data
 

@@ -156,12 +156,16 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     return argv + [f"{src_root}/", door.url() if door is not None else f"{hop.address(ctx, target)}:{dst_root}/"]
 
 
-def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, missing: int) -> str:
+def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, expected: Weights,
+                     copied: set[str]) -> str:
     text = exc.stderr + exc.stdout
     if "No space left" in text:
         df = ctx.sessions[target].run(["df", "-B1", "--output=avail", dst_root], timeout=ctx.command_timeout,
                                       check=False)
         avail = df.stdout.split()[-1] if df.ok and df.stdout.split() else "unknown"
+        # from the target's files, not the sender's progress: a sender counts what it sent, and the socket's
+        # buffers held much of that when the receiver's disk filled up
+        missing = sum(size for _, size in _files_to_copy(expected, read_manifest(ctx, target), copied))
         return (f"{target}: no space left on the filesystem of {dst_root}: {missing} bytes still to copy, "
                 f"{avail} bytes available; partial data kept in {PARTIAL_DIR} for resume")
     return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
@@ -278,7 +282,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     if errors:
         first = errors[0]
         if isinstance(first, CommandFailed):
-            raise StepFailed(_explain_failure(ctx, target, dst_root, first, total - sum(done))) from None
+            raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
         raise first
     _check_copy(ctx, expected, source, target, dst_root)
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})

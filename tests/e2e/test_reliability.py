@@ -201,6 +201,9 @@ def crash_trial(tb, work: Path, rng: random.Random, where: str, record: dict | N
     return out
 
 
+FABRIC_DAEMON = "Runs ON THE TARGET NODE|rsync --daemon"  # pgrep -f: the helper's `python3 -c SOURCE`, its daemons
+
+
 def sync_resume_trial(tb, work: Path, sig: int) -> dict:
     """From the seed: let the daemon sync ~half the weights, stop it with `sig`, restart it; return the bytes
     the fabric carried before and after, and the exit code / time of the stop."""
@@ -221,6 +224,9 @@ def sync_resume_trial(tb, work: Path, sig: int) -> dict:
         first.close()
     kept = partial_bytes(tb)
     assert half_written(tb) == []
+    # the worker's one-time rsync daemon (its helper, and a daemon per stream) ends with the channel that held it
+    wait_until(lambda: subprocess.run(["pgrep", "-f", FABRIC_DAEMON], capture_output=True, check=False).returncode
+               == 1, 15, "no rsync daemon left on the nodes")
     rx1 = fabric_rx(tb)
     second = daemon(desired, work / "state")
     try:
