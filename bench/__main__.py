@@ -1,5 +1,5 @@
-"""`python -m bench [all|noop|drift|edit|weights|verify|footprint|scaling|sim|vllm-start ...] [--quick] [--results DIR]
-[--no-doc]`: run benchmarks on the testbed and write docs/benchmarks.md from bench/results/*.json.
+"""`python -m bench [all|noop|drift|edit|weights|image|verify|footprint|scaling|sim|vllm-start ...] [--quick]
+[--results DIR] [--no-doc]`: run benchmarks on the testbed and write docs/benchmarks.md from bench/results/*.json.
 
 --quick: tiny counts (the smoke test in `make test`); results go to a temp dir (or --results) and the doc is not
 touched. Each benchmark takes the testbed lock, brings the testbed up in its shape and down at the end.
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "drift": daemon.run_drift,
     "edit": daemon.run_edit,
     "weights": weights.run_weights,
+    "image": weights.run_image,
     "verify": weights.run_verify,
     "footprint": daemon.run_footprint,
     "scaling": noop.run_scaling,

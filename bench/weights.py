@@ -41,7 +41,8 @@ def _generate(tb, shards: int, total: int) -> Path:
     root = _root(tb.head)
     api.exec_("head", f"rm -rf {root}", user="root", check=True)
     generate(root, MODEL, REV, "plain", shards, total // shards)
-    api.exec_("head", f"chown -R spark:spark {root}", user="root", check=True)
+    # on the disk before anything is timed: its writeback would otherwise compete with the first round
+    api.exec_("head", f"chown -R spark:spark {root} && sync", user="root", check=True, timeout=300)
     return _model_dir(tb.head)
 
 
@@ -118,11 +119,18 @@ def _measured(copy: Callable[[], None], w) -> tuple[float, dict[str, float]]:
     filesystem, for every method alike: the project ends its step with the same)."""
     from testbed import api
     assert transfer_cpu_seconds() >= 0  # the testbed has per-node CPU accounting
-    t, c = time.monotonic(), _cpu()
-    copy()
-    api.exec_(w.name, f"sync -f {w.model_root}", check=True, timeout=300)
-    after = _cpu()
-    return time.monotonic() - t, {k: after[k] - c[k] for k in c}
+    prepare, close = getattr(copy, "prepare", None), getattr(copy, "close", None)
+    if prepare:
+        prepare()
+    try:
+        t, c = time.monotonic(), _cpu()
+        copy()
+        api.exec_(w.name, f"sync -f {w.model_root}", check=True, timeout=300)
+        after = _cpu()
+        return time.monotonic() - t, {k: after[k] - c[k] for k in c}
+    finally:
+        if close:
+            close()
 
 
 def _exec(cmd: str, node: str = "head") -> Callable[[], None]:
@@ -143,25 +151,36 @@ def _raw_tcp(src: Path, files: str, w) -> Callable[[], None]:
     return copy
 
 
-def _project_sync(desired_path: Path) -> Callable[[], None]:
-    def copy() -> None:
+class _ProjectSync:
+    """The project's `weights` step as the daemon runs it: its SSH sessions open before the copy is timed (the
+    daemon keeps them open; connecting is not the copy), closed after."""
+
+    def __init__(self, desired_path: Path):
+        self.desired_path = desired_path
+        self.sessions = None
+
+    def prepare(self) -> None:
         from reconciler import spec
+        from reconciler.remote import Sessions
+        self.desired = spec.load(self.desired_path)
+        self.sessions = Sessions(self.desired)
+        for n in self.desired.nodes:
+            self.sessions[n.name].run(["true"], timeout=10)
+
+    def __call__(self) -> None:
         from reconciler.observed import Observed
         from reconciler.plan import Step
-        from reconciler.remote import Sessions
         from reconciler.steps import StepContext
         from reconciler.steps.weights import sync_weights
-        desired = spec.load(desired_path)
-        sessions = Sessions(desired)
-        try:
-            ctx = StepContext(desired=desired, sessions=sessions, observed=Observed(nodes={}),
-                              deadline=time.monotonic() + 900)
-            step = Step(id="weights/worker", kind="weights", node="worker", reason="bench",
-                        params={"source": "head"})
-            sync_weights(ctx, step)
-        finally:
-            sessions.close()  # its sessions end before the CPU is read: all they cost is counted
-    return copy
+        ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
+                          deadline=time.monotonic() + 900)
+        sync_weights(ctx, Step(id="weights/worker", kind="weights", node="worker", reason="bench",
+                               params={"source": "head"}))
+
+    def close(self) -> None:
+        if self.sessions is not None:
+            self.sessions.close()
+            self.sessions = None
 
 
 def run_weights(opts: Options) -> dict:
@@ -179,9 +198,9 @@ def run_weights(opts: Options) -> dict:
         dst = _model_dir(w)
         files = " ".join(sorted(p.name for p in src.glob("*.safetensors")))
         methods = {
-            "project, 4 streams": _project_sync(_desired(tb, work, 4)),
-            "project, 1 stream": _project_sync(_desired(tb, work, 1)),
-            "project over ssh, 4 streams": _project_sync(_desired(tb, work, 4, "ssh")),
+            "project, 4 streams": _ProjectSync(_desired(tb, work, 4)),
+            "project, 1 stream": _ProjectSync(_desired(tb, work, 1)),
+            "project over ssh, 4 streams": _ProjectSync(_desired(tb, work, 4, "ssh")),
             "raw TCP": _raw_tcp(src, files, w),
             "ssh cat (default cipher)": _exec(
                 f"cd {src} && cat {files} | {_ssh(None)} spark@{w.fabric_ip} 'cat > {w.model_root}/bench.cat'"),
@@ -221,6 +240,71 @@ def run_weights(opts: Options) -> dict:
             "vs_plain_rsync": proj["mb_per_s"] / rows["plain rsync -a"]["mb_per_s"],
             "streams_gain": proj["mb_per_s"] / rows["project, 1 stream"]["mb_per_s"], "leftovers": left}
     save(opts, "weights", data)
+    return data
+
+
+BENCH_IMAGE = "bench-image:1"
+
+
+class _ProjectImage(_ProjectSync):
+    """The project's `image` step (`copy_image`: docker save | ssh -c aes128-gcm | docker load over the fabric)."""
+
+    def __call__(self) -> None:
+        from reconciler.observed import Observed
+        from reconciler.plan import Step
+        from reconciler.steps import StepContext
+        from reconciler.steps.images import copy_image
+        ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
+                          deadline=time.monotonic() + 900)
+        copy_image(ctx, Step(id="image/worker", kind="image", node="worker", reason="bench",
+                             params={"image": BENCH_IMAGE, "source": "head"}))
+
+
+def run_image(opts: Options) -> dict:
+    """The serving image to the worker: the project's step against docker's own ends (`docker save` to /dev/null
+    on the head, `docker load` of a local archive on the worker) and the hop's cipher alone (`ssh cat` of the
+    same archive): which of them limits the copy."""
+    from testbed import api
+    size, rounds = ((1 << 30) if not opts.quick else (32 << 20)), opts.n(5, 1)
+    results: dict[str, list[float]] = {}
+    with on_testbed(2, "converged", worker_disk="6G" if not opts.quick else None) as run:
+        tb = run.tb
+        w = tb.workers[0]
+        work = scratch_dir("image")
+        _host_key(tb)
+        tar_head, tar_worker = f"{tb.head.model_root}/image.tar", f"{w.model_root}/image.tar"
+        # one layer of random bytes: incompressible, like the weights and libraries of a serving image
+        api.exec_("head", f"d=$(mktemp -d) && head -c {size} /dev/urandom > $d/blob && tar -C $d -cf - blob | "
+                  f"docker import - {BENCH_IMAGE} >/dev/null && rm -rf $d && docker save {BENCH_IMAGE} > {tar_head} "
+                  f"&& chmod 644 {tar_head} && sync", user="root", check=True, timeout=600)
+        nbytes = int(api.exec_("head", f"stat -c %s {tar_head}", check=True).stdout)
+        desired = write_desired(tb.desired_state, work / "image.yaml",
+                                {'image: "vllm-standin:latest"': f'image: "{BENCH_IMAGE}"'})
+        unload = f"docker rmi -f {BENCH_IMAGE} >/dev/null 2>&1; rm -f {tar_worker}; sync"
+        methods: dict[str, Callable[[], None]] = {
+            "project": _ProjectImage(desired),
+            "docker save > /dev/null": _exec(f"docker save {BENCH_IMAGE} > /dev/null"),
+            "docker load < archive": _exec(f"docker load -i {tar_worker} > /dev/null", node=w.name),
+            "ssh cat (aes128-gcm)": _exec(f"cat {tar_head} | {_ssh('aes128-gcm@openssh.com')} "
+                                          f"spark@{w.fabric_ip} 'cat > /dev/null'"),
+        }
+        for r in range(rounds):
+            for name, copy in methods.items():
+                api.exec_(w.name, unload, user="root", check=True, timeout=300)
+                if name == "docker load < archive":
+                    api.exec_("head", f"cat {tar_head} | {_ssh('aes128-gcm@openssh.com')} spark@{w.fabric_ip} "
+                              f"'cat > {tar_worker}' && sync", check=True, timeout=600)
+                took, _ = _measured(copy, w)
+                results.setdefault(name, []).append(took)
+                opts.log(f"image round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s")
+        api.exec_(w.name, unload, user="root", check=True, timeout=300)
+        api.exec_("head", f"docker rmi -f {BENCH_IMAGE} >/dev/null; rm -f {tar_head}", user="root", check=True)
+    rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
+                "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6]} for k, v in results.items()}
+    slowest_end = min(rows["docker save > /dev/null"]["mb_per_s"], rows["docker load < archive"]["mb_per_s"])
+    data = {"bytes": nbytes, "rows": rows, "vs_docker": rows["project"]["mb_per_s"] / slowest_end,
+            "cipher_headroom": rows["ssh cat (aes128-gcm)"]["mb_per_s"] / slowest_end, "leftovers": run.leftovers}
+    save(opts, "image", data)
     return data
 
 

@@ -26,7 +26,8 @@ def test_bench_quick(testbed, tmp_path):
         api.up(nodes=2, scenario="seed")  # the benchmarks bring the testbed down; the session goes on with it
     assert p.returncode == 0, p.stderr[-4000:]
     r = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
-    assert set(r) == {"noop", "drift", "edit", "weights", "verify", "footprint", "scaling", "sim"}, sorted(r)
+    assert set(r) == {"noop", "drift", "edit", "weights", "image", "verify", "footprint", "scaling",
+                      "sim"}, sorted(r)
     for name, d in r.items():
         assert d["quick"] is True and d["machine"]["cores"] >= 1
         assert d["leftovers"] == [], (name, d["leftovers"])
@@ -42,6 +43,9 @@ def test_bench_quick(testbed, tmp_path):
         assert 0 < r["edit"]["daemon"][k]["median"] < 30
     assert 0 < r["edit"]["manual_apply"]["median"] < 120
     for row in r["weights"]["rows"].values():
+        assert 1 < row["mb_per_s"] < 100_000
+        assert 0 < row["cpu_s_per_gb"]["median"] < 1000  # every transfer's processes were counted, on some end
+    for row in r["image"]["rows"].values():
         assert 1 < row["mb_per_s"] < 100_000
     for row in r["verify"]["rows"].values():
         assert 0 < row["noop_check"]["median"] < 30 and row["sha256_seconds"] > 0
