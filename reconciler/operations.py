@@ -62,11 +62,21 @@ class Operation:
     state: str = "queued"  # queued (its dependencies in the batch run first) | running
     bytes_done: int = 0
     bytes_total: int | None = None
+    first_bytes: tuple[float, int] | None = None  # (when, bytes) of the first progress: the rate's start
 
     def as_dict(self, now: float) -> dict[str, object]:
         return {"step": self.step.id, "kind": self.step.kind, "node": self.step.node, "state": self.state,
                 "seconds": round(now - self.started, 1), "deadlineIn": round(self.deadline - now, 1),
-                "bytesDone": self.bytes_done, "bytesTotal": self.bytes_total}
+                "bytesDone": self.bytes_done, "bytesTotal": self.bytes_total,
+                "bytesPerSecond": self.rate(now)}
+
+    def rate(self, now: float) -> int | None:
+        """Bytes per second since the bytes started moving (the manifests and the queue before are not the
+        link's speed); None before a second progress report."""
+        if self.first_bytes is None or now <= self.first_bytes[0]:
+            return None
+        since, at_first = self.first_bytes
+        return round((self.bytes_done - at_first) / (now - since))
 
 
 class Operations:
@@ -154,6 +164,8 @@ class Operations:
         with self._lock:
             for op in self._running.values():
                 if op.step.kind == kind and op.step.node == node:
+                    if op.first_bytes is None:
+                        op.first_bytes = (self._clock(), done)
                     op.bytes_done = done
                     op.bytes_total = total if total is not None else op.bytes_total
 

@@ -106,7 +106,9 @@ def status_text(doc: dict) -> str:
         ops.add_column(column, overflow="fold")
     for o in doc.get("operations", []):
         total = o.get("bytesTotal")
-        progress = f"{o.get('bytesDone', 0) / 2**20:.0f} / {total / 2**20:.0f} MiB" if total else ""
+        rate = o.get("bytesPerSecond")
+        progress = (f"{o.get('bytesDone', 0) / 2**20:.0f} / {total / 2**20:.0f} MiB"
+                    + (f" at {rate / 2**20:.0f} MiB/s" if rate else "")) if total else ""
         ops.add_row(*map(cell, (o["step"], o["state"], f"{o['seconds']:.0f}s", f"{o['deadlineIn']:.0f}s", progress)))
     console = Console(width=140, record=True, force_terminal=False)
     with console.capture() as captured:

@@ -74,8 +74,14 @@ def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_p
         assert later is not None, "both were repaired while the sync was still in flight"
         print(f"FIGURE sync-repairs: both repaired {repaired:.1f}s after the faults, sync at "
               f"{later['bytesDone'] / 2**20:.1f} of {later['bytesTotal'] / 2**20:.1f} MiB")
-        wait_until(lambda: (operation(d, "weights/worker") or {"bytesDone": 2**62})["bytesDone"]
-                   > first["bytesDone"], 60, "/status showing the sync's progress move")
+        def moving():
+            now = operation(d, "weights/worker")
+            assert now is not None, "the 64 MiB sync at 3 MB/s ended before its progress moved"
+            return now if now["bytesDone"] > first["bytesDone"] and now["bytesPerSecond"] else None
+
+        moved = wait_until(moving, 60, "/status showing the sync's progress move, and its rate")
+        # the rate /status shows: rsync's --bwlimit caps the one stream near 3000 KB/s, the link is much faster
+        assert 0 < moved["bytesPerSecond"] <= 3000 * 1024 * 1.2, moved
         progressing = d.condition("", "Progressing")
         assert progressing and progressing["status"] == "True" and "weights/worker" in progressing["message"]
 

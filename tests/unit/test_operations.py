@@ -110,6 +110,12 @@ def test_a_launched_batch_is_busy_until_its_results_are_drained(tracked):
     assert view[WEIGHTS.id]["state"] == "running" and view[WEIGHTS.id]["seconds"] == 30.0
     assert view[WEIGHTS.id]["deadlineIn"] == 43200.0 - 30
     assert view[STOP_CT.id]["deadlineIn"] == 120.0 - 30
+    assert view[WEIGHTS.id]["bytesPerSecond"] is None, "one report is no rate yet"
+    clock[0] += 8
+    ops.progress("weights", "w", 2**26 + 8 * 10**9, 2**36)
+    view = {v["step"]: v for v in ops.view()}
+    assert view[WEIGHTS.id]["bytesPerSecond"] == 10**9, "from the first report, not from the launch"
+    assert view[STOP_CT.id]["bytesPerSecond"] is None
 
     gate.release.set()
     assert ended.wait(10), "a batch's end is a trigger"
