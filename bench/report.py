@@ -290,7 +290,8 @@ def spark_model(d: dict) -> str:
             f"{ok(minutes <= 2)}), against {MODEL_GB / PUBLISHED_SSH_RSYNC / 60:.1f} minutes for the community's "
             "rsync recipe. Assumed, not measured: a GB10 core does per byte what this VM's core does (both have "
             "AES instructions, which favours ssh, not us), and the worker's NVMe writes at least that fast; "
-            "where it does not, the disk is the limit, for every method alike.")
+            "where it does not, the disk is the limit, for every method alike: the 2-minute target needs "
+            f"{MODEL_GB / 120:.1f} GB/s from it.")
 
 
 # -- what is measured, and why targets are missed -------------------------------------------------------------
@@ -443,7 +444,8 @@ comparable with each other, not with real Sparks (see the end).
 ## What changes on real Sparks
 
 - **Link and disks.** The CX-7 link is 200 Gb/s and the models sit on NVMe; here the "link" is a veth pair and
-  every byte is encrypted and decrypted by the same 2 vCPUs, so the weight sync is CPU-bound. Published
+  both ends of every transfer, and the loop device under the worker's filesystem, share the same 2 vCPUs, so
+  the weight sync is CPU-bound (the weights no longer cross a cipher: docs/weights-transport.md). Published
   spark-to-spark figures: rsync over the CX-7 link `-a --partial` 404 MB/s and `-a --whole-file` 451 MB/s
   (MiaAI-Lab, DeepSeek-v4.1-Flash-EXL3 PR #3, ~387 GiB shipped); an ssh path 0.30-0.44 GB/s and a custom fast
   path 0.55-0.80 GB/s (unsloth PR #10280); TCP iperf3 untuned 96.2 Gbit/s with MTU 9000 and larger buffers
