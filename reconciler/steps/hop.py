@@ -1,7 +1,8 @@
 """The node-to-node hop over the fabric: how a source node reaches a target's sshd on its fabric address.
 
-Bulk bytes (weights, the serving image) go source -> target directly over the 200 Gb/s link, never through
-the reconciler's own SSH connections: those run over the 10G management port (and the worker's through the
+Bulk bytes (the serving image, and the weights with `policy.weights.transport: ssh`; by default the weights go to
+a one-time rsync daemon instead, `reconciler.steps.rsyncd`) go source -> target directly over the 200 Gb/s link,
+never through the reconciler's own SSH connections: those run over the 10G management port (and the worker's through the
 head), and every byte would cross the daemon's process twice. Strict host keys on this hop too: the target's
 key, already verified by the reconciler, is written to a known_hosts file on the source under the target's
 fabric address, with StrictHostKeyChecking=yes.

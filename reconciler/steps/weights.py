@@ -1,7 +1,9 @@
 """Copy the model weights from the source node to a node that lacks them: rsync over the FABRIC address.
 
-The source node pushes with rsync over SSH to the target's fabric IP (the 200 Gb/s link, not the 10G management
-port). Safety properties, each from a failure seen in the field:
+The source node pushes with rsync to the target's fabric IP (the 200 Gb/s link, not the 10G management port): by
+default to a one-time rsync daemon there, without a cipher (`reconciler.steps.rsyncd`: one core's SSH cipher capped
+each stream at ~0.45 GB/s on a Spark), or over SSH with `policy.weights.transport: ssh`. Either way the same rsync
+options, and these safety properties, each from a failure seen in the field:
 - real bytes, not symlinks: the whole `models--ORG--NAME` tree is copied (blobs included); links stay links where
   rsync keeps them (`snapshots/REV/FILE -> ../../blobs/ETAG`), and a link whose value rsync would not keep
   (absolute, or climbing out of the tree, like huggingface_hub's shared-store links `blobs/ETAG ->
@@ -14,7 +16,9 @@ port). Safety properties, each from a failure seen in the field:
   are copied as files, in runs of their own (`--copy-links`, nothing else in their lists);
 - never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
   an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
-- strict host keys on the node-to-node hop too (`reconciler.steps.hop`).
+- only the source gets in: the daemon's secret is made for the step and its door opens only to the source's fabric
+  address (`rsyncd`); over SSH, strict host keys on the node-to-node hop too (`reconciler.steps.hop`);
+- on the disk before it is called done (`sync -f`), then the target's manifest must equal the source's.
 Large models go in several parallel rsync streams (files split by size).
 """
 
