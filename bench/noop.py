@@ -6,7 +6,7 @@ nothing to do (the plan must be empty; the benchmark fails otherwise). Measured 
   (a) Ansible: `ansible-playbook` (ansible-core, gather_facts: false) running the same checks as the probe over
       the same SSH (testbed key and known_hosts, strict host keys, the worker via ProxyJump through the head),
       OpenSSH ControlPersist and pipelining on (the fast Ansible set-up).
-  (b) the floor: the same probe script (reconciler.observe.probe_script) run locally on each node at once via
+  (b) the floor: the same probe script (reconciler.edge.observe.probe_script) run locally on each node at once via
       `testbed exec` (nsenter; no SSH), wall time until both are done.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ ANSIBLE_PLAYBOOK = ROOT / ".venv" / "bin" / "ansible-playbook"
 
 def _cycle_fn(desired, sessions):
     """One no-op cycle: (wall seconds, CPU seconds of this whole process, every thread: the head's own cost)."""
-    from reconciler import observe as obs
-    from reconciler.plan import plan as make_plan
+    from reconciler.core.planning import plan as make_plan
+    from reconciler.edge import observe as obs
 
     def cycle() -> tuple[float, float]:
         t, c = time.perf_counter(), time.process_time()
@@ -55,8 +55,8 @@ def _cycle_fn(desired, sessions):
 
 def measure_cycles(desired_path: Path, cycles: int) -> tuple[list[float], list[float]]:
     """(wall, head CPU) of `cycles` no-op cycles over open sessions, after 3 warm-ups that connect them."""
-    from reconciler import spec
-    from reconciler.remote import Sessions
+    from reconciler.core import spec
+    from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
     try:
@@ -70,8 +70,8 @@ def measure_cycles(desired_path: Path, cycles: int) -> tuple[list[float], list[f
 
 
 def measure_floor(desired_path: Path, cycles: int) -> list[float]:
-    from reconciler import spec
-    from reconciler.observe import parse_probe, probe_script
+    from reconciler.core import spec
+    from reconciler.edge.observe import parse_probe, probe_script
     from testbed import api
     desired = spec.load(desired_path)
     scripts = {n.name: probe_script(desired, n) for n in desired.nodes}
@@ -94,8 +94,8 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
     """Where the probe's time goes: each section of the script run alone, locally (median ms)."""
     import statistics
 
-    from reconciler import spec
-    from reconciler.observe import probe_script
+    from reconciler.core import spec
+    from reconciler.edge.observe import probe_script
     from testbed import api
     desired = spec.load(desired_path)
     n = desired.node(node)
@@ -131,8 +131,8 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
 
 def write_ansible(desired_path: Path, where: Path) -> Path:
     """Inventory, ssh config and a playbook doing the probe's checks, task by task (what a user would write)."""
-    from reconciler import spec
-    from reconciler.observe import weights_root
+    from reconciler.core import spec
+    from reconciler.edge.observe import weights_root
     desired = spec.load(desired_path)
     head = desired.head
     ssh_cfg = where / "ssh_config"

@@ -31,9 +31,9 @@ TEMPLATE_WORKER = "worker2"
 
 def record(desired_path: Path) -> dict:
     """The real probe outputs of a converged testbed, over the daemon's own sessions."""
-    from reconciler import spec
-    from reconciler.observe import probe_script
-    from reconciler.remote import Sessions
+    from reconciler.core import spec
+    from reconciler.edge.observe import probe_script
+    from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
     try:
@@ -50,7 +50,7 @@ def cluster_yaml(nodes: int, state: Path) -> str:
 
 
 def _hashes(desired) -> dict[str, str]:
-    from reconciler.vllm import launch_specs
+    from reconciler.core.vllm import launch_specs
     return {s.node: s.spec_hash for s in launch_specs(desired)}
 
 
@@ -91,17 +91,18 @@ class _Replay:
         return self.answer
 
 
-AREAS = (("reconciler/observe.py", "parse the probe output"), ("reconciler/observed.py", "observed models"),
-         ("reconciler/drift.py", "drift"), ("reconciler/plan.py", "plan"), ("reconciler/vllm.py", "launch specs"),
+AREAS = (("reconciler/edge/observe.py", "parse the probe output"), ("reconciler/core/observed.py", "observed models"),
+         ("reconciler/core/drift.py", "drift"), ("reconciler/core/planning.py", "plan"),
+         ("reconciler/core/vllm.py", "launch specs"),
          ("pydantic", "pydantic models"), ("json", "json"), ("threading", "threads"),
          ("concurrent/futures", "threads"), ("~", "C built-ins called from these (str, re, json scanning)"))
 
 
 def serial_cycle(desired, sessions) -> None:
     """The cycle's work in this thread (cProfile sees one thread): every node's probe parsed, then the plan."""
-    from reconciler.observe import observe_node
-    from reconciler.observed import Observed
-    from reconciler.plan import plan
+    from reconciler.core.observed import Observed
+    from reconciler.core.planning import plan
+    from reconciler.edge.observe import observe_node
     plan(desired, Observed(nodes={n.name: observe_node(desired, sessions, n) for n in desired.nodes}))
 
 
@@ -125,9 +126,9 @@ def profile(cycle, cycles: int) -> dict[str, float]:
 
 def child(nodes: int, recording_path: Path, cycles: int) -> dict:
     """In a fresh interpreter: build the N-node cluster, then time `cycles` no-op cycles (wall and CPU)."""
-    from reconciler import spec
-    from reconciler.observe import observe
-    from reconciler.plan import plan
+    from reconciler.core import spec
+    from reconciler.core.planning import plan
+    from reconciler.edge.observe import observe
 
     rec = json.loads(recording_path.read_text())
     work = recording_path.parent

@@ -2,7 +2,7 @@
 
 4: a multi-GB set of safetensors shards (testbed.weights.generate, plain layout, a bench-only model) on the
 head is copied to the worker's fabric address by
-   - the project: reconciler.steps.weights.sync_weights (rsync over ssh, aes128-gcm, --partial-dir, the
+   - the project: reconciler.edge.steps.weights.sync_weights (rsync over ssh, aes128-gcm, --partial-dir, the
      manifest check before and after), policy.weights.parallel_streams 1 and 4;
    - `cat SHARDS | ssh worker 'cat > f'`: the raw pipe (OpenSSH default cipher, and aes128-gcm);
    - plain `rsync -a SRC/ worker:DST/` (OpenSSH defaults), as a user would type it.
@@ -160,18 +160,18 @@ class _ProjectSync:
         self.sessions = None
 
     def prepare(self) -> None:
-        from reconciler import spec
-        from reconciler.remote import Sessions
+        from reconciler.core import spec
+        from reconciler.edge.ssh import Sessions
         self.desired = spec.load(self.desired_path)
         self.sessions = Sessions(self.desired)
         for n in self.desired.nodes:
             self.sessions[n.name].run(["true"], timeout=10)
 
     def __call__(self) -> None:
-        from reconciler.observed import Observed
-        from reconciler.plan import Step
-        from reconciler.steps import StepContext
-        from reconciler.steps.weights import sync_weights
+        from reconciler.core.observed import Observed
+        from reconciler.core.planning import Step
+        from reconciler.edge.steps import StepContext
+        from reconciler.edge.steps.weights import sync_weights
         ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
         sync_weights(ctx, Step(id="weights/worker", kind="weights", node="worker", reason="bench",
@@ -250,10 +250,10 @@ class _ProjectImage(_ProjectSync):
     """The project's `image` step (`copy_image`: docker save | ssh -c aes128-gcm | docker load over the fabric)."""
 
     def __call__(self) -> None:
-        from reconciler.observed import Observed
-        from reconciler.plan import Step
-        from reconciler.steps import StepContext
-        from reconciler.steps.images import copy_image
+        from reconciler.core.observed import Observed
+        from reconciler.core.planning import Step
+        from reconciler.edge.steps import StepContext
+        from reconciler.edge.steps.images import copy_image
         ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
         copy_image(ctx, Step(id="image/worker", kind="image", node="worker", reason="bench",
@@ -309,10 +309,10 @@ def run_image(opts: Options) -> dict:
 
 
 def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[float]]:
-    from reconciler import spec
-    from reconciler.drift import weights_difference
-    from reconciler.observe import manifest_script, observe, weights_root
-    from reconciler.remote import Sessions
+    from reconciler.core import spec
+    from reconciler.core.drift import weights_difference
+    from reconciler.edge.observe import manifest_script, observe, weights_root
+    from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
     try:

@@ -15,11 +15,11 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from reconciler import spec
-from reconciler.observed import Observed
-from reconciler.plan import plan as make_plan
-from reconciler.render import plan_text
-from reconciler.text import printable
+from reconciler.core import spec
+from reconciler.core.observed import Observed
+from reconciler.core.planning import plan as make_plan
+from reconciler.core.render import plan_text
+from reconciler.core.text import printable
 
 EXIT_INVALID = 2
 
@@ -27,8 +27,8 @@ EXIT_INVALID = 2
 def _load_or_exit(path: str, connects: bool = False) -> spec.Desired:
     """The desired state, or exit 2 with every problem placed. `connects`: for the commands that connect to the
     nodes: take serving.secrets from this process's environment (the spec hash covers the values), and refuse
-    files that someone other than root or this user may change (reconciler.trusted_files)."""
-    from reconciler import log, trusted_files
+    files that someone other than root or this user may change (reconciler.edge.trusted_files)."""
+    from reconciler.edge import log, trusted_files
 
     try:
         desired = spec.load(path, os.environ if connects else None)
@@ -63,7 +63,7 @@ def validate(file: str) -> None:
 def schema(markdown: bool) -> None:
     """Print the JSON Schema of the desired state (for editors)."""
     if markdown:
-        from reconciler.docgen import markdown as render
+        from reconciler.core.docgen import markdown as render
 
         click.echo(render(), nl=False)
         return
@@ -96,8 +96,8 @@ def plan(file: str, snapshot: Path | None, as_json: bool) -> None:
 
 
 def _observe(desired: spec.Desired) -> Observed:
-    from reconciler.observe import observe as probe
-    from reconciler.remote import Sessions
+    from reconciler.edge.observe import observe as probe
+    from reconciler.edge.ssh import Sessions
 
     sessions = Sessions(desired)
     try:
@@ -118,17 +118,17 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
     mtime on the source). Catches what size checks cannot, such as flipped bytes. Exit 0 all match, 1 not."""
     from dataclasses import asdict
 
-    from reconciler.apply import EXIT_HELD
-    from reconciler.lease import Holder, LeaseHeld, held
-    from reconciler.remote import Sessions
-    from reconciler.steps.weights import verify_weights
+    from reconciler.edge.lease import Holder, LeaseHeld, held
+    from reconciler.edge.ssh import Sessions
+    from reconciler.edge.steps.weights import verify_weights
+    from reconciler.loop.apply import EXIT_HELD
 
     desired = _load_or_exit(file, connects=True)
     targets = [n.name for n in desired.serving_nodes if n.name != desired.source_node and only in (None, n.name)]
     sessions = Sessions(desired)
     try:
         with contextlib.ExitStack() as stack:
-            if repair:  # repairing deletes files on the nodes: one actor at a time (reconciler.lease)
+            if repair:  # repairing deletes files on the nodes: one actor at a time (reconciler.edge.lease)
                 stack.enter_context(held(desired, sessions, Holder.of("verify-repair", file)))
             results = [verify_weights(desired, sessions, node, repair=repair) for node in targets]
     except LeaseHeld as exc:
@@ -148,7 +148,7 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 def sudoers(file: str) -> None:
     """Print the exact sudoers lines every node needs for FILE (per interface, nothing wider)."""
-    from reconciler.remote import sudoers_snippet
+    from reconciler.edge.ssh import sudoers_snippet
 
     click.echo(sudoers_snippet(_load_or_exit(file)), nl=False)
 
@@ -163,7 +163,7 @@ def observe(file: str, as_json: bool) -> None:
     if as_json:
         click.echo(observed.model_dump_json(indent=1))
     else:
-        from reconciler.render import observed_text
+        from reconciler.core.render import observed_text
 
         click.echo(observed_text(observed), nl=False)
     sys.exit(3 if any(not n.reachable for n in observed.nodes.values()) else 0)
@@ -176,9 +176,9 @@ def observe(file: str, as_json: bool) -> None:
 @click.option("--max-passes", default=3, show_default=True, help="Observe-plan-execute rounds before giving up.")
 def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
     """One convergence pass: observe, show the plan, execute it in order, verify. Exit 0 only when converged."""
-    from reconciler import log
-    from reconciler.apply import apply_once
-    from reconciler.lease import Holder
+    from reconciler.edge import log
+    from reconciler.edge.lease import Holder
+    from reconciler.loop.apply import apply_once
 
     desired = _load_or_exit(file, connects=True)
     log.configure()
@@ -195,8 +195,8 @@ def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
 @click.option("--log-format", type=click.Choice(["auto", "json", "console"]), default="auto", show_default=True)
 def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_format: str) -> None:
     """The daemon: keep the cluster converged until SIGTERM (systemd: Type=notify)."""
-    from reconciler import log
-    from reconciler.daemon import AlreadyRunning, Daemon
+    from reconciler.edge import log
+    from reconciler.loop.daemon import AlreadyRunning, Daemon
 
     log.configure(json_lines=None if log_format == "auto" else log_format == "json")
     daemon = Daemon(file, state_dir, listen=listen, events=not no_events)
@@ -225,7 +225,7 @@ def status(url: str, as_json: bool) -> None:
     import urllib.error
     import urllib.request
 
-    from reconciler.render import status_text
+    from reconciler.core.render import status_text
 
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as response:
@@ -255,8 +255,8 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
 
     Every inferred value is marked `# GUESS:`. Exit 0 when the result validates, 2 when it does not (it is
     written anyway, with the problems printed), 3 when a node cannot be reached."""
-    from reconciler import discover as disc
-    from reconciler.remote import RemoteError
+    from reconciler.edge import discover as disc
+    from reconciler.edge.ssh import RemoteError
 
     known_hosts = str(Path(known_hosts).resolve())
     identity = str(Path(identity).resolve()) if identity else None
@@ -295,7 +295,7 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
 @click.option("--name", default=None, help="metadata.name (default: the served model name, DNS-safe).")
 def export(file: str, fmt: str, name: str | None) -> None:
     """Print the equivalent Kubernetes manifest of FILE's serving (the bridge to LWS; see docs/scaling.md)."""
-    from reconciler.export import lws_yaml
+    from reconciler.core.export import lws_yaml
 
     desired = _load_or_exit(file)
     click.echo(lws_yaml(desired, name=name), nl=False)

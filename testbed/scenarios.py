@@ -173,7 +173,7 @@ def _restore(lay: Layout) -> None:
         dockerd.remove_all_containers(n)
         (n.model_root / FILL_FILE).unlink(missing_ok=True)
         (n.model_root / CRASH_MARKER).unlink(missing_ok=True)
-    # the cluster lease (reconciler.lease) is cluster state too: one a SIGKILLed daemon left would refuse every
+    # the cluster lease (reconciler.edge.lease) is cluster state too: one a SIGKILLed daemon left would refuse every
     # `apply` of the next test for its 10 minutes; a reset is a fresh cluster
     shutil.rmtree(Path(pwd.getpwnam(SSH_USER).pw_dir) / ".spark-reconciler", ignore_errors=True)
 

@@ -60,7 +60,7 @@ def import_time_functions() -> set[str]:
 
 
 def qualname(key: str) -> str:
-    """mutmut's `reconciler.spec.x_func__mutmut_3` / `...xǁClassǁmethod__mutmut_3` -> `func` / `Class.method`."""
+    """mutmut's `reconciler.core.spec.x_func__mutmut_3` / `...xǁClassǁmethod__mutmut_3` -> `func` / `Class.method`."""
     name = key.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[-1]
     return ".".join(name.split("ǁ")[1:]) if name.startswith("xǁ") else name[2:]
 

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from reconciler.daemon import SHUTDOWN_DEADLINE
+from reconciler.loop.daemon import SHUTDOWN_DEADLINE
 
 CLI = str(Path(sys.executable).with_name("reconciler"))
 # Scheduling slack on a loaded 2-core machine on top of the product's own deadline; a deadline to wait with, not a

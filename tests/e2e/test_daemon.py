@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reconciler.daemon import SHUTDOWN_DEADLINE
+from reconciler.loop.daemon import SHUTDOWN_DEADLINE
 from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, holds_for, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +56,7 @@ def test_daemon_converges_the_seed_and_reports_ready(daemon):
     assert daemon.metric("reconciler_converged") == 1
     import urllib.request
 
-    from reconciler import metrics
+    from reconciler.loop import metrics
 
     with urllib.request.urlopen(f"{daemon.url}/metrics", timeout=2) as response:
         exposition = response.read().decode()

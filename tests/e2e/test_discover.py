@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reconciler import spec
+from reconciler.core import spec
 
 pytestmark = pytest.mark.e2e
 

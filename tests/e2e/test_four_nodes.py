@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import spec
+from reconciler.core import spec
 from testbed import api
 
 pytestmark = pytest.mark.e2e

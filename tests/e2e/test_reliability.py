@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reconciler.daemon import SHUTDOWN_DEADLINE
+from reconciler.loop.daemon import SHUTDOWN_DEADLINE
 from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, wait_until
 from tests.e2e.test_converge import containers
 
@@ -464,9 +464,9 @@ def test_truncated_shard_is_resynced(serving):
 
 
 def test_flipped_byte_same_size_and_mtime_caught_by_full_verification(serving, tmp_path):
-    from reconciler import spec
-    from reconciler.remote import Sessions
-    from reconciler.steps.weights import verify_weights
+    from reconciler.core import spec
+    from reconciler.edge.ssh import Sessions
+    from reconciler.edge.steps.weights import verify_weights
     from testbed import faults
 
     tb, d = serving

@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from reconciler import remote, spec
-from reconciler.remote import ChannelRefused, CommandTimeout, Sessions
+from reconciler.core import spec
+from reconciler.edge import ssh as remote
+from reconciler.edge.ssh import ChannelRefused, CommandTimeout, Sessions
 from tests.e2e.daemon import wait_until
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler import remote, spec
-from reconciler.remote import Sessions
+from reconciler.core import spec
+from reconciler.edge import ssh as remote
+from reconciler.edge.ssh import Sessions
 from tests.e2e.daemon import CLI, Daemon, wait_until
 from tests.e2e.test_reliability import assert_nothing_lost, converged, daemon, managed, write_desired
 
@@ -143,7 +144,7 @@ def test_every_remote_field_is_rejected_or_one_argv_element(recorder, field, val
 
 def test_the_real_launch_argv_arrives_intact(recorder, testbed, tmp_path):
     """The product's own `docker run` argv, with hostile-but-valid env and extra args, recorded on the node."""
-    from reconciler.vllm import launch_specs
+    from reconciler.core.vllm import launch_specs
 
     def hostile(data):
         data["serving"]["env"] = {"HOSTILE": "hf_$(id) `x` ; rm -rf / 'q' \"d\"", "A": "  spaced  "}
@@ -158,7 +159,7 @@ def test_the_real_launch_argv_arrives_intact(recorder, testbed, tmp_path):
 # -- privilege ------------------------------------------------------------------------------------------------
 
 def test_each_node_grants_exactly_what_the_code_may_send(testbed):
-    """`reconciler.remote.sudo_commands` is both `reconciler sudoers FILE` and the check before sending: each of
+    """`reconciler.edge.ssh.sudo_commands` is both `reconciler sudoers FILE` and the check before sending: each of
     the node's commands is permitted by the node's real sudo (`sudo -n -l CMD` asks without running it)."""
     desired = spec.load(testbed.desired_state)
     for node in desired.nodes:
@@ -299,7 +300,7 @@ def urllib_open(url: str):
 def test_the_environment_reaches_the_container_through_stdin_exactly(recorder):
     """What the serving step does (`docker run --env-file /dev/stdin`, the text on the channel's stdin): every
     value arrives byte for byte, spaces, quotes and `#` included, and no file is written on the node."""
-    from reconciler.vllm import LaunchSpec
+    from reconciler.core.vllm import LaunchSpec
 
     env = {"HF_TOKEN": SECRET, "A": "  spaced  ", "B": "it's \"q\" # not a comment", "C": "x=y"}
     launch = LaunchSpec(node="worker", rank=1, container_name="env-probe", image="cotenant-standin:latest",

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reconciler.loader import load_file
-from reconciler.spec import Desired
-from reconciler.vllm import launch_specs, parse_serve_help, unknown_flags
+from reconciler.core.loader import load_file
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import launch_specs, parse_serve_help, unknown_flags
 from testbed import api
 from testbed.layout import layout
 from testbed.realvllm import image

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import spec
+from reconciler.core import spec
 from tests.unit.edits import edited
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def build_meter(monkeypatch) -> Callable[[], int]:
     Bounded *work*, not wall time, is what a cap promises (timing fails under load). And a regression in the
     alias cap must fail in milliseconds, not eat all memory until the OOM killer ends pytest: the meter raises
     once one document goes past the expansion cap plus the depth of one path, whatever the loader does."""
-    from reconciler import loader
+    from reconciler.core import loader
 
     limit = loader.MAX_EXPANDED_NODES + loader.MAX_DEPTH + 1
     real = loader._Builder.build
@@ -154,9 +154,9 @@ def converged_in_simulator(desired, seed_snapshot: Path):
     the loop's, the health watch's and the ownership tests)."""
     import json
 
-    from reconciler.observed import Observed
-    from reconciler.plan import plan
-    from reconciler.simulate import apply_plan
+    from reconciler.core.observed import Observed
+    from reconciler.core.planning import plan
+    from reconciler.core.simulate import apply_plan
 
     after = Observed.model_validate(json.loads(seed_snapshot.read_text()))
     for _ in range(3):
@@ -177,7 +177,7 @@ def desired():
 @pytest.fixture
 def seen(desired):
     """What the probe really printed on that cluster, parsed: it plans nothing (checked here, once per test)."""
-    from reconciler.plan import Plan, plan
+    from reconciler.core.planning import Plan, plan
     from tests.unit.recorded import observe
 
     observed = observe(desired)

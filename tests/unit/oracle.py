@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reconciler.observed import Container, Link, NodeObservation, Observed
-from reconciler.spec import Desired, FabricPort
-from reconciler.vllm import launch_specs
+from reconciler.core.observed import Container, Link, NodeObservation, Observed
+from reconciler.core.spec import Desired, FabricPort
+from reconciler.core.vllm import launch_specs
 
 
 @dataclass(frozen=True)

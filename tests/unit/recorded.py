@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reconciler import spec
-from reconciler.observe import parse_probe
-from reconciler.observed import Container, Link, Observed
-from reconciler.vllm import launch_specs
+from reconciler.core import spec
+from reconciler.core.observed import Container, Link, Observed
+from reconciler.core.vllm import launch_specs
+from reconciler.edge.observe import parse_probe
 from tests.unit.edits import edited
 
 FIXTURE = Path(__file__).with_name("fixtures") / "probe-4-nodes.json"

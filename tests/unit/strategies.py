@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from reconciler import spec
-from reconciler.observed import (
+from reconciler.core import spec
+from reconciler.core.observed import (
     LABEL_INSTANCE,
     Container,
     Image,
@@ -18,7 +18,7 @@ from reconciler.observed import (
     WeightFile,
     Weights,
 )
-from reconciler.vllm import launch_specs
+from reconciler.core.vllm import launch_specs
 
 GIB = 2**30
 IMAGE = "vllm-standin:latest"

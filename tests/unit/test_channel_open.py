@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from paramiko import ChannelException, SSHException
 
-from reconciler import remote
-from reconciler.remote import ChannelRefused, Session
+from reconciler.edge import ssh as remote
+from reconciler.edge.ssh import ChannelRefused, Session
 
 
 class _Node:

@@ -1,4 +1,4 @@
-"""Status conditions and the phase (reconciler/conditions.py), judged by the table operators read: the phases of
+"""Status conditions and the phase (reconciler/loop/conditions.py), judged by the table operators read: the phases of
 docs/troubleshooting.md ("ReconcilerNotConverged") and the conditions of docs/cli.md (`status --json`)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.conditions import Snapshot, conditions, phase_of
-from reconciler.drift import Drift
-from reconciler.observed import NodeObservation, Observed
-from reconciler.plan import Blocker, Plan, Step
+from reconciler.core.drift import Drift
+from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.planning import Blocker, Plan, Step
+from reconciler.loop.conditions import Snapshot, conditions, phase_of
 from tests.unit.examples import examples
 
 LINK = Drift("n1", "link", "link/eth1/mtu", "9000", "1500")

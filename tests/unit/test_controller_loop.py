@@ -15,15 +15,15 @@ import threading
 
 import pytest
 
-from reconciler.controller import Controller
-from reconciler.metrics import REGISTRY
-from reconciler.observed import Container, NodeObservation, Observed
-from reconciler.operations import Operations
-from reconciler.plan import plan
-from reconciler.render import status_text
-from reconciler.simulate import apply_plan
-from reconciler.spec import load
-from reconciler.triggers import Requests
+from reconciler.core.observed import Container, NodeObservation, Observed
+from reconciler.core.planning import plan
+from reconciler.core.render import status_text
+from reconciler.core.simulate import apply_plan
+from reconciler.core.spec import load
+from reconciler.loop.controller import Controller
+from reconciler.loop.metrics import REGISTRY
+from reconciler.loop.operations import Operations
+from reconciler.loop.triggers import Requests
 
 HEAD, WORKER = "spark-1a32", "spark-5be3"
 
@@ -37,7 +37,7 @@ class Gate:
         self.failing = failing
 
     def __call__(self, plan_, ctx, on_event):
-        from reconciler.execute import Outcome, StepResult
+        from reconciler.edge.execute import Outcome, StepResult
 
         self.batches.append([s.id for s in plan_.steps])
         for step in plan_.steps:
@@ -61,7 +61,7 @@ class FakeSessions:
         return self
 
     def run_script(self, script, timeout, cancel=None):
-        from reconciler.remote import Result
+        from reconciler.edge.ssh import Result
 
         return Result("ok\t600\n", "", 0)
 
@@ -236,8 +236,8 @@ def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_pat
     """No event says "the API stopped answering": the loop must not wait for the grace's end or the resync to
     notice that the failure became a crash (seen on the testbed: a rank killed, the plan saw the head failing
     first and waited 300 s, the container's exit arriving in between unnoticed)."""
-    from reconciler.controller import UNHEALTHY_RECHECK
-    from reconciler.observed import Serving
+    from reconciler.core.observed import Serving
+    from reconciler.loop.controller import UNHEALTHY_RECHECK
 
     served = Serving(reachable=True, healthy=True, models=["x"], completion_error="curl exit 28",
                      unhealthy_for=1.0, served_before=True)
@@ -253,7 +253,7 @@ def test_a_docker_event_is_looked_at_again_once_its_state_can_show(desired_path,
     """dockerd announces a container's death before `/containers/json` shows it (moby daemon/monitor.go): the
     reconcile the event triggered sees the rank still running. It must look again shortly, not at the next
     health recheck or resync; the second look, triggered by nothing new, asks for no third."""
-    from reconciler.controller import EVENT_SETTLE
+    from reconciler.loop.controller import EVENT_SETTLE
 
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     c.reconcile({"start"})
@@ -265,7 +265,7 @@ def test_a_docker_event_is_looked_at_again_once_its_state_can_show(desired_path,
 
 def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_path, converged):
     """resync_interval: 1h with nothing else happening: the lease (TTL 10 min) must not lapse under the daemon."""
-    from reconciler.lease import RENEW_AFTER
+    from reconciler.edge.lease import RENEW_AFTER
 
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 1h"))
     c, _ = _controller(desired_path, tmp_path, Script(converged), lambda *a, **k: None)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 
-from reconciler.controller import Controller
-from reconciler.generations import GenerationStore
-from reconciler.holds import Holds
-from reconciler.metrics import REGISTRY
-from reconciler.spec import Retries
-from reconciler.status import StatusPublisher
-from reconciler.triggers import Requests
+from reconciler.core.spec import Retries
+from reconciler.loop.backoff import Holds
+from reconciler.loop.controller import Controller
+from reconciler.loop.generations import GenerationStore
+from reconciler.loop.metrics import REGISTRY
+from reconciler.loop.status import StatusPublisher
+from reconciler.loop.triggers import Requests
 
 LAST_CONVERGED = "reconciler_last_converged_timestamp_seconds"
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from reconciler import spec
-from reconciler.drift import diff
-from reconciler.plan import plan
-from reconciler.simulate import apply_plan
+from reconciler.core import spec
+from reconciler.core.drift import diff
+from reconciler.core.planning import plan
+from reconciler.core.simulate import apply_plan
 from tests.unit.examples import examples
 from tests.unit.oracle import excuse, serving_cannot_restart, usable, violations
 from tests.unit.strategies import desired_dict, desireds, observations
@@ -224,7 +224,7 @@ def test_observe_and_paused_report_drift_but_plan_no_steps(case, mode):
 
 
 def test_unreachable_worker_blocks_serving_but_not_the_head_cleanup():
-    from reconciler.observed import Container, NodeObservation, Observed
+    from reconciler.core.observed import Container, NodeObservation, Observed
 
     desired = spec.Desired.model_validate(desired_dict())
     head = NodeObservation(name="head", reachable=True, docker_reachable=True,

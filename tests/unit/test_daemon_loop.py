@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from reconciler.controller import Result
-from reconciler.daemon import STALE_AFTER, TICK, Daemon, heartbeat_fresh
+from reconciler.loop.controller import Result
+from reconciler.loop.daemon import STALE_AFTER, TICK, Daemon, heartbeat_fresh
 
 
 class FakeController:
@@ -86,7 +86,7 @@ def test_an_idle_loop_still_beats(tmp_path, monkeypatch):
     """The watchdog is fed from the heartbeat; an idle loop (resync far away) must keep it moving."""
     import time
 
-    from reconciler import daemon as daemon_module
+    from reconciler.loop import daemon as daemon_module
 
     monkeypatch.setattr(daemon_module, "TICK", 0.05)
     fake = FakeController([Result()])

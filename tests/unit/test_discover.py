@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from reconciler.discover import _next_free_address
+from reconciler.edge.discover import _next_free_address
 
 
 def _next(ref: str, *taken: str) -> str | None:

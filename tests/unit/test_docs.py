@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from reconciler.docgen import markdown
+from reconciler.core.docgen import markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

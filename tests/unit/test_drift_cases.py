@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import spec
-from reconciler.drift import Drift, diff, weights_difference
-from reconciler.observed import (
+from reconciler.core import spec
+from reconciler.core.drift import Drift, diff, weights_difference
+from reconciler.core.observed import (
     LABEL_INSTANCE,
     LABEL_MANAGED,
     LABEL_SPEC_HASH,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reconciler import discover as disc
-from reconciler import spec
-from reconciler.export import lws_manifest, lws_yaml
+from reconciler.core import spec
+from reconciler.core.export import lws_manifest, lws_yaml
+from reconciler.edge import discover as disc
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = Path(__file__).parent / "fixtures"

@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from reconciler.drift import diff
-from reconciler.loader import load_file
-from reconciler.observe import link_script, parse_links, split_sections
-from reconciler.observed import Observed
-from reconciler.plan import plan
-from reconciler.simulate import apply_plan
-from reconciler.spec import Desired
-from reconciler.vllm import launch_specs
+from reconciler.core.drift import diff
+from reconciler.core.loader import load_file
+from reconciler.core.observed import Observed
+from reconciler.core.planning import plan
+from reconciler.core.simulate import apply_plan
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import launch_specs
+from reconciler.edge.observe import link_script, parse_links, split_sections
 
 TWIN = "enP2p1s0f1np1"
 
@@ -89,7 +89,7 @@ def test_a_twin_back_at_mtu_1500_is_drift_on_its_own(cluster_yaml, seed_snapshot
 
 
 def test_sudoers_lines_cover_the_twin_exactly(cluster_yaml):
-    from reconciler.remote import sudo_allowed, sudo_commands, sudoers_snippet
+    from reconciler.edge.ssh import sudo_allowed, sudo_commands, sudoers_snippet
 
     desired = Desired.model_validate(_data(cluster_yaml))
     text = sudoers_snippet(desired)

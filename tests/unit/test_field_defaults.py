@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from reconciler.loader import load_file
-from reconciler.spec import Desired
-from reconciler.steps import serving
-from reconciler.vllm import launch_specs
+from reconciler.core.loader import load_file
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import launch_specs
+from reconciler.edge.steps import serving
 
 
 def _desired(cluster_yaml, **serving_fields) -> Desired:
@@ -90,7 +90,7 @@ def test_sleep_mode_gets_no_expandable_segments(cluster_yaml):
 
 
 def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
-    from reconciler.remote import CommandTimeout
+    from reconciler.edge.ssh import CommandTimeout
 
     data = load_file(cluster_yaml).data
     data["policy"]["drop_caches"] = True

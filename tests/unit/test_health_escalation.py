@@ -13,11 +13,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from reconciler.health_watch import HealthWatch, _age
-from reconciler.loader import load_file
-from reconciler.observed import NodeObservation, Observed, Serving
-from reconciler.plan import plan, unhealthy_grace
-from reconciler.spec import Desired
+from reconciler.core.loader import load_file
+from reconciler.core.observed import NodeObservation, Observed, Serving
+from reconciler.core.planning import plan, unhealthy_grace
+from reconciler.core.spec import Desired
+from reconciler.loop.health_watch import HealthWatch, _age
 from tests.unit.conftest import converged_in_simulator
 
 GRACE = 300.0

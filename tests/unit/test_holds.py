@@ -1,4 +1,4 @@
-"""The per-step backoff (reconciler/holds.py) against its own contract, stated here from the module's docstring
+"""The per-step backoff (reconciler/loop/backoff.py) against its own contract, stated here from the module's docstring
 and docs/operations.md, not from the code: a failed step waits initial x 2^(failures-1), capped at backoff_max,
 +-20 % jitter; from `hold_after` consecutive failures on it is held (one try per backoff_max); success forgets
 it; one serving step that waits makes the whole ordered restart wait (no restart storm)."""
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.holds import Holds, vetoes
-from reconciler.plan import Plan, Step
-from reconciler.spec import Retries
+from reconciler.core.planning import Plan, Step
+from reconciler.core.spec import Retries
+from reconciler.loop.backoff import Holds, vetoes
 from tests.unit.examples import examples
 
 RETRIES = Retries(backoff_initial="2s", backoff_max="60s", hold_after=4)

@@ -11,13 +11,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler import discover as disc
-from reconciler import spec
-from reconciler.apply import _echo
-from reconciler.observed import Container, NodeObservation, Observed
-from reconciler.plan import plan
-from reconciler.render import observed_text, plan_text, status_text
-from reconciler.text import printable
+from reconciler.core import spec
+from reconciler.core.observed import Container, NodeObservation, Observed
+from reconciler.core.planning import plan
+from reconciler.core.render import observed_text, plan_text, status_text
+from reconciler.core.text import printable
+from reconciler.edge import discover as disc
+from reconciler.loop.apply import _echo
 from tests.unit.examples import examples
 from tests.unit.strategies import desired_dict
 

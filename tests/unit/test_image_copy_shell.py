@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from reconciler.loader import load_file
-from reconciler.spec import Desired
-from reconciler.steps.images import ByteCount, copy_argv
+from reconciler.core.loader import load_file
+from reconciler.core.spec import Desired
+from reconciler.edge.steps.images import ByteCount, copy_argv
 
 DOCKER = """#!/bin/sh
 case "$1" in

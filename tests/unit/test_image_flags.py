@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drift import image_holder
-from reconciler.loader import load_file
-from reconciler.observed import Observed, ServeFlags
-from reconciler.plan import plan
-from reconciler.simulate import apply_plan
-from reconciler.spec import Desired
-from reconciler.vllm import extra_flags, parse_serve_help, unknown_flags
+from reconciler.core.drift import image_holder
+from reconciler.core.loader import load_file
+from reconciler.core.observed import Observed, ServeFlags
+from reconciler.core.planning import plan
+from reconciler.core.simulate import apply_plan
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import extra_flags, parse_serve_help, unknown_flags
 
 HELP = Path(__file__).with_name("fixtures") / "vllm-0.32.0-cpu-serve-help-all.txt"
 
@@ -131,7 +131,7 @@ def test_native_on_an_image_without_ray_is_fine(cluster_yaml, seed_snapshot, kno
 
 
 def test_a_ray_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed_snapshot):
-    from reconciler.observe import flags_wanted
+    from reconciler.edge.observe import flags_wanted
 
     native, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=[])
     ray, _ = _deployed(cluster_yaml, seed_snapshot, extra_args=[], launcher="ray")
@@ -143,7 +143,7 @@ def test_a_ray_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed
 def test_one_throwaway_container_answers_flags_and_ray(cluster_yaml, seed_snapshot, ray_line, has_ray):
     from types import SimpleNamespace
 
-    from reconciler.observe import ask_serve_flags
+    from reconciler.edge.observe import ask_serve_flags
 
     desired, _ = _deployed(cluster_yaml, seed_snapshot, launcher="ray")
     seen = []

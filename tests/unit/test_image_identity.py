@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.drift import diff
-from reconciler.loader import load_file
-from reconciler.observe import image_from_inspect, parse_image, split_sections
-from reconciler.observed import Image, Observed
-from reconciler.plan import plan
-from reconciler.spec import Desired
+from reconciler.core.drift import diff
+from reconciler.core.loader import load_file
+from reconciler.core.observed import Image, Observed
+from reconciler.core.planning import plan
+from reconciler.core.spec import Desired
+from reconciler.edge.observe import image_from_inspect, parse_image, split_sections
 from tests.unit.test_image_flags import _deployed
 
 CLASSIC = json.loads((Path(__file__).with_name("fixtures") / "docker-20.10-overlay2-image-inspect.json").read_text())[0]
@@ -166,8 +166,8 @@ def test_an_inspect_without_layers_is_an_image_not_a_probe_failure():
 def test_only_a_missing_image_is_absent(cluster_yaml, stderr, absent):
     from types import SimpleNamespace
 
-    from reconciler.steps import StepFailed
-    from reconciler.steps.images import inspect_image
+    from reconciler.edge.steps import StepFailed
+    from reconciler.edge.steps.images import inspect_image
 
     class Session:
         def run(self, argv, timeout, check=True):
@@ -217,7 +217,7 @@ def test_a_listed_image_source_may_feed_the_others(cluster_yaml, seed_snapshot):
     ("Loaded image ID: sha256:" + "a" * 64 + "\n", []),
 ])
 def test_docker_load_naming_another_tag_fails_the_copy(output, extra):
-    from reconciler.steps.images import unexpected_tags
+    from reconciler.edge.steps.images import unexpected_tags
 
     assert unexpected_tags(output, "nvcr.io/nvidia/vllm:26.05-py3") == extra
     assert unexpected_tags("Loaded image: vllm-standin:latest\n", "docker.io/library/vllm-standin:latest") == []

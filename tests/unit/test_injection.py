@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from reconciler import remote, spec
+from reconciler.core import spec
+from reconciler.edge import ssh as remote
 from tests.unit.examples import examples
 
 TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=60)
@@ -75,7 +76,7 @@ def test_path_traversal_is_rejected():
 
 
 def _allowed(base_yaml: str) -> list[tuple[str, ...]]:
-    from reconciler import spec
+    from reconciler.core import spec
 
     desired = spec.loads(base_yaml.replace("  resync_interval: 30s", "  resync_interval: 30s\n  drop_caches: true"))
     return remote.sudo_commands(desired, desired.nodes[1])
@@ -111,7 +112,7 @@ def test_sudo_refuses_anything_else(argv, base_yaml):
 
 
 def test_the_sudoers_lines_are_the_commands_the_code_may_send(base_yaml):
-    from reconciler import spec
+    from reconciler.core import spec
 
     desired = spec.loads(base_yaml)
     text = remote.sudoers_snippet(desired)
@@ -125,7 +126,7 @@ def test_the_sudoers_lines_are_the_commands_the_code_may_send(base_yaml):
 def test_launch_argv_carries_no_env_value_with_an_env_file():
     from pathlib import Path
 
-    from reconciler.vllm import launch_specs
+    from reconciler.core.vllm import launch_specs
 
     text = (Path(__file__).resolve().parents[2] / "desired-state" / "testbed.yaml").read_text()
     desired = spec.loads(text.replace("  docker:\n", "  secrets: {HF_TOKEN: serving}\n  docker:\n", 1)

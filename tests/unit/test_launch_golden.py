@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import spec
-from reconciler.vllm import cache_dirs, extra_flags, launch_specs, parse_serve_help, unknown_flags
+from reconciler.core import spec
+from reconciler.core.vllm import cache_dirs, extra_flags, launch_specs, parse_serve_help, unknown_flags
 from tests.unit.edits import edited
 
 SAMPLE = (Path(__file__).parents[2] / "desired-state" / "cluster.yaml").read_text()

@@ -1,4 +1,4 @@
-"""Properties of the launch specs (reconciler/vllm.py), each judged by an oracle that does not call the code under
+"""Properties of the launch specs (reconciler/core/vllm.py), each judged by an oracle that does not call the code under
 test: a node's own fabric section, and the `docker run` the spec renders.
 
 Two mutants of record (tests/named_mutants.py) survived the example tests: every node taking the head's interface
@@ -11,9 +11,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler import spec
-from reconciler.observed import LABEL_INSTANCE
-from reconciler.vllm import launch_specs
+from reconciler.core import spec
+from reconciler.core.observed import LABEL_INSTANCE
+from reconciler.core.vllm import launch_specs
 from tests.unit.examples import examples
 from tests.unit.strategies import desired_dict, desireds
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reconciler import lease
-from reconciler.lease import Holder, Lease, LeaseHeld, held
-from reconciler.remote import Result
+from reconciler.edge import lease
+from reconciler.edge.lease import Holder, Lease, LeaseHeld, held
+from reconciler.edge.ssh import Result
 from tests.e2e.daemon import wait_until
 
 
@@ -38,7 +38,7 @@ def head(tmp_path):
 
 @pytest.fixture
 def desired(base_yaml):
-    from reconciler import spec
+    from reconciler.core import spec
 
     return spec.loads(base_yaml)
 

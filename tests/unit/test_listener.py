@@ -19,8 +19,9 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from reconciler import log, server
-from reconciler.server import serve
+from reconciler.edge import log
+from reconciler.loop import server
+from reconciler.loop.server import serve
 
 DEADLINE = 30.0
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import loader, spec
-from reconciler.loader import Document, LoadError, Position, Problem
+from reconciler.core import loader, spec
+from reconciler.core.loader import Document, LoadError, Position, Problem
 
 
 def _load_error(text: bytes) -> list[Problem]:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from reconciler import spec
+from reconciler.core import spec
 from tests.unit.examples import examples
 
 pytestmark = pytest.mark.usefixtures("build_meter")

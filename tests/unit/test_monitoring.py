@@ -7,7 +7,7 @@ own value mappings and thresholds by tests/e2e/grafana.py (itself tested below o
 end, every panel against a real Prometheus scraping the daemon (tests/e2e/test_grafana_panels.py).
 
 promtool is required, not optional: `make test` installs it (Debian's `prometheus` package, via
-testbed/install-deps.sh). Every metric name used in a query must be one `reconciler.metrics.REGISTRY` exports
+testbed/install-deps.sh). Every metric name used in a query must be one `reconciler.loop.metrics.REGISTRY` exports
 (except `up` and vLLM's own `vllm:` metrics), so a renamed metric breaks here, not silently on a dashboard.
 """
 
@@ -125,12 +125,12 @@ def metric_names(expr: str) -> set[str]:
 
 
 def exported_metric_names() -> set[str]:
-    """Series names `reconciler.metrics.REGISTRY` exports (a family without samples yet still counts)."""
+    """Series names `reconciler.loop.metrics.REGISTRY` exports (a family without samples yet still counts)."""
     from prometheus_client import CollectorRegistry
 
-    metrics = importlib.import_module("reconciler.metrics")
+    metrics = importlib.import_module("reconciler.loop.metrics")
     registry = getattr(metrics, "REGISTRY", None)
-    assert isinstance(registry, CollectorRegistry), "reconciler.metrics must define REGISTRY"
+    assert isinstance(registry, CollectorRegistry), "reconciler.loop.metrics must define REGISTRY"
     suffixes = {
         "counter": ["_total", "_created"],
         "histogram": ["_bucket", "_sum", "_count", "_created"],
@@ -294,7 +294,7 @@ def test_weights_rule_matches_synced_to_expected_per_node():
 
 def test_registry_exports_the_metrics_of_issue_6():
     missing = ISSUE_METRICS - exported_metric_names()
-    assert not missing, f"reconciler.metrics.REGISTRY does not export {sorted(missing)}"
+    assert not missing, f"reconciler.loop.metrics.REGISTRY does not export {sorted(missing)}"
 
 
 def test_metric_name_extraction():
@@ -316,7 +316,7 @@ def test_every_metric_used_exists_in_reconciler_metrics(source):
     assert exprs
     used = set().union(*(metric_names(e) for e in exprs))
     unknown = checked(used) - exported_metric_names()
-    assert not unknown, f"{source} use metrics reconciler.metrics does not export: {sorted(unknown)}"
+    assert not unknown, f"{source} use metrics reconciler.loop.metrics does not export: {sorted(unknown)}"
 
 
 # ------------------------------------------------------------------------------------------------ dashboard
@@ -520,7 +520,7 @@ def test_the_grafana_rules_and_the_prometheus_rules_are_the_same_alerts():
 def test_serving_unhealthy_does_not_call_the_reconciler_vllm():
     """reconciler_serving_healthy has no labels of its own: $labels.instance is the reconciler's address (job
     spark-reconciler), not vLLM's, and the texts must say so."""
-    from reconciler import metrics
+    from reconciler.loop import metrics
 
     assert metrics.serving_healthy._labelnames == ()
     [prom] = [r for r in prometheus_rules() if r["alert"] == "ReconcilerServingUnhealthy"]
@@ -565,7 +565,7 @@ def docs_prometheus_config() -> dict:
 
 
 def test_docs_scrape_both_jobs_the_rules_and_the_panels_select():
-    from reconciler.spec import Policy
+    from reconciler.core.spec import Policy
 
     config = docs_prometheus_config()
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
@@ -655,8 +655,8 @@ LOOK = {  # (meaning of True, status) -> (text, colour) on the dashboard
 
 
 def exported_conditions() -> dict[str, bool]:
-    """Condition type -> cluster-level (node=""), as reconciler.conditions computes them."""
-    from reconciler import conditions
+    """Condition type -> cluster-level (node=""), as reconciler.loop.conditions computes them."""
+    from reconciler.loop import conditions
 
     out = conditions.conditions(conditions.Snapshot(generation=1, observed_generation=1), ["n1"], [], 0.0)
     return {c["type"]: c["node"] == "" for c in out}

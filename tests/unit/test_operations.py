@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from reconciler.execute import Outcome, StepResult
-from reconciler.observed import ServeFlags
-from reconciler.operations import FlagsQuery, Operations, admit
-from reconciler.plan import Step
-from reconciler.steps import StepContext
+from reconciler.core.observed import ServeFlags
+from reconciler.core.planning import Step
+from reconciler.edge.execute import Outcome, StepResult
+from reconciler.edge.steps import StepContext
+from reconciler.loop.operations import FlagsQuery, Operations, admit
 
 WEIGHTS = Step("weights/w", "weights", "w", "sync")
 LINK_H = Step("link/h", "link", "h", "down")

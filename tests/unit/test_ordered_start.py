@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler import spec
-from reconciler.observed import Image, Link, Memory, NodeObservation, Observed, RdmaPort, WeightFile, Weights
-from reconciler.plan import plan
+from reconciler.core import spec
+from reconciler.core.observed import Image, Link, Memory, NodeObservation, Observed, RdmaPort, WeightFile, Weights
+from reconciler.core.planning import plan
 from tests.unit.strategies import GIB, IMAGE, desired_dict, manifest
 from tests.unit.test_core_properties import closure
 
@@ -70,7 +70,7 @@ def test_a_first_start_runs_in_the_launchers_order_after_everything_it_needs(lau
 
 def _running_old_generation(desired: spec.Desired, observed: Observed) -> Observed:
     """Every serving node runs our container with a spec the file no longer asks for: a restart is due."""
-    from reconciler.observed import LABEL_INSTANCE, Container
+    from reconciler.core.observed import LABEL_INSTANCE, Container
     nodes = {}
     for name, obs in observed.nodes.items():
         old = Container(name=desired.serving.container_name, id=f"{name}-old", image=IMAGE, image_id="sha256:good",

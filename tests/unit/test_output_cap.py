@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler import remote
-from reconciler.remote import OutputTooLarge, Session
+from reconciler.edge import ssh as remote
+from reconciler.edge.ssh import OutputTooLarge, Session
 
 
 class _Node:

@@ -12,12 +12,12 @@ import os
 
 import pytest
 
-from reconciler.observed import LABEL_INSTANCE, LABEL_MANAGED, Container, Observed
-from reconciler.plan import Step, plan
-from reconciler.remote import Result
-from reconciler.spec import Desired, load, loads
-from reconciler.steps import StepContext, StepFailed
-from reconciler.steps.containers import stop_serving
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED, Container, Observed
+from reconciler.core.planning import Step, plan
+from reconciler.core.spec import Desired, load, loads
+from reconciler.edge.ssh import Result
+from reconciler.edge.steps import StepContext, StepFailed
+from reconciler.edge.steps.containers import stop_serving
 from tests.unit.conftest import converged_in_simulator
 
 NODE = "spark-1a32"  # the sample's head
@@ -105,7 +105,7 @@ def test_a_container_made_before_the_instance_label_is_still_ours(desired):
 
 
 def test_new_containers_carry_the_instance(desired):
-    from reconciler.vllm import launch_specs
+    from reconciler.core.vllm import launch_specs
 
     for s in launch_specs(desired):
         argv = s.run_argv(1)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler import spec
-from reconciler.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, Serving
-from reconciler.plan import Blocker, Step, plan
+from reconciler.core import spec
+from reconciler.core.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, Serving
+from reconciler.core.planning import Blocker, Step, plan
 from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
 
 STOPS = tuple(f"stop-serving/{n}/vllm_serving" for n in ("head", *WORKERS))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reconciler.drift import Drift
-from reconciler.plan import Blocker, Plan, Step
+from reconciler.core.drift import Drift
+from reconciler.core.planning import Blocker, Plan, Step
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 

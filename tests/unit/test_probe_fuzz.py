@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from reconciler import observe
-from reconciler.observe import ProbeError, Section, parse_probe
-from reconciler.spec import load
-from reconciler.vllm import parse_serve_help
+from reconciler.core.spec import load
+from reconciler.core.vllm import parse_serve_help
+from reconciler.edge import observe
+from reconciler.edge.observe import ProbeError, Section, parse_probe
 from tests.unit.examples import examples
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import spec
-from reconciler.drift import weights_difference
-from reconciler.observe import parse_probe
-from reconciler.observed import Observed
-from reconciler.plan import plan
-from reconciler.vllm import launch_specs
+from reconciler.core import spec
+from reconciler.core.drift import weights_difference
+from reconciler.core.observed import Observed
+from reconciler.core.planning import plan
+from reconciler.core.vllm import launch_specs
+from reconciler.edge.observe import parse_probe
 
 FIXTURE = Path(__file__).with_name("fixtures") / "probe-4-nodes.json"
 

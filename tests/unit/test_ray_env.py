@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from reconciler.loader import load_file
-from reconciler.spec import Desired
-from reconciler.steps import serving
-from reconciler.vllm import launch_specs
+from reconciler.core.loader import load_file
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import launch_specs
+from reconciler.edge.steps import serving
 
 
 def _asymmetric(cluster_yaml, launcher: str) -> Desired:

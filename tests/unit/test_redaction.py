@@ -20,7 +20,7 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler import log
+from reconciler.edge import log
 from tests.unit.examples import examples
 
 SHORT = "Xy7abc"  # a short value: redacted by the name it stands behind, not by registration
@@ -243,10 +243,10 @@ def test_a_short_value_is_not_registered(stderr):
 # -- the status document ----------------------------------------------------------------------------------------
 
 def test_the_status_document_is_redacted(tmp_path):
-    from reconciler.conditions import Snapshot
-    from reconciler.drift import Drift
-    from reconciler.plan import Blocker, Plan, Step
-    from reconciler.status import StatusPublisher
+    from reconciler.core.drift import Drift
+    from reconciler.core.planning import Blocker, Plan, Step
+    from reconciler.loop.conditions import Snapshot
+    from reconciler.loop.status import StatusPublisher
 
     with no_registered_secrets():
         log.register_secret(REGISTERED)

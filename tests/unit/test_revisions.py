@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from reconciler.drift import diff
-from reconciler.loader import load_file
-from reconciler.observed import Observed
-from reconciler.plan import plan
-from reconciler.spec import Desired
-from reconciler.vllm import launch_specs
+from reconciler.core.drift import diff
+from reconciler.core.loader import load_file
+from reconciler.core.observed import Observed
+from reconciler.core.planning import plan
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import launch_specs
 
 REV = "0f6e4b1a9d3c2b5a8e7f6d5c4b3a29181716151a"  # the seed snapshot's commit (tests/fixtures)
 

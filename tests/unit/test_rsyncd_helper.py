@@ -1,4 +1,4 @@
-"""The one-time rsync daemon's helper (`reconciler/steps/rsyncd_helper.py`), run here for real on loopback with
+"""The one-time rsync daemon's helper (`reconciler/edge/steps/rsyncd_helper.py`), run here for real on loopback with
 the real rsync: who gets in, what is left behind, and that it ends when the step lets go of it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.steps import rsyncd, rsyncd_helper
+from reconciler.edge.steps import rsyncd, rsyncd_helper
 from testbed.proc import wait_for
 
 HELPER = str(Path(rsyncd_helper.__file__))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler import spec
-from reconciler.vllm import launch_specs
+from reconciler.core import spec
+from reconciler.core.vllm import launch_specs
 
 SECRETS = "  secrets: {VLLM_API_KEY: head, HF_TOKEN: internet, WANDB_API_KEY: serving}\n"
 VALUES = {"VLLM_API_KEY": "sk-api-0123456789", "HF_TOKEN": "hf_tokenvalue0123456789", "WANDB_API_KEY": "wb-0123456789"}

@@ -16,8 +16,8 @@ import textwrap
 
 SIGNAL_DURING_A_LOG_WRITE = textwrap.dedent("""
     import signal, sys
-    from reconciler import log
-    from reconciler.daemon import Daemon
+    from reconciler.edge import log
+    from reconciler.loop.daemon import Daemon
 
     class SignalsDuringWrite:
         '''stderr whose first write delivers SIGTERM: the handler runs while the log writer holds its lock.'''

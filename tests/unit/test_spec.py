@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from reconciler import spec
+from reconciler.core import spec
 
 INVALID_DIR = Path(__file__).parent / "invalid"
 CORPUS = sorted(INVALID_DIR.glob("*.yaml"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import spec
+from reconciler.core import spec
 from tests.unit.edits import edited
 
 SAMPLE = (Path(__file__).parents[2] / "desired-state" / "cluster.yaml").read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import systemd
+from reconciler.loop import systemd
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.triggers import event_command
+from reconciler.loop.triggers import event_command
 
 
 def _program(folder: Path, name: str, body: str) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import discover as disc
-from reconciler import spec
+from reconciler.core import spec
+from reconciler.edge import discover as disc
 from tests.unit.test_export import facts_from, json_fixture, spark_addr_json, text_fixture
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,9 @@ import stat
 
 import pytest
 
-from reconciler import spec, trusted_files
-from reconciler.vllm import launch_specs
+from reconciler.core import spec
+from reconciler.core.vllm import launch_specs
+from reconciler.edge import trusted_files
 
 DOCKER = "  docker:\n    gpus: all\n"
 
@@ -111,7 +112,7 @@ def test_env_the_reconciler_owns_or_that_injects_code_is_refused(base_yaml, prob
 
 def test_every_variable_the_launch_sets_is_reserved_except_the_gb10_defaults(base_yaml):
     """The oracle is the launch itself: whatever it sets, an override in serving.env must be refused."""
-    from reconciler.vllm import GB10_ENV
+    from reconciler.core.vllm import GB10_ENV
 
     ray = spec.loads(base_yaml.replace("  tensor_parallel_size: 2", "  tensor_parallel_size: 2\n  launcher: ray"))
     for desired in (spec.loads(base_yaml), ray):
@@ -179,10 +180,10 @@ def test_the_mtu_of_the_interface_carrying_the_ssh_session_is_never_changed(base
     """A fabric interface that is in fact the management port: MTU 9000 there could cut the node off."""
     from types import SimpleNamespace
 
-    from reconciler.observed import Link
-    from reconciler.plan import Step
-    from reconciler.remote import Result
-    from reconciler.steps import StepFailed, link
+    from reconciler.core.observed import Link
+    from reconciler.core.planning import Step
+    from reconciler.edge.ssh import Result
+    from reconciler.edge.steps import StepFailed, link
 
     desired = spec.loads(base_yaml)
     sent: list[list[str]] = []
@@ -205,9 +206,9 @@ def test_the_mtu_of_the_interface_carrying_the_ssh_session_is_never_changed(base
 def test_every_plan_lists_what_the_file_trusts(base_yaml, seed_snapshot):
     import json
 
-    from reconciler.observed import Observed
-    from reconciler.plan import plan
-    from reconciler.render import plan_text
+    from reconciler.core.observed import Observed
+    from reconciler.core.planning import plan
+    from reconciler.core.render import plan_text
 
     observed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
     quiet = plan(spec.loads(base_yaml), observed)

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from reconciler.loader import load_file
-from reconciler.observed import Memory, Observed
-from reconciler.plan import plan
-from reconciler.simulate import apply_plan
-from reconciler.spec import Desired
+from reconciler.core.loader import load_file
+from reconciler.core.observed import Memory, Observed
+from reconciler.core.planning import plan
+from reconciler.core.simulate import apply_plan
+from reconciler.core.spec import Desired
 
 GIB = 2**30
 TOTAL = 119 * GIB  # what a GB10 reports as MemTotal (~119.7 GiB)

@@ -135,8 +135,8 @@ def test_bad_arguments(tmp_path):
 def test_the_difference_counts_each_missing_and_each_different_file():
     """What `plan` shows for a copy that lags: missing paths (or a broken link: no size) and files of another
     size or hash are counted apart, out of the source's count."""
-    from reconciler.drift import weights_difference
-    from reconciler.observed import WeightFile, Weights
+    from reconciler.core.drift import weights_difference
+    from reconciler.core.observed import WeightFile, Weights
 
     def f(path, size, sha=None):
         return WeightFile(path=path, size=size, mtime=1.0, sha256=sha)

@@ -1,4 +1,4 @@
-"""How a weight sync splits the shards over its parallel rsync runs (`_groups`, reconciler/steps/weights.py),
+"""How a weight sync splits the shards over its parallel rsync runs (`_groups`, reconciler/edge/steps/weights.py),
 judged on the result: every file in exactly one run, no more runs than streams and no empty one, and the runs
 balanced as the greedy largest-first split guarantees (no run more than one file above the even share)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.steps.weights import _groups
+from reconciler.edge.steps.weights import _groups
 from tests.unit.examples import examples
 
 files = st.dictionaries(st.from_regex(r"[a-z]{1,8}\.safetensors", fullmatch=True),

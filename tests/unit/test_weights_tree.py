@@ -21,12 +21,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from reconciler import observe
-from reconciler.observe import manifest_script, parse_weights, split_sections
-from reconciler.plan import Step
-from reconciler.remote import CommandFailed, Result
-from reconciler.steps import StepContext, StepFailed, hop
-from reconciler.steps import weights as step
+from reconciler.core.planning import Step
+from reconciler.edge import observe
+from reconciler.edge.observe import manifest_script, parse_weights, split_sections
+from reconciler.edge.ssh import CommandFailed, Result
+from reconciler.edge.steps import StepContext, StepFailed, hop
+from reconciler.edge.steps import weights as step
 from testbed.weights import generate
 from tests.unit.examples import examples
 

@@ -1,0 +1,325 @@
+"""desired x observed -> the list of differences. Pure: no I/O, no clock, no globals.
+
+A drift names one resource on one node, what was expected and what was seen. It says whether the reconciler can
+act on it (`actionable`) and whether it stops other work (`blocking`: an unreachable node, memory that no planned
+step frees, a serving name taken by a container the reconciler did not create).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from reconciler.core.observed import LABEL_INSTANCE, Link, NodeObservation, Observed, Weights
+from reconciler.core.spec import Desired, FabricPort, Node
+from reconciler.core.vllm import launch_specs
+
+DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving",
+                    "health", "memory"]
+DRIFT_KINDS: tuple[str, ...] = DriftKind.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Drift:
+    node: str
+    kind: DriftKind
+    resource: str
+    expected: str
+    observed: str
+    actionable: bool = True
+    blocking: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return {"node": self.node, "kind": self.kind, "resource": self.resource, "expected": self.expected,
+                "observed": self.observed, "actionable": self.actionable, "blocking": self.blocking}
+
+
+def _reachability(name: str, obs: NodeObservation) -> list[Drift]:
+    if not obs.reachable:
+        return [Drift(name, "unreachable", f"node/{name}", "reachable over SSH", obs.error or "unreachable",
+                      actionable=False, blocking=True)]
+    if obs.probe_error is not None:
+        return [Drift(name, "probe", f"probe/{name}", "probe output that parses", obs.probe_error,
+                      actionable=False, blocking=True)]
+    if not obs.docker_reachable:
+        return [Drift(name, "docker", f"docker/{name}", "docker engine answering",
+                      obs.docker_error or "docker not reachable", actionable=False, blocking=True)]
+    return []
+
+
+def co_tenant_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Drift]:
+    """Running containers that are neither allowed, protected nor managed by us."""
+    out = []
+    ct = desired.co_tenants
+    for c in obs.containers:
+        if not c.running or c.managed or ct.is_allowed(name, c.name) or ct.is_protected(name, c.name):
+            continue
+        out.append(Drift(name, "co-tenant", f"container/{c.name}", "not running (not allowed)",
+                         f"running ({c.image})", actionable=ct.unlisted == "stop"))
+    return out
+
+
+def link_drift(node: Node, obs: NodeObservation) -> list[Drift]:
+    """Every declared port of the node's fabric (the first, and its twin) as declared: present, up, MTU, address,
+    RDMA port active."""
+    return [d for port, link in zip(node.fabric.ports(), (obs.fabric, obs.fabric_twin), strict=False)
+            for d in _port_drift(node.name, port, node.fabric.mtu, link)]
+
+
+def _port_drift(name: str, want: FabricPort, mtu: int, link: Link | None) -> list[Drift]:
+    res = f"link/{want.interface}"
+    if link is None or not link.exists:
+        return [Drift(name, "link", res, "interface present", "no such interface", actionable=False,
+                      blocking=True)]
+    out = []
+    if not link.admin_up:
+        out.append(Drift(name, "link", res, "up", "admin-down"))
+    elif not link.carrier:
+        # Up on this side but no carrier: the peer's port or the cable. Not this node's to fix; it clears when
+        # the peer's link step brings the other end up, and a dead fabric shows up as a failed serving start.
+        out.append(Drift(name, "link", res + "/carrier", "carrier", "no carrier (peer port down or cable)",
+                         actionable=False))
+    if link.mtu != mtu:
+        out.append(Drift(name, "link", res + "/mtu", str(mtu), str(link.mtu)))
+    if str(want.address) not in link.addresses:
+        out.append(Drift(name, "link", res + "/address", str(want.address), ", ".join(link.addresses) or "none"))
+    if want.rdma_device and link.rdma is not None and not link.rdma.active:
+        # Bringing the netdev up is what activates the RDMA port; alone, it is a cabling/firmware matter.
+        out.append(Drift(name, "rdma", f"rdma/{want.rdma_device}", "4: ACTIVE",
+                         f"{link.rdma.state} ({link.rdma.phys_state})", actionable=any(d.actionable for d in out),
+                         blocking=not any(d.actionable for d in out)))
+    return out
+
+
+def weights_difference(expected: Weights, seen: Weights | None) -> str | None:
+    """None when `seen` holds every expected path with the same resolved size (and hash, where both know it).
+
+    Sizes are those of the link targets, so a copy holding only symlinks (broken: size None) never passes; a
+    link on one side and a real file of the same size on the other is fine (real bytes either way)."""
+    if seen is None or not seen.present:
+        return "missing"
+    have = {f.path: f for f in seen.files}
+    missing = wrong = 0
+    for f in expected.files:
+        got = have.get(f.path)
+        if got is None or (got.size is None and f.size is not None):
+            missing += 1
+        elif got.size != f.size or (f.sha256 and got.sha256 and f.sha256 != got.sha256):
+            wrong += 1
+    if missing or wrong:
+        return f"{missing} missing, {wrong} different of {len(expected.files)} files"
+    return None
+
+
+def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Drift]:
+    mem = obs.memory
+    if mem is None:
+        return []
+    need = int(desired.serving.gpu_memory_utilization * mem.total_bytes) + desired.policy.memory_margin
+    if mem.available_bytes >= need:
+        return []
+    gib = 2**30
+    return [Drift(name, "memory", f"memory/{name}", f">= {need / gib:.1f} GiB available",
+                  f"{mem.available_bytes / gib:.1f} GiB available of {mem.total_bytes / gib:.1f} GiB",
+                  actionable=False, blocking=True)]
+
+
+def serving_drift(desired: Desired, observed: Observed, reference: str | None = None) -> list[Drift]:
+    """Serving containers as the launch specs say. A container on another image than its node now holds under
+    the reference must restart (compared by the node's own id: ids are per engine), and so must one on a node
+    whose image is not the reference's content (`reference`), which this plan's image step replaces."""
+    out = []
+    specs = {s.node: s for s in launch_specs(desired)}
+    name = desired.serving.container_name
+    for node in desired.nodes:
+        obs = observed.node(node.name)
+        if not obs.reachable or not obs.docker_reachable:
+            continue
+        for other in obs.containers:  # our containers that should not run (node left the span, name changed)
+            if (other.owned_by(desired.instance) and other.running and (node.name not in specs or other.name != name)
+                    and not desired.co_tenants.is_protected(node.name, other.name)):
+                out.append(Drift(node.name, "serving", f"container/{other.name}", "not running (no longer wanted)",
+                                 "running"))
+        spec = specs.get(node.name)
+        if spec is None:
+            continue
+        c = obs.container(name)
+        res = f"container/{name}"
+        if c is None:
+            out.append(Drift(node.name, "serving", res, f"running, spec {spec.spec_hash}", "missing"))
+        elif not c.owned_by(desired.instance):
+            seen = (f"another reconciler's container (instance {c.labels.get(LABEL_INSTANCE)}) holds the name"
+                    if c.managed else "a container not created by the reconciler holds the name")
+            out.append(Drift(node.name, "serving", res, f"created by this reconciler ({desired.instance})", seen,
+                             actionable=False, blocking=True))
+        elif not c.running:
+            out.append(Drift(node.name, "serving", res, "running", c.state))
+        elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:
+            out.append(Drift(node.name, "serving", res, f"spec {spec.spec_hash}",
+                             f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
+        elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
+            out.append(Drift(node.name, "serving", res, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
+        elif reference is not None and (local is None or local.content != reference):
+            # the image step brings the reference's content in this plan; a rank left on the old one would
+            # serve beside ranks of the new (found by the oracle property, tests/unit/oracle.py)
+            out.append(Drift(node.name, "serving", res, f"image content {reference[:19]}",
+                             f"image content {local.content[:19] if local else 'missing'}"))
+    return out
+
+
+def _usable(obs: NodeObservation) -> bool:
+    return obs.reachable and obs.probe_error is None and obs.docker_reachable
+
+
+def image_holder(desired: Desired, observed: Observed) -> str | None:
+    """The node whose image is the reference: the first usable image source (the head, unless the file lists
+    others) that has it. Never another node: a compromised worker that claims the tag must not become the
+    source whose `docker save` the other nodes load."""
+    return next((name for name in desired.image_sources if _usable(observed.node(name))
+                 and observed.node(name).images.get(desired.serving.image)), None)
+
+
+def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict[str, bool]]:
+    """Per node: reachability, the fabric link, co-tenants. Also which nodes are usable (SSH and docker answer)."""
+    out: list[Drift] = []
+    reachable = {}
+    for node in desired.nodes:
+        obs = observed.node(node.name)
+        problems = _reachability(node.name, obs)
+        out += problems
+        reachable[node.name] = not problems
+        if obs.reachable and obs.probe_error is None:
+            out += link_drift(node, obs)
+        if not problems:
+            out += co_tenant_drift(desired, node.name, obs)
+    return out, reachable
+
+
+def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder: str | None) -> list[Drift]:
+    """Every usable serving node holds the reference image's content (the head's copy, or the first holder's),
+    and the reference is the pinned one when `serving.image_id` pins it. Content, not id: a copy's id differs
+    on Docker's containerd image store (moby#44833); its layers and config do not."""
+    image = desired.serving.image
+    res = f"image/{image}"
+    if holder is None:
+        sources = ", ".join(desired.image_sources)
+        return [Drift(name, "image", res, f"present on an image source ({sources})", "on no reachable image "
+                      f"source: pull it on {desired.image_sources[0]}", actionable=False, blocking=True)
+                for name in ready]
+    reference = observed.node(holder).images[image]
+    pin = desired.serving.image_id
+    if pin and not reference.matches_pin(pin):
+        online = next((n.name for n in desired.nodes if n.internet), holder)  # the worker cannot pull
+        return [Drift(holder, "image", res, f"pinned {pin[:19]}", f"{reference.id[:19]} (pull the pinned image "
+                      f"on {online}; nothing is copied or started on another)", actionable=False, blocking=True)]
+    out = []
+    for name in ready:
+        got = observed.node(name).images.get(image)
+        if got is None or got.content != reference.content:
+            out.append(Drift(name, "image", res, f"content {reference.content[:19]}",
+                             f"content {got.content[:19]}" if got else "missing"))
+    return out
+
+
+def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
+    """Every usable serving node but the source matches the source's manifest."""
+    out = []
+    source = desired.source_node
+    src_obs = observed.node(source)
+    res = f"weights/{desired.model.id}"
+    present = src_obs.reachable and src_obs.weights is not None and src_obs.weights.present
+    if present and src_obs.weights and (unresolved := _unresolved_revision(desired, src_obs.weights)):
+        # once, and also when the source serves alone: nothing can load a revision its cache does not resolve
+        return [Drift(source, "weights", res, f"revision {desired.model.revision} in the cache", unresolved,
+                      actionable=False, blocking=True)]
+    for name in ready:
+        if name == source:
+            continue
+        if not src_obs.reachable:
+            out.append(Drift(name, "weights", res, f"copy of {source}", f"source {source} unreachable",
+                             actionable=False, blocking=True))
+        elif src_obs.weights is None or not src_obs.weights.present:
+            out.append(Drift(source, "weights", res, "present on the source node", "missing",
+                             actionable=False, blocking=True))
+        else:
+            problem = weights_difference(src_obs.weights, observed.node(name).weights)
+            if problem:
+                out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
+                                 f"{src_obs.weights.total_bytes} bytes", problem))
+    return out
+
+
+def _unresolved_revision(desired: Desired, weights: Weights) -> str | None:
+    """Why model.revision cannot be served offline from the source's HF cache, or None. Every serving node runs
+    with HF_HUB_OFFLINE=1, where huggingface_hub resolves a branch or tag only by `refs/<revision>` and a commit
+    only by `snapshots/<commit>/` (file_download.py); online, the head would re-resolve `main` at every start
+    and could load a newer revision than the worker's copy (two ranks, two revisions)."""
+    rev = desired.model.revision
+    if desired.model.layout != "hf-cache":
+        return None
+    if any(f.path == f"refs/{rev}" or f.path.startswith(f"snapshots/{rev}/") for f in weights.files):
+        return None
+    return (f"neither refs/{rev} nor snapshots/{rev}/ in {weights.root}: download that revision on "
+            f"{desired.source_node} (`hf download {desired.model.id} --revision {rev}`), better pinned to a commit")
+
+
+def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) -> set[str]:
+    """Nodes where the plan stops something that holds memory: an unallowed co-tenant, or our own running serving
+    container (a serving restart stops it first). On unified memory (GB10) the running vLLM's share shows up as
+    used in MemAvailable, so counting only MemAvailable would make every serving change wait for memory that
+    only its own stop frees: a deadlock. The start step's preflight still checks the real MemAvailable after
+    the stop."""
+    stopping = {d.node for d in drift if d.kind == "co-tenant" and d.actionable}
+    name = desired.serving.container_name
+    for node in desired.serving_nodes:
+        own = observed.node(node.name).container(name)
+        if own is not None and own.owned_by(desired.instance) and own.running:
+            stopping.add(node.name)
+    return stopping
+
+
+def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, ready: list[str],
+                                       served: list[Drift], freeing: set[str]) -> list[Drift]:
+    """Memory only matters where serving must (re)start and no planned stop frees memory there."""
+    out = []
+    for name in sorted({d.node for d in served if d.actionable} - freeing):
+        if name in ready:
+            out += _memory_drift(desired, name, observed.node(name))
+    return out
+
+
+def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, bool]) -> list[Drift]:
+    """The API on the head answers and lists the served model."""
+    head = desired.head.name
+    if not reachable.get(head):
+        return []
+    want = desired.serving.served_model_name or desired.model.id
+    health = observed.node(head).serving
+    if health is not None and health.serves(want):
+        return []
+    if health is None or not health.reachable:
+        seen = "not answering"
+    elif not health.healthy:
+        seen = "unhealthy"
+    elif want not in health.models:
+        seen = f"serving {', '.join(health.models) or 'nothing'}"
+    else:
+        seen = f"/health 200 but a completion failed: {health.completion_error}"
+    return [Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}, completing", seen)]
+
+
+def diff(desired: Desired, observed: Observed) -> list[Drift]:
+    """Every difference between the declared and the observed cluster, in a stable order."""
+    out, reachable = _node_drift(desired, observed)
+    serving = {n.name for n in desired.serving_nodes}
+    ready = [n.name for n in desired.nodes if n.name in serving and reachable[n.name]]  # in file order
+    holder = image_holder(desired, observed)
+    out += _image_drift(desired, observed, ready, holder)
+    out += _weights_drift(desired, observed, ready)
+    served = serving_drift(desired, observed,
+                           observed.node(holder).images[desired.serving.image].content if holder else None)
+    out += served
+    out += _memory_drift_where_serving_starts(desired, observed, ready, served,
+                                              _freeing_memory(desired, observed, out))
+    out += _health_drift(desired, observed, reachable)
+    return out

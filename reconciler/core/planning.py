@@ -1,0 +1,263 @@
+"""drift -> an ordered list of steps. Pure: the same desired and observed state always give the same plan.
+
+The order encodes what the seed story learned by hand: free memory and bring the fabric up first; the weights and
+the image must be on every node before serving starts; a serving change stops serving everywhere, then starts the
+workers (headless) and the head last (Ray: the head's GCS first, then the workers, then `vllm serve` on the head),
+then waits for /health. Steps carry stable ids so logs, metrics and holds can name them across reconciles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from reconciler.core.drift import Drift, diff, image_holder
+from reconciler.core.observed import Observed
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import unknown_flags
+
+StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
+                   "await-health"]
+STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Step:
+    id: str
+    kind: StepKind
+    node: str
+    reason: str
+    after: tuple[str, ...] = ()
+    params: dict[str, str] = field(default_factory=dict, hash=False, compare=True)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"id": self.id, "kind": self.kind, "node": self.node, "reason": self.reason,
+                "after": list(self.after), "params": dict(self.params)}
+
+
+@dataclass(frozen=True)
+class Blocker:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    drift: list[Drift]
+    steps: list[Step]
+    blocked: list[Blocker]
+    mode: str = "enforce"
+    trusted: tuple[str, ...] = ()  # the file's `trust` opt-ins in words: shown with every plan (docs/security.md)
+
+    @property
+    def changes(self) -> bool:
+        """True while the cluster differs from the file in a way that needs action (by us or, when blocking, by
+        the operator). Report-only drift (co-tenants under `unlisted: report`, no carrier) does not count."""
+        return any(d.actionable or d.blocking for d in self.drift) or bool(self.steps)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"changes": self.changes, "mode": self.mode, "drift": [d.as_dict() for d in self.drift],
+                "steps": [s.as_dict() for s in self.steps],
+                "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked],
+                "trusted": list(self.trusted)}
+
+
+#: The grace before a restart for health doubles per restart that did not hold, up to 2**4 = 16x.
+MAX_GRACE_DOUBLINGS = 4
+
+
+def _explain(d: Drift) -> str:
+    return f"{d.resource}: expected {d.expected}, observed {d.observed}"
+
+
+def plan(desired: Desired, observed: Observed) -> Plan:
+    drift = diff(desired, observed)
+    mode = "paused" if desired.policy.paused else desired.policy.mode
+    if mode != "enforce":
+        return Plan(drift, [], [], mode, tuple(desired.trust.granted()))
+    steps: list[Step] = []
+    blocked: list[Blocker] = []
+    down = {d.node for d in drift if d.kind in ("unreachable", "probe", "docker")}
+
+    for d in drift:
+        if d.kind == "co-tenant" and d.actionable:
+            name = d.resource.split("/", 1)[1]
+            steps.append(Step(f"stop-container/{d.node}/{name}", "stop-container", d.node,
+                              f"{name} is running but not allowed", params={"container": name}))
+
+    link_ids: dict[str, str] = {}
+    for name in dict.fromkeys(d.node for d in drift if d.kind in ("link", "rdma") and d.actionable):
+        reasons = "; ".join(_explain(d) for d in drift if d.node == name and d.kind in ("link", "rdma"))
+        link_ids[name] = f"link/{name}"
+        steps.append(Step(link_ids[name], "link", name, reasons))
+
+    image = desired.serving.image
+    holder = image_holder(desired, observed)
+    for d in drift:
+        if d.kind != "image" or not d.actionable or holder is None:
+            continue
+        after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
+        expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
+        steps.append(Step(f"image/{d.node}", "image", d.node, _explain(d), after,
+                          params={"source": holder, "image": image, "content": expect}))
+
+    source = desired.source_node
+    for d in drift:
+        if d.kind != "weights" or not d.actionable:
+            continue
+        after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids)
+        steps.append(Step(f"weights/{d.node}", "weights", d.node, _explain(d), after,
+                          params={"source": source, "path": desired.model.path_on(d.node)}))
+
+    steps += _serving_steps(desired, observed, drift, steps, blocked, down)
+    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()))
+
+
+def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
+                   blocked: list[Blocker], down: set[str]) -> list[Step]:
+    serving = [n.name for n in desired.serving_nodes]
+    head = serving[0]
+    name = desired.serving.container_name
+    restart = [d for d in drift if d.kind == "serving" and d.actionable and d.node in serving
+               and d.resource == f"container/{name}"]
+    stale = [d for d in drift if d.kind == "serving" and d.actionable and d not in restart]
+    steps: list[Step] = []
+    stops: dict[str, Step] = {}
+
+    def stop(node: str, container: str, reason: str, after: tuple[str, ...]) -> None:
+        if node in down:
+            return
+        sid = f"stop-serving/{node}/{container}"
+        if sid not in stops:
+            stops[sid] = Step(sid, "stop-serving", node, reason, after, params={"container": container})
+            steps.append(stops[sid])
+
+    for d in stale:
+        stop(d.node, d.resource.split("/", 1)[1], _explain(d), ())
+
+    why = _why_restart(desired, observed, drift, restart, down, steps, blocked)
+    if why is None:
+        return steps
+    if alien := _image_refuses(desired, observed):
+        blocked.append(Blocker(head, alien))
+        return steps
+    hurdles = _restart_hurdles(drift, serving)
+    if hurdles:
+        blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
+                       for d in dict.fromkeys(hurdles))
+        return steps
+    prereq = tuple(s.id for s in before)
+    for node in serving:
+        c = observed.node(node).container(name)
+        if c is not None and c.owned_by(desired.instance):
+            stop(node, name, f"ordered restart ({why})", prereq)
+    steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps))
+    return steps
+
+
+def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], restart: list[Drift], down: set[str],
+                 steps: list[Step], blocked: list[Blocker]) -> str | None:
+    """Why serving restarts in order: its containers drifted, or it served and has failed its health check for
+    the whole grace. None otherwise, after planning the wait for a (cold) start or saying why nothing happens."""
+    head = desired.serving_nodes[0].name
+    if restart:
+        return "; ".join(f"{d.node}: {_explain(d)}" for d in restart)
+    unhealthy = next((d for d in drift if d.kind == "health"), None)
+    if unhealthy is None:
+        return None
+    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:
+        # waiting for health needs every serving node; say why instead of failing a step
+        blocked.append(Blocker(head, f"serving is not healthy; waiting needs {', '.join(unseen)}, "
+                                     "which cannot be reached"))
+        return None
+    wedged = _wedged_for(desired, observed)
+    if wedged is None:  # a (cold) start: wait for it, under serving.health_timeout
+        steps.append(Step(f"await-health/{head}", "await-health", head,
+                          "serving containers are up; wait for the API to become healthy"))
+        return None
+    if not wedged:
+        blocked.append(Blocker(head, _grace_note(desired, observed)))
+        return None
+    return f"{head}: {_explain(unhealthy)}; {_grace_note(desired, observed)}"
+
+
+def unhealthy_grace(desired: Desired, observed: Observed) -> float:
+    """The grace before a restart for health: serving.unhealthy_grace, doubled per restart that did not hold."""
+    health = observed.node(desired.head.name).serving
+    restarts = health.health_restarts if health else 0
+    return desired.serving.unhealthy_grace * 2 ** min(restarts, MAX_GRACE_DOUBLINGS)
+
+
+def _wedged_for(desired: Desired, observed: Observed) -> bool | None:
+    """None: serving has not served since its start (a cold start: wait). False: it served and fails, within the
+    grace (wait without a step). True: it served and has failed for the whole grace: restart in order."""
+    health = observed.node(desired.head.name).serving
+    if health is None or not health.served_before:
+        return None
+    return (health.unhealthy_for or 0.0) >= unhealthy_grace(desired, observed)
+
+
+def _grace_note(desired: Desired, observed: Observed) -> str:
+    health = observed.node(desired.head.name).serving
+    failing = health.unhealthy_for if health and health.unhealthy_for is not None else 0.0
+    return (f"serving served, then failed its health check for {failing:.0f}s; restarted in order after "
+            f"{unhealthy_grace(desired, observed):.0f}s")
+
+
+def _image_refuses(desired: Desired, observed: Observed) -> str | None:
+    """Why serving must not (re)start on this image, as the image itself says (asked once per image id): an
+    extra_args flag its `vllm serve` does not know, or `launcher: ray` on an image without Ray (NVIDIA's
+    26.05-py3 ships without it, and the offline worker cannot pip-install it). vLLM or `ray start` would exit at
+    once on every node; saying so before anything is stopped keeps the running generation serving."""
+    flags = observed.serve_flags
+    holder = image_holder(desired, observed)
+    if flags is None or holder is None:
+        return None
+    image = observed.node(holder).images.get(desired.serving.image)
+    if image is None or image.id != flags.image_id:
+        return None  # asked about another image id: nothing to judge this one by
+    named = f"{desired.serving.image} ({flags.image_id[:19]})"
+    if flags.pending:
+        return (f"serving waits for {named} to say which flags its `vllm serve` knows and whether it has Ray "
+                "(asked once per image id), to judge it before anything stops")
+    if desired.serving.launcher == "ray" and flags.has_ray is False:
+        return (f"serving.launcher is ray, but {named} has no `ray` command (NVIDIA's vLLM 26.05-py3 ships "
+                "without Ray, and the offline worker cannot install it): use launcher: native, or an image "
+                "with Ray; nothing is stopped or started")
+    unknown = [] if flags.error else unknown_flags(desired.serving.extra_args, flags.flags)
+    if not unknown:
+        return None
+    return (f"serving.extra_args: {', '.join(unknown)} {'is not a flag' if len(unknown) == 1 else 'are not flags'} "
+            f"of `vllm serve` in {named}; nothing is stopped or started")
+
+
+def _restart_hurdles(drift: list[Drift], serving: list[str]) -> list[Drift]:
+    """What a serving restart must wait for: blocking drift on a serving node, or of the weights or the image,
+    wherever it is: their reference may live on a node that does not serve (a weights source, an image source
+    whose image is not the pinned one). An actionable weights or image drift needs no wait of its own: `plan()`
+    gives it a step, which the stops come after."""
+    return [d for d in drift if d.blocking and (d.node in serving or d.kind in ("weights", "image"))]
+
+
+def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...]) -> list[Step]:
+    """Start serving on `serving` (head first in the list) once `stopped` are done, then wait for health.
+
+    native: the workers (headless) first, the head (rank 0) last, as it waits for them. Ray: the head's GCS
+    first, then the workers join, then `vllm serve` on the head."""
+    head, workers = serving[0], serving[1:]
+    if launcher == "native":
+        starts = [Step(f"start-serving/{w}", "start-serving", w, f"start rank {i + 1} (headless) first",
+                       stopped, params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
+        head_step = Step(f"start-serving/{head}", "start-serving", head, "start rank 0 last: it waits for "
+                         "the workers", stopped + tuple(s.id for s in starts), params={"rank": "0"})
+        steps = starts + [head_step]
+    else:
+        head_step = Step(f"start-serving/{head}", "start-serving", head, "start the Ray head first", stopped,
+                         params={"rank": "0"})
+        starts = [Step(f"start-serving/{w}", "start-serving", w, "join the Ray cluster", (head_step.id,),
+                       params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
+        launch = Step(f"launch-model/{head}", "launch-model", head, "vllm serve on the Ray head once all "
+                      "nodes joined", (head_step.id,) + tuple(s.id for s in starts))
+        steps = [head_step, *starts, launch]
+    return steps + [Step(f"await-health/{head}", "await-health", head, "wait for /health and /v1/models",
+                         (steps[-1].id,))]

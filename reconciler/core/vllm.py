@@ -1,0 +1,261 @@
+"""The vLLM launch spec per node: docker flags, environment and argv for the native and Ray launchers.
+
+Pure rendering from the desired state, so the plan can compare a hash of it with the label on the running
+container, and the serving step can run exactly what was hashed. Interface names and addresses are taken from
+each node's own fabric section, never copied from the head (asymmetric cabling is a known failure mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from reconciler.core.observed import LABEL_GENERATION, LABEL_INSTANCE, LABEL_MANAGED, LABEL_ROLE, LABEL_SPEC_HASH
+from reconciler.core.spec import Desired, Node
+
+HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
+PLAIN_MODEL_IN_CONTAINER = "/models/model"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything `docker run` needs on one node, plus (Ray only) the serve command exec'd on the head."""
+
+    node: str
+    rank: int
+    container_name: str
+    image: str
+    docker_flags: tuple[str, ...]
+    env: dict[str, str]
+    command: tuple[str, ...]
+    serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
+    keep_local: tuple[str, ...] = ()  # Ray launcher, head: env names vLLM must not copy to the Ray workers
+    instance: str = ""  # Desired.instance, as a label (not hashed: it names the owner, not the launch)
+
+    @property
+    def spec_hash(self) -> str:
+        body = json.dumps([self.container_name, self.image, self.docker_flags, sorted(self.env.items()),
+                           self.command, self.serve_exec, *([self.keep_local] if self.keep_local else [])],
+                          separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def run_argv(self, generation: int, env_file: str | None = None) -> list[str]:
+        """`docker run` argv (without the leading `docker`); labels carry the hash for the next diff.
+
+        With `env_file` (the serving step passes `/dev/stdin` and sends `env_file_text` on it) the docker CLI
+        reads the environment from there instead of `-e K=V`, so no value (HF_TOKEN, ...) is on a command line:
+        not in `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
+        labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
+                  LABEL_ROLE: "head" if self.rank == 0 else "worker", LABEL_INSTANCE: self.instance}
+        argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
+        for key, value in sorted(labels.items()):
+            argv += ["--label", f"{key}={value}"]
+        if env_file is not None:
+            argv += ["--env-file", env_file]
+        else:
+            for key, value in sorted(self.env.items()):
+                argv += ["-e", f"{key}={value}"]
+        return argv + [self.image, *self.command]
+
+    def non_carry_over_json(self) -> str:
+        """vLLM's `$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json` for the head (a JSON list of names)."""
+        return json.dumps(list(self.keep_local))
+
+    def env_file_text(self) -> str:
+        """`docker run --env-file` content: one KEY=VALUE per line, taken literally (spec forbids control
+        characters in values, so a value cannot start another line)."""
+        return "".join(f"{key}={value}\n" for key, value in sorted(self.env.items()))
+
+
+def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str, str]]:
+    """Read-only: only the reconciler writes the weights (rsync from the source), and a compromised or buggy
+    container must not change what the other nodes are checked against. With HF_HUB_OFFLINE=1 nothing is
+    downloaded into the cache; the real vLLM's start and completions on the testbed run from this read-only
+    mount (tests/e2e/test_real_vllm.py, docs/security.md)."""
+    path = desired.model.path_on(node.name)
+    if desired.model.layout == "hf-cache":
+        return (["-v", f"{path}:{HF_CACHE_IN_CONTAINER}:ro"], desired.model.id,
+                {"HF_HUB_CACHE": HF_CACHE_IN_CONTAINER})
+    return ["-v", f"{path}:{PLAIN_MODEL_IN_CONTAINER}:ro"], PLAIN_MODEL_IN_CONTAINER, {}
+
+
+# Inside the container (NGC's and vLLM's images run as root): vLLM's torch.compile cache lives in ~/.cache/vllm,
+# FlashInfer's JIT in ~/.cache/flashinfer, Triton's in ~/.triton; inductor's own defaults to /tmp, so it is moved
+# under the vLLM one (bench/vllm_start.py measures what keeping them saves).
+_CACHES_IN_CONTAINER = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton"}
+
+
+def cache_dirs(desired: Desired, node: Node) -> dict[str, str]:
+    """Host directory per kept compile cache on `node` (empty: none kept). The serving step creates them as the
+    SSH user before `docker run`, which would otherwise create them as root."""
+    where = desired.serving.compile_cache
+    if where is None:
+        return {}
+    if where == "home":
+        home = "/root" if node.ssh.user == "root" else f"/home/{node.ssh.user}"
+        return {"vllm": f"{home}/.cache/vllm", "flashinfer": f"{home}/.cache/flashinfer", "triton": f"{home}/.triton"}
+    return {name: f"{where.rstrip('/')}/{name}" for name in _CACHES_IN_CONTAINER}
+
+
+def _cache_mounts(desired: Desired, node: Node) -> tuple[list[str], dict[str, str]]:
+    dirs = cache_dirs(desired, node)
+    flags = [arg for name, host in dirs.items() for arg in ("-v", f"{host}:{_CACHES_IN_CONTAINER[name]}")]
+    env = {"TORCHINDUCTOR_CACHE_DIR": f"{_CACHES_IN_CONTAINER['vllm']}/inductor"} if dirs else {}
+    return flags, env
+
+
+def _docker_flags(desired: Desired, node: Node) -> list[str]:
+    opts = desired.serving.docker
+    flags = ["--network", "host", "--restart", "no"]
+    if opts.ipc:
+        flags += ["--ipc", opts.ipc]
+    if opts.privileged:
+        flags += ["--privileged"]
+    if opts.gpus:
+        flags += ["--gpus", opts.gpus]
+    if opts.shm_size and opts.ipc != "host":  # the host's /dev/shm has its own size; docker ignores the flag
+        flags += ["--shm-size", opts.shm_size]  # with it, and podman refuses the pair
+    for name, value in sorted(opts.ulimits.items()):
+        flags += ["--ulimit", f"{name}={value}"]
+    for device in opts.devices:
+        flags += ["--device", device]
+    for cap in opts.cap_add:
+        flags += ["--cap-add", cap]
+    for volume in opts.volumes:
+        flags += ["-v", volume]
+    return flags
+
+
+def _env(desired: Desired, node: Node) -> dict[str, str]:
+    head_ip = str(desired.head.fabric.address.ip)
+    iface = node.fabric.interface
+    env = {
+        "VLLM_HOST_IP": str(node.fabric.address.ip),
+        "MASTER_ADDR": head_ip,
+        "NCCL_SOCKET_IFNAME": iface,
+        "GLOO_SOCKET_IFNAME": iface,
+        "TP_SOCKET_IFNAME": iface,
+        "UCX_NET_DEVICES": iface,
+        "OMPI_MCA_btl_tcp_if_include": iface,
+    }
+    if devices := [p.rdma_device for p in node.fabric.ports() if p.rdma_device]:
+        # Both twins when declared: each is one PCIe x4 link, ~100 Gb/s (eugr docs/NETWORKING.md). `=`: exact
+        # names, as NCCL's docs advise for a list (a bare `mlx5_1` also matches mlx5_10..19); one device stays
+        # as it always was (no restart on upgrade).
+        hca = devices[0] if len(devices) == 1 else "=" + ",".join(devices)
+        env |= {"NCCL_IB_HCA": hca, "NCCL_IB_DISABLE": "0"}
+    # Every node, not only the internet-less one: the reconciler has put the exact revision there, and vLLM
+    # 0.32 still asks the Hub at start for files a snapshot lacks (hf_quant_config.json in get_config), so a Hub
+    # or DNS outage crashed a head that had every file (docs/testbed.md, "What the real vLLM revealed"); and an
+    # online head re-resolves `--revision main` at every start, so it could load a newer revision than the
+    # worker's copy. Not for `layout: plain`: a local path and HF_HUB_OFFLINE break each other (vllm#23684).
+    if desired.model.layout == "hf-cache":
+        env["HF_HUB_OFFLINE"] = "1"
+    if desired.serving.launcher == "ray":
+        env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip)}
+    defaults = dict(GB10_ENV)
+    if {"--enable-sleep-mode", "--enable_sleep_mode"} & set(extra_flags(desired.serving.extra_args)):
+        # vLLM's sleep-mode allocator refuses expandable segments (vllm/device_allocator/cumem.py)
+        defaults.pop("PYTORCH_CUDA_ALLOC_CONF")
+    return env | defaults | dict(desired.serving.env) | desired.secrets_for(node)
+
+
+# What eugr/spark-vllm-docker sets on every Spark (launch-cluster.sh), overridable in serving.env: unified memory
+# fragments less with expandable segments (a 2x Spark report measured 6-7 GiB more free), and NCCL's own CPU
+# affinity guess is wrong on GB10's big.LITTLE cores (docs/troubleshooting.md "GB10 memory defaults").
+GB10_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_IGNORE_CPU_AFFINITY": "1"}
+
+
+def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
+    s = desired.serving
+    argv = ["vllm", "serve", model_arg]
+    if desired.model.layout == "hf-cache":
+        argv += ["--revision", desired.model.revision]
+    argv += ["--tensor-parallel-size", str(s.tensor_parallel_size),
+             "--pipeline-parallel-size", str(s.pipeline_parallel_size),
+             "--gpu-memory-utilization", f"{s.gpu_memory_utilization:g}"]
+    if s.max_model_len:
+        argv += ["--max-model-len", str(s.max_model_len)]
+    if s.served_model_name:
+        argv += ["--served-model-name", s.served_model_name]
+    if desired.trust.remote_code:
+        argv += ["--trust-remote-code"]
+    return argv
+
+
+def extra_flags(extra_args: list[str]) -> list[str]:
+    """The option names in serving.extra_args (`--x=1` -> `--x`; values and negative numbers are not options)."""
+    out = []
+    for arg in extra_args:
+        name = arg.split("=", 1)[0]
+        if name.startswith("-") and not name.lstrip("-").replace(".", "", 1).isdigit() and name not in out:
+            out.append(name)
+    return out
+
+
+def unknown_flags(extra_args: list[str], known: list[str]) -> list[str]:
+    """Flags of extra_args the image's `vllm serve` does not know. vLLM's parser takes `--a_b` for `--a-b`."""
+    names = set(known)
+    return [f for f in extra_flags(extra_args) if f not in names and f.replace("_", "-") not in names]
+
+
+def parse_serve_help(text: str) -> list[str]:
+    """Every option name in `vllm serve --help=all` output: argparse lists them on lines indented by two spaces,
+    aliases separated by ", " before the description (`  --api-server-count N, -asc N  Text`)."""
+    flags: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("  -"):
+            continue
+        spec = line.strip().split("  ", 1)[0]
+        for alias in spec.split(", "):
+            name = alias.split(" ", 1)[0]
+            if name.startswith("-") and name not in flags:
+                flags.append(name)
+    return flags
+
+
+def launch_specs(desired: Desired) -> list[LaunchSpec]:
+    """One spec per serving node, rank order (head = rank 0)."""
+    s = desired.serving
+    nodes = desired.serving_nodes
+    head_ip = str(desired.head.fabric.address.ip)
+    specs = []
+    for rank, node in enumerate(nodes):
+        mount, model_arg, mount_env = _model_mount(desired, node)
+        caches, cache_env = _cache_mounts(desired, node)
+        flags = tuple(_docker_flags(desired, node) + mount + caches)
+        env = mount_env | cache_env | _env(desired, node)
+        serve_exec = None
+        if s.launcher == "native":
+            command = _serve_argv(desired, model_arg) + ["--host", s.host, "--port", str(s.port)]
+            if len(nodes) > 1:
+                command += ["--nnodes", str(len(nodes)), "--node-rank", str(rank),
+                            "--master-addr", head_ip, "--master-port", str(s.master_port)]
+                if rank > 0:
+                    command += ["--headless"]
+            command += list(s.extra_args)
+        else:
+            ip = str(node.fabric.address.ip)
+            if rank == 0:
+                command = ["ray", "start", "--block", "--head", "--port", str(s.ray_port), "--node-ip-address", ip]
+                serve_exec = tuple(_serve_argv(desired, model_arg) + [
+                    "--host", s.host, "--port", str(s.port), "--distributed-executor-backend", "ray",
+                    *s.extra_args])
+            else:
+                command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip]
+        specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
+                                docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
+                                instance=desired.instance))
+    if s.launcher == "ray":
+        specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))
+    return specs
+
+
+def _keep_local(specs: list[LaunchSpec]) -> tuple[str, ...]:
+    """Every name we set in a serving container. vLLM's Ray executor copies the driver's (the head's) `VLLM_*`,
+    `NCCL_*`, `UCX_*`, `HF_*`, `HUGGING_FACE_*` and `LMCACHE_*` to every Ray worker (vllm PR #34383), so with
+    asymmetric cabling a worker got the head's NCCL_IB_HCA and interface (sparkrun #135). Each container already
+    has its own node's values; none needs the head's."""
+    return tuple(sorted({name for spec in specs for name in spec.env}))

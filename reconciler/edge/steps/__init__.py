@@ -1,0 +1,86 @@
+"""The actuators: one module per family (containers, link, images, weights, serving).
+
+Each step is a plain function `run(ctx, step)`: it re-checks its precondition on the node (the world may have
+moved since the observation), acts through `remote` only, and verifies its own effect by re-reading what it
+touched; it raises StepFailed (or a transient RemoteError, which the executor retries) when it could not. Steps
+know nothing of the loop: the executor in `reconciler.edge.execute` orders, times and retries them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from reconciler.core.observed import Observed
+from reconciler.core.planning import Step
+from reconciler.core.spec import Desired
+from reconciler.edge.ssh import Sessions
+
+
+class StepFailed(Exception):
+    """A step ran and did not reach its goal; the message is what an operator needs to act."""
+
+    transient = False
+
+
+class StepBlocked(StepFailed):
+    """A precondition does not hold (memory short, a foreign container holds the name): nothing was changed."""
+
+
+ProgressFn = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class StepContext:
+    desired: Desired
+    sessions: Sessions
+    observed: Observed
+    generation: int = 0
+    progress: ProgressFn = lambda event, fields: None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    deadline: float = float("inf")
+
+    def remaining(self, cap: float | None = None) -> float:
+        """Seconds left for this step (never below one), optionally capped by a per-command timeout."""
+        left = max(1.0, self.deadline - time.monotonic())
+        return min(left, cap) if cap is not None else left
+
+    @property
+    def command_timeout(self) -> float:
+        return self.remaining(self.desired.policy.timeouts.command)
+
+
+def wait_for(check: Callable[[], Any], *, timeout: float, interval: float = 0.2, what: str,
+             cancel: threading.Event | None = None) -> Any:
+    """Poll `check` until it returns something truthy or the deadline passes (then StepFailed naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise StepFailed(f"timed out after {timeout:g}s waiting for {what}")
+        if cancel is not None and cancel.wait(interval):
+            raise StepFailed(f"cancelled while waiting for {what}")
+        if cancel is None:
+            time.sleep(interval)
+
+
+def runner(kind: str) -> Callable[[StepContext, Step], None]:
+    """The function that performs a step kind (imported lazily: each family is its own module)."""
+    from reconciler.edge.steps import containers, images, link, serving, weights
+
+    table: dict[str, Callable[[StepContext, Step], None]] = {
+        "stop-container": containers.stop_container,
+        "stop-serving": containers.stop_serving,
+        "link": link.converge_link,
+        "image": images.copy_image,
+        "weights": weights.sync_weights,
+        "start-serving": serving.start_serving,
+        "launch-model": serving.launch_model,
+        "await-health": serving.await_health,
+    }
+    return table[kind]

@@ -1,0 +1,125 @@
+"""Copy the serving image to a node that lacks it: `docker save` on a node that has it, piped over the fabric
+(`reconciler.edge.steps.hop`) into `docker load` on the target, then verify the copy's content. Skipped when the
+content already matches. Content (layers' diff ids and config), not the id: on Docker's containerd image store a
+loaded image's id is not the saved one's (moby#44833; docs/troubleshooting.md "Image ids").
+
+The stream never passes through the reconciler: a 20 GB image once crossed the daemon's process over the 10G
+management port (and the worker's hop through the head). It runs on the source as one supervised command
+(cancelled with the step, nothing left running on either node), bounded on both nodes, with its bytes counted
+by `dd status=progress` for the step's progress."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from reconciler.core.observed import Image
+from reconciler.core.planning import Step
+from reconciler.edge.observe import image_from_inspect
+from reconciler.edge.ssh import CommandFailed, bounded, quote
+from reconciler.edge.steps import StepContext, StepFailed, hop
+
+# bash for pipefail: a failed `docker save` or `docker load` fails the copy, not only the last stage. dd's report
+# goes to stdout (fd 3) where the step reads progress; docker load's own output to stderr.
+_COPY = ('set -o pipefail; exec 3>&1; docker save "$1" | LC_ALL=C dd bs=4M status=progress 2>&3 | "${@:2}" >&2')
+_DD_BYTES = re.compile(rb"^(\d+) bytes")
+
+
+class ByteCount:
+    """The bytes dd reports, from its output as it arrives: SSH chunks split records anywhere, so only whole
+    records (ended by dd's \\r or \\n) count, and the count never goes back."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """True when the count grew."""
+        *records, self._tail = re.split(rb"[\r\n]", self._tail + chunk)
+        seen = [int(m.group(1)) for r in records if (m := _DD_BYTES.match(r.strip()))]
+        if not seen or max(seen) <= self.done:
+            return False
+        self.done = max(seen)
+        return True
+
+
+def inspect_image(ctx: StepContext, node: str, ref: str) -> Image | None:
+    """The image on `node`; None only when the engine says it has none (a broken engine is an error, not a reason
+    to copy 20 GB)."""
+    result = ctx.sessions[node].run(["docker", "image", "inspect", ref], timeout=ctx.command_timeout, check=False)
+    if not result.ok:
+        if "no such image" in result.stderr.lower():
+            return None
+        raise StepFailed(f"`docker image inspect {ref}` on {node} failed (exit {result.exit_code}): "
+                         f"{result.stderr.strip()[-300:]}")
+    try:
+        return image_from_inspect(json.loads(result.stdout)[0])
+    except (ValueError, LookupError, TypeError) as exc:
+        raise StepFailed(f"`docker image inspect {ref}` on {node} printed no image: {exc}") from None
+
+
+def copy_argv(ctx: StepContext, ref: str, target: str, timeout: float) -> list[str]:
+    """The source's command: save | count | ssh target 'docker load' (bounded on the target as well)."""
+    load = quote(bounded(["docker", "load"], timeout))
+    return ["bash", "-c", _COPY, "bash", ref, *hop.ssh_options(ctx, target), hop.address(ctx, target), load]
+
+
+_LOADED = re.compile(r"^Loaded image: (\S+)\s*$", re.M)
+
+
+def _familiar(ref: str) -> str:
+    """docker's short form of a reference (`docker.io/library/x:1` -> `x:1`), as `docker load` prints it."""
+    for prefix in ("docker.io/library/", "docker.io/"):
+        if ref.startswith(prefix):
+            return ref[len(prefix):]
+    return ref
+
+
+def unexpected_tags(load_output: str, ref: str) -> list[str]:
+    """Tags `docker load` reports besides `ref`: an archive from a source must carry only the image asked for
+    (extra tags would silently repoint other images on the target)."""
+    return [t for t in _LOADED.findall(load_output) if _familiar(t) != _familiar(ref)]
+
+
+def copy_image(ctx: StepContext, step: Step) -> None:
+    """The target must end up with the content the plan saw on the image source (the head unless listed
+    otherwise); the archive may name no other tag. Checked on the target after the load, not taken from the
+    stream's sender."""
+    ref, source, node = step.params["image"], step.params["source"], step.node
+    expect = step.params.get("content")
+    want = inspect_image(ctx, source, ref)
+    if want is None:
+        raise StepFailed(f"{ref} is no longer present on {source}")
+    if expect and want.content != expect:
+        raise StepFailed(f"{ref} on {source} changed since the plan (content {want.content[:19]}, planned "
+                         f"{expect[:19]}): nothing is copied; the next reconcile plans again")
+    pin = ctx.desired.serving.image_id
+    if pin and not want.matches_pin(pin):
+        raise StepFailed(f"{ref} on {source} is {want.id[:19]}, not the pinned {pin[:19]}: nothing is copied")
+    have = inspect_image(ctx, node, ref)
+    if have is not None and have.content == want.content:
+        return
+    hop.trust_target_on_source(ctx, source, node)
+    moved = ByteCount()
+
+    def seen(chunk: bytes) -> None:
+        if moved.feed(chunk):
+            ctx.progress("image.progress", {"node": node, "bytes": moved.done})
+
+    timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
+    try:
+        copied = ctx.sessions[source].run(copy_argv(ctx, ref, node, timeout), timeout=timeout, on_output=seen,
+                                          cancel=ctx.cancel, supervised=True)
+    except CommandFailed as exc:
+        raise StepFailed(f"copying {ref} {source} -> {node} over the fabric failed (exit {exc.exit_code}) "
+                         f"after {moved.done} bytes: {exc.stderr.strip()[-600:]}") from None
+    if extra := unexpected_tags(copied.stderr, ref):
+        raise StepFailed(f"the archive from {source} also loaded {', '.join(extra)} on {node}: only {ref} was "
+                         "asked for; check the source (docs/security.md \"Images\")")
+    got = inspect_image(ctx, node, ref)
+    if got is None or got.content != want.content:
+        raise StepFailed(f"after loading {moved.done} bytes, {ref} on {node} has content "
+                         f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
+    if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
+        raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
+    ctx.progress("image.done", {"node": node, "bytes": moved.done, "image_id": got.id, "content": want.content})

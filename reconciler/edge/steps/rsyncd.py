@@ -1,0 +1,82 @@
+"""The weights' fabric transport: a one-time rsync daemon on the target's fabric address, for one step.
+
+Over SSH, one core's cipher caps a stream (~0.45 GB/s on a Spark; here the two ends' ciphers cost 2.1 CPU seconds
+per GB against the daemon's 0.4: docs/benchmarks.md). The fabric is a dedicated cable between the nodes and the
+bytes are public weights, so confidentiality is not needed there; authentication is, and integrity: rsync's
+challenge-response with a secret made for this step alone (never sent, sha512 of it and a fresh challenge), its
+whole-file checksum of every file, then the manifest check of the step. What listens, and for how long:
+`rsyncd_helper` (run on the target) binds the target's fabric address only, on a port the kernel picks, accepts
+exactly one connection per stream from the source's fabric address, and hands each to an `rsync --daemon` that
+serves it and exits; it ends them all when the step closes its SSH channel (done, failed, cancelled) or at the
+step's deadline. docs/research/weights-transport.md has the reasons, from rsync's source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from reconciler.edge.ssh import Companion
+from reconciler.edge.steps import StepContext, StepFailed
+from reconciler.edge.steps.rsyncd_helper import MODULE, USER
+
+_HELPER = Path(__file__).with_name("rsyncd_helper.py").read_text()
+
+
+@dataclass(frozen=True)
+class Door:
+    """Where the source's rsync clients connect, and with what."""
+
+    address: str
+    port: int
+    secret: str = ""
+
+    def url(self) -> str:
+        return f"rsync://{USER}@{self.address}:{self.port}/{MODULE}/"
+
+    def __repr__(self) -> str:  # the secret never in a log line or a traceback
+        return f"Door({self.address}:{self.port})"
+
+
+def _port(line: str | None) -> int | None:
+    """The port from the helper's first line (`port N`), or None for anything else a node might print."""
+    word = (line or "").split()
+    if len(word) == 2 and word[0] == "port" and word[1].isdigit() and 0 < int(word[1]) < 65536:
+        return int(word[1])
+    return None
+
+
+class Daemon:
+    """The running helper of one step: its `door`, and `confirm` once every stream's client succeeded."""
+
+    def __init__(self, ctx: StepContext, target: str, helper: Companion, door: Door):
+        self._ctx, self._target, self._helper, self.door = ctx, target, helper, door
+
+    def confirm(self) -> None:
+        """Wait for the helper to report that every daemon ended well (they exit right after their client)."""
+        said = self._helper.finish(self._ctx.command_timeout)
+        if said.exit_code != 0:
+            raise StepFailed(f"the rsync daemon on {self._target} ended with exit {said.exit_code}: "
+                             f"{said.stderr.strip()[-800:]}")
+
+
+@contextlib.contextmanager
+def rsync_daemon(ctx: StepContext, source: str, target: str, root: str, streams: int) -> Iterator[Daemon]:
+    """Run the one-time daemon on `target` for `streams` connections from `source`, writing below `root`. Leaving
+    the block closes the helper's channel, which ends whatever still runs there (partial data kept for the
+    resume); call `confirm` first when the clients all succeeded."""
+    bind, peer = (str(ctx.desired.node(n).fabric.address.ip) for n in (target, source))
+    secret = secrets.token_urlsafe(32)
+    argv = ["python3", "-c", _HELPER, bind, peer, str(streams), root, str(int(ctx.remaining()))]
+    with ctx.sessions[target].companion(argv, timeout=ctx.remaining(), stdin=f"{secret}\n".encode(),
+                                        open_timeout=ctx.command_timeout) as helper:
+        first = helper.line(ctx.command_timeout)
+        port = _port(first)
+        if port is None:
+            said = helper.finish(ctx.command_timeout)
+            raise StepFailed(f"the rsync daemon on {target} did not start (exit {said.exit_code}): "
+                             f"{(said.stderr or first or 'no output').strip()[-600:]}")
+        yield Daemon(ctx, target, helper, Door(bind, port, secret))

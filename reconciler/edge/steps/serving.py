@@ -1,0 +1,157 @@
+"""Starting vLLM across the nodes and waiting for it to serve.
+
+The launch itself is rendered by `reconciler.core.vllm` (pure); here it is run: a memory preflight (GB10 memory is
+unified, and a start that overshoots wedges the node), removal of our own stopped container of the same name (no
+"name already in use"), `docker run` with the labels that carry the spec hash, and for the head the wait for
+/health, /v1/models and one completion under its own deadline: a 119 GB cold start takes many minutes, far
+beyond a step timeout.
+A container that exits while we wait fails the step at once with its last log lines.
+"""
+
+from __future__ import annotations
+
+import json
+
+from reconciler.core.planning import Step
+from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs
+from reconciler.edge.observe import Section, api_argv, auth_header, completion_argv, parse_completion
+from reconciler.edge.ssh import RemoteError, quote
+from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, wait_for
+from reconciler.edge.steps.containers import inspect, owner_problem
+
+GIB = 2**30
+# Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
+# $VLLM_CONFIG_ROOT, default $XDG_CONFIG_HOME/vllm or ~/.config/vllm (vllm/envs.py, vllm/ray/ray_env.py).
+NON_CARRY_OVER_WRITE = ('d="${VLLM_CONFIG_ROOT:-${XDG_CONFIG_HOME:-$HOME/.config}/vllm}"; mkdir -p "$d" && '
+                        'cat > "$d/ray_non_carry_over_env_vars.json"')
+
+
+def spec_for(ctx: StepContext, node: str) -> LaunchSpec:
+    return next(s for s in launch_specs(ctx.desired) if s.node == node)
+
+
+def _memory(ctx: StepContext, node: str) -> tuple[int, int]:
+    out = ctx.sessions[node].run(["grep", "-E", "^(MemTotal|MemAvailable):", "/proc/meminfo"],
+                                 timeout=ctx.command_timeout).stdout
+    values = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in out.splitlines()}
+    return values["MemTotal"], values["MemAvailable"]
+
+
+def memory_preflight(ctx: StepContext, node: str) -> None:
+    """MemAvailable must cover gpu_memory_utilization x MemTotal plus the margin (drop caches first if allowed)."""
+    policy = ctx.desired.policy
+    total, available = _memory(ctx, node)
+    need = int(ctx.desired.serving.gpu_memory_utilization * total) + policy.memory_margin
+    if available < need and policy.drop_caches:
+        # drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst): after a 100 GB
+        # rsync most of the cache is dirty until written back. `sync -f` flushes the weights' filesystem (no root
+        # needed), not every mount (a hung NFS one would hold the start); past the command deadline, go on.
+        try:
+            ctx.sessions[node].run(["sync", "-f", ctx.desired.model.path_on(node)], timeout=ctx.command_timeout)
+        except RemoteError as exc:
+            ctx.progress("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
+        ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True,
+                               timeout=ctx.command_timeout)
+        total, available = _memory(ctx, node)
+    if available < need:
+        raise StepBlocked(f"{node}: {available / GIB:.1f} GiB available, but gpu_memory_utilization "
+                          f"{ctx.desired.serving.gpu_memory_utilization:g} x {total / GIB:.1f} GiB + margin "
+                          f"{policy.memory_margin / GIB:.1f} GiB = {need / GIB:.1f} GiB is needed")
+
+
+def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
+    result = ctx.sessions[node].run(["docker", "logs", "--tail", str(lines), name], timeout=ctx.command_timeout,
+                                    check=False)
+    return (result.stdout + result.stderr).strip()[-1500:]
+
+
+def start_serving(ctx: StepContext, step: Step) -> None:
+    node = step.node
+    spec = spec_for(ctx, node)
+    info = inspect(ctx, node, spec.container_name)
+    if info is not None:
+        if (problem := owner_problem(ctx, node, spec.container_name, info)) is not None:
+            raise StepBlocked(f"{spec.container_name} exists and is not ours to replace: {problem}")
+        labels = info["Config"].get("Labels") or {}
+        if info["State"]["Running"] and labels.get("spark-reconciler.spec-hash") == spec.spec_hash:
+            return  # already what we want (a crash after `docker run`, before the step was recorded)
+        if info["State"]["Running"]:
+            raise StepFailed(f"{spec.container_name} on {node} runs another spec; the plan stops it first")
+        ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
+    memory_preflight(ctx, node)
+    session = ctx.sessions[node]
+    if dirs := cache_dirs(ctx.desired, ctx.desired.node(node)):
+        session.run(["mkdir", "-p", *dirs.values()], timeout=ctx.command_timeout)  # ours, not root's
+    # The environment reaches the docker CLI on its stdin: `--env-file /dev/stdin` (the CLI opens the path like
+    # any file, and sshd hands a command's stdin over as a pipe). So no value is on a command line (`ps`, error
+    # messages) and none is ever on a node's disk, where a daemon killed between writing and removing a temp file
+    # would leave the secret behind.
+    session.run(["docker", *spec.run_argv(ctx.generation, env_file="/dev/stdin")],
+                stdin=spec.env_file_text().encode(), timeout=ctx.command_timeout)
+
+    def running() -> bool:
+        state = (inspect(ctx, node, spec.container_name) or {}).get("State", {})
+        if state.get("Status") in ("exited", "dead"):
+            raise StepFailed(f"{spec.container_name} on {node} exited with {state.get('ExitCode')} at start:\n"
+                             + logs_tail(ctx, node, spec.container_name))
+        return bool(state.get("Running"))
+
+    wait_for(running, timeout=ctx.remaining(60), what=f"{spec.container_name} to run on {node}", cancel=ctx.cancel)
+
+
+def launch_model(ctx: StepContext, step: Step) -> None:
+    """Ray launcher: once every node joined the head's Ray cluster, run `vllm serve` inside the head container."""
+    node, spec = step.node, spec_for(ctx, step.node)
+    nodes = len(ctx.desired.serving_nodes)
+    session = ctx.sessions[node]
+
+    def joined() -> bool:
+        out = session.run(["docker", "exec", spec.container_name, "ray", "status"], timeout=ctx.command_timeout,
+                          check=False).stdout
+        return sum(1 for line in out.splitlines() if line.strip().split(" ")[-1].startswith("node_")) >= nodes
+
+    wait_for(joined, timeout=ctx.remaining(120), interval=0.5, what=f"{nodes} nodes in `ray status`",
+             cancel=ctx.cancel)
+    running = session.run(["docker", "exec", spec.container_name, "sh", "-c", "ps -eo args | grep -c '[v]llm serve'"],
+                          timeout=ctx.command_timeout, check=False).stdout.strip()
+    if running not in ("", "0"):
+        return
+    assert spec.serve_exec is not None
+    # Before `vllm serve` imports vllm.ray.ray_env, which reads the file once (path: vllm/envs.py VLLM_CONFIG_ROOT).
+    session.run(["docker", "exec", "-i", spec.container_name, "sh", "-c", NON_CARRY_OVER_WRITE],
+                stdin=spec.non_carry_over_json().encode(), timeout=ctx.command_timeout)
+    session.run(["docker", "exec", "-d", spec.container_name, "sh", "-c",
+                 f"exec {quote(spec.serve_exec)} >/proc/1/fd/1 2>/proc/1/fd/2"], timeout=ctx.command_timeout)
+
+
+def await_health(ctx: StepContext, step: Step) -> None:
+    """Wait for /health == 200, the served name in /v1/models and one answered completion (the whole
+    tensor-parallel group works, not only the API process), under serving.health_timeout."""
+    d = ctx.desired
+    head, want = step.node, d.serving.served_model_name or d.model.id
+    base = f"http://127.0.0.1:{d.serving.port}"
+    session = ctx.sessions[head]
+
+    def healthy() -> bool:
+        for spec in launch_specs(d):
+            state = (inspect(ctx, spec.node, spec.container_name) or {}).get("State", {})
+            if not state.get("Running"):
+                raise StepFailed(f"{spec.container_name} on {spec.node} is {state.get('Status', 'missing')} "
+                                 f"(exit {state.get('ExitCode')}) while waiting for health:\n"
+                                 + logs_tail(ctx, spec.node, spec.container_name))
+        code = session.run(["curl", "-s", "-o", "/dev/null", "-m", "2", "-w", "%{http_code}", f"{base}/health"],
+                           timeout=ctx.command_timeout, check=False).stdout.strip()
+        if code != "200":
+            return False
+        body = session.run(api_argv(d, "-s", "-m", "2", f"{base}/v1/models"), stdin=auth_header(d),
+                           timeout=ctx.command_timeout, check=False).stdout
+        try:
+            if want not in [m["id"] for m in json.loads(body).get("data", [])]:
+                return False
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        done = session.run(completion_argv(d), stdin=auth_header(d), timeout=ctx.command_timeout, check=False)
+        return parse_completion(Section(done.stdout, done.exit_code)) is None
+
+    wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=1.0, cancel=ctx.cancel,
+             what=f"{base}/health on {head}, {want!r} in /v1/models and one completion")

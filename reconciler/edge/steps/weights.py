@@ -1,0 +1,450 @@
+"""Copy the model weights from the source node to a node that lacks them: rsync over the FABRIC address.
+
+The source node pushes with rsync to the target's fabric IP (the 200 Gb/s link, not the 10G management port): by
+default to a one-time rsync daemon there, without a cipher (`reconciler.edge.steps.rsyncd`: one core's SSH cipher capped
+each stream at ~0.45 GB/s on a Spark), or over SSH with `policy.weights.transport: ssh`. Either way the same rsync
+options, and these safety properties, each from a failure seen in the field:
+- real bytes, not symlinks: the whole `models--ORG--NAME` tree is copied (blobs included); links stay links where
+  rsync keeps them (`snapshots/REV/FILE -> ../../blobs/ETAG`), and a link whose value rsync would not keep
+  (absolute, or climbing out of the tree, like huggingface_hub's shared-store links `blobs/ETAG ->
+  ../../blobs/XX/HASH`) becomes the file it points to. Afterwards the target's manifest (every path with its
+  resolved size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
+- nothing from outside the model: a tree holding a link that leads out of it and out of the hub's blob store
+  (to `~/.ssh`, the HF token, `/`) is refused, and so is a partial listing (the walk is bounded:
+  `observe.manifest_script`). Nor could a run carry such a link: the runs that keep links skip every link whose
+  value leaves the tree (`--safe-links`, on the receiver), and only the links checked to land on a file inside
+  are copied as files, in runs of their own (`--copy-links`, nothing else in their lists);
+- never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
+  an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
+- only the source gets in: the daemon's secret is made for the step and its door opens only to the source's fabric
+  address (`rsyncd`); over SSH, strict host keys on the node-to-node hop too (`reconciler.edge.steps.hop`);
+- on the disk before it is called done (`sync -f`), then the target's manifest must equal the source's.
+Large models go in several parallel rsync streams (files split by size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from reconciler.core.drift import weights_difference
+from reconciler.core.observed import Weights
+from reconciler.core.planning import Step
+from reconciler.edge.observe import (
+    PARTIAL_DIR,
+    UNSAFE_SHOWN,
+    Listing,
+    manifest_script,
+    read_listing,
+    split_sections,
+    weights_root,
+)
+from reconciler.edge.ssh import CommandFailed
+from reconciler.edge.steps import StepContext, StepFailed, hop
+from reconciler.edge.steps.rsyncd import Door, rsync_daemon
+
+RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
+_PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
+
+
+def _listing(session, root: str, timeout: float) -> Listing:
+    out = session.run_script(manifest_script(root) + "\n", timeout=timeout).stdout
+    return read_listing(root, split_sections(out).get("weights"))
+
+
+def read_manifest(ctx: StepContext, node: str) -> Weights:
+    return _listing(ctx.sessions[node], weights_root(ctx.desired, node), ctx.command_timeout).weights
+
+
+# -- links: which rsync keeps, which are copied as files, which trees are refused ---------------------------------
+
+def rsync_keeps_link(path: str, value: str) -> bool:
+    """Whether rsync with `--links --safe-links` recreates the link `path -> value` (path relative to the top of
+    the transfer) instead of skipping it as unsafe. rsync judges by the value's text alone, never resolving it:
+    this is `unsafe_symlink()` of rsync's util1.c as of 3.4 (CVE-2024-12088), stricter than 3.2's (a `..` after a
+    name, or at the end, is unsafe too), so a link kept here is kept by either. Absolute or empty: never kept."""
+    if not value or value.startswith("/"):
+        return False
+    rest = value
+    while rest.startswith("../"):
+        rest = rest[3:].lstrip("/")
+    if "/../" in rest or (len(value) > 3 and value.endswith("/..")):
+        return False
+    *dirs, last = re.split("/+", path)
+    depth = 0
+    for name in dirs:  # how deep the link sits: its safety margin
+        depth = 0 if name == ".." else depth if name == "." else depth + 1
+    if last == "..":
+        depth = 0
+    *steps, last = re.split("/+", value)
+    for name in steps:
+        if name == "..":
+            depth -= 1
+            if depth < 0:
+                return False
+        elif name != ".":
+            depth += 1
+    if last == "..":
+        depth -= 1
+    return depth >= 0
+
+
+def links_to_copy(expected: Weights) -> set[str]:
+    """The links copied as the file they point to: those that land on a regular file inside the tree or the hub's
+    blob store (the manifest gave them that file's size) and whose value rsync would not keep."""
+    return {f.path for f in expected.files
+            if f.link_target is not None and f.size is not None and not rsync_keeps_link(f.path, f.link_target)}
+
+
+def _unsafe(weights: Weights) -> str:
+    more = weights.unsafe_count - len(weights.unsafe)
+    return "; ".join(weights.unsafe) + (f"; and {more} more" if more > 0 else "")
+
+
+def refusal(weights: Weights, node: str) -> str | None:
+    """Why the tree on `node` must not be synced from, or None: a partial listing, a link leading out of the tree,
+    or a link rsync would neither keep nor copy as a file inside (absolute or climbing out, and not landing on a
+    regular file inside: broken, a loop, a directory)."""
+    where = f"the weights tree on {node} at {weights.root}"
+    if weights.truncated:
+        return f"{where} is not fully listed ({weights.truncated}): refusing to sync from a partial view"
+    if weights.unsafe_count:
+        return (f"{where} has {weights.unsafe_count} link(s) leading out of it: {_unsafe(weights)}. Refusing to "
+                "sync (rsync would copy what they point to): replace each with the file it stands for, or remove it")
+    stuck = [f"{f.path} -> {f.link_target}" for f in weights.files if f.link_target is not None and f.size is None
+             and not rsync_keeps_link(f.path, f.link_target)]
+    if stuck:
+        more = f"; and {len(stuck) - UNSAFE_SHOWN} more" if len(stuck) > UNSAFE_SHOWN else ""
+        return (f"{where} has {len(stuck)} link(s) that rsync would not keep (absolute, or climbing out of the tree) "
+                f"and that do not land on a file inside it: {'; '.join(stuck[:UNSAFE_SHOWN])}{more}. Refusing to "
+                "sync: make them relative links inside the tree, or replace them with the files")
+    return None
+
+
+def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
+    """Split files into `streams` groups of similar total size (largest first, greedy)."""
+    groups: list[tuple[int, list[str]]] = [(0, []) for _ in range(max(1, min(streams, len(files))))]
+    for path, size in sorted(files, key=lambda f: -f[1]):
+        total, members = min(groups, key=lambda g: g[0])
+        groups.remove((total, members))
+        groups.append((total + size, members + [path]))
+    return [sorted(members) for _, members in groups if members]
+
+
+def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
+                files_from: str | None, follow: bool = False, door: Door | None = None) -> list[str]:
+    """The source's rsync for one stream: to the one-time daemon at `door` (its secret on stdin, bound to the
+    source's fabric address, which is the only peer the daemon accepts), or over ssh (`policy.weights.transport:
+    ssh`)."""
+    # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
+    # the resume, instead of holding the step until its 12 h deadline.
+    # Links: a run that keeps links skips any whose value leaves the tree (--safe-links: the receiver judges the
+    # value, so a link the probe never saw cannot carry anything in); only a run of links checked to land on a file
+    # inside copies what they point to (--copy-links: nothing else is in its list). Never --copy-unsafe-links: it
+    # copies whatever an outside link points to (a link to / copies the whole disk).
+    argv = ["rsync", "-a", "--copy-links" if follow else "--safe-links", f"--partial-dir={PARTIAL_DIR}",
+            "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}"]
+    if door is not None:
+        argv += ["--password-file=-", f"--address={ctx.desired.node(source).fabric.address.ip}"]
+    else:
+        argv += ["-e", shlex.join(hop.ssh_options(ctx, target))]
+    limit = ctx.desired.policy.weights.bandwidth_limit
+    if limit:
+        argv.append(f"--bwlimit={max(1, limit // 1024)}")
+    if files_from:
+        argv += [f"--files-from={files_from}", "--from0"]
+    return argv + [f"{src_root}/", door.url() if door is not None else f"{hop.address(ctx, target)}:{dst_root}/"]
+
+
+def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, expected: Weights,
+                     copied: set[str]) -> str:
+    text = exc.stderr + exc.stdout
+    if "No space left" in text:
+        df = ctx.sessions[target].run(["df", "-B1", "--output=avail", dst_root], timeout=ctx.command_timeout,
+                                      check=False)
+        avail = df.stdout.split()[-1] if df.ok and df.stdout.split() else "unknown"
+        # from the target's files, not the sender's progress: a sender counts what it sent, and the socket's
+        # buffers held much of that when the receiver's disk filled up
+        missing = sum(size for _, size in _files_to_copy(expected, read_manifest(ctx, target), copied))
+        return (f"{target}: no space left on the filesystem of {dst_root}: {missing} bytes still to copy, "
+                f"{avail} bytes available; partial data kept in {PARTIAL_DIR} for resume")
+    return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
+
+
+def _files_to_copy(expected: Weights, before: Weights, copied: set[str] | None = None) -> list[tuple[str, int]]:
+    """(path, bytes) to move: regular files, and the links copied as files (`copied`), that the target does not
+    already hold at the right size. A link kept as a link moves no bytes (its target is counted once, as a blob)."""
+    have = {f.path: f.size for f in before.files}
+    copied = copied or set()
+    return [(f.path, f.size or 0) for f in expected.files
+            if (f.link_target is None or f.path in copied) and have.get(f.path) != f.size]
+
+
+def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int,
+                   copied: set[str] | None = None) -> list[tuple[list[str], bool]]:
+    """The file list of each rsync run, and whether it copies links as files. The bytes to move are split by size
+    into `streams` groups; everything else (links, empty files, files already there) goes with the last group,
+    after the data. The links copied as files (`copied`) get groups of their own, split the same way: every path
+    of the manifest is in exactly one list, and no run that follows links lists anything but checked links."""
+    copied = copied or set()
+    runs: list[tuple[list[str], bool]] = []
+    for follow in (False, True):
+        paths = {f.path for f in expected.files if (f.path in copied) == follow}
+        if not paths:
+            continue
+        groups = _groups([(p, s) for p, s in todo if p in paths and s > 0], streams)
+        rest = sorted(paths - {p for g in groups for p in g})
+        if groups:
+            groups[-1] = groups[-1] + rest
+        else:
+            groups = [rest]
+        runs += [(g, follow) for g in groups]
+    return runs
+
+
+def _upload_file_list(ctx: StepContext, source: str, target: str, index: int, files: list[str]) -> str:
+    """Write a stream's file list on the source; returns its path relative to $HOME (rsync's cwd). A file, not
+    stdin: the supervised rsync's stdin is the channel watch."""
+    listing = f".cache/spark-reconciler/rsync-{target}-{index}.list"
+    ctx.sessions[source].run(["sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"',
+                              listing], stdin=b"\0".join(f.encode() for f in files) + b"\0",
+                             timeout=ctx.command_timeout)
+    return listing
+
+
+def _run_streams(run: Callable[[int, tuple[list[str], bool]], None],
+                 groups: list[tuple[list[str], bool]]) -> list[BaseException]:
+    """One `run` per group, in parallel threads; returns what they raised, for the caller to re-raise in the
+    step's thread."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int, group: tuple[list[str], bool]) -> None:
+        try:
+            run(i, group)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller, in the step's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i, g), daemon=True) for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def sync_weights(ctx: StepContext, step: Step) -> None:
+    target, source = step.node, step.params["source"]
+    src_root, dst_root = weights_root(ctx.desired, source), weights_root(ctx.desired, target)
+    expected = read_manifest(ctx, source)
+    if not expected.present:
+        raise StepFailed(f"the weights are not present on the source {source} at {src_root}")
+    refused = refusal(expected, source)
+    if refused:
+        raise StepFailed(refused)
+    before = read_manifest(ctx, target)
+    if weights_difference(expected, before) is None:
+        return
+    copied = links_to_copy(expected)
+    todo = _files_to_copy(expected, before, copied)
+    total = sum(size for _, size in todo)
+    ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
+    groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams, copied)
+    done = [0] * len(groups)
+    door: Door | None = None
+    lock = threading.Lock()
+    ctx.progress("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
+                                   "streams": len(groups)})
+
+    def run(index: int, group: tuple[list[str], bool]) -> None:
+        def seen(chunk: bytes) -> None:
+            matches = _PROGRESS.findall(chunk)
+            if matches:
+                with lock:
+                    done[index] = int(matches[-1].replace(b",", b""))
+                    ctx.progress("weights.progress", {"node": target, "bytes_done": min(sum(done), total),
+                                                      "bytes_total": total})
+
+        files, follow = group
+        listing = _upload_file_list(ctx, source, target, index, files)
+        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow, door),
+                                 timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True,
+                                 stdin=f"{door.secret}\n".encode() if door is not None else None)
+
+    if ctx.desired.policy.weights.transport == "rsync-daemon":
+        with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
+            door = daemon.door
+            errors = _run_streams(run, groups)
+            if not errors:
+                daemon.confirm()
+    else:
+        hop.trust_target_on_source(ctx, source, target)
+        errors = _run_streams(run, groups)
+    if errors:
+        first = errors[0]
+        if isinstance(first, CommandFailed):
+            raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
+        raise first
+    _check_copy(ctx, expected, source, target, dst_root)
+    ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
+
+
+def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> None:
+    """Make the copy durable (before it is called done: the page cache still holds much of it, and a power cut
+    would lose that), then require the target's manifest to equal the source's."""
+    ctx.sessions[target].run(["sync", "-f", dst_root], timeout=ctx.remaining())
+    after = read_manifest(ctx, target)
+    problem = weights_difference(expected, after)
+    if problem:
+        raise StepFailed(f"after rsync, the weights on {target} still differ from {source}: {problem}")
+    if after.truncated or after.unsafe_count:
+        raise StepFailed(f"after rsync, the weights tree on {target} at {dst_root} "
+                         + (f"is not fully listed ({after.truncated})" if after.truncated else
+                            f"holds link(s) leading out of it, not made by the reconciler: {_unsafe(after)}; "
+                            "remove them"))
+
+
+# -- full verification (the flipped byte that sizes and mtimes cannot see) -------------------------------------
+
+HASH_CACHE_DIR = ".cache/spark-reconciler"  # under the source node's $HOME
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `verify_weights` found on one target: files whose sha256 differs from the source's, files the
+    target has that the source does not, and how much was hashed."""
+
+    node: str
+    source: str
+    checked: int
+    mismatched: tuple[str, ...]
+    extra: tuple[str, ...]
+    hashed_on_source: int  # files the source had to hash (not answered from its cache)
+    repaired: tuple[str, ...] = ()
+    problem: str | None = None  # a tree not fully listed, or links leading out of one: not all could be compared
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched and self.problem is None
+
+    def message(self) -> str:
+        if self.ok:
+            return f"{self.node}: {self.checked} files match {self.source} (sha256)"
+        text = f"{self.node}: {len(self.mismatched)} of {self.checked} files differ from {self.source} (sha256)"
+        if self.mismatched:
+            text += ": " + ", ".join(self.mismatched[:10])
+        return text + (f"; {self.problem}" if self.problem else "")
+
+
+def _sha256_lines(out: str) -> dict[str, str]:
+    """`sha256sum` output -> {relative path: hex}; names with a newline or backslash come escaped with a
+    leading backslash and are skipped (never produced by a model tree; the manifest check covers them)."""
+    hashes = {}
+    for line in out.splitlines():
+        if len(line) < 67 or line.startswith("\\"):
+            continue
+        digest, path = line[:64], line[66:]
+        hashes[path[2:] if path.startswith("./") else path] = digest
+    return hashes
+
+
+def _hash_files(session, root: str, paths: list[str], timeout: float, cancel=None) -> dict[str, str]:
+    if not paths:
+        return {}
+    stdin = b"".join(f"./{p}".encode() + b"\0" for p in paths)
+    # beside a serving vLLM: lowest CPU priority and the idle I/O class (where the disk's scheduler honours it)
+    out = session.run(["sh", "-c", 'cd "$1" && if command -v ionice >/dev/null 2>&1; then set -- ionice -c 3; '
+                       'else set --; fi; exec nice -n 19 "$@" xargs -0 -r sha256sum --', "sh", root], stdin=stdin,
+                      timeout=timeout, cancel=cancel).stdout
+    return _sha256_lines(out)
+
+
+def _cache_path(root: str) -> str:
+    return f"{HASH_CACHE_DIR}/sha256-{hashlib.sha256(root.encode()).hexdigest()[:16]}.tsv"
+
+
+def source_hashes(session, root: str, paths: list[str], timeout: float, cancel=None,
+                  stats: dict[str, tuple[int, str]] | None = None) -> tuple[dict[str, str], int]:
+    """sha256 of `paths` (relative to root) on the source node, from the cache in ~/.cache/spark-reconciler/
+    where (path, size, mtime) did not change; the cache is rewritten (0600). Only what the manifest resolved
+    inside the tree is hashed (`stats`, read here when not given: a regular file, or a link landing on one inside
+    the tree or the hub's blob store, keyed by that file's size and mtime); a path it did not resolve (a link
+    leading out, a broken one) is not hashed. Returns the hashes and how many files had to be hashed."""
+    if stats is None:
+        stats = _listing(session, root, timeout).resolved
+    cache_file = _cache_path(root)
+    cached = session.run(["sh", "-c", 'cat "$HOME/$1" 2>/dev/null || true', "sh", cache_file],
+                         timeout=timeout).stdout
+    known: dict[tuple[str, int, str], str] = {}
+    for line in cached.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 4 and parts[1].isdigit() and len(parts[3]) == 64:
+            known[(parts[0], int(parts[1]), parts[2])] = parts[3]
+    wanted = [p for p in paths if p in stats]
+    hashes = {p: known[(p, *stats[p])] for p in wanted if (p, *stats[p]) in known}
+    todo = [p for p in wanted if p not in hashes]
+    hashes |= _hash_files(session, root, todo, timeout, cancel)
+    # keep every still-valid entry (other targets may ask for other paths), replace the rest
+    keep = {(p, *stats[p]): h for (p, size, mtime), h in known.items() if p in stats and stats[p] == (size, mtime)}
+    keep |= {(p, *stats[p]): h for p, h in hashes.items()}
+    text = "".join(f"{p}\t{size}\t{mtime}\t{h}\n" for (p, size, mtime), h in sorted(keep.items()))
+    session.run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/$(dirname "$1")" && cat > "$HOME/$1.tmp" && '
+                 'mv -f "$HOME/$1.tmp" "$HOME/$1"', "sh", cache_file], stdin=text.encode(), timeout=timeout)
+    return hashes, len(todo)
+
+
+def inside_tree(path: str) -> bool:
+    """Whether `path`, relative to a tree's root, names something strictly inside it by its text alone: not
+    empty, not absolute, no `..` (nor `.` or empty) component, no NUL or newline. Pure: whether a directory on the
+    way is a link is checked on the node, just before the removal (`_REMOVE`)."""
+    if not path or path.startswith("/") or "\0" in path or "\n" in path:
+        return False
+    return all(part not in ("", ".", "..") for part in path.split("/"))
+
+
+# Remove regular files below the root ($1), each given relative to it (the other arguments, all passing
+# `inside_tree`): only where no directory on the way is a link (nor the file itself), so a path can never lead
+# out of the tree; prints each path removed.
+_REMOVE = ('cd -P -- "$1" || exit 2; shift; for p; do d=; rest=$p; ok=1; '
+           'while [ "${rest#*/}" != "$rest" ]; do d=${d:+$d/}${rest%%/*}; rest=${rest#*/}; '
+           'if [ -L "$d" ] || [ ! -d "$d" ]; then ok=0; break; fi; done; '
+           'if [ $ok = 1 ] && [ -f "$p" ] && [ ! -L "$p" ] && rm -f -- "$p"; then printf \'%s\\n\' "$p"; fi; done')
+
+
+def remove_files(session, root: str, paths: list[str], timeout: float) -> tuple[str, ...]:
+    """Remove the regular files `paths` (relative to `root`) on a node, never anything outside the tree: a path
+    failing `inside_tree`, or reaching its file through a link, is left alone. Returns the paths removed."""
+    wanted = [p for p in paths if inside_tree(p)]
+    if not wanted:
+        return ()
+    out = session.run(["sh", "-c", _REMOVE, "sh", root, *wanted], timeout=timeout).stdout
+    removed = set(out.splitlines())
+    return tuple(p for p in wanted if p in removed)
+
+
+def verify_weights(desired, sessions, node: str, *, repair: bool = False, timeout: float = 3600,
+                   cancel=None) -> Verification:
+    """Full verification of one target: sha256 of every regular file of the model tree on `node` against the
+    source's (cached there by path, size and mtime). With `repair`, the differing files are removed from the
+    target (only inside its tree: `remove_files`), so the next reconcile sees them missing and re-syncs exactly
+    those (rsync alone would skip them: same size, same mtime)."""
+    source = desired.source_node
+    src_root, dst_root = weights_root(desired, source), weights_root(desired, node)
+    target = sessions[node]
+    mine_listing, theirs_listing = _listing(target, dst_root, timeout), _listing(sessions[source], src_root, timeout)
+    files = sorted(f.path for f in mine_listing.weights.files if f.link_target is None)
+    mine = _hash_files(target, dst_root, files, timeout, cancel)
+    theirs, hashed = source_hashes(sessions[source], src_root, files, timeout, cancel,
+                                   stats=theirs_listing.resolved)
+    mismatched = tuple(sorted(p for p, h in mine.items() if p in theirs and theirs[p] != h))
+    extra = tuple(sorted(p for p in mine if p not in theirs))
+    problems = [f"{name}: {w.truncated}" for name, w in ((node, mine_listing.weights),
+                                                          (source, theirs_listing.weights)) if w.truncated]
+    problems += [f"{name}: links leading out of the tree: {_unsafe(w)}"
+                 for name, w in ((node, mine_listing.weights), (source, theirs_listing.weights)) if w.unsafe_count]
+    repaired = remove_files(target, dst_root, list(mismatched), timeout) if repair and mismatched else ()
+    return Verification(node=node, source=source, checked=len(mine), mismatched=mismatched, extra=extra,
+                        hashed_on_source=hashed, repaired=repaired, problem="; ".join(problems) or None)

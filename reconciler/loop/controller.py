@@ -1,0 +1,297 @@
+"""The reconciler: `reconcile(reasons) -> Result`. Observe, plan, start what may start beside the loop, publish.
+
+It never waits for a step: admitted steps run as operations (`reconciler.loop.operations`), and their end is a trigger.
+So every reconcile is as short as one observation, and status and metrics are fresh every cycle, progress
+included. What it keeps between reconciles, each in its own small piece:
+
+- the desired state in force: an invalid file never stops the loop nor triggers steps; the last valid generation
+  keeps being enforced and DesiredStateInvalid says what is wrong, with line and column;
+- generations (`generations.GenerationStore`), holds and backoff per step (`holds`), the health history of the
+  head's serving (`health_watch`), the operations in flight, the image's flag list (`operations.FlagsQuery`);
+- the SSH sessions and the per-node event streams, rebuilt when the desired state changes them.
+
+A reconcile that raises still publishes: the status then says Degraded with the error, never the last Converged.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from reconciler.core import spec
+from reconciler.core.observed import Observed
+from reconciler.core.planning import STEP_KINDS, Blocker, Plan, unhealthy_grace
+from reconciler.core.planning import plan as make_plan
+from reconciler.edge import log, trusted_files
+from reconciler.edge.lease import RENEW_AFTER, Holder, Lease
+from reconciler.edge.observe import ask_serve_flags, flags_wanted, observe
+from reconciler.edge.ssh import Sessions
+from reconciler.edge.steps import StepContext
+from reconciler.loop import conditions, metrics
+from reconciler.loop.backoff import Holds, vetoes
+from reconciler.loop.generations import GenerationStore
+from reconciler.loop.health_watch import HealthWatch
+from reconciler.loop.operations import FlagsQuery, Operations, admit
+from reconciler.loop.status import StatusPublisher
+from reconciler.loop.triggers import Requests, stream_events
+
+#: While serving that served fails its health check (within the grace), reconcile again after at most this long.
+UNHEALTHY_RECHECK = 5.0
+
+#: A docker event can arrive before the container list shows what it announces: dockerd logs "die" and only then
+#: cleans up and writes the container's new state to the view `/containers/json` reads (moby daemon/monitor.go,
+#: ProcessEvent: LogContainerEventWithAttributes "die", daemon.Cleanup, CheckpointTo(containersReplica);
+#: daemon/list.go lists from containersReplica.Snapshot()). A crashed rank then looked alive to the reconcile its
+#: own event triggered, and nothing else woke the loop before UNHEALTHY_RECHECK (4 of 10 kills took 5.3 s to
+#: plan in the benchmark). So a reconcile that a docker event triggered looks once more this long after.
+EVENT_SETTLE = 0.5
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one reconcile tells the loop: when to look again at the latest (None: at the next resync)."""
+
+    requeue_after: float | None = None
+    phase: str = ""
+
+
+class Controller:
+    def __init__(self, path: Path, state_dir: Path, requests: Requests, cancel: threading.Event,
+                 events: bool = True, observe_fn=observe, sessions_factory=Sessions,
+                 operations: Operations | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.holder = Holder.of("daemon", self.path)
+        self.lease: Lease | None = None
+        self.clock = clock  # unix time; tests pass a fake one
+        self.requests = requests
+        self.cancel = cancel
+        self.use_events = events
+        self.log = log.get().bind(file=str(self.path))
+        self.store = GenerationStore(Path(state_dir), self.path)
+        if self.store.last_converged > 0:
+            metrics.last_converged.set(self.store.last_converged)
+        self.publisher = StatusPublisher(self.path)
+        self.operations = operations or Operations(on_end=lambda: requests.request("operation"), clock=clock)
+        self.health = HealthWatch()
+        self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
+        self._observe_fn = observe_fn
+        self._sessions_factory = sessions_factory
+        self.desired: spec.Desired | None = None
+        self.file_error: str | None = None
+        self.holds: Holds | None = None
+        self.sessions: Sessions | None = None
+        self.streams: dict[str, threading.Event] = {}
+        self.reconciles = 0
+        self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
+
+    @property
+    def status(self) -> dict:
+        """/status: the last reconcile's status, with the operations as they are right now."""
+        return log.redact({**self.publisher.status, "operations": self.operations.view()})
+
+    # -- the desired state ------------------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Re-read the file; True when a new valid generation was taken. Invalid: keep the last good one."""
+        try:
+            desired = spec.load(self.path, os.environ)
+            for value in desired.secret_values():
+                log.register_secret(value)
+            unsafe = trusted_files.problems(trusted_files.trusted_paths(desired, self.path))
+        except spec.InvalidDesiredState as exc:
+            unsafe = exc.lines()
+        if unsafe:  # a file others may change is as bad as an invalid one: keep the last good generation
+            self.file_error = "\n".join(unsafe)
+            metrics.desired_state_valid.set(0)
+            self.log.warning("desired_state.invalid", errors=unsafe, keeping_generation=self.store.generation)
+            return False
+        self.file_error = None
+        metrics.desired_state_valid.set(1)
+        if not self.store.take(desired.fingerprint()):
+            return False
+        if self.desired is not None and (cancelled := self.operations.cancel_all()):
+            # Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled,
+            # they end at their next check; all steps are idempotent and rsync resumes from its partial data.
+            self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
+        self.desired = desired
+        metrics.desired_state_generation.set(self.store.generation)
+        self.holds = Holds(desired.policy.retries)  # a new generation: try everything again now
+        if self.sessions is None:
+            self.sessions = self._sessions_factory(desired)
+        else:
+            self.sessions.update(desired)
+        if self.lease is not None and self.lease.desired.instance != desired.instance:
+            self.lease.release()  # another head: this is another cluster now
+        self.lease = Lease(desired, self.sessions, self.holder)
+        self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
+                      paused=desired.policy.paused)
+        if self.use_events:
+            self._restart_streams()
+        return True
+
+    def _restart_streams(self) -> None:
+        self.stop_streams()
+        assert self.desired is not None and self.sessions is not None
+        for node in self.desired.nodes:
+            stop = threading.Event()
+            self.streams[node.name] = stop
+            stream_events(self.sessions[node.name], node.fabric.interface, self.requests, stop)
+
+    def stop_streams(self) -> None:
+        for stop in self.streams.values():
+            stop.set()
+        self.streams = {}
+
+    # -- one reconcile ----------------------------------------------------------------------------------------
+
+    def reconcile(self, reasons: set[str]) -> Result:
+        start = time.monotonic()
+        self.reconciles += 1
+        failures = self._record(self.operations.drain())
+        if {"file", "sighup"} & reasons or self.desired is None:
+            self.reload()
+        desired = self.desired
+        observed: Observed | None = None
+        current: Plan | None = None
+        error: str | None = None
+        started = 0
+        try:
+            if desired is not None:
+                observed = self._observe(desired)
+                if self.cancel.is_set():
+                    return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
+                current = make_plan(desired, observed)
+                started = self._start(desired, observed, current, reasons)
+                if not current.changes:
+                    self.store.converged(self.clock())
+                    metrics.last_converged.set(self.store.last_converged)
+        except Exception as exc:  # a bug must not freeze the status at its last value
+            error = f"reconcile crashed: {type(exc).__name__}: {exc}"
+            self.log.exception("reconcile.crashed", error=str(exc))
+        result = "error" if error or failures or desired is None else ("success" if started else "noop")
+        phase = self._publish(observed, current, failures, error)
+        metrics.reconciles.labels(result=result).inc()
+        metrics.reconcile_duration.observe(time.monotonic() - start)
+        self.log.info("reconcile.end", generation=self.store.generation, reconcile=self.reconciles, phase=phase,
+                      result=result, steps_started=started, in_flight=len(self.operations.busy()),
+                      seconds=round(time.monotonic() - start, 3),
+                      drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None,
+                      blocked=[f"{b.node}: {b.reason}" for b in current.blocked] if current and current.blocked
+                      else None, error=error)
+        settle = any(r.startswith("docker:") for r in reasons)
+        return Result(self._requeue_after(observed, settle), phase)
+
+    def _observe(self, desired: spec.Desired) -> Observed:
+        assert self.sessions is not None, "a valid desired state opens the sessions"
+        observed, durations = self._observe_fn(desired, self.sessions, timeout=desired.policy.timeouts.command,
+                                               cancel=self.cancel, ask_flags=False)
+        observed = self.health.annotate(desired, observed, self.clock())
+        observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
+        StatusPublisher.observation(desired, observed, durations)
+        return observed
+
+    def _ask_flags(self, holder: str, image_id: str):
+        assert self.desired is not None and self.sessions is not None
+        return ask_serve_flags(self.desired, self.sessions, holder, image_id)
+
+    def _start(self, desired: spec.Desired, observed: Observed, current: Plan, reasons: set[str]) -> int:
+        """Launch the plan's steps that may start now (not held, not conflicting with one in flight)."""
+        if current.mode != "enforce":  # observing or paused: the cluster is free for `apply`
+            if self.lease is not None and self.lease.holding and not self.operations.busy():
+                self.lease.release()
+            return 0
+        assert self.sessions is not None and self.holds is not None and self.lease is not None
+        if (taken := self.lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
+            current.blocked.append(Blocker(desired.head.name, f"nothing starts: {taken}"))
+            return 0
+        runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.holds, self.clock()))
+        if not runnable:
+            return 0
+        self.log.info("reconcile.plan", generation=self.store.generation, reasons=sorted(reasons),
+                      steps=[s.id for s in runnable], waiting=waiting or None, drift=len(current.drift))
+        ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
+                          generation=self.store.generation, progress=self._progress, cancel=self.cancel)
+        self.operations.launch(runnable, ctx, on_event=self._on_step)
+        return len(runnable)
+
+    def _record(self, results) -> list[str]:
+        """Finished steps into the holds (only the loop writes them); returns the failures, one line each."""
+        failures = []
+        for r in results:
+            if self.holds is None:
+                break
+            if r.result == "success":
+                self.holds.succeeded(r.step.id)
+            elif r.result in ("failed", "blocked"):
+                self.holds.failed(r.step.id, r.message, self.clock())
+                failures.append(f"{r.step.id}: {r.message}")
+        return failures
+
+    def _requeue_after(self, observed: Observed | None, settle: bool = False) -> float | None:
+        """The next moment something is due without any trigger: a backoff's end, a health grace's end, the
+        lease's renewal (a long resync must not let it lapse while our operations run), and after a docker event
+        the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
+        due = [EVENT_SETTLE] if settle else []
+        now = self.clock()
+        if (self.lease is not None and self.lease.holding and self.desired is not None
+                and self.desired.policy.resync_interval > RENEW_AFTER):
+            due.append(RENEW_AFTER)
+        if self.holds is not None and (when := self.holds.next_due(now)) is not None:
+            due.append(when - now)
+        if self.desired is not None and observed is not None:
+            health = observed.node(self.desired.head.name).serving
+            if health is not None and health.served_before and health.unhealthy_for is not None:
+                # A failing API sends no event, and the event that made it fail (a rank's container dying) may
+                # arrive before the state shows it: while it fails, look again often, like a readiness probe.
+                due.append(min(UNHEALTHY_RECHECK, unhealthy_grace(self.desired, observed) - health.unhealthy_for))
+        return max(0.0, min(due)) if due else None
+
+    def _progress(self, event: str, fields: dict) -> None:
+        """Steps report here (from their threads): bytes into the operation and the sync counter, then the log."""
+        node = fields.get("node", "")
+        if event == "weights.progress":
+            done = fields["bytes_done"]
+            if done > self.synced.get(node, 0):
+                metrics.weights_sync_bytes.labels(node=node).inc(done - self.synced.get(node, 0))
+            self.synced[node] = done
+            self.operations.progress("weights", node, done, fields.get("bytes_total"))
+        elif event == "weights.start":
+            self.synced[node] = 0
+            self.operations.progress("weights", node, 0, fields.get("bytes_total"))
+        elif event == "image.progress":
+            self.operations.progress("image", node, fields["bytes"])
+        level = self.log.debug if event.endswith(".progress") else self.log.info
+        level(event, **{k: v for k, v in fields.items() if k != "step"})
+
+    def _on_step(self, event: str, fields: dict) -> None:
+        if event == "step.end":
+            r = fields["result"]
+            metrics.steps.labels(kind=r.step.kind, result=r.result).inc()
+            if r.result != "skipped":
+                metrics.step_duration.labels(kind=r.step.kind).observe(r.seconds)
+
+    # -- status -----------------------------------------------------------------------------------------------
+
+    def _publish(self, observed: Observed | None, current: Plan | None, failures: list[str],
+                 error: str | None) -> str:
+        desired = self.desired
+        held = self.holds.held() if self.holds else {}
+        self.publisher.holds(held)
+        in_flight = self.operations.busy()
+        kinds: dict[str, int] = {}
+        for step in in_flight:
+            kinds[step.kind] = kinds.get(step.kind, 0) + 1
+        for kind in STEP_KINDS:
+            metrics.operations.labels(kind=kind).set(kinds.get(kind, 0))
+        snap = conditions.Snapshot(
+            generation=self.store.generation, observed_generation=self.store.observed_generation,
+            file_error=self.file_error, observed=observed, plan=current,
+            step_failures=failures + ([error] if error else []), held=held,
+            paused=bool(desired and desired.policy.paused), mode=desired.policy.mode if desired else "enforce",
+            in_flight=[s.id for s in in_flight])
+        self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, self.clock())
+        return str(self.publisher.status["phase"])

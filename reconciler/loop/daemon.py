@@ -1,0 +1,207 @@
+"""The daemon: lock, signals, listener, watchdog and the loop. It only schedules; what to do is the controller's.
+
+- One reconcile at a time; triggers during one coalesce into exactly one more (triggers.Requests). Triggers: the
+  file, the nodes' event streams, an operation's end, SIGHUP, the resync timer, and the controller's requeue (a
+  backoff's or a health grace's end).
+- The loop wakes at least every `tick` seconds even when idle, and every wake-up is its heartbeat: the systemd
+  watchdog is fed only while that heartbeat is fresh, so a loop stuck anywhere (a reconcile that never returns)
+  gets the daemon restarted. No step runs in the loop (they are operations beside it), so no allowance for long
+  work is needed or given.
+- SIGTERM: the loop stops, operations are cancelled (rsync keeps its partial data, a restart resumes), and the
+  process ends within SHUTDOWN_DEADLINE whatever a thread is stuck in.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import fcntl
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from reconciler.core import spec
+from reconciler.edge import log
+from reconciler.loop import metrics, systemd
+from reconciler.loop.controller import Controller
+from reconciler.loop.generations import path_key
+from reconciler.loop.server import serve
+from reconciler.loop.triggers import Requests, watch_file
+
+# From SIGTERM to the process's end, whatever a thread is stuck in (docs/reliability.md). systemd's TimeoutStopSec
+# (systemd/spark-reconciler.service) is well above it, so a stop never ends in SIGKILL.
+SHUTDOWN_DEADLINE = 10.0
+# What the orderly part of the shutdown (operations, streams, listener, sessions) may take once the loop is out.
+CLOSE_DEADLINE = 3.0
+# The loop's longest sleep: its heartbeat for the watchdog (systemd's WatchdogSec is 2 min).
+TICK = 5.0
+# A heartbeat older than this stops the watchdog pings: one reconcile is one observation, bounded by the command
+# timeout on both ends (default 60 s), so 4 minutes without a wake-up means the loop is stuck.
+STALE_AFTER = 240.0
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+def lock(state_dir: Path, path: Path):
+    """flock on a file named after the desired-state path: a second daemon on the same file is refused."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(state_dir / f"reconciler-{path_key(path)}.lock", "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        other = handle.read().strip() or "another process"
+        raise AlreadyRunning(f"another reconciler (pid {other}) already runs for {path} "
+                             f"(lock {handle.name}); stop it first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def heartbeat_fresh(heartbeat: float, now: float, stale_after: float = STALE_AFTER) -> bool:
+    return now - heartbeat < stale_after
+
+
+class Daemon:
+    def __init__(self, path: Path, state_dir: Path, listen: str | None = None, events: bool = True,
+                 controller: Controller | None = None):
+        self.path = Path(path)
+        self.state_dir = Path(state_dir)
+        self.listen_override = listen
+        self.requests = Requests()
+        self.stop = threading.Event()
+        self.cancel = threading.Event()
+        self.stopped = threading.Event()
+        self.log = log.get().bind(file=str(self.path))
+        self.controller = controller or Controller(self.path, self.state_dir, self.requests, self.cancel,
+                                                   events=events)
+        self.heartbeat = time.monotonic()
+        self.ready_sent = False
+
+    def install_signals(self) -> None:
+        """A handler runs on the main thread between two bytecodes, possibly while that very thread holds a lock:
+        the log writer's (structlog's PrintLogger), a metric's. Taking such a lock again deadlocks the process for
+        good (the cause of a SIGTERM that never ended the daemon). So the handlers only set events and wake the
+        loop (Requests' lock is re-entrant); the loop logs and counts."""
+        def term(_sig, _frame) -> None:
+            self.stop.set()
+            self.cancel.set()
+            self.requests.request("signal")
+
+        def hup(_sig, _frame) -> None:
+            self.requests.request("sighup")
+
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGINT, term)
+        signal.signal(signal.SIGHUP, hup)
+        # `kill -USR1 PID`: every thread's stack to stderr (the journal), written by faulthandler in C, taking no
+        # Python lock: where a stuck loop waits, without py-spy on the head.
+        faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
+
+    def _watchdog(self) -> None:
+        interval = systemd.watchdog_interval()
+        if interval is None:
+            return
+        while not self.stop.wait(interval):
+            if heartbeat_fresh(self.heartbeat, time.monotonic()):
+                systemd.watchdog()
+
+    def _exit_by_deadline(self) -> None:
+        """Once asked to stop, end the process within SHUTDOWN_DEADLINE even if a thread is stuck (an SSH channel
+        that never answers, a lock never released): idempotent steps make any stop point safe, and systemd must
+        not have to SIGKILL. Writes straight to fd 2, taking no Python lock that a stuck thread may hold, and
+        dumps every thread's stack first, so the log says where it was stuck."""
+        self.stop.wait()
+        if self.stopped.wait(SHUTDOWN_DEADLINE):
+            return
+        os.write(2, f"daemon.shutdown_forced: not stopped {SHUTDOWN_DEADLINE:g}s after SIGTERM; "
+                    "thread stacks follow\n".encode())
+        faulthandler.dump_traceback(file=sys.stderr.fileno(), all_threads=True)
+        os._exit(0)
+
+    def _shutdown(self, server, deadline: float = CLOSE_DEADLINE) -> None:
+        """Cancelled operations end, then streams, the listener and the sessions close; never let a half-dead SSH
+        transport hold the exit past the deadline: everything left is a daemon thread and dies with the process."""
+        self.controller.stop_streams()
+        self.controller.operations.cancel_all()
+
+        def close() -> None:
+            if not self.controller.operations.join(deadline):
+                self.log.warning("daemon.operations_still_running", seconds=deadline)
+            elif self.controller.lease is not None:  # nothing of ours runs any more: another actor may act now
+                self.controller.lease.release()
+            server.shutdown()
+            server.server_close()
+            if self.controller.sessions:
+                self.controller.sessions.close()
+
+        closer = threading.Thread(target=close, name="shutdown", daemon=True)
+        closer.start()
+        closer.join(deadline + 1)
+        if closer.is_alive():
+            self.log.warning("daemon.shutdown_timeout", seconds=deadline)
+
+    def _listen_address(self) -> str:
+        try:
+            desired = self.controller.desired or spec.load(self.path)
+            return self.listen_override or desired.policy.listen
+        except spec.InvalidDesiredState:
+            return self.listen_override or "127.0.0.1:9464"
+
+    def run(self) -> int:
+        handle = lock(self.state_dir, self.path)
+        try:
+            self.controller.reload()
+            listen = self._listen_address()
+            server = serve(listen, lambda: self.controller.status)
+            self.log.info("daemon.start", listen=listen, generation=self.controller.store.generation,
+                          pid=os.getpid())
+            watch_file(self.path, self.requests, self.stop)
+            threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
+            threading.Thread(target=self._exit_by_deadline, name="exit-deadline", daemon=True).start()
+            self._loop()
+            self.log.info("daemon.stopping", reason="signal")
+            systemd.stopping()
+            self._shutdown(server)
+            self.log.info("daemon.stopped")
+            return 0
+        finally:
+            self.stopped.set()
+            handle.close()
+
+    def _loop(self) -> None:
+        self.requests.request("start")
+        next_resync = time.monotonic()
+        requeue_at: float | None = None
+        while not self.stop.is_set():
+            self.heartbeat = now = time.monotonic()
+            due = min(next_resync, requeue_at) if requeue_at is not None else next_resync
+            reasons = self.requests.wait(timeout=min(TICK, max(0.0, due - now)))
+            self.heartbeat = now = time.monotonic()
+            if self.stop.is_set():
+                break
+            if not reasons:
+                if now < due:
+                    continue  # a tick: the heartbeat moved, nothing is due
+                reasons = {"resync"} if now >= next_resync else {"requeue"}
+                metrics.events.labels(node="", source=min(reasons)).inc()
+            if "sighup" in reasons:
+                metrics.events.labels(node="", source="signal").inc()
+            try:
+                result = self.controller.reconcile(reasons)
+                requeue_at = None if result.requeue_after is None else time.monotonic() + result.requeue_after
+            except Exception as exc:  # the loop outlives any one reconcile
+                requeue_at = None  # an old requeue, due already, would repeat the crash back to back
+                self.log.exception("reconcile.crashed", error=str(exc))
+                metrics.reconciles.labels(result="error").inc()
+            if not self.ready_sent and self.controller.desired is not None:
+                self.ready_sent = True
+                systemd.ready("first reconcile done")
+            desired = self.controller.desired
+            next_resync = time.monotonic() + (desired.policy.resync_interval if desired else 30.0)

@@ -1,0 +1,77 @@
+"""How the head's serving has fared across reconciles: the memory a single observation lacks.
+
+One probe sees "the API does not answer". Whether that is a cold start (a 119 GB load takes many minutes: wait,
+up to `serving.health_timeout`) or a wedge (an NCCL hang, a stuck rank: restart after `serving.unhealthy_grace`)
+depends on history: did this very container serve before, and since when has it failed? The watch keeps that
+history per container id and writes it into the observation (`Serving.unhealthy_for`, `served_before`,
+`health_restarts`), so the pure plan decides from one snapshot, and `plan --observed` of a saved snapshot decides
+the same. A container older than the cold-start allowance counts as having served: after a daemon restart a
+wedged vLLM is not granted another hour.
+
+Backoff: a restart for health that did not hold (the new container also served, then failed again) doubles the
+grace, up to 16x; serving well for 16 graces forgets the count.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from reconciler.core.observed import Observed
+from reconciler.core.planning import MAX_GRACE_DOUBLINGS
+from reconciler.core.spec import Desired
+
+
+def _age(started_at: str | None, now: float) -> float:
+    """Seconds since docker's StartedAt (RFC 3339 with nanoseconds); 0 when absent or unreadable."""
+    if not started_at or started_at.startswith("0001-"):
+        return 0.0
+    text = started_at.replace("Z", "+00:00")
+    head, dot, rest = text.partition(".")
+    if dot:  # Python parses at most microseconds: cut the fraction to 6 digits, keep the offset
+        digits = "".join(ch for ch in rest if ch.isdigit())
+        text = f"{head}.{digits[:6] or '0'}{rest[len(digits):]}"
+    try:
+        return max(0.0, now - datetime.fromisoformat(text).timestamp())
+    except ValueError:
+        return 0.0
+
+
+class HealthWatch:
+    def __init__(self) -> None:
+        self.container_id: str | None = None
+        self.served = False
+        self.unhealthy_since: float | None = None
+        self.serving_since: float | None = None
+        self.restarts = 0
+        self._wedged = False  # the current container served and now fails: its replacement is a restart for health
+
+    def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
+        head = desired.head.name
+        node = observed.node(head)
+        serving = node.serving
+        container = node.container(desired.serving.container_name)
+        if serving is None or container is None or not container.running:
+            self.unhealthy_since = self.serving_since = None
+            return observed
+        if container.id != self.container_id:
+            if self._wedged:
+                self.restarts += 1
+            self.container_id, self.served, self._wedged = container.id, False, False
+            self.unhealthy_since = self.serving_since = None
+        grace = desired.serving.unhealthy_grace
+        if serving.serves(desired.serving.served_model_name or desired.model.id):
+            self.served, self.unhealthy_since = True, None
+            self.serving_since = self.serving_since if self.serving_since is not None else now
+            if now - self.serving_since >= grace * 2 ** MAX_GRACE_DOUBLINGS:
+                self.restarts = 0
+        else:
+            self.serving_since = None
+            self.unhealthy_since = self.unhealthy_since if self.unhealthy_since is not None else now
+        served_before = self.served or _age(container.started_at, now) > desired.serving.health_timeout
+        self._wedged = served_before and self.unhealthy_since is not None
+        annotated = serving.model_copy(update={
+            "unhealthy_for": None if self.unhealthy_since is None else now - self.unhealthy_since,
+            "served_before": served_before, "health_restarts": self.restarts})
+        nodes = dict(observed.nodes)
+        nodes[head] = node.model_copy(update={"serving": annotated})
+        return observed.model_copy(update={"nodes": nodes})

@@ -1,0 +1,220 @@
+"""Long work beside the loop: the steps a reconcile admits run in a batch thread of their own, tracked here.
+
+A weight sync may take hours, an image copy or a cold start an hour. The loop never waits for them: it keeps
+observing on every trigger and resync, repairs what does not conflict with an operation in flight (a co-tenant,
+a link on another node), and publishes status and progress every cycle. An operation's end is a trigger, like any
+other (level-triggered: the next reconcile re-observes and decides).
+
+What may run next to what is one pure function, `admit`: never the same step twice, never two parts of an ordered
+serving restart at once (the chain runs as one), and never a step whose dependency is still in flight.
+Results are handed back to the loop (`drain`), which alone records them in the holds: the loop stays the only
+writer of its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from reconciler.core.observed import ServeFlags
+from reconciler.core.planning import Plan, Step
+from reconciler.edge.execute import Outcome, StepResult, execute, step_timeout
+from reconciler.edge.steps import StepContext
+from reconciler.loop.backoff import SERVING_CHAIN
+
+
+def admit(steps: Iterable[Step], busy: Iterable[Step], vetoed: Mapping[str, str] | None = None
+          ) -> tuple[list[Step], dict[str, str]]:
+    """Split a plan's steps into those that may start now and those that wait (step id -> why).
+
+    A step waits when the holds veto it (`vetoed`: backing off, held), when the same step is in flight, when it
+    belongs to the serving chain while any part of the chain is in flight (a restart is one ordered unit), or when
+    a step it comes after waits (transitively)."""
+    busy = list(busy)
+    busy_ids = {s.id for s in busy}
+    chain_busy = next((s.id for s in busy if s.kind in SERVING_CHAIN), None)
+    admitted: list[Step] = []
+    waiting: dict[str, str] = {}
+    for step in steps:  # a plan lists every step after the steps it comes after
+        if vetoed and step.id in vetoed:
+            waiting[step.id] = vetoed[step.id]
+        elif step.id in busy_ids:
+            waiting[step.id] = "already in flight"
+        elif step.kind in SERVING_CHAIN and chain_busy:
+            waiting[step.id] = f"the serving chain is in flight ({chain_busy})"
+        elif blocker := next((d for d in step.after if d in waiting or d in busy_ids), None):
+            waiting[step.id] = f"after {blocker}, which is {'in flight' if blocker in busy_ids else 'waiting'}"
+        else:
+            admitted.append(step)
+    return admitted, waiting
+
+
+@dataclass
+class Operation:
+    """One step in flight: what, where, since when, until when, and how far (bytes, when the step says)."""
+
+    step: Step
+    started: float  # unix time the batch was launched
+    deadline: float  # unix time the step's own timeout ends (a queued step: from launch)
+    state: str = "queued"  # queued (its dependencies in the batch run first) | running
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    first_bytes: tuple[float, int] | None = None  # (when, bytes) of the first progress: the rate's start
+
+    def as_dict(self, now: float) -> dict[str, object]:
+        return {"step": self.step.id, "kind": self.step.kind, "node": self.step.node, "state": self.state,
+                "seconds": round(now - self.started, 1), "deadlineIn": round(self.deadline - now, 1),
+                "bytesDone": self.bytes_done, "bytesTotal": self.bytes_total,
+                "bytesPerSecond": self.rate(now)}
+
+    def rate(self, now: float) -> int | None:
+        """Bytes per second since the bytes started moving (the manifests and the queue before are not the
+        link's speed); None before a second progress report."""
+        if self.first_bytes is None or now <= self.first_bytes[0]:
+            return None
+        since, at_first = self.first_bytes
+        return round((self.bytes_done - at_first) / (now - since))
+
+
+class Operations:
+    """The steps in flight and the results not yet handed to the loop. Thread-safe; the clock is passed in."""
+
+    def __init__(self, on_end: Callable[[], None], clock: Callable[[], float] = time.time,
+                 run: Callable[..., Outcome] = execute) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Operation] = {}
+        self._finished: list[StepResult] = []
+        self._threads: list[threading.Thread] = []
+        self._cancels: list[threading.Event] = []
+        self._on_end = on_end
+        self._clock = clock
+        self._run = run
+
+    def busy(self) -> list[Step]:
+        """Steps in flight, and steps that ended but whose result the loop has not drained yet: those must not
+        start again before their outcome is in the holds (a failure's backoff)."""
+        with self._lock:
+            return [op.step for op in self._running.values()] + [r.step for r in self._finished]
+
+    def view(self) -> list[dict[str, object]]:
+        now = self._clock()
+        with self._lock:
+            return [op.as_dict(now) for op in self._running.values()]
+
+    def launch(self, steps: list[Step], ctx: StepContext, on_event: Callable[[str, dict], None]) -> None:
+        """Run `steps` (in their `after` order, independent ones in parallel) in a thread of their own."""
+        now = self._clock()
+        cancel = threading.Event()  # this batch's own: a new generation or a shutdown cancels every batch
+        if ctx.cancel.is_set():
+            cancel.set()
+        ctx = dataclasses.replace(ctx, cancel=cancel)
+        with self._lock:
+            self._cancels = [c for c in self._cancels if not c.is_set()] + [cancel]
+            for step in steps:
+                self._running[step.id] = Operation(step, now, now + step_timeout(ctx, step))
+
+        reported: set[str] = set()
+
+        def event(name: str, fields: dict) -> None:
+            if name == "step.end":
+                reported.add(fields["result"].step.id)
+            self._event(name, fields)
+            on_event(name, fields)
+
+        def batch() -> None:
+            try:
+                results = self._run(Plan([], steps, [], "enforce"), ctx, on_event=event).results
+            except Exception as exc:  # noqa: BLE001 - an executor bug must still free the steps and say why
+                results = [StepResult(s, "failed", 0.0, f"executor crashed: {exc!r}") for s in steps]
+            with self._lock:
+                for result in results:
+                    if result.step.id not in reported and self._running.pop(result.step.id, None) is not None:
+                        self._finished.append(result)
+                for step in steps:
+                    self._running.pop(step.id, None)
+            self._on_end()
+
+        thread = threading.Thread(target=batch, name=f"operations-{steps[0].id}", daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _event(self, name: str, fields: dict) -> None:
+        with self._lock:
+            if name == "step.start" and (op := self._running.get(fields["step"].id)):
+                op.state = "running"
+                op.deadline = self._clock() + (op.deadline - op.started)
+            elif name == "step.end" and self._running.pop(fields["result"].step.id, None) is not None:
+                self._finished.append(fields["result"])
+
+    def cancel_all(self) -> int:
+        """Cancel every batch in flight (its steps stop at their next check; rsync is sent SIGTERM and keeps its
+        partial data). Returns how many were running."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            cancel.set()
+        return len(cancels)
+
+    def progress(self, kind: str, node: str, done: int, total: int | None = None) -> None:
+        """Bytes moved so far by the `kind` step on `node` (the weight sync's rsync, the image stream)."""
+        with self._lock:
+            for op in self._running.values():
+                if op.step.kind == kind and op.step.node == node:
+                    if op.first_bytes is None:
+                        op.first_bytes = (self._clock(), done)
+                    op.bytes_done = done
+                    op.bytes_total = total if total is not None else op.bytes_total
+
+    def drain(self) -> list[StepResult]:
+        """The results finished since the last call (each handed out once)."""
+        with self._lock:
+            out, self._finished = self._finished, []
+            return out
+
+    def join(self, timeout: float) -> bool:
+        """Wait for every batch to end (after a cancel); False when one is still running at the deadline."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+
+class FlagsQuery:
+    """The serving image's `vllm serve --help=all`, asked beside the loop: it imports torch (~26 s here, more on a
+    busy node), far too long to hold a reconcile. Asked once per image id; until the answer is in, the plan sees
+    ServeFlags(pending=True) and holds a serving (re)start, so an unknown flag is still refused before anything
+    stops. The answer's arrival is a trigger."""
+
+    def __init__(self, ask: Callable[[str, str], ServeFlags], on_answer: Callable[[], None]) -> None:
+        self._ask = ask
+        self._on_answer = on_answer
+        self._lock = threading.Lock()
+        self._answers: dict[str, ServeFlags] = {}
+
+    def get(self, wanted: tuple[str, str] | None) -> ServeFlags | None:
+        """The answer for (holder, image id), or a pending one after starting the question."""
+        if wanted is None:
+            return None
+        holder, image_id = wanted
+        with self._lock:
+            if image_id in self._answers:
+                return self._answers[image_id]
+            self._answers[image_id] = ServeFlags(image_id=image_id, pending=True)
+
+        def ask() -> None:
+            try:
+                answer = self._ask(holder, image_id)
+            except Exception as exc:  # noqa: BLE001 - an answer of some kind must arrive, or serving waits forever
+                answer = ServeFlags(image_id=image_id, error=f"asking failed: {exc!r}")
+            with self._lock:
+                self._answers[image_id] = answer
+            self._on_answer()
+
+        threading.Thread(target=ask, name=f"flags-{image_id[:19]}", daemon=True).start()
+        return ServeFlags(image_id=image_id, pending=True)

@@ -1,0 +1,83 @@
+"""The status publisher: one reconcile's knowledge, told the same way everywhere.
+
+/status (JSON), the Prometheus metrics, systemd's status line: all are written here from one `conditions.Snapshot`,
+at the end of every reconcile, crashed or not, so none of them can keep saying Converged after a reconcile that
+could not tell. `reconciler_last_reconcile_timestamp_seconds` moves every time; an alert fires when it stops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reconciler.core.drift import DRIFT_KINDS
+from reconciler.core.observed import Observed
+from reconciler.core.spec import Desired
+from reconciler.edge.log import redact
+from reconciler.loop import conditions, metrics, systemd
+
+
+class StatusPublisher:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.status: dict = {"phase": "Converging", "conditions": [], "generation": 0, "observedGeneration": 0,
+                             "lastPlan": None, "lastError": None}
+        self._held: set[tuple[str, str]] = set()  # (kind, node) shown as 1 on the step_hold gauge
+
+    def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float) -> None:
+        conds = conditions.conditions(snap, nodes, self.status.get("conditions", []), now)
+        phase = conditions.phase_of(snap)
+        drift = snap.plan.drift if snap.plan else []
+        # through `redact` before it is stored: a step's error, a file error, a drift's observed text, a blocker's
+        # reason may quote a command line or a header with a secret in it, and /status serves this dict as it is
+        self.status = redact({
+            "phase": phase, "generation": snap.generation, "observedGeneration": snap.observed_generation,
+            "file": str(self.path), "conditions": conds,
+            "drift": [d.as_dict() for d in drift],
+            "lastPlan": snap.plan.as_dict() if snap.plan else None,
+            "lastError": error or (snap.step_failures[-1] if snap.step_failures else snap.file_error),
+            "held": snap.held, "time": now,
+        })
+        metrics.set_phase(phase)
+        metrics.set_conditions(conds)
+        counts: dict[tuple[str, str], int] = {}
+        for d in drift:
+            if d.actionable or d.blocking:
+                counts[(d.node, d.kind)] = counts.get((d.node, d.kind), 0) + 1
+        metrics.set_drift(counts, nodes, DRIFT_KINDS)
+        metrics.converged.set(1 if snap.plan is not None and not snap.plan.changes and error is None else 0)
+        metrics.observed_generation.set(snap.observed_generation)
+        metrics.last_reconcile.set(now)
+        systemd.status(f"{phase}; generation {snap.generation}, {sum(counts.values())} drifted")
+
+    def holds(self, held: dict[str, str]) -> None:
+        """The step_hold gauge: 1 while held, back to 0 once no longer held — also when the hold ended by a success
+        or a new generation, which drop the step's record (the gauge once stayed 1 until the daemon restarted,
+        and ReconcilerStepHeld kept firing)."""
+        now = {(sid.split("/")[0], sid.split("/")[1]) for sid in held}
+        for kind, node in self._held - now:
+            metrics.step_hold.labels(kind=kind, node=node).set(0)
+        for kind, node in now:
+            metrics.step_hold.labels(kind=kind, node=node).set(1)
+        self._held = now
+
+    @staticmethod
+    def observation(desired: Desired, observed: Observed, durations: dict[str, float]) -> None:
+        """The per-node gauges of one observation (reachability, link, memory, weights, serving)."""
+        for name, seconds in durations.items():
+            metrics.observe_duration.labels(node=name).observe(seconds)
+        for name, obs in observed.nodes.items():
+            metrics.node_reachable.labels(node=name).set(1 if obs.reachable else 0)
+            if links := obs.links():  # every declared port: a twin down halves the link
+                metrics.fabric_link_up.labels(node=name).set(1 if all(k.admin_up and k.carrier for k in links) else 0)
+            if obs.memory is not None:
+                metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
+        source = observed.node(desired.source_node).weights
+        if source is not None and source.present:
+            for node in desired.serving_nodes:
+                metrics.weights_bytes.labels(node=node.name, state="expected").set(source.total_bytes)
+                mine = observed.node(node.name).weights
+                metrics.weights_bytes.labels(node=node.name, state="synced").set(
+                    min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
+        head = observed.node(desired.head.name).serving
+        want = desired.serving.served_model_name or desired.model.id
+        metrics.serving_healthy.set(1 if head and head.serves(want) else 0)

@@ -1,0 +1,102 @@
+"""Things that ask for a reconcile: the desired-state file, the resync timer (in the controller), and push events
+from the nodes (a `docker events` stream and `ip monitor link` per node over a long-lived SSH channel).
+
+A trigger carries no data (level-triggered): it only *requests* a reconcile. Requests coalesce: however many
+arrive while a reconcile runs, exactly one more follows it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import watchfiles
+
+from reconciler.edge import log
+from reconciler.edge.ssh import RemoteError, Session, quote
+from reconciler.loop import metrics
+
+
+class Requests:
+    """At most one pending request; the reasons of coalesced requests are kept for the log."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reasons: set[str] = set()
+
+    def request(self, reason: str) -> None:
+        with self._cond:
+            self._reasons.add(reason)
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None) -> set[str]:
+        """The pending reasons (emptied), or an empty set when the timeout passed first."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._reasons), timeout=timeout)
+            reasons, self._reasons = self._reasons, set()
+            return reasons
+
+
+def watch_file(path: Path, requests: Requests, stop: threading.Event) -> threading.Thread:
+    """Watch the file's directory, so saves by rename (vim, most editors), by truncate-and-write and by a new
+    inode are all seen; a short debounce folds the burst of events one save makes."""
+    target = path.resolve()
+
+    def interesting(_change, changed: str) -> bool:
+        return Path(changed).resolve() == target or Path(changed).name == target.name
+
+    def loop() -> None:
+        for _ in watchfiles.watch(target.parent, watch_filter=interesting, debounce=80, step=20,
+                                  stop_event=stop, rust_timeout=500, yield_on_timeout=False,
+                                  raise_interrupt=False):
+            metrics.events.labels(node="", source="file").inc()
+            requests.request("file")
+
+    thread = threading.Thread(target=loop, name="watch-file", daemon=True)
+    thread.start()
+    return thread
+
+
+_DOCKER_EVENTS = ["docker", "events", "--filter", "type=container", *[
+    arg for e in ("die", "stop", "start", "destroy", "oom", "kill") for arg in ("--filter", f"event={e}")],
+    "--format", "docker {{.Status}} {{.Actor.Attributes.name}}"]
+_DOCKER_EVENTS_SH = quote(_DOCKER_EVENTS)
+
+
+def event_command(interface: str) -> str:
+    """Both streams in one channel. When the channel closes, stdin hits EOF and the whole group is killed, so
+    nothing keeps running on the node after the daemon is gone. When either stream ends (`docker events` exits
+    with its dockerd), the group is killed too: the channel closes and the caller reconnects, instead of keeping
+    a channel whose docker half is gone for good after a dockerd restart."""
+    streams = [_DOCKER_EVENTS_SH]
+    if interface:
+        streams.append("ip -o monitor link | while read -r line; do printf 'link %s\\n' \"$line\"; done")
+    return "".join(f"({s}; kill 0) & " for s in streams) + "cat >/dev/null; kill 0"
+
+
+def stream_events(session: Session, interface: str, requests: Requests, stop: threading.Event) -> threading.Thread:
+    node = session.node.name
+    logger = log.get().bind(node=node)
+
+    def loop() -> None:
+        delay = 1.0
+        while not stop.is_set():
+            try:
+                for line in session.stream_lines(event_command(interface), stop):
+                    source = line.split(" ", 1)[0]
+                    if source not in ("docker", "link"):
+                        continue
+                    metrics.events.labels(node=node, source=source).inc()
+                    requests.request(f"{source}:{node}")
+                    delay = 1.0
+            except RemoteError as exc:
+                logger.info("events.reconnect", error=exc.message, retry_in=delay)
+                # A stream that ends is news in itself (its dockerd stopped, the node went away): look now.
+                requests.request(f"events-lost:{node}")
+            if stop.wait(delay):
+                return
+            delay = min(delay * 2, 30.0)
+
+    thread = threading.Thread(target=loop, name=f"events-{node}", daemon=True)
+    thread.start()
+    return thread
