@@ -132,7 +132,7 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
 def write_ansible(desired_path: Path, where: Path) -> Path:
     """Inventory, ssh config and a playbook doing the probe's checks, task by task (what a user would write)."""
     from reconciler.core import spec
-    from reconciler.edge.observe import weights_root
+    from reconciler.edge.manifest import weights_root
     desired = spec.load(desired_path)
     head = desired.head
     ssh_cfg = where / "ssh_config"

@@ -311,7 +311,8 @@ def run_image(opts: Options) -> dict:
 def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[float]]:
     from reconciler.core import spec
     from reconciler.core.drift import weights_difference
-    from reconciler.edge.observe import manifest_script, observe, weights_root
+    from reconciler.edge.manifest import manifest_script, weights_root
+    from reconciler.edge.observe import observe
     from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)

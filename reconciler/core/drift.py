@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from reconciler.core.observed import LABEL_INSTANCE, Link, NodeObservation, Observed, Weights
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, NodeObservation, Observed, Weights
 from reconciler.core.spec import Desired, FabricPort, Node
-from reconciler.core.vllm import launch_specs
+from reconciler.core.vllm import launch_specs, memory_needed
 
 DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving",
                     "health", "memory"]
@@ -115,7 +115,7 @@ def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Dri
     mem = obs.memory
     if mem is None:
         return []
-    need = int(desired.serving.gpu_memory_utilization * mem.total_bytes) + desired.policy.memory_margin
+    need = memory_needed(desired, mem.total_bytes)
     if mem.available_bytes >= need:
         return []
     gib = 2**30
@@ -154,7 +154,7 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
                              actionable=False, blocking=True))
         elif not c.running:
             out.append(Drift(node.name, "serving", res, "running", c.state))
-        elif c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash:
+        elif c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:
             out.append(Drift(node.name, "serving", res, f"spec {spec.spec_hash}",
                              f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
         elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:

@@ -106,7 +106,8 @@ def _cache_mounts(desired: Desired, node: Node) -> tuple[list[str], dict[str, st
     return flags, env
 
 
-def _docker_flags(desired: Desired, node: Node) -> list[str]:
+def _docker_flags(desired: Desired) -> list[str]:
+    """The same on every node: the options of `serving.docker`."""
     opts = desired.serving.docker
     flags = ["--network", "host", "--restart", "no"]
     if opts.ipc:
@@ -216,6 +217,13 @@ def parse_serve_help(text: str) -> list[str]:
     return flags
 
 
+def memory_needed(desired: Desired, total_bytes: int) -> int:
+    """What MemAvailable must cover before vLLM starts on a node of `total_bytes` unified memory: the share it
+    takes (gpu_memory_utilization of the total, as vLLM sizes its pool) plus the margin the file keeps for the rest.
+    One formula: the drift that reports too little memory and the start's preflight must never disagree."""
+    return int(desired.serving.gpu_memory_utilization * total_bytes) + desired.policy.memory_margin
+
+
 def launch_specs(desired: Desired) -> list[LaunchSpec]:
     """One spec per serving node, rank order (head = rank 0)."""
     s = desired.serving
@@ -225,7 +233,7 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
     for rank, node in enumerate(nodes):
         mount, model_arg, mount_env = _model_mount(desired, node)
         caches, cache_env = _cache_mounts(desired, node)
-        flags = tuple(_docker_flags(desired, node) + mount + caches)
+        flags = tuple(_docker_flags(desired) + mount + caches)
         env = mount_env | cache_env | _env(desired, node)
         serve_exec = None
         if s.launcher == "native":

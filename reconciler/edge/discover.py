@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.core.text import printable
-from reconciler.edge.observe import split_sections
+from reconciler.edge.probes import split_sections
 
 # --------------------------------------------------------------------------------------------------- the probe
 

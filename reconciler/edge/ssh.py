@@ -138,6 +138,11 @@ def quote(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
 
+def quote_word(value: str) -> str:
+    """One value as one shell word (a path, a pattern, a URL inside a script line): `quote` of a one-word argv."""
+    return quote([value])
+
+
 def sudoers_snippet(desired: Desired) -> str:
     """The exact sudoers lines each node needs, for this desired state: per interface and value, nothing wider."""
     out = ["# /etc/sudoers.d/spark-reconciler — install with: visudo -f /etc/sudoers.d/spark-reconciler",

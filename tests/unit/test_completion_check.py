@@ -15,7 +15,7 @@ from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
 from reconciler.core.observed import Observed, Serving
 from reconciler.core.spec import Desired
-from reconciler.edge.observe import COMPLETION_DEADLINE, SEC, Section, completion_argv, parse_completion
+from reconciler.edge.probes import COMPLETION_DEADLINE, SEC, Section, completion_argv, parse_completion
 
 REAL_ANSWER = (
     '{"id":"cmpl-aa28977b610327c4","object":"text_completion","created":1796277722,"model":"tiny","choices":'
@@ -98,7 +98,7 @@ def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cl
     import os
     import subprocess
 
-    from reconciler.edge.observe import parse_serving, split_sections
+    from reconciler.edge.probes import parse_serving, split_sections
 
     desired = Desired.model_validate(load_file(cluster_yaml).data)
     bin_dir = tmp_path / "bin"
@@ -138,7 +138,7 @@ def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_
     import os
     import subprocess
 
-    from reconciler.edge.observe import parse_serving, split_sections
+    from reconciler.edge.probes import parse_serving, split_sections
 
     data = load_file(cluster_yaml).data
     key = "sk-test-0123456789"

@@ -14,7 +14,7 @@ from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
-from reconciler.edge.observe import link_script, parse_links, split_sections
+from reconciler.edge.probes import link_script, parse_links, split_sections
 
 TWIN = "enP2p1s0f1np1"
 

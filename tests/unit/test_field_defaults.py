@@ -55,13 +55,16 @@ def test_dirty_pages_are_written_before_the_cache_is_dropped(cluster_yaml):
     class Session:
         def run(self, argv, timeout, sudo=False, check=True):
             calls.append((argv, sudo))
-            if argv[0] == "grep":
-                return SimpleNamespace(stdout=f"MemTotal: {120 << 20} kB\nMemAvailable: {next(free) << 20} kB\n")
             return SimpleNamespace(stdout="", exit_code=0)
+
+        def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
+            assert "/proc/meminfo" in script
+            return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
+                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n")
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60)
     serving.memory_preflight(ctx, "n")
-    ran = [argv[0] for argv, _ in calls if argv[0] != "grep"]
+    ran = [argv[0] for argv, _ in calls]
     assert ran == ["sync", "/usr/sbin/sysctl"]
     assert [sudo for argv, sudo in calls if argv[0] == "sync"] == [False], "sync needs no root (no sudo rule)"
 
@@ -104,11 +107,13 @@ def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
             if argv[0] == "sync":
                 assert argv[1:] == ["-f", desired.model.path_on("n")], "only the weights' filesystem"
                 raise CommandTimeout("n", "sync did not finish")
-            if argv[0] == "grep":
-                return SimpleNamespace(stdout=f"MemTotal: {120 << 20} kB\nMemAvailable: {next(free) << 20} kB\n")
             return SimpleNamespace(stdout="", exit_code=0)
+
+        def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
+            return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
+                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n")
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
                           progress=lambda event, fields: events.append(event))
     serving.memory_preflight(ctx, "n")
-    assert [r for r in ran if r != "grep"] == ["sync", "/usr/sbin/sysctl"] and events == ["serving.sync-skipped"]
+    assert ran == ["sync", "/usr/sbin/sysctl"] and events == ["serving.sync-skipped"]

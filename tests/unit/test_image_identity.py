@@ -22,7 +22,7 @@ from reconciler.core.loader import load_file
 from reconciler.core.observed import Image, Observed
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
-from reconciler.edge.observe import image_from_inspect, parse_image, split_sections
+from reconciler.edge.probes import image_from_inspect, parse_image, split_sections
 from tests.unit.test_image_flags import _deployed
 
 CLASSIC = json.loads((Path(__file__).with_name("fixtures") / "docker-20.10-overlay2-image-inspect.json").read_text())[0]

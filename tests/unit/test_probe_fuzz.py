@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from reconciler.core.spec import load
 from reconciler.core.vllm import parse_serve_help
-from reconciler.edge import observe
-from reconciler.edge.observe import ProbeError, Section, parse_probe
+from reconciler.edge import manifest, probes
+from reconciler.edge.observe import parse_probe
+from reconciler.edge.probes import ProbeError, Section
 from tests.unit.examples import examples
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
@@ -33,13 +34,13 @@ BODY = st.one_of(TEXT, ODD, JSON.map(json.dumps), JSON.map(lambda v: "API " + js
                  st.lists(st.one_of(ODD, TEXT), max_size=8).map("\n".join))
 SECTIONS = st.one_of(st.none(), st.builds(Section, BODY, st.integers(-2, 300)))
 PARSERS = {
-    "containers": lambda s: observe.parse_containers(s),
-    "link": lambda s: observe.parse_link("enp1s0f1np1", s, s),
-    "meminfo": lambda s: observe.parse_memory(s),
-    "weights": lambda s: observe.parse_weights("/models", s),
-    "serving": lambda s: observe.parse_serving(s, s, s, s),
-    "completion": lambda s: observe.parse_completion(s),
-    "image": lambda s: observe.parse_image(s),
+    "containers": lambda s: probes.parse_containers(s),
+    "link": lambda s: probes.parse_link("enp1s0f1np1", s, s),
+    "meminfo": lambda s: probes.parse_memory(s),
+    "weights": lambda s: manifest.parse_weights("/models", s),
+    "serving": lambda s: probes.parse_serving(s, s, s, s),
+    "completion": lambda s: probes.parse_completion(s),
+    "image": lambda s: probes.parse_image(s),
 }
 
 
@@ -87,6 +88,6 @@ def test_the_serve_help_parser_never_raises(text):
 
 def test_the_probe_error_names_the_section():
     with pytest.raises(ProbeError, match=r"^meminfo: KeyError: 'MemAvailable'"):
-        observe.parse_memory(Section("MemTotal:       1024 kB", 0))
+        probes.parse_memory(Section("MemTotal:       1024 kB", 0))
     with pytest.raises(ProbeError, match=r"^containers: "):
-        observe.parse_containers(Section('API {"not": "a list"}', 0))
+        probes.parse_containers(Section('API {"not": "a list"}', 0))

@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reconciler.core.planning import Step
-from reconciler.edge import observe
-from reconciler.edge.observe import manifest_script, parse_weights, split_sections
+from reconciler.edge import manifest
+from reconciler.edge.manifest import manifest_script, parse_weights
+from reconciler.edge.probes import split_sections
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps import StepContext, StepFailed, hop
 from reconciler.edge.steps import weights as step
@@ -118,7 +119,7 @@ def test_the_probe_resolves_links_on_its_listing_and_follows_none(tmp_path, shel
 
 
 def test_the_walk_is_bounded_in_entries_and_depth(tmp_path, monkeypatch):
-    monkeypatch.setattr(observe, "MAX_ENTRIES", 20)
+    monkeypatch.setattr(manifest, "MAX_ENTRIES", 20)
     wide = tmp_path / "wide"
     wide.mkdir()
     for i in range(30):
@@ -132,12 +133,12 @@ def test_the_walk_is_bounded_in_entries_and_depth(tmp_path, monkeypatch):
     assert probe(wide).truncated is None
 
     deep = tmp_path / "deep"
-    leaf = deep.joinpath(*[f"d{i}" for i in range(observe.MAX_DEPTH)])
+    leaf = deep.joinpath(*[f"d{i}" for i in range(manifest.MAX_DEPTH)])
     leaf.mkdir(parents=True)
     (leaf.parent / "ok").write_bytes(b"x")
-    assert probe(deep).truncated is None, f"{observe.MAX_DEPTH} levels are listed"
+    assert probe(deep).truncated is None, f"{manifest.MAX_DEPTH} levels are listed"
     (leaf / "too-deep").write_bytes(b"x")
-    assert probe(deep).truncated == f"entries deeper than {observe.MAX_DEPTH} levels"
+    assert probe(deep).truncated == f"entries deeper than {manifest.MAX_DEPTH} levels"
 
 
 def test_names_with_a_newline_or_tab_are_refused_not_misread(tmp_path):
@@ -431,7 +432,7 @@ def test_a_link_rsync_would_drop_and_not_a_file_inside_is_refused(tmp_path, node
 
 def test_a_partial_listing_is_refused(tmp_path, nodes, monkeypatch):
     hf_tree(tmp_path / "src", shards=3)
-    monkeypatch.setattr(observe, "MAX_ENTRIES", 8)
+    monkeypatch.setattr(manifest, "MAX_ENTRIES", 8)
     with pytest.raises(StepFailed, match="is not fully listed .more than 8 entries.*refusing to sync from a partial"):
         sync(tmp_path, nodes)
     assert not nodes["src"].rsyncs()

@@ -15,7 +15,7 @@ import re
 
 from reconciler.core.observed import Image
 from reconciler.core.planning import Step
-from reconciler.edge.observe import image_from_inspect
+from reconciler.edge.probes import image_from_inspect
 from reconciler.edge.ssh import CommandFailed, bounded, quote
 from reconciler.edge.steps import StepContext, StepFailed, hop
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from reconciler.core.observed import Link
 from reconciler.core.planning import Step
 from reconciler.core.spec import FabricPort
-from reconciler.edge.observe import SEC, link_script, parse_links, split_sections
+from reconciler.edge.probes import link_script, parse_links, read_sections
 from reconciler.edge.steps import StepContext, StepFailed, wait_for
 
 IP = "/usr/sbin/ip"
@@ -19,9 +19,7 @@ IP = "/usr/sbin/ip"
 def read_links(ctx: StepContext, node: str) -> list[Link]:
     """The node's declared ports as they are now, in `Fabric.ports()` order."""
     n = ctx.desired.node(node)
-    script = "\n".join([SEC, *link_script(n)]) + "\n"
-    out = ctx.sessions[node].run_script(script, timeout=ctx.command_timeout).stdout
-    first, twin = parse_links(n, split_sections(out))
+    first, twin = parse_links(n, read_sections(ctx.sessions[node], link_script(n), ctx.command_timeout))
     return [first, *([twin] if twin else [])]
 
 

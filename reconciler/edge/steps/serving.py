@@ -10,11 +10,10 @@ A container that exits while we wait fails the step at once with its last log li
 
 from __future__ import annotations
 
-import json
-
+from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step
-from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs
-from reconciler.edge.observe import Section, api_argv, auth_header, completion_argv, parse_completion
+from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed
+from reconciler.edge.probes import count_ray_nodes, read_api, read_memory
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, wait_for
 from reconciler.edge.steps.containers import inspect, owner_problem
@@ -30,19 +29,20 @@ def spec_for(ctx: StepContext, node: str) -> LaunchSpec:
     return next(s for s in launch_specs(ctx.desired) if s.node == node)
 
 
-def _memory(ctx: StepContext, node: str) -> tuple[int, int]:
-    out = ctx.sessions[node].run(["grep", "-E", "^(MemTotal|MemAvailable):", "/proc/meminfo"],
-                                 timeout=ctx.command_timeout).stdout
-    values = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in out.splitlines()}
-    return values["MemTotal"], values["MemAvailable"]
+def _memory(ctx: StepContext, node: str) -> Memory:
+    memory = read_memory(ctx.sessions[node], ctx.command_timeout)
+    if memory is None:
+        raise StepFailed(f"/proc/meminfo on {node} did not answer")
+    return memory
 
 
 def memory_preflight(ctx: StepContext, node: str) -> None:
-    """MemAvailable must cover gpu_memory_utilization x MemTotal plus the margin (drop caches first if allowed)."""
+    """MemAvailable must cover `memory_needed` (gpu_memory_utilization x MemTotal plus the margin), dropping
+    caches first if allowed."""
     policy = ctx.desired.policy
-    total, available = _memory(ctx, node)
-    need = int(ctx.desired.serving.gpu_memory_utilization * total) + policy.memory_margin
-    if available < need and policy.drop_caches:
+    memory = _memory(ctx, node)
+    need = memory_needed(ctx.desired, memory.total_bytes)
+    if memory.available_bytes < need and policy.drop_caches:
         # drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst): after a 100 GB
         # rsync most of the cache is dirty until written back. `sync -f` flushes the weights' filesystem (no root
         # needed), not every mount (a hung NFS one would hold the start); past the command deadline, go on.
@@ -52,9 +52,10 @@ def memory_preflight(ctx: StepContext, node: str) -> None:
             ctx.progress("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
         ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True,
                                timeout=ctx.command_timeout)
-        total, available = _memory(ctx, node)
-    if available < need:
-        raise StepBlocked(f"{node}: {available / GIB:.1f} GiB available, but gpu_memory_utilization "
+        memory = _memory(ctx, node)
+    if memory.available_bytes < need:
+        total = memory.total_bytes
+        raise StepBlocked(f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but gpu_memory_utilization "
                           f"{ctx.desired.serving.gpu_memory_utilization:g} x {total / GIB:.1f} GiB + margin "
                           f"{policy.memory_margin / GIB:.1f} GiB = {need / GIB:.1f} GiB is needed")
 
@@ -73,7 +74,7 @@ def start_serving(ctx: StepContext, step: Step) -> None:
         if (problem := owner_problem(ctx, node, spec.container_name, info)) is not None:
             raise StepBlocked(f"{spec.container_name} exists and is not ours to replace: {problem}")
         labels = info["Config"].get("Labels") or {}
-        if info["State"]["Running"] and labels.get("spark-reconciler.spec-hash") == spec.spec_hash:
+        if info["State"]["Running"] and labels.get(LABEL_SPEC_HASH) == spec.spec_hash:
             return  # already what we want (a crash after `docker run`, before the step was recorded)
         if info["State"]["Running"]:
             raise StepFailed(f"{spec.container_name} on {node} runs another spec; the plan stops it first")
@@ -108,7 +109,7 @@ def launch_model(ctx: StepContext, step: Step) -> None:
     def joined() -> bool:
         out = session.run(["docker", "exec", spec.container_name, "ray", "status"], timeout=ctx.command_timeout,
                           check=False).stdout
-        return sum(1 for line in out.splitlines() if line.strip().split(" ")[-1].startswith("node_")) >= nodes
+        return count_ray_nodes(out) >= nodes
 
     wait_for(joined, timeout=ctx.remaining(120), interval=0.5, what=f"{nodes} nodes in `ray status`",
              cancel=ctx.cancel)
@@ -126,10 +127,10 @@ def launch_model(ctx: StepContext, step: Step) -> None:
 
 def await_health(ctx: StepContext, step: Step) -> None:
     """Wait for /health == 200, the served name in /v1/models and one answered completion (the whole
-    tensor-parallel group works, not only the API process), under serving.health_timeout."""
+    tensor-parallel group works, not only the API process), under serving.health_timeout. The API is read by the
+    probe's own fragment and parser (`probes.read_api`)."""
     d = ctx.desired
     head, want = step.node, d.serving.served_model_name or d.model.id
-    base = f"http://127.0.0.1:{d.serving.port}"
     session = ctx.sessions[head]
 
     def healthy() -> bool:
@@ -139,19 +140,8 @@ def await_health(ctx: StepContext, step: Step) -> None:
                 raise StepFailed(f"{spec.container_name} on {spec.node} is {state.get('Status', 'missing')} "
                                  f"(exit {state.get('ExitCode')}) while waiting for health:\n"
                                  + logs_tail(ctx, spec.node, spec.container_name))
-        code = session.run(["curl", "-s", "-o", "/dev/null", "-m", "2", "-w", "%{http_code}", f"{base}/health"],
-                           timeout=ctx.command_timeout, check=False).stdout.strip()
-        if code != "200":
-            return False
-        body = session.run(api_argv(d, "-s", "-m", "2", f"{base}/v1/models"), stdin=auth_header(d),
-                           timeout=ctx.command_timeout, check=False).stdout
-        try:
-            if want not in [m["id"] for m in json.loads(body).get("data", [])]:
-                return False
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return False
-        done = session.run(completion_argv(d), stdin=auth_header(d), timeout=ctx.command_timeout, check=False)
-        return parse_completion(Section(done.stdout, done.exit_code)) is None
+        api = read_api(session, d, ctx.command_timeout)
+        return api.healthy and want in api.models and api.completion_error is None
 
     wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=1.0, cancel=ctx.cancel,
-             what=f"{base}/health on {head}, {want!r} in /v1/models and one completion")
+             what=f"http://127.0.0.1:{d.serving.port}/health on {head}, {want!r} in /v1/models and one completion")

@@ -11,7 +11,7 @@ options, and these safety properties, each from a failure seen in the field:
   resolved size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
 - nothing from outside the model: a tree holding a link that leads out of it and out of the hub's blob store
   (to `~/.ssh`, the HF token, `/`) is refused, and so is a partial listing (the walk is bounded:
-  `observe.manifest_script`). Nor could a run carry such a link: the runs that keep links skip every link whose
+  `manifest.manifest_script`). Nor could a run carry such a link: the runs that keep links skip every link whose
   value leaves the tree (`--safe-links`, on the receiver), and only the links checked to land on a file inside
   are copied as files, in runs of their own (`--copy-links`, nothing else in their lists);
 - never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
@@ -34,15 +34,8 @@ from dataclasses import dataclass
 from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
-from reconciler.edge.observe import (
-    PARTIAL_DIR,
-    UNSAFE_SHOWN,
-    Listing,
-    manifest_script,
-    read_listing,
-    split_sections,
-    weights_root,
-)
+from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing, weights_root
+from reconciler.edge.probes import split_sections
 from reconciler.edge.ssh import CommandFailed
 from reconciler.edge.steps import StepContext, StepFailed, hop
 from reconciler.edge.steps.rsyncd import Door, rsync_daemon
