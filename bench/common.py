@@ -216,10 +216,3 @@ def save(opts: Options, name: str, data: dict) -> Path:
 
 def scratch_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"bench-{prefix}-"))
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

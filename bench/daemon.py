@@ -27,7 +27,6 @@ from pathlib import Path
 from bench.common import (
     ROOT,
     Options,
-    free_port,
     on_testbed,
     rss_bytes,
     save,
@@ -35,6 +34,7 @@ from bench.common import (
     summary,
     write_desired,
 )
+from testbed.proc import free_port
 
 RECONCILER = ROOT / ".venv" / "bin" / "reconciler"
 

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from . import api
+from .proc import TestbedError, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 DESIRED = REPO / "desired-state" / "testbed.yaml"
@@ -42,17 +43,6 @@ def status() -> dict | None:
             return json.loads(r.read())
     except (OSError, ValueError):
         return None
-
-
-def wait_for(what: str, predicate, deadline_s: float, poll: float = 0.5):
-    """Poll `predicate()` until it returns something truthy or the deadline passes (then raise)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(f"{what}: not within {deadline_s:.0f}s")
 
 
 def phase_is(*phases: str):
@@ -128,9 +118,9 @@ def run() -> int:
         say("Starting the daemon: reconciler run (console log); step progress below")
         state_dir = tempfile.mkdtemp(prefix="spark-reconciler-demo-")
         daemon = Daemon(state_dir)
-        wait_for("the daemon's listener", status, 30)
+        wait_for(status, 30, "the daemon's listener", interval=0.5)
         t = time.monotonic()
-        wait_for("convergence", phase_is("Converged"), 600)
+        wait_for(phase_is("Converged"), 600, "convergence", interval=0.5)
         say(f"Converged in {time.monotonic() - t:.1f}s")
         print(subprocess.run([_cli(), "status"], capture_output=True, text=True, timeout=30, check=False).stdout)
         print(f"metrics: {URL}/metrics  (Prometheus text; e.g. curl -s {URL}/metrics | grep reconciler_)")
@@ -141,10 +131,10 @@ def run() -> int:
         t = time.monotonic()
         # the daemon watches link events, so detection and repair can take well under one status poll: read them
         # from its log (reconcile.plan naming the link, then reconcile.end Converged), then confirm via /status
-        detected = wait_for("detection", lambda: daemon.find("reconcile.plan", "link", start=mark), 120, poll=0.1)
+        detected = wait_for(lambda: daemon.find("reconcile.plan", "link", start=mark), 120, "detection", interval=0.1)
         print(f"detected {time.monotonic() - t:.1f}s after the fault: {detected.split('reconcile.plan', 1)[1].strip()}")
-        wait_for("repair", lambda: daemon.find("reconcile.end", "phase=Converged", start=mark), 300, poll=0.1)
-        wait_for("status Converged", phase_is("Converged"), 60)
+        wait_for(lambda: daemon.find("reconcile.end", "phase=Converged", start=mark), 300, "repair", interval=0.1)
+        wait_for(phase_is("Converged"), 60, "status Converged", interval=0.5)
         link = api.exec_("worker", "ip -br link show dev enp1s0f1np1", check=True).stdout.strip()
         print(f"worker fabric now: {link}")
         say(f"Repaired: back to Converged {time.monotonic() - t:.1f}s after the fault")
@@ -164,7 +154,7 @@ def run() -> int:
         left = api.down()
         print("testbed down" + (f" (left behind: {left})" if left else ""))
         return 130
-    except TimeoutError as exc:
+    except TestbedError as exc:
         print(f"demo: {exc}; the daemon's last lines are above. The testbed stays up; `make demo-down` cleans up.",
               file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -43,8 +44,14 @@ def ok(cmd: Sequence[str], timeout: float = 30) -> bool:
         return False
 
 
-def wait_for(cond: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll *cond* until it returns a truthy value or *timeout* seconds pass (then TestbedError)."""
+def wait_for(cond: Callable[[], T], timeout: float = 15.0, what: str = "condition", *,
+             interval: float = 0.05) -> T:
+    """Poll *cond* until it returns a truthy value or *timeout* seconds pass (then TestbedError): the one wait of
+    the testbed, the tests and the bench. A condition may raise until it holds (a port not yet listening); a
+    TestbedError from it says it can never hold (the daemon died) and ends the wait at once.
+
+    The product has its own wait (`reconciler.edge.steps.wait_for`: cancellable, never swallowing an error); the
+    harness does not borrow it, so a bug there cannot hide in the tests that judge it."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while True:
@@ -57,10 +64,17 @@ def wait_for(cond: Callable[[], T], *, timeout: float, what: str, interval: floa
         except Exception as e:  # noqa: BLE001 - the condition may fail until it holds
             last_exc = e
         if time.monotonic() > deadline:
-            raise TestbedError(f"timed out after {timeout:.0f}s waiting for {what}"
+            raise TestbedError(f"timed out after {timeout:g}s waiting for {what}"
                                + (f" (last error: {last_exc})" if last_exc else ""))
         time.sleep(interval)
         interval = min(interval * 1.5, 0.5)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (the kernel's choice), for a process the harness starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---- pid registry -------------------------------------------------------------------------------------------

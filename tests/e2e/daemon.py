@@ -15,28 +15,12 @@ import urllib.request
 from pathlib import Path
 
 from reconciler.loop.daemon import SHUTDOWN_DEADLINE
+from testbed.proc import free_port, wait_for
 
 CLI = str(Path(sys.executable).with_name("reconciler"))
 # Scheduling slack on a loaded 2-core machine on top of the product's own deadline; a deadline to wait with, not a
 # duration the test measures.
 SHUTDOWN_SLACK = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def holds_for(check, seconds: float, what: str, interval: float = 0.1) -> None:
@@ -110,7 +94,7 @@ class Daemon:
         return next((c for c in doc.get("conditions", []) if c["node"] == node and c["type"] == type_), None)
 
     def wait_phase(self, phase: str, timeout: float = 60) -> dict:
-        return wait_until(lambda: (lambda s: s if s and s["phase"] == phase else None)(self.status()), timeout,
+        return wait_for(lambda: (lambda s: s if s and s["phase"] == phase else None)(self.status()), timeout,
                           f"phase {phase} (last: {(self.status() or {}).get('phase')})")
 
     def log_events(self) -> list[dict]:

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from reconciler.loop.daemon import SHUTDOWN_DEADLINE
-from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, holds_for, wait_until
+from testbed.proc import wait_for
+from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, holds_for
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +82,7 @@ def test_edits_converge_without_restart_and_invalid_edits_change_nothing(daemon,
     steps_before = daemon.metric("reconciler_steps_total")
 
     daemon.desired.write_text(daemon.desired.read_text().replace("port: 8000", "port: 80000"))
-    invalid = wait_until(lambda: (lambda c: c if c and c["status"] == "False" else None)(
+    invalid = wait_for(lambda: (lambda c: c if c and c["status"] == "False" else None)(
         daemon.condition("", "DesiredStateValid")), 10, "DesiredStateValid=False")
     assert f"{daemon.desired}:" in invalid["message"] and "serving.port" in invalid["message"]
     line_col = invalid["message"].split(":")[1:3]
@@ -97,7 +98,7 @@ def test_edits_converge_without_restart_and_invalid_edits_change_nothing(daemon,
         d["serving"]["served_model_name"] = "tiny-dense"
 
     write_desired(daemon.desired, dense)
-    wait_until(lambda: (daemon.status() or {}).get("generation") == 2, 10, "generation 2")
+    wait_for(lambda: (daemon.status() or {}).get("generation") == 2, 10, "generation 2")
     daemon.wait_phase("Converged", timeout=90)
     assert served(seed_testbed) == ["tiny-dense"]
     assert daemon.proc.pid == pid and daemon.proc.poll() is None
@@ -126,10 +127,10 @@ def test_push_events_detect_and_repair_drift_long_before_the_resync(daemon, seed
         tb.fault("link-down", "worker")
     else:
         tb.fault("rogue-container", "worker", name="rogue")
-    wait_until(lambda: daemon.metric("reconciler_events_total", node="worker") > events, 10,
+    wait_for(lambda: daemon.metric("reconciler_events_total", node="worker") > events, 10,
                "an event from the worker's stream")
     # the deadline is far below the 1h resync: only the push path explains a repair within it
-    wait_until(lambda: _repaired(tb, fault, old_serving), 60, f"the {fault} repair")
+    wait_for(lambda: _repaired(tb, fault, old_serving), 60, f"the {fault} repair")
     daemon.wait_phase("Converged", timeout=30)
     assert served(tb) == ["tiny-moe"]
 
@@ -143,7 +144,7 @@ def test_a_step_that_keeps_failing_is_held_not_hammered(seed_testbed, tmp_path):
     desired = write_desired(tmp_path / "cluster.yaml", quick_hold)
     d = Daemon(desired, tmp_path / "state").start()
     try:
-        held = wait_until(lambda: (lambda c: c if c and c["status"] == "True" else None)(
+        held = wait_for(lambda: (lambda c: c if c and c["status"] == "True" else None)(
             d.condition("head", "StepsHeld")), 60, "the head's start held")
         doc = d.status()
         assert doc["phase"] == "Blocked" and doc["held"]
@@ -188,9 +189,9 @@ def test_sigterm_during_a_weight_sync_exits_cleanly_and_the_next_start_resumes(s
     desired = write_desired(tmp_path / "cluster.yaml", slow_sync)
     first = Daemon(desired, tmp_path / "state").start()
     try:
-        wait_until(lambda: any(e.get("event") == "step.start" and e.get("kind") == "weights"
+        wait_for(lambda: any(e.get("event") == "step.start" and e.get("kind") == "weights"
                                for e in first.log_events()), 60, "the weight sync to start")
-        wait_until(lambda: any(p.startswith("blobs/") and full.get(p) == size
+        wait_for(lambda: any(p.startswith("blobs/") and full.get(p) == size
                                for p, size in _regular_files(tb, "worker", dst).items()), 60, "a first complete blob")
         assert first.stop(timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0, "SIGTERM ends the daemon mid-sync"
         assert any(m.startswith("STOPPING=1") for m in first.messages())
@@ -199,7 +200,7 @@ def test_sigterm_during_a_weight_sync_exits_cleanly_and_the_next_start_resumes(s
     assert not tb.docker("worker", "ps", "-q", "--filter", "name=vllm_serving").stdout.strip()
     # rsync's receiver notices the closed connection a moment later and moves its temp file (.NAME.XXXXXX)
     # into .rsync-partial for the resume
-    wait_until(lambda: not any(Path(p).name.startswith(".") for p in _regular_files(tb, "worker", dst)), 15,
+    wait_for(lambda: not any(Path(p).name.startswith(".") for p in _regular_files(tb, "worker", dst)), 15,
                "the interrupted temp file moved into .rsync-partial")
     kept = _regular_files(tb, "worker", dst)
     assert kept and all(full.get(p) == size for p, size in kept.items()), \

@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testbed.proc import free_port, wait_for
 from tests.e2e import grafana
-from tests.e2e.daemon import Daemon, free_port, wait_until
+from tests.e2e.daemon import Daemon
 from tests.e2e.test_daemon import write_desired
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +71,7 @@ class Prometheus:
                                       f"--storage.tsdb.path={workdir / 'data'}",
                                       f"--web.listen-address=127.0.0.1:{self.port}"],
                                      stdout=self._log, stderr=subprocess.STDOUT)
-        wait_until(self._answers, 30, "prometheus to answer")
+        wait_for(self._answers, 30, "prometheus to answer")
 
     def _answers(self) -> bool:
         try:
@@ -278,9 +279,9 @@ def test_a_converged_cluster_every_panel_has_data_and_nothing_is_red(seed_testbe
     daemon, start = start_daemon_scraped(tb, desired, tmp_path / "state", prom)
     try:
         daemon.wait_phase("Converged", timeout=120)
-        wait_until(lambda: steady(prom, 'reconciler_converged{job="spark-reconciler"}'), 30,
+        wait_for(lambda: steady(prom, 'reconciler_converged{job="spark-reconciler"}'), 30,
                    "Prometheus to have scraped the converged daemon for a whole rate window")
-        wait_until(lambda: steady(prom, 'up{job="vllm"}'), 60, "Prometheus to scrape vLLM on the head's serving port")
+        wait_for(lambda: steady(prom, 'up{job="vllm"}'), 60, "Prometheus to scrape vLLM on the head's serving port")
         end = time.time()
         assert_converged_view(dashboard_as_seen(prom, start, end), nodes)
         worker = [n for n in nodes if n != nodes[0]][0]
@@ -304,8 +305,8 @@ def test_a_held_step_is_red_where_it_is_held_and_nothing_reads_converged(seed_te
         desired = write_desired(tmp_path / "cluster.yaml", held_quickly)
         daemon, start = start_daemon_scraped(tb, desired, tmp_path / "state", prom)
         try:
-            first = wait_until(held_nodes, 120, "a held step (StepsHeld=True)")
-            wait_until(lambda: all(prom.has(f'reconciler_condition{{node="{n}", type="StepsHeld", status="True"}} == 1')
+            first = wait_for(held_nodes, 120, "a held step (StepsHeld=True)")
+            wait_for(lambda: all(prom.has(f'reconciler_condition{{node="{n}", type="StepsHeld", status="True"}} == 1')
                                    for n in first) and steady(prom, "reconciler_step_hold"), 30,
                        "Prometheus to have scraped the hold for a whole rate window")
             end = time.time()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from testbed.images import IMAGES, archive, build
-from testbed.standin.testing import free_port, http_get, wait_for
+from testbed.proc import free_port, wait_for
+from testbed.standin.testing import http_get
 from testbed.weights import generate
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +39,7 @@ def engine():
     )
     host = f"unix://{sock}"
     try:
-        wait_for(lambda: docker(host, "version", check=False).returncode == 0, timeout=60, step=0.2,
+        wait_for(lambda: docker(host, "version", check=False).returncode == 0, timeout=60, interval=0.2,
                  what="throwaway dockerd")
         yield host
     finally:

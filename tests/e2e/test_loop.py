@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tests.e2e.daemon import holds_for, wait_until
+from testbed.proc import wait_for
+from tests.e2e.daemon import holds_for
 from tests.e2e.test_reliability import (
     assert_nothing_lost,
     converged,
@@ -60,14 +61,14 @@ def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_p
     desired = write_desired(tmp_path / "cluster.yaml", lambda d: slow_sync(d, rate="3000KB"), resync_interval="1h")
     d = daemon(desired, tmp_path / "state")
     try:
-        first = wait_until(lambda: (lambda o: o if o and o["bytesDone"] > 0 else None)(
+        first = wait_for(lambda: (lambda o: o if o and o["bytesDone"] > 0 else None)(
             operation(d, "weights/worker")), 120, "the weight sync in flight with bytes moved")
         assert first["bytesTotal"] and first["bytesTotal"] >= 60 * 2**20, first
 
         tb.fault("rogue-container", "worker", name="intruder")
         tb.fault("link-down", "head")
         faulted = time.monotonic()
-        wait_until(lambda: not running(tb, "worker", "intruder") and link_up(tb, "head"), 60,
+        wait_for(lambda: not running(tb, "worker", "intruder") and link_up(tb, "head"), 60,
                    "the co-tenant stopped and the head's link up again")
         repaired = time.monotonic() - faulted
         later = operation(d, "weights/worker")
@@ -79,7 +80,7 @@ def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_p
             assert now is not None, "the 64 MiB sync at 3 MB/s ended before its progress moved"
             return now if now["bytesDone"] > first["bytesDone"] and now["bytesPerSecond"] else None
 
-        moved = wait_until(moving, 60, "/status showing the sync's progress move, and its rate")
+        moved = wait_for(moving, 60, "/status showing the sync's progress move, and its rate")
         # the rate /status shows: rsync's --bwlimit caps the one stream near 3000 KB/s, the link is much faster
         assert 0 < moved["bytesPerSecond"] <= 3000 * 1024 * 1.2, moved
         progressing = d.condition("", "Progressing")
@@ -113,14 +114,14 @@ def test_a_frozen_serving_api_is_restarted_after_the_grace_not_before(seed_testb
         pid = int(tb.docker("head", "inspect", "--format", "{{.State.Pid}}", "vllm_serving").stdout)
         os.kill(pid, signal.SIGSTOP)  # alive, holding its memory, answering nothing
         frozen_at = time.monotonic()
-        wait_until(lambda: any("restarted in order after" in b["reason"]
+        wait_for(lambda: any("restarted in order after" in b["reason"]
                                for b in ((d.status() or {}).get("lastPlan") or {}).get("blocked", [])),
                    30, "the plan saying it waits out the grace")
         # The grace runs from the first failed check, which is after the freeze: until GRACE seconds after the
         # freeze, nothing may be stopped (a hiccup must not cost a reload).
         holds_for(lambda: serving_ids(tb, "head") <= before,
                   max(0.5, GRACE - 1 - (time.monotonic() - frozen_at)), "serving left alone within the grace")
-        wait_until(lambda: not serving_ids(tb, "head") <= before, 120, "the restart")
+        wait_for(lambda: not serving_ids(tb, "head") <= before, 120, "the restart")
         print(f"FIGURE frozen-api: restart began {time.monotonic() - frozen_at:.1f}s after the freeze "
               f"(grace {GRACE}s)")
         converged(d, 180)
@@ -142,12 +143,12 @@ def test_hostile_probe_output_on_one_node_is_that_nodes_condition(seed_testbed, 
         tb.fault("hostile-probe", "worker")
         tb.fault("rogue-container", "head", name="intruder")
         t = time.monotonic()
-        probed = wait_until(lambda: (lambda c: c if c and c["status"] == "False" else None)(
+        probed = wait_for(lambda: (lambda c: c if c and c["status"] == "False" else None)(
             d.condition("worker", "Probed")), 30, "worker ProbeFailed")
         assert probed["reason"] == "ProbeFailed" and "meminfo" in probed["message"], probed
         print(f"FIGURE hostile-probe: worker ProbeFailed {time.monotonic() - t:.1f}s after the fault: "
               f"{probed['message']}")
-        wait_until(lambda: not running(tb, "head", "intruder"), 60, "the head still reconciled")
+        wait_for(lambda: not running(tb, "head", "intruder"), 60, "the head still reconciled")
         status = d.status()
         assert status["phase"] != "Converged" and d.metric("reconciler_converged") == 0
         assert d.condition("head", "Probed")["status"] == "True"

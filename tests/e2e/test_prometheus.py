@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.daemon import Daemon, free_port, wait_until
+from testbed.proc import free_port, wait_for
+from tests.e2e.daemon import Daemon
 from tests.e2e.test_daemon import write_desired
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +52,7 @@ def prometheus(tmp_path):
         with urllib.request.urlopen(f"{api}/{path}", timeout=2) as r:
             return json.loads(r.read())["data"]
 
-    wait_until(lambda: _ok(lambda: get("status/runtimeinfo")), 30, "prometheus to answer")
+    wait_for(lambda: _ok(lambda: get("status/runtimeinfo")), 30, "prometheus to answer")
 
     def scrape(target: str) -> None:
         targets.write_text(json.dumps([{"targets": [target]}]))
@@ -82,26 +83,26 @@ def test_fabric_drift_alert_goes_pending_then_firing_then_resolves(seed_testbed,
     try:
         daemon.wait_phase("Converged", timeout=90)
         scrape(daemon.url.removeprefix("http://"))
-        wait_until(lambda: get("targets")["activeTargets"] and
+        wait_for(lambda: get("targets")["activeTargets"] and
                    get("targets")["activeTargets"][0]["health"] == "up", 30, "the daemon scraped")
         assert not [k for k, s in alert_states(get).items() if k[0] in WATCHED], "nothing fires while converged"
 
         write_desired(desired, lambda d: d["policy"].update(resync_interval="1s", mode="observe"))
-        wait_until(lambda: (daemon.status() or {}).get("generation") == 2, 10, "observe mode taken")
+        wait_for(lambda: (daemon.status() or {}).get("generation") == 2, 10, "observe mode taken")
         tb.fault("link-down", "worker")
         key = ("ReconcilerFabricLinkDown", "worker")
-        wait_until(lambda: alert_states(get).get(key) == "pending", 30, "the link alert pending")
+        wait_for(lambda: alert_states(get).get(key) == "pending", 30, "the link alert pending")
         assert tb.exec("worker", "cat /sys/class/net/enp1s0f1np1/operstate").stdout.strip() == "down", \
             "observe mode: the reconciler reports and changes nothing"
-        wait_until(lambda: alert_states(get).get(key) == "firing", 30, "the link alert firing")
-        wait_until(lambda: alert_states(get).get(("ReconcilerDriftPersists", "worker")) == "firing", 30,
+        wait_for(lambda: alert_states(get).get(key) == "firing", 30, "the link alert firing")
+        wait_for(lambda: alert_states(get).get(("ReconcilerDriftPersists", "worker")) == "firing", 30,
                    "the drift alert firing")
         link_up = get("query?query=reconciler_fabric_link_up")["result"]
         assert {r["metric"]["node"]: r["value"][1] for r in link_up}["worker"] == "0"
 
         write_desired(desired, lambda d: d["policy"].update(resync_interval="1s", mode="enforce"))
-        wait_until(lambda: key not in alert_states(get), 60, "the link alert resolved after the repair")
-        wait_until(lambda: not [k for k in alert_states(get) if k[0] in WATCHED], 60, "every drift alert resolved")
+        wait_for(lambda: key not in alert_states(get), 60, "the link alert resolved after the repair")
+        wait_for(lambda: not [k for k in alert_states(get) if k[0] in WATCHED], 60, "every drift alert resolved")
         assert daemon.status()["phase"] == "Converged"
     finally:
         daemon.close()

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from reconciler.loop.daemon import SHUTDOWN_DEADLINE
-from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon, wait_until
+from testbed.proc import wait_for
+from tests.e2e.daemon import CLI, SHUTDOWN_SLACK, Daemon
 from tests.e2e.test_converge import containers
 
 pytestmark = pytest.mark.e2e
@@ -130,7 +131,7 @@ def converged(d: Daemon, timeout: float, since: float | None = None) -> dict:
         doc = d.status()
         return doc if doc and doc["phase"] == "Converged" and doc.get("time", 0) >= since else None
 
-    return wait_until(fresh, timeout, f"phase Converged after {since} (last: {(d.status() or {}).get('phase')})")
+    return wait_for(fresh, timeout, f"phase Converged after {since} (last: {(d.status() or {}).get('phase')})")
 
 
 def cond(d: Daemon, node: str, type_: str) -> dict:
@@ -172,12 +173,12 @@ def crash_trial(tb, work: Path, rng: random.Random, where: str, record: dict | N
             kind, edge = rng.choice(kinds), rng.choice(["step.start", "step.end"])
             if kind == "stop-serving":  # the seed has no serving container to stop: nothing to cut there
                 kind = "start-serving"
-            wait_until(lambda: any(e.get("event") == edge and e.get("kind") == kind for e in first.log_events()),
+            wait_for(lambda: any(e.get("event") == edge and e.get("kind") == kind for e in first.log_events()),
                        60, f"{edge} of {kind}", interval=0.02)
             point = f"{edge} {kind}"
         else:
             delay = rng.uniform(0.5, 14)
-            wait_until(lambda: time.monotonic() - t0 >= delay, delay + 1, "the random point", interval=0.02)
+            wait_for(lambda: time.monotonic() - t0 >= delay, delay + 1, "the random point", interval=0.02)
             point = f"t+{delay:.1f}s"
         first.stop(signal.SIGKILL)
         assert first.proc.returncode == -signal.SIGKILL
@@ -212,9 +213,9 @@ def sync_resume_trial(tb, work: Path, sig: int) -> dict:
     total = sum(files(tb, "head", hub("head")).values())
     first = daemon(desired, work / "state")
     try:
-        wait_until(lambda: step_starts(first, "weights"), 60, "the weight sync to start", interval=0.05)
+        wait_for(lambda: step_starts(first, "weights"), 60, "the weight sync to start", interval=0.05)
         rx0 = fabric_rx(tb)
-        wait_until(lambda: first.metric("reconciler_weights_sync_bytes_total") >= total * 0.5, 60,
+        wait_for(lambda: first.metric("reconciler_weights_sync_bytes_total") >= total * 0.5, 60,
                    "half of the weights", interval=0.05)
         t = time.monotonic()
         code = first.stop(sig, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK)  # raises past the deadline
@@ -225,7 +226,7 @@ def sync_resume_trial(tb, work: Path, sig: int) -> dict:
     kept = partial_bytes(tb)
     assert half_written(tb) == []
     # the worker's one-time rsync daemon (its helper, and a daemon per stream) ends with the channel that held it
-    wait_until(lambda: subprocess.run(["pgrep", "-f", FABRIC_DAEMON], capture_output=True, check=False).returncode
+    wait_for(lambda: subprocess.run(["pgrep", "-f", FABRIC_DAEMON], capture_output=True, check=False).returncode
                == 1, 15, "no rsync daemon left on the nodes")
     rx1 = fabric_rx(tb)
     second = daemon(desired, work / "state")
@@ -268,14 +269,14 @@ def sigterm_during(tb, desired: Path, state: Path, in_flight, what: str, converg
     time."""
     first = daemon(desired, state)
     try:
-        wait_until(lambda: in_flight(first), 120, what, interval=0.02)
+        wait_for(lambda: in_flight(first), 120, what, interval=0.02)
         t = time.monotonic()
         assert first.stop(signal.SIGTERM, timeout=SHUTDOWN_DEADLINE + SHUTDOWN_SLACK) == 0
         stopped = time.monotonic() - t
     finally:
         first.close()
     if orphans:  # the nodes share this machine's pid namespace: one pgrep sees them all
-        wait_until(lambda: subprocess.run(["pgrep", "-f", orphans], capture_output=True, check=False).returncode
+        wait_for(lambda: subprocess.run(["pgrep", "-f", orphans], capture_output=True, check=False).returncode
                    == 1, 15, f"no process matching {orphans!r} left on the nodes")
     assert serving_ok(tb) == []
     second = daemon(desired, state)
@@ -297,7 +298,7 @@ def test_a_second_daemon_is_refused(tmp_path, seed_testbed):
     desired = write_desired(tmp_path / "cluster.yaml", mode="observe")
     first = daemon(desired, tmp_path / "state")
     try:
-        wait_until(first.status, 30, "the first daemon's status")
+        wait_for(first.status, 30, "the first daemon's status")
         second = subprocess.run([CLI, "run", str(desired), "--state-dir", str(tmp_path / "state"), "--listen",
                                  "127.0.0.1:0"], capture_output=True, text=True, timeout=30, check=False)
         assert second.returncode == 1
@@ -349,7 +350,7 @@ def test_the_fabric_twin_reset_to_mtu_1500_is_repaired_without_a_restart(serving
     tb.fault("mtu", "worker", value=1500, dev=twin)
     mtu = lambda: json.loads(tb.exec("worker", f"ip -j link show dev {twin}").stdout)[0]["mtu"]  # noqa: E731
     assert mtu() == 1500
-    wait_until(lambda: mtu() == 9000 and steps_run(d, "link") > links_before, 60, "the twin's MTU repaired")
+    wait_for(lambda: mtu() == 9000 and steps_run(d, "link") > links_before, 60, "the twin's MTU repaired")
     converged(d, 60, since=time.time())
     assert d.metric("reconciler_fabric_link_up", node="worker") == 1
     assert {n: containers(tb, n)["vllm_serving"]["State"]["StartedAt"] for n in ("head", "worker")} == started
@@ -375,7 +376,7 @@ def test_worker_unreachable_reported_blocks_and_recovers(serving, fault):
     tb.fault(fault, "worker")
     if fault == "sshd-stop":
         drop_sessions(tb, "worker")
-    wait_until(lambda: cond(d, "worker", "Reachable").get("status") == "False"
+    wait_for(lambda: cond(d, "worker", "Reachable").get("status") == "False"
                and d.metric("reconciler_node_reachable", node="worker") == 0, 3 + 8 + 6, "worker unreachable")
     detected = time.monotonic() - t
     msg = cond(d, "worker", "Reachable")["message"]
@@ -383,9 +384,9 @@ def test_worker_unreachable_reported_blocks_and_recovers(serving, fault):
     # serving on the head dies: restarting it needs the worker, so nothing may start while it is away
     n_steps = len(step_starts(d))
     tb.fault("kill-container", "head", name="vllm_serving")
-    wait_until(lambda: (d.status() or {}).get("phase") in ("Blocked", "Degraded"), 20, "a blocked phase")
+    wait_for(lambda: (d.status() or {}).get("phase") in ("Blocked", "Degraded"), 20, "a blocked phase")
     t_hold = time.monotonic()
-    wait_until(lambda: time.monotonic() - t_hold > 8, 9, "two resyncs with the worker away", interval=0.5)
+    wait_for(lambda: time.monotonic() - t_hold > 8, 9, "two resyncs with the worker away", interval=0.5)
     ran = [e["step"] for e in step_starts(d)[n_steps:]]
     assert not [s for s in ran if s.split("/")[0] in ("start-serving", "stop-serving", "weights",
                                                       "await-health", "launch-model") or "/worker" in s], ran
@@ -403,7 +404,7 @@ def test_dockerd_stopped_reported_and_recovered(serving):
     tb, d = serving
     t = time.monotonic()
     tb.fault("dockerd-stop", "worker")
-    wait_until(lambda: cond(d, "worker", "DockerReachable").get("status") == "False", 15, "DockerReachable False")
+    wait_for(lambda: cond(d, "worker", "DockerReachable").get("status") == "False", 15, "DockerReachable False")
     detected = time.monotonic() - t
     assert cond(d, "worker", "DockerReachable")["message"]
     t = time.monotonic()
@@ -431,7 +432,7 @@ def test_disk_full_during_sync_names_node_path_bytes_and_resumes(seed_testbed, t
             text = " ".join([doc.get("lastError") or ""] + [c["message"] for c in doc.get("conditions", [])])
             return text if "no space left" in text else None
 
-        text = wait_until(reported, 90, "a disk-full report in /status")
+        text = wait_for(reported, 90, "a disk-full report in /status")
         detected = time.monotonic() - t
         m = re.search(r"worker: no space left on the filesystem of (\S+): (\d+) bytes still to copy, (\d+) bytes "
                       r"available", text)
@@ -443,7 +444,7 @@ def test_disk_full_during_sync_names_node_path_bytes_and_resumes(seed_testbed, t
         rx = fabric_rx(tb)
         t = time.monotonic()
         tb.fault("free-disk", "worker")
-        wait_until(lambda: d.status() and d.status()["phase"] == "Converged", 120, "convergence after free-disk")
+        wait_for(lambda: d.status() and d.status()["phase"] == "Converged", 120, "convergence after free-disk")
         recovered = time.monotonic() - t
         assert fabric_rx(tb) - rx < total, "resumed from the kept data"
         assert_nothing_lost(tb, d)
@@ -456,7 +457,7 @@ def test_truncated_shard_is_resynced(serving):
     tb, d = serving
     t = time.monotonic()
     tb.fault("corrupt-shard", "worker", mode="truncate")
-    wait_until(lambda: step_starts(d, "weights"), 15, "a weight re-sync")
+    wait_for(lambda: step_starts(d, "weights"), 15, "a weight re-sync")
     detected = time.monotonic() - t
     converged(d, 90, since=time.time())
     assert_nothing_lost(tb, d)
@@ -488,7 +489,7 @@ def test_flipped_byte_same_size_and_mtime_caught_by_full_verification(serving, t
         assert again.hashed_on_source == 0, "the source answers from its (path, size, mtime) cache"
         assert again.repaired == found.mismatched
         t = time.monotonic()
-        wait_until(lambda: step_starts(d, "weights"), 15, "the re-sync of the removed file")
+        wait_for(lambda: step_starts(d, "weights"), 15, "the re-sync of the removed file")
         converged(d, 60, since=time.time())
         recovered = time.monotonic() - t
         assert verify_weights(desired, sessions, "worker").ok
@@ -513,7 +514,7 @@ def test_serving_that_keeps_crashing_is_held_not_looped(seed_testbed, tmp_path):
             return next((c for c in (d.status() or {}).get("conditions", [])
                          if c["type"] == "StepsHeld" and c["status"] == "True"), None)
 
-        held = wait_until(held_cond, 60, "StepsHeld")
+        held = wait_for(held_cond, 60, "StepsHeld")
         detected = time.monotonic() - t
         # the step that fails is the wait for the served model (the worker's container starts, then exits);
         # the message carries the container's last log lines
@@ -522,7 +523,7 @@ def test_serving_that_keeps_crashing_is_held_not_looped(seed_testbed, tmp_path):
         assert (d.status() or {})["phase"] == "Blocked"
         starts = len(step_starts(d, "start-serving"))  # attempts really made (vetoed steps count as skipped)
         window = time.monotonic()
-        wait_until(lambda: time.monotonic() - window >= 15, 16, "a 15 s window", interval=0.5)
+        wait_for(lambda: time.monotonic() - window >= 15, 16, "a 15 s window", interval=0.5)
         during = len(step_starts(d, "start-serving")) - starts
         assert during <= 2, f"{during} start attempts in 15 s while held (backoff_max 20s)"
         assert d.metric("reconciler_step_hold") >= 1
@@ -613,7 +614,7 @@ def test_hostile_edits_keep_the_last_good_generation(seed_testbed, tmp_path):
             steps = steps_run(d)
             t = time.monotonic()
             edit()
-            valid = wait_until(lambda: (lambda c: c if c.get("status") == "False" else None)(
+            valid = wait_for(lambda: (lambda c: c if c.get("status") == "False" else None)(
                 cond(d, "", "DesiredStateValid")), 20, f"DesiredStateValid False after {name}")
             figures[name] = round(time.monotonic() - t, 2)
             assert expect.lower() in valid["message"].lower(), (name, valid["message"])
@@ -625,7 +626,7 @@ def test_hostile_edits_keep_the_last_good_generation(seed_testbed, tmp_path):
             assert doc["generation"] == generation and doc["phase"] == "Invalid", (name, doc["phase"])
             assert d.proc.poll() is None, f"the daemon died on {name}"
             restore(desired, good)
-            wait_until(lambda: cond(d, "", "DesiredStateValid").get("status") == "True", 20, f"the fix of {name}")
+            wait_for(lambda: cond(d, "", "DesiredStateValid").get("status") == "True", 20, f"the fix of {name}")
             assert steps_run(d) == steps, f"steps ran because of {name}"
             assert d.status()["generation"] == generation
         converged(d, 30)
@@ -647,16 +648,16 @@ def test_an_edit_during_a_reconcile_is_applied_after_it(seed_testbed, tmp_path):
             return lambda data: data["serving"].__setitem__("served_model_name", name)
 
         write_desired(desired, served("tiny-a"))
-        wait_until(lambda: len(step_starts(d, "start-serving")) > starts, 30, "the restart for tiny-a",
+        wait_for(lambda: len(step_starts(d, "start-serving")) > starts, 30, "the restart for tiny-a",
                    interval=0.02)
         broken = desired.read_text().replace("tensor_parallel_size: 2", "tensor_parallel_size: [")
         desired.write_text(broken)  # an invalid save in the middle of the reconcile
-        wait_until(lambda: cond(d, "", "DesiredStateValid").get("status") == "False", 60, "the invalid edit")
+        wait_for(lambda: cond(d, "", "DesiredStateValid").get("status") == "False", 60, "the invalid edit")
         doc = d.status()
         assert doc["generation"] == generation + 1
-        wait_until(lambda: api_models(tb) == ["tiny-a"], 60, "tiny-a served (the last good generation)")
+        wait_for(lambda: api_models(tb) == ["tiny-a"], 60, "tiny-a served (the last good generation)")
         write_desired(desired, served("tiny-c"))
-        wait_until(lambda: api_models(tb) == ["tiny-c"] and (d.status() or {}).get("phase") == "Converged", 90,
+        wait_for(lambda: api_models(tb) == ["tiny-c"] and (d.status() or {}).get("phase") == "Converged", 90,
                    "tiny-c served")
         assert d.status()["generation"] == generation + 2
         assert_nothing_lost(tb, d)

@@ -20,7 +20,7 @@ import pytest
 from reconciler.core import spec
 from reconciler.edge import ssh as remote
 from reconciler.edge.ssh import ChannelRefused, CommandTimeout, Sessions
-from tests.e2e.daemon import wait_until
+from testbed.proc import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +45,7 @@ def test_a_command_past_its_deadline_is_ended_on_the_node_too(worker, testbed):
     with pytest.raises(CommandTimeout, match="did not finish within 2s"):
         worker.run(["sh", "-c", f"sleep 317; echo {MARK}"], timeout=2)
     t = time.monotonic()
-    wait_until(lambda: leftovers(testbed) == [], 10, "the node to end the command by itself")
+    wait_for(lambda: leftovers(testbed) == [], 10, "the node to end the command by itself")
     print(f"FIGURE remote-deadline: nothing left on the node {time.monotonic() - t:.1f}s after CommandTimeout")
     assert worker.run(["true"], timeout=10).ok, "the session is still usable"
 
@@ -59,7 +59,7 @@ def test_more_concurrent_commands_than_sshd_allows_channels_queue_instead_of_fai
 
 def test_a_refused_channel_fails_that_command_only(worker, monkeypatch):
     monkeypatch.setattr(worker, "_channels", threading.BoundedSemaphore(40))  # no cap: let sshd refuse
-    transport = worker.connection().transport
+    transport = worker.transport()
 
     def hold(_i: int):
         try:
@@ -73,5 +73,5 @@ def test_a_refused_channel_fails_that_command_only(worker, monkeypatch):
     done = [o for o in outcomes if not isinstance(o, ChannelRefused)]
     assert refused, "sshd (MaxSessions 10) refused some of 14 concurrent channels"
     assert done and all(r.stdout.strip() == "held" for r in done), "the others finished on the same connection"
-    assert worker.connection().transport is transport, "the connection was not closed"
+    assert worker.transport() is transport, "the connection was not closed"
     assert worker.run(["echo", "after"], timeout=10).stdout.strip() == "after"

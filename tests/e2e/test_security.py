@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from reconciler.core import spec
 from reconciler.edge import ssh as remote
 from reconciler.edge.ssh import Sessions
-from tests.e2e.daemon import CLI, Daemon, wait_until
+from testbed.proc import wait_for
+from tests.e2e.daemon import CLI, Daemon
 from tests.e2e.test_reliability import assert_nothing_lost, converged, daemon, managed, write_desired
 
 pytestmark = pytest.mark.e2e
@@ -40,8 +41,9 @@ def test_no_trust_on_first_use_anywhere_in_the_code():
             if bad in text:
                 offenders.append(f"{path.relative_to(REPO)}: {bad}")
     assert offenders == []
-    assert "RejectPolicy()" in (REPO / "reconciler" / "remote.py").read_text()
-    assert "StrictHostKeyChecking=yes" in (REPO / "reconciler" / "steps" / "hop.py").read_text()  # weights, image
+    assert "RejectPolicy()" in (REPO / "reconciler" / "edge" / "ssh" / "session.py").read_text()
+    hop = REPO / "reconciler" / "edge" / "steps" / "hop.py"
+    assert "StrictHostKeyChecking=yes" in hop.read_text()  # weights, image
 
 
 def test_changed_host_key_is_refused_and_reported(seed_testbed, tmp_path):
@@ -63,7 +65,7 @@ def test_changed_host_key_is_refused_and_reported(seed_testbed, tmp_path):
     d = daemon(desired, tmp_path / "state")
     try:
         t = time.monotonic()
-        reach = wait_until(lambda: (lambda c: c if c and c["status"] == "False" else None)(
+        reach = wait_for(lambda: (lambda c: c if c and c["status"] == "False" else None)(
             d.condition("worker", "Reachable")), 30, "Reachable False")
         assert reach["message"].startswith("HostKeyRejected:") and "CHANGED" in reach["message"], reach
         assert d.metric("reconciler_node_reachable", node="worker") == 0
@@ -71,7 +73,7 @@ def test_changed_host_key_is_refused_and_reported(seed_testbed, tmp_path):
         print(f"FIGURE host-key: detected {time.monotonic() - t:.1f}s")
         # and it stays refused: no later reconcile accepts the key
         n = d.metric("reconciler_reconciles_total")
-        wait_until(lambda: d.metric("reconciler_reconciles_total") >= n + 2, 20, "two more reconciles")
+        wait_for(lambda: d.metric("reconciler_reconciles_total") >= n + 2, 20, "two more reconciles")
         assert d.condition("worker", "Reachable")["status"] == "False"
     finally:
         d.close()
@@ -225,7 +227,7 @@ def test_metrics_and_status_bind_localhost_by_default(seed_testbed, tmp_path):
     proc = subprocess.Popen([CLI, "run", str(desired), "--state-dir", str(tmp_path / "state"), "--log-format",
                              "json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        socks = wait_until(lambda: listening(proc.pid), 20, "the daemon's listener")
+        socks = wait_for(lambda: listening(proc.pid), 20, "the daemon's listener")
         assert socks == ["127.0.0.1:9464"], socks
     finally:
         proc.terminate()

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.e2e.daemon import wait_until
+from testbed.proc import wait_for
 from tests.e2e.test_converge import containers, reconciler, variant
 
 pytestmark = pytest.mark.e2e
@@ -64,7 +64,7 @@ def test_serving_change_on_unified_memory_restarts_in_order(seed_testbed, tmp_pa
         # at least 90 % of its share shows as used (MemAvailable also counts reclaimable memory: CI once saw it a
         # few MiB above (1 - GMU) x MemTotal). Waited for: `apply` returns when the head answers, and a worker rank
         # may still be touching the last of its share (CI: 3.78 GiB free right after apply)
-        wait_until(lambda n=node: meminfo(tb, n)["MemAvailable"] < (1 - 0.9 * GMU) * 8 * GIB, 60,
+        wait_for(lambda n=node: meminfo(tb, n)["MemAvailable"] < (1 - 0.9 * GMU) * 8 * GIB, 60,
                    f"the serving container on {node} to hold its share of the node's memory")
 
     def changed(data):

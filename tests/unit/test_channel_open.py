@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from paramiko import ChannelException, SSHException
 
-from reconciler.edge import ssh as remote
 from reconciler.edge.ssh import ChannelRefused, Session
+from reconciler.edge.ssh import session as remote
 
 
 class _Node:
@@ -63,7 +63,7 @@ def clock(monkeypatch) -> _Clock:
 
 def _session(monkeypatch, transport: _Transport) -> Session:
     session = Session(_Node())  # type: ignore[arg-type]
-    monkeypatch.setattr(session, "connection", lambda: type("Conn", (), {"transport": transport})())
+    monkeypatch.setattr(session, "transport", lambda: transport)
     monkeypatch.setattr(session, "_alive", lambda: True)  # a cut cable: the transport has not noticed yet
     return session
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reconciler.edge import lease
 from reconciler.edge.lease import Holder, Lease, LeaseHeld, held
 from reconciler.edge.ssh import Result
-from tests.e2e.daemon import wait_until
+from testbed.proc import wait_for
 
 
 class LocalHead:
@@ -73,7 +73,7 @@ def test_a_dead_holders_lease_expires(desired, head):
             return False
         return True
 
-    wait_until(taken, 10, "the dead holder's lease (ttl 1 s) to expire", interval=0.2)
+    wait_for(taken, 10, "the dead holder's lease (ttl 1 s) to expire", interval=0.2)
 
 
 def test_a_one_shot_command_holds_it_while_it_runs_and_gives_it_back(desired, head):

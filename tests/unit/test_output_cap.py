@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.edge import ssh as remote
 from reconciler.edge.ssh import OutputTooLarge, Session
+from reconciler.edge.ssh import session as remote
 
 
 class _Node:
@@ -15,17 +15,17 @@ class _Node:
 
 def test_a_buffered_output_past_the_cap_is_an_error(monkeypatch):
     monkeypatch.setattr(remote, "MAX_OUTPUT", 1000)
-    session = Session(_Node())  # type: ignore[arg-type]
+    output = remote._ChannelOutput(Session(_Node()), None, "sh -s")  # type: ignore[arg-type]
     buffer = bytearray()
-    session._keep(buffer, b"x" * 1000, "sh -s", streaming=False)
+    output._keep(buffer, b"x" * 1000, streaming=False)
     with pytest.raises(OutputTooLarge, match="wrote more than 1000 bytes"):
-        session._keep(buffer, b"y", "sh -s", streaming=False)
+        output._keep(buffer, b"y", streaming=False)
 
 
 def test_a_streamed_output_keeps_its_last_bytes(monkeypatch):
     monkeypatch.setattr(remote, "MAX_OUTPUT", 10)
-    session = Session(_Node())  # type: ignore[arg-type]
+    output = remote._ChannelOutput(Session(_Node()), None, "rsync")  # type: ignore[arg-type]
     buffer = bytearray()
     for chunk in (b"0123456789", b"abc", b"defgh"):
-        session._keep(buffer, chunk, "rsync", streaming=True)
+        output._keep(buffer, chunk, streaming=True)
     assert bytes(buffer) == b"89abcdefgh"

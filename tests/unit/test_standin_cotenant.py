@@ -1,6 +1,7 @@
 import json
 
-from testbed.standin.testing import Proc, free_port, http_get, wait_for
+from testbed.proc import free_port, wait_for
+from testbed.standin.testing import Proc, http_get
 
 
 def test_cotenant_serves_holds_memory_and_stops_on_sigterm(tmp_path):

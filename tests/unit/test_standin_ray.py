@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from testbed.standin.testing import Proc, free_port, http_get, wait_for
+from testbed.proc import free_port, wait_for
+from testbed.standin.testing import Proc, http_get
 from testbed.weights import generate
 
 REV = "1" * 40

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from testbed.standin.testing import Proc, free_port, http_get, http_post, wait_for
+from testbed.proc import free_port, wait_for
+from testbed.standin.testing import Proc, http_get, http_post
 from testbed.weights import generate
 
 REV = "1" * 40

@@ -1,12 +1,16 @@
-"""SSH to the nodes: the only module that talks SSH, and the only place that quotes remote commands.
+"""One persistent SSH session per node: connecting with the host-key policy, channels under deadlines, and the
+pool of sessions for a desired state.
 
-One persistent fabric/paramiko session per node, reused across cycles and reopened when it drops; nodes with a
-jump host are reached through that node's session (a direct-tcpip channel, like `ssh -J`). Host keys are checked
-strictly against the known_hosts file the desired state names: an unknown or changed key is refused with a clear
-error, never accepted. Every command is an argv of already-validated values, quoted here with `shlex.quote`, so a
-value reaches the node as exactly one argument. Root is used only through `sudo -n` for the node's exact commands
-(sudo_commands), which is what `reconciler sudoers FILE` prints; anything else is refused before it leaves the
-head.
+The session is paramiko's, used directly. fabric was the first choice, but everything it adds is what this module
+must do differently: its client trusts unknown host keys by default (replaced), its gateway opens the jump channel
+with paramiko's hour-long default (replaced), and its `run` has no cancel, no output cap, no channel budget and no
+deadline on the node. What was left of it was a wrapper around a paramiko client built here, so the wrapper went
+(docs/architecture.md, "SSH").
+
+Nodes with a jump host are reached through that node's session (a direct-tcpip channel, like `ssh -J`). Host keys
+are checked strictly against the known_hosts file the desired state names: an unknown or changed key is refused with
+a clear error, never accepted. A channel's output is read by one loop (`_ChannelOutput`), for a whole command and
+for a companion's lines alike.
 """
 
 from __future__ import annotations
@@ -17,29 +21,25 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import fabric
 import paramiko
 from paramiko.ssh_exception import AuthenticationException, BadHostKeyException, SSHException
 
 from reconciler.core.spec import Desired, Node
-
-
-def sudo_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
-    """Every command this node may be sent as root, exactly (argv, no patterns): the one source of both
-    `reconciler sudoers FILE` and the check each `sudo` command passes before it leaves the head. A wildcard
-    line (`ip link set dev *`) would let whoever holds the key take down the management port or route traffic."""
-    out: list[tuple[str, ...]] = [argv for p in node.fabric.ports()  # the port and its twin
-                                  for argv in (("/usr/sbin/ip", "link", "set", "dev", p.interface, "up"),
-                                               ("/usr/sbin/ip", "link", "set", "dev", p.interface, "mtu",
-                                                str(node.fabric.mtu)),
-                                               ("/usr/sbin/ip", "addr", "add", str(p.address), "dev", p.interface))]
-    if desired.policy.drop_caches:
-        out.append(("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"))
-    return out
-
+from reconciler.edge.ssh.commands import KILL_AFTER, bounded, quote, sudo_argv, sudo_commands
+from reconciler.edge.ssh.errors import (
+    AuthFailed,
+    Cancelled,
+    ChannelRefused,
+    CommandFailed,
+    CommandTimeout,
+    HostKeyRejected,
+    OutputTooLarge,
+    RemoteError,
+    Unreachable,
+)
 
 #: SSH keepalive every KEEPALIVE seconds; a peer that answers none of KEEPALIVE_MISSES in a row is dead (the same
 #: numbers go to the ssh of rsync's hop as ServerAliveInterval/ServerAliveCountMax).
@@ -50,76 +50,10 @@ KEEPALIVE_MISSES = 3
 MAX_CHANNELS = 9
 REFUSAL_RETRIES = 3  # see Session._open
 REFUSAL_GAP = 0.25  # seconds between those retries
-#: What the node gets on top of a command's deadline to exit after `timeout` sent TERM, before KILL.
-KILL_AFTER = 2
 #: Output kept from one command: a probe of a huge or hostile node must not eat the daemon's memory. Streaming
 #: callers (rsync progress) keep the tail.
 MAX_OUTPUT = 32 * 2**20
-
-
-def bounded(argv: Sequence[str], seconds: float) -> list[str]:
-    """argv under coreutils `timeout` on the node: a command the head gave up on does not live on there (closing
-    an SSH channel does not stop a process that never writes: a curl to a hung dockerd, a wedged `docker`).
-    `timeout` runs it in its own process group and signals the whole group."""
-    return ["timeout", "-k", str(KILL_AFTER), str(max(1, int(seconds + 0.999))), *argv]
-
-
-def sudo_allowed(argv: Sequence[str], allowed: Sequence[tuple[str, ...]]) -> bool:
-    """True when argv is exactly one of the node's allowed commands (sudo_commands)."""
-    return tuple(str(a) for a in argv) in allowed
-
-
-class RemoteError(Exception):
-    """Something went wrong talking to a node; `node` says which."""
-
-    transient = False
-
-    def __init__(self, node: str, message: str):
-        super().__init__(f"{node}: {message}")
-        self.node = node
-        self.message = message
-
-
-class Unreachable(RemoteError):
-    transient = True
-
-
-class AuthFailed(RemoteError):
-    pass
-
-
-class HostKeyRejected(RemoteError):
-    """Unknown or changed host key: a possible man in the middle, never retried automatically."""
-
-    def __init__(self, node: str, message: str):
-        # the kind leads the message: it is what /status, the Reachable condition and the alert show
-        super().__init__(node, f"HostKeyRejected: {message}")
-
-
-class CommandTimeout(RemoteError):
-    transient = True
-
-
-class Cancelled(RemoteError):
-    """The caller asked the command to stop (shutdown); the channel was closed."""
-
-
-class ChannelRefused(RemoteError):
-    """sshd refused one more channel (MaxSessions, a jump host's policy): that command fails, the others on the
-    connection go on."""
-
-    transient = True
-
-
-class OutputTooLarge(RemoteError):
-    pass
-
-
-class CommandFailed(RemoteError):
-    def __init__(self, node: str, argv: Sequence[str], exit_code: int, stdout: str, stderr: str):
-        detail = (stderr.strip() or stdout.strip())[-2000:]
-        super().__init__(node, f"`{shlex.join(argv)}` exited {exit_code}: {detail}")
-        self.argv, self.exit_code, self.stdout, self.stderr = list(argv), exit_code, stdout, stderr
+_SSH_ERRORS = (SSHException, OSError, EOFError)
 
 
 @dataclass(frozen=True)
@@ -133,36 +67,6 @@ class Result:
         return self.exit_code == 0
 
 
-def quote(argv: Sequence[str]) -> str:
-    """The one quoting function: argv -> a POSIX shell command line where each element stays one word."""
-    return " ".join(shlex.quote(str(a)) for a in argv)
-
-
-def quote_word(value: str) -> str:
-    """One value as one shell word (a path, a pattern, a URL inside a script line): `quote` of a one-word argv."""
-    return quote([value])
-
-
-def sudoers_snippet(desired: Desired) -> str:
-    """The exact sudoers lines each node needs, for this desired state: per interface and value, nothing wider."""
-    out = ["# /etc/sudoers.d/spark-reconciler — install with: visudo -f /etc/sudoers.d/spark-reconciler",
-           "# Exactly the commands spark-reconciler runs as root on each node (reconciler.edge.ssh.sudo_commands);",
-           "# the reconciler refuses to send any other. Regenerate after changing a fabric section.", ""]
-    for node in desired.nodes:
-        out.append(f"# on {node.name}")
-        out.append(f"{node.ssh.user} ALL=(root) NOPASSWD: " + ", ".join(" ".join(c) for c in sudo_commands(desired,
-                                                                                                       node)))
-    return "\n".join(out) + "\n"
-
-
-def sudo_argv(argv: Sequence[str], allowed: Sequence[tuple[str, ...]]) -> list[str]:
-    """`sudo -n ARGV` for an allowed command; anything else raises before it is sent."""
-    if not sudo_allowed(argv, allowed):
-        raise PermissionError(f"refusing to run {shlex.join(argv)!r} with sudo: not one of the node's exact "
-                              "commands (reconciler sudoers FILE)")
-    return ["sudo", "-n", *argv]
-
-
 class Session:
     """A persistent SSH session to one node (through its jump host's session when it has one)."""
 
@@ -170,84 +74,87 @@ class Session:
         self.node = node
         self.gateway = gateway
         self.sudo = tuple(sudo)  # the exact commands this node may be sent as root (sudo_commands)
-        self._conn: fabric.Connection | None = None
+        self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
         self._channels = threading.BoundedSemaphore(MAX_CHANNELS)
 
     # -- connection -------------------------------------------------------------------------------------------
 
-    def _new_connection(self) -> fabric.Connection:
+    def _connect(self) -> paramiko.SSHClient:
+        """A connected client. paramiko's default would reject unknown keys too, but only RejectPolicy says so
+        outright: the product never trusts on first use."""
         ssh = self.node.ssh
-        config = fabric.Config(ssh_config=paramiko.SSHConfig(), overrides={"load_ssh_configs": False})
-        kwargs: dict[str, object] = {"allow_agent": ssh.identity_file is None,
-                                     "look_for_keys": ssh.identity_file is None,
-                                     "banner_timeout": ssh.connect_timeout, "auth_timeout": ssh.connect_timeout}
-        if ssh.identity_file:
-            kwargs["key_filename"] = [ssh.identity_file]
-        if self.gateway is None:
-            kwargs["sock"] = _tcp(ssh.host, ssh.port, ssh.connect_timeout)
-        else:
-            kwargs["sock"] = self._through_gateway(ssh.host, ssh.port, ssh.connect_timeout)
-        conn = fabric.Connection(ssh.host, user=ssh.user, port=ssh.port, config=config, connect_kwargs=kwargs,
-                                 connect_timeout=max(1, int(ssh.connect_timeout)))
-        # fabric's default policy would add unknown keys; the product never trusts on first use.
-        conn.client = paramiko.SSHClient()
+        client = paramiko.SSHClient()
         try:
-            conn.client.load_host_keys(ssh.known_hosts)
+            client.load_host_keys(ssh.known_hosts)
         except OSError as exc:
             raise HostKeyRejected(self.node.name,
                                   f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}") from None
-        conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        return conn
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        sock = (_tcp(ssh.host, ssh.port, ssh.connect_timeout) if self.gateway is None
+                else self._through_gateway(ssh.host, ssh.port, ssh.connect_timeout))
+        client.connect(ssh.host, port=ssh.port, username=ssh.user, sock=sock,
+                       key_filename=ssh.identity_file,
+                       allow_agent=ssh.identity_file is None, look_for_keys=ssh.identity_file is None,
+                       timeout=ssh.connect_timeout, banner_timeout=ssh.connect_timeout,
+                       auth_timeout=ssh.connect_timeout)
+        return client
 
     def _through_gateway(self, host: str, port: int, timeout: float) -> paramiko.Channel:
-        """A direct-tcpip channel through the jump host's session (`ssh -J`), opened under the connect timeout:
-        fabric's own gateway support opens it with paramiko's default, which waits up to an hour."""
+        """A direct-tcpip channel through the jump host's session (`ssh -J`), opened under the connect timeout
+        (paramiko's default for a channel open waits up to an hour)."""
         assert self.gateway is not None
         try:
-            transport = self.gateway.connection().transport
-            return transport.open_channel("direct-tcpip", (host, port), ("", 0), timeout=timeout)
+            return self.gateway.transport().open_channel("direct-tcpip", (host, port), ("", 0), timeout=timeout)
         except RemoteError as exc:
             raise Unreachable(self.node.name, f"jump host {exc}") from None
-        except (SSHException, OSError, EOFError) as exc:
+        except _SSH_ERRORS as exc:
             raise Unreachable(self.node.name, f"jump host {self.gateway.node.name} could not open a channel to "
                                               f"{host}:{port}: {exc}") from None
 
-    def connection(self) -> fabric.Connection:
-        """The open connection, (re)connecting when needed. Errors become typed RemoteErrors."""
+    def transport(self) -> paramiko.Transport:
+        """The open connection's transport, (re)connecting when needed. Errors become typed RemoteErrors."""
         with self._lock:
-            if self._conn is not None and self._conn.is_connected and self._conn.transport.is_active():
-                return self._conn
+            if (transport := self._live_transport()) is not None:
+                return transport
             self._close_locked()
-            name, ssh = self.node.name, self.node.ssh
-            where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.node.name}" if self.gateway else "")
-            try:
-                conn = self._new_connection()
-                conn.open()
-            except BadHostKeyException as exc:
-                raise HostKeyRejected(name, f"host key for {ssh.host} CHANGED (got {exc.key.get_name()} "
-                                            f"{exc.key.get_base64()[:16]}..., known_hosts {ssh.known_hosts} has "
-                                            f"another): refusing to connect; verify the node, then update "
-                                            f"known_hosts") from None
-            except AuthenticationException as exc:
-                raise AuthFailed(name, f"authentication failed for {where}: {exc}") from None
-            except SSHException as exc:
-                if "not found in known_hosts" in str(exc):
-                    raise HostKeyRejected(name, f"host {ssh.host} is not in {ssh.known_hosts}: refusing to trust "
-                                                f"it on first use; add its key (docs/operations.md)") from None
-                raise Unreachable(name, f"SSH to {where} failed: {exc}") from None
-            except RemoteError:
-                raise
-            except (TimeoutError, OSError, EOFError) as exc:
-                raise Unreachable(name, f"cannot reach {where}: {exc}") from None
-            conn.transport.set_keepalive(KEEPALIVE)
-            self._conn = conn
-            return conn
+            self._client = self._connect_typed()
+            transport = self._client.get_transport()
+            assert transport is not None
+            transport.set_keepalive(KEEPALIVE)
+            return transport
+
+    def _connect_typed(self) -> paramiko.SSHClient:
+        name, ssh = self.node.name, self.node.ssh
+        where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.node.name}" if self.gateway else "")
+        try:
+            return self._connect()
+        except BadHostKeyException as exc:
+            raise HostKeyRejected(name, f"host key for {ssh.host} CHANGED (got {exc.key.get_name()} "
+                                        f"{exc.key.get_base64()[:16]}..., known_hosts {ssh.known_hosts} has "
+                                        f"another): refusing to connect; verify the node, then update "
+                                        f"known_hosts") from None
+        except AuthenticationException as exc:
+            raise AuthFailed(name, f"authentication failed for {where}: {exc}") from None
+        except SSHException as exc:
+            if "not found in known_hosts" in str(exc):
+                raise HostKeyRejected(name, f"host {ssh.host} is not in {ssh.known_hosts}: refusing to trust "
+                                            f"it on first use; add its key (docs/operations.md)") from None
+            raise Unreachable(name, f"SSH to {where} failed: {exc}") from None
+        except RemoteError:
+            raise
+        except (TimeoutError, OSError, EOFError) as exc:
+            raise Unreachable(name, f"cannot reach {where}: {exc}") from None
+
+    def _live_transport(self) -> paramiko.Transport | None:
+        client = self._client
+        transport = client.get_transport() if client is not None else None
+        return transport if transport is not None and transport.is_active() else None
 
     def _close_locked(self) -> None:
-        if self._conn is not None:
-            _close_quietly(self._conn)
-            self._conn = None
+        if self._client is not None:
+            _close_quietly(self._client)
+            self._client = None
 
     def close(self) -> None:
         """Close the session; never waits long behind a (re)connect that holds the lock."""
@@ -256,8 +163,8 @@ class Session:
                 self._close_locked()
             finally:
                 self._lock.release()
-        elif self._conn is not None:
-            _close_quietly(self._conn)
+        elif self._client is not None:
+            _close_quietly(self._client)
 
     # -- commands ---------------------------------------------------------------------------------------------
 
@@ -287,12 +194,12 @@ class Session:
         must not hold the caller for several timeouts."""
         deadline = time.monotonic() + timeout
         for attempt in range(REFUSAL_RETRIES + 1):
-            transport = self.connection().transport
+            transport = self.transport()
             try:
                 channel = transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
                 channel.exec_command(command)
                 return channel
-            except (SSHException, OSError, EOFError) as exc:
+            except _SSH_ERRORS as exc:
                 # A refusal (sshd's MaxSessions) is a ChannelException only for the thread that reads it first:
                 # paramiko keeps one saved exception per transport, so concurrent openers see a bare
                 # SSHException("Unable to open channel."). What tells a refusal from a lost connection is whether
@@ -335,13 +242,12 @@ class Session:
                 if channel.exit_status_ready() or channel.closed or not self._alive():
                     break
                 select.select([channel], [], [], idle)
-        except (SSHException, OSError, EOFError) as exc:
+        except _SSH_ERRORS as exc:
             self._close_if_dead()
             raise Unreachable(self.node.name, f"event stream lost: {exc}") from None
 
     def _alive(self) -> bool:
-        conn = self._conn
-        return conn is not None and conn.transport is not None and conn.transport.is_active()
+        return self._live_transport() is not None
 
     def run(self, argv: Sequence[str], *, timeout: float, sudo: bool = False, stdin: bytes | None = None,
             check: bool = True, on_output=None, cancel=None, supervised: bool = False) -> Result:
@@ -384,12 +290,9 @@ class Session:
         then its stdin stays open as its lifeline, and leaving the block closes it (and the channel), which is
         its signal to end. Bounded on the node at `timeout`, like `run`."""
         with self.channel(quote(bounded(argv, timeout)), open_timeout) as channel:
-            try:
-                channel.sendall(stdin)
-            except (SSHException, OSError, EOFError) as exc:
-                self._close_if_dead()
-                raise Unreachable(self.node.name, f"session lost starting `{argv[0]}`: {exc}") from None
-            yield Companion(self, channel, argv[0])
+            output = _ChannelOutput(self, channel, argv[0])
+            output.send(stdin, close=False)
+            yield Companion(output, argv[0])
 
     def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> Result:
         """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node; bounded on
@@ -397,64 +300,103 @@ class Session:
         return self.run_command(quote(bounded(["sh", "-s"], timeout)), timeout=timeout + KILL_AFTER + 1,
                                 stdin=script.encode(), cancel=cancel)
 
-    def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None, on_output=None,
-                    cancel=None, keep_stdin: bool = False) -> Result:
+    def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None,
+                    on_output: Callable[[bytes], None] | None = None, cancel: threading.Event | None = None,
+                    keep_stdin: bool = False) -> Result:
         deadline = time.monotonic() + timeout
-        out, err = bytearray(), bytearray()
         with self.channel(command, timeout) as channel:
-            try:
-                if stdin is not None:
-                    channel.sendall(stdin)
-                if not keep_stdin:
-                    channel.shutdown_write()
-                while True:
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled(self.node.name, f"`{command[:80]}` cancelled")
-                    if channel.recv_ready():
-                        chunk = channel.recv(1 << 16)
-                        if on_output is not None:
-                            on_output(chunk)
-                        self._keep(out, chunk, command, streaming=on_output is not None)
-                        continue
-                    if channel.recv_stderr_ready():
-                        self._keep(err, channel.recv_stderr(1 << 16), command, streaming=True)
-                        continue
-                    if (channel.exit_status_ready() and channel.eof_received) or channel.closed:
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise CommandTimeout(self.node.name, f"`{command[:200]}` did not finish within {timeout:g}s")
-                    select.select([channel], [], [], min(remaining, 1.0))
-                code = channel.recv_exit_status() if channel.exit_status_ready() else -1
-            except (SSHException, OSError, EOFError) as exc:
-                self._close_if_dead()
-                raise Unreachable(self.node.name, f"session lost during `{command[:80]}`: {exc}") from None
-        return Result(out.decode(errors="replace"), err.decode(errors="replace"), code)
+            output = _ChannelOutput(self, channel, command, on_output=on_output)
+            output.send(stdin, close=not keep_stdin)
+            while output.read(deadline, cancel=cancel,
+                              late=f"`{command[:200]}` did not finish within {timeout:g}s"):
+                pass
+            return output.result()
 
-    def _keep(self, buffer: bytearray, chunk: bytes, command: str, *, streaming: bool) -> None:
+
+class _ChannelOutput:
+    """One exec channel's stdout and stderr, read as they arrive under a deadline: the one read loop, for a whole
+    command (`Session.run_command`) and for a companion's lines. Output over MAX_OUTPUT is an error, or, for a
+    streamed command, keeps its tail; a lost session becomes Unreachable (the connection is dropped only when it
+    is really gone: sibling channels, e.g. the other rsync streams, may live on a healthy one)."""
+
+    def __init__(self, session: Session, channel: paramiko.Channel, what: str,
+                 on_output: Callable[[bytes], None] | None = None):
+        self._session, self._channel, self._what, self._on_output = session, channel, what, on_output
+        self.out, self.err = bytearray(), bytearray()
+
+    def send(self, data: bytes | None, *, close: bool) -> None:
+        with self._lost_as_unreachable("starting"):
+            if data is not None:
+                self._channel.sendall(data)
+            if close:
+                self._channel.shutdown_write()
+
+    def close_stdin(self) -> None:
+        """The command's signal to end (a companion's lifeline); a channel already gone needs none."""
+        with contextlib.suppress(*_SSH_ERRORS):
+            self._channel.shutdown_write()
+
+    def read(self, deadline: float, *, late: str, cancel: threading.Event | None = None) -> bool:
+        """Read until some stdout arrived (True) or the command ended with all its output in (False);
+        CommandTimeout (`late`) at the deadline, Cancelled once `cancel` is set."""
+        channel = self._channel
+        with self._lost_as_unreachable("during"):
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled(self._session.node.name, f"`{self._what[:80]}` cancelled")
+                if channel.recv_ready():
+                    chunk = channel.recv(1 << 16)
+                    if self._on_output is not None:
+                        self._on_output(chunk)
+                    self._keep(self.out, chunk, streaming=self._on_output is not None)
+                    return True
+                if channel.recv_stderr_ready():
+                    self._keep(self.err, channel.recv_stderr(1 << 16), streaming=True)
+                    continue
+                if (channel.exit_status_ready() and channel.eof_received) or channel.closed:
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(self._session.node.name, late)
+                select.select([channel], [], [], min(remaining, 1.0))
+
+    def result(self) -> Result:
+        """The exit code (-1: still running) and everything kept."""
+        code = self._channel.recv_exit_status() if self._channel.exit_status_ready() else -1
+        return Result(self.out.decode(errors="replace"), self.err.decode(errors="replace"), code)
+
+    @contextlib.contextmanager
+    def _lost_as_unreachable(self, when: str) -> Iterator[None]:
+        try:
+            yield
+        except _SSH_ERRORS as exc:
+            self._session._close_if_dead()
+            raise Unreachable(self._session.node.name, f"session lost {when} `{self._what[:80]}`: {exc}") from None
+
+    def _keep(self, buffer: bytearray, chunk: bytes, *, streaming: bool) -> None:
         """Append up to MAX_OUTPUT: a streamed output keeps its tail, anything else over the cap is an error."""
         buffer += chunk
         if len(buffer) > MAX_OUTPUT:
             if not streaming:
-                raise OutputTooLarge(self.node.name, f"`{command[:80]}` wrote more than {MAX_OUTPUT} bytes")
+                raise OutputTooLarge(self._session.node.name,
+                                     f"`{self._what[:80]}` wrote more than {MAX_OUTPUT} bytes")
             del buffer[: len(buffer) - MAX_OUTPUT]
 
 
 class Companion:
     """The running command of `Session.companion`: its stdout read line by line, then its end."""
 
-    def __init__(self, session: Session, channel: paramiko.Channel, name: str):
-        self._session, self._channel, self._name = session, channel, name
-        self._out, self._err = bytearray(), bytearray()
+    def __init__(self, output: _ChannelOutput, name: str):
+        self._output, self._name = output, name
 
     def line(self, timeout: float) -> str | None:
         """The next line of its stdout, or None when it ended without one; CommandTimeout after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._out:
-            if not self._read(deadline) and b"\n" not in self._out:
+        deadline, out = time.monotonic() + timeout, self._output.out
+        while b"\n" not in out:
+            if not self._read(deadline) and b"\n" not in out:
                 return None
-        line, _, rest = bytes(self._out).partition(b"\n")
-        self._out[:] = rest
+        line, _, rest = bytes(out).partition(b"\n")
+        out[:] = rest
         return line.decode(errors="replace")
 
     def finish(self, timeout: float) -> Result:
@@ -465,36 +407,15 @@ class Companion:
             while self._read(deadline):
                 pass
         except CommandTimeout:
-            with contextlib.suppress(SSHException, OSError, EOFError):
-                self._channel.shutdown_write()
+            self._output.close_stdin()
             deadline = time.monotonic() + timeout
             with contextlib.suppress(CommandTimeout):
                 while self._read(deadline):
                     pass
-        code = self._channel.recv_exit_status() if self._channel.exit_status_ready() else -1
-        return Result(self._out.decode(errors="replace"), self._err.decode(errors="replace"), code)
+        return self._output.result()
 
     def _read(self, deadline: float) -> bool:
-        """Read what arrived; False once the command ended and all its output is in."""
-        node = self._session.node.name
-        channel = self._channel
-        try:
-            while True:
-                if channel.recv_ready():
-                    self._session._keep(self._out, channel.recv(1 << 16), self._name, streaming=False)
-                    return True
-                if channel.recv_stderr_ready():
-                    self._session._keep(self._err, channel.recv_stderr(1 << 16), self._name, streaming=True)
-                    continue
-                if (channel.exit_status_ready() and channel.eof_received) or channel.closed:
-                    return False
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CommandTimeout(node, f"`{self._name}` said nothing within the deadline")
-                select.select([channel], [], [], min(remaining, 1.0))
-        except (SSHException, OSError, EOFError) as exc:
-            self._session._close_if_dead()
-            raise Unreachable(node, f"session lost during `{self._name}`: {exc}") from None
+        return self._output.read(deadline, late=f"`{self._name}` said nothing within the deadline")
 
 
 def _tcp(host: str, port: int, timeout: float) -> socket.socket:
@@ -512,10 +433,10 @@ def _tcp(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def _close_quietly(conn: fabric.Connection) -> None:
+def _close_quietly(client: paramiko.SSHClient) -> None:
     """Closing a dead connection may fail in many ways; none of them matters to someone who is leaving it."""
     with contextlib.suppress(Exception):
-        conn.close()
+        client.close()
 
 
 class Sessions:
