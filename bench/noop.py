@@ -38,13 +38,13 @@ ANSIBLE_PLAYBOOK = ROOT / ".venv" / "bin" / "ansible-playbook"
 
 def _cycle_fn(desired, sessions):
     """One no-op cycle: (wall seconds, CPU seconds of this whole process, every thread: the head's own cost)."""
-    from reconciler.core.planning import plan as make_plan
+    from reconciler.core import planning
     from reconciler.edge import observe as obs
 
     def cycle() -> tuple[float, float]:
         t, c = time.perf_counter(), time.process_time()
         observed, _ = obs.observe(desired, sessions, timeout=20)
-        p = make_plan(desired, observed)
+        p = planning.plan(desired, observed)
         took, cpu = time.perf_counter() - t, time.process_time() - c
         if p.steps or any(not n.reachable for n in observed.nodes.values()):
             raise RuntimeError(f"not a no-op cycle: steps {[s.id for s in p.steps]}, "

@@ -174,8 +174,8 @@ class _ProjectSync:
         from reconciler.edge.steps.weights import sync_weights
         ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
-        sync_weights(ctx, Step(id="weights/worker", kind="weights", node="worker", reason="bench",
-                               params={"source": "head"}))
+        sync_weights(ctx, Step(kind="weights", node="worker", reason="bench",
+                               source="head"))
 
     def close(self) -> None:
         if self.sessions is not None:
@@ -256,8 +256,8 @@ class _ProjectImage(_ProjectSync):
         from reconciler.edge.steps.images import copy_image
         ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
-        copy_image(ctx, Step(id="image/worker", kind="image", node="worker", reason="bench",
-                             params={"image": BENCH_IMAGE, "source": "head"}))
+        copy_image(ctx, Step(kind="image", node="worker", reason="bench",
+                             image=BENCH_IMAGE, source="head"))
 
 
 def run_image(opts: Options) -> dict:

@@ -15,9 +15,8 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from reconciler.core import spec
+from reconciler.core import planning, spec
 from reconciler.core.observed import Observed
-from reconciler.core.planning import plan as make_plan
 from reconciler.core.render import plan_text
 from reconciler.core.text import printable
 
@@ -87,7 +86,7 @@ def plan(file: str, snapshot: Path | None, as_json: bool) -> None:
             click.echo(f"{snapshot}: not an observed-state snapshot: {exc.error_count()} errors, first: "
                        f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)
             sys.exit(EXIT_INVALID)
-    result = make_plan(desired, observed)
+    result = planning.plan(desired, observed)
     if as_json:
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:

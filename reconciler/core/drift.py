@@ -7,7 +7,7 @@ step frees, a serving name taken by a container the reconciler did not create).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, NodeObservation, Observed, Weights
@@ -28,10 +28,18 @@ class Drift:
     observed: str
     actionable: bool = True
     blocking: bool = False
+    #: The container a co-tenant or serving drift names (its resource is `container/NAME`): typed for the plan, so
+    #: nothing parses the resource back. Left out of equality: the resource already says it.
+    container: str | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict[str, object]:
         return {"node": self.node, "kind": self.kind, "resource": self.resource, "expected": self.expected,
                 "observed": self.observed, "actionable": self.actionable, "blocking": self.blocking}
+
+
+def _on_container(node: str, kind: DriftKind, container: str, expected: str, observed: str, *,
+                  actionable: bool = True, blocking: bool = False) -> Drift:
+    return Drift(node, kind, f"container/{container}", expected, observed, actionable, blocking, container)
 
 
 def _reachability(name: str, obs: NodeObservation) -> list[Drift]:
@@ -54,7 +62,7 @@ def co_tenant_drift(desired: Desired, name: str, obs: NodeObservation) -> list[D
     for c in obs.containers:
         if not c.running or c.managed or ct.is_allowed(name, c.name) or ct.is_protected(name, c.name):
             continue
-        out.append(Drift(name, "co-tenant", f"container/{c.name}", "not running (not allowed)",
+        out.append(_on_container(name, "co-tenant", c.name, "not running (not allowed)",
                          f"running ({c.image})", actionable=ct.unlisted == "stop"))
     return out
 
@@ -138,31 +146,30 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
         for other in obs.containers:  # our containers that should not run (node left the span, name changed)
             if (other.owned_by(desired.instance) and other.running and (node.name not in specs or other.name != name)
                     and not desired.co_tenants.is_protected(node.name, other.name)):
-                out.append(Drift(node.name, "serving", f"container/{other.name}", "not running (no longer wanted)",
+                out.append(_on_container(node.name, "serving", other.name, "not running (no longer wanted)",
                                  "running"))
         spec = specs.get(node.name)
         if spec is None:
             continue
         c = obs.container(name)
-        res = f"container/{name}"
         if c is None:
-            out.append(Drift(node.name, "serving", res, f"running, spec {spec.spec_hash}", "missing"))
+            out.append(_on_container(node.name, "serving", name, f"running, spec {spec.spec_hash}", "missing"))
         elif not c.owned_by(desired.instance):
             seen = (f"another reconciler's container (instance {c.labels.get(LABEL_INSTANCE)}) holds the name"
                     if c.managed else "a container not created by the reconciler holds the name")
-            out.append(Drift(node.name, "serving", res, f"created by this reconciler ({desired.instance})", seen,
-                             actionable=False, blocking=True))
+            out.append(_on_container(node.name, "serving", name, f"created by this reconciler ({desired.instance})",
+                                     seen, actionable=False, blocking=True))
         elif not c.running:
-            out.append(Drift(node.name, "serving", res, "running", c.state))
+            out.append(_on_container(node.name, "serving", name, "running", c.state))
         elif c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:
-            out.append(Drift(node.name, "serving", res, f"spec {spec.spec_hash}",
+            out.append(_on_container(node.name, "serving", name, f"spec {spec.spec_hash}",
                              f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
         elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
-            out.append(Drift(node.name, "serving", res, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
+            out.append(_on_container(node.name, "serving", name, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
         elif reference is not None and (local is None or local.content != reference):
             # the image step brings the reference's content in this plan; a rank left on the old one would
             # serve beside ranks of the new (found by the oracle property, tests/unit/oracle.py)
-            out.append(Drift(node.name, "serving", res, f"image content {reference[:19]}",
+            out.append(_on_container(node.name, "serving", name, f"image content {reference[:19]}",
                              f"image content {local.content[:19] if local else 'missing'}"))
     return out
 

@@ -105,7 +105,7 @@ class Weights(_Model):
         return sum(f.size or 0 for f in self.files if f.link_target is None)
 
 
-class Serving(_Model):
+class ServingApi(_Model):
     """What the head's API answers (only probed on the head)."""
 
     reachable: bool = False
@@ -162,7 +162,7 @@ class NodeObservation(_Model):
     fabric_twin: Link | None = Field(None, description="the fabric's twin port, when one is declared")
     memory: Memory | None = None
     weights: Weights | None = None
-    serving: Serving | None = None
+    serving: ServingApi | None = None
 
     def container(self, name: str) -> Container | None:
         return next((c for c in self.containers if c.name == name), None)

@@ -8,7 +8,7 @@ then waits for /health. Steps carry stable ids so logs, metrics and holds can na
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from reconciler.core.drift import Drift, diff, image_holder
@@ -23,16 +23,45 @@ STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
 
 @dataclass(frozen=True)
 class Step:
-    id: str
+    """One action on one node. What the action needs beyond its kind and node is a typed field of its own (the
+    container to stop, the node to copy from, the rank to start); `params` is their view in `plan --json` and
+    /status, where every value is a string (docs/cli.md). The id is made of the fields, never stored beside them,
+    so the two cannot disagree."""
+
     kind: StepKind
     node: str
     reason: str
     after: tuple[str, ...] = ()
-    params: dict[str, str] = field(default_factory=dict, hash=False, compare=True)
+    container: str | None = None  # stop-container, stop-serving
+    source: str | None = None  # image, weights: the node copied from
+    image: str | None = None  # image: the reference copied
+    content: str | None = None  # image: the content id the copy must have
+    path: str | None = None  # weights: where the tree goes on the target
+    rank: int | None = None  # start-serving: the node's rank in the tensor-parallel group
+
+    @property
+    def id(self) -> str:
+        """`KIND/NODE[/CONTAINER]`: stable across reconciles, so logs, metrics, holds and /status name a step the
+        same way every time (docs/cli.md)."""
+        return "/".join([self.kind, self.node, *([self.container] if self.container else [])])
+
+    @property
+    def params(self) -> dict[str, str]:
+        return {name: str(value) for name in _PARAMS if (value := getattr(self, name)) is not None}
 
     def as_dict(self) -> dict[str, object]:
         return {"id": self.id, "kind": self.kind, "node": self.node, "reason": self.reason,
-                "after": list(self.after), "params": dict(self.params)}
+                "after": list(self.after), "params": self.params}
+
+
+_PARAMS = ("container", "source", "image", "content", "path", "rank")
+
+
+def kind_and_node(step_id: str) -> tuple[str, str]:
+    """The kind and node a `Step.id` names: for what outlives the plan and is kept by id alone (the holds across
+    reconciles). The id's format is made in `Step.id` and read only here."""
+    kind, node = step_id.split("/")[:2]
+    return kind, node
 
 
 @dataclass(frozen=True)
@@ -81,15 +110,14 @@ def plan(desired: Desired, observed: Observed) -> Plan:
 
     for d in drift:
         if d.kind == "co-tenant" and d.actionable:
-            name = d.resource.split("/", 1)[1]
-            steps.append(Step(f"stop-container/{d.node}/{name}", "stop-container", d.node,
-                              f"{name} is running but not allowed", params={"container": name}))
+            steps.append(Step("stop-container", d.node, f"{d.container} is running but not allowed",
+                              container=d.container))
 
     link_ids: dict[str, str] = {}
     for name in dict.fromkeys(d.node for d in drift if d.kind in ("link", "rdma") and d.actionable):
         reasons = "; ".join(_explain(d) for d in drift if d.node == name and d.kind in ("link", "rdma"))
-        link_ids[name] = f"link/{name}"
-        steps.append(Step(link_ids[name], "link", name, reasons))
+        steps.append(Step("link", name, reasons))
+        link_ids[name] = steps[-1].id
 
     image = desired.serving.image
     holder = image_holder(desired, observed)
@@ -98,16 +126,16 @@ def plan(desired: Desired, observed: Observed) -> Plan:
             continue
         after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
         expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
-        steps.append(Step(f"image/{d.node}", "image", d.node, _explain(d), after,
-                          params={"source": holder, "image": image, "content": expect}))
+        steps.append(Step("image", d.node, _explain(d), after,
+                          source=holder, image=image, content=expect))
 
     source = desired.source_node
     for d in drift:
         if d.kind != "weights" or not d.actionable:
             continue
         after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids)
-        steps.append(Step(f"weights/{d.node}", "weights", d.node, _explain(d), after,
-                          params={"source": source, "path": desired.model.path_on(d.node)}))
+        steps.append(Step("weights", d.node, _explain(d), after,
+                          source=source, path=desired.model.path_on(d.node)))
 
     steps += _serving_steps(desired, observed, drift, steps, blocked, down)
     return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()))
@@ -119,7 +147,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     head = serving[0]
     name = desired.serving.container_name
     restart = [d for d in drift if d.kind == "serving" and d.actionable and d.node in serving
-               and d.resource == f"container/{name}"]
+               and d.container == name]
     stale = [d for d in drift if d.kind == "serving" and d.actionable and d not in restart]
     steps: list[Step] = []
     stops: dict[str, Step] = {}
@@ -127,13 +155,14 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     def stop(node: str, container: str, reason: str, after: tuple[str, ...]) -> None:
         if node in down:
             return
-        sid = f"stop-serving/{node}/{container}"
-        if sid not in stops:
-            stops[sid] = Step(sid, "stop-serving", node, reason, after, params={"container": container})
-            steps.append(stops[sid])
+        step = Step("stop-serving", node, reason, after, container=container)
+        if step.id not in stops:
+            stops[step.id] = step
+            steps.append(step)
 
     for d in stale:
-        stop(d.node, d.resource.split("/", 1)[1], _explain(d), ())
+        assert d.container is not None, "a serving drift that is not a container's is never actionable"
+        stop(d.node, d.container, _explain(d), ())
 
     why = _why_restart(desired, observed, drift, restart, down, steps, blocked)
     if why is None:
@@ -172,7 +201,7 @@ def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], resta
         return None
     wedged = _wedged_for(desired, observed)
     if wedged is None:  # a (cold) start: wait for it, under serving.health_timeout
-        steps.append(Step(f"await-health/{head}", "await-health", head,
+        steps.append(Step("await-health", head,
                           "serving containers are up; wait for the API to become healthy"))
         return None
     if not wedged:
@@ -246,18 +275,18 @@ def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...]) ->
     first, then the workers join, then `vllm serve` on the head."""
     head, workers = serving[0], serving[1:]
     if launcher == "native":
-        starts = [Step(f"start-serving/{w}", "start-serving", w, f"start rank {i + 1} (headless) first",
-                       stopped, params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
-        head_step = Step(f"start-serving/{head}", "start-serving", head, "start rank 0 last: it waits for "
-                         "the workers", stopped + tuple(s.id for s in starts), params={"rank": "0"})
+        starts = [Step("start-serving", w, f"start rank {i + 1} (headless) first",
+                       stopped, rank=i + 1) for i, w in enumerate(workers)]
+        head_step = Step("start-serving", head, "start rank 0 last: it waits for "
+                         "the workers", stopped + tuple(s.id for s in starts), rank=0)
         steps = starts + [head_step]
     else:
-        head_step = Step(f"start-serving/{head}", "start-serving", head, "start the Ray head first", stopped,
-                         params={"rank": "0"})
-        starts = [Step(f"start-serving/{w}", "start-serving", w, "join the Ray cluster", (head_step.id,),
-                       params={"rank": str(i + 1)}) for i, w in enumerate(workers)]
-        launch = Step(f"launch-model/{head}", "launch-model", head, "vllm serve on the Ray head once all "
+        head_step = Step("start-serving", head, "start the Ray head first", stopped,
+                         rank=0)
+        starts = [Step("start-serving", w, "join the Ray cluster", (head_step.id,),
+                       rank=i + 1) for i, w in enumerate(workers)]
+        launch = Step("launch-model", head, "vllm serve on the Ray head once all "
                       "nodes joined", (head_step.id,) + tuple(s.id for s in starts))
         steps = [head_step, *starts, launch]
-    return steps + [Step(f"await-health/{head}", "await-health", head, "wait for /health and /v1/models",
+    return steps + [Step("await-health", head, "wait for /health and /v1/models",
                          (steps[-1].id,))]

@@ -7,7 +7,7 @@ whose real effect differs from its promise here fails verification, because veri
 
 from __future__ import annotations
 
-from reconciler.core.observed import Container, Link, NodeObservation, Observed, RdmaPort, Serving
+from reconciler.core.observed import Container, Link, NodeObservation, Observed, RdmaPort, ServingApi
 from reconciler.core.planning import Plan, Step
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
@@ -21,7 +21,7 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
     nodes = dict(obs.nodes)
     node = _node(obs, step.node)
     if step.kind == "stop-container":
-        containers = [c.model_copy(update={"state": "exited"}) if c.name == step.params["container"] else c
+        containers = [c.model_copy(update={"state": "exited"}) if c.name == step.container else c
                       for c in node.containers]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "link":
@@ -36,15 +36,17 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
                                                     "mtu": fabric.mtu, "addresses": addresses, "rdma": rdma})
         nodes[step.node] = node.model_copy(update=update)
     elif step.kind == "image":
-        ref = step.params["image"]
-        images = dict(node.images) | {ref: _node(obs, step.params["source"]).images[ref]}
+        ref = step.image
+        assert ref is not None and step.source is not None
+        images = dict(node.images) | {ref: _node(obs, step.source).images[ref]}
         nodes[step.node] = node.model_copy(update={"images": images})
     elif step.kind == "weights":
-        src = _node(obs, step.params["source"]).weights
+        assert step.source is not None
+        src = _node(obs, step.source).weights
         assert src is not None
-        nodes[step.node] = node.model_copy(update={"weights": src.model_copy(update={"root": step.params["path"]})})
+        nodes[step.node] = node.model_copy(update={"weights": src.model_copy(update={"root": step.path})})
     elif step.kind == "stop-serving":  # removed under the serving name, only stopped under a former one
-        gone, name = step.params["container"], desired.serving.container_name
+        gone, name = step.container, desired.serving.container_name
         containers = [c if c.name != gone else c.model_copy(update={"state": "exited"})
                       for c in node.containers if not (c.name == gone == name)]
         nodes[step.node] = node.model_copy(update={"containers": containers})
@@ -59,7 +61,7 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "await-health":
         served = desired.serving.served_model_name or desired.model.id
-        nodes[step.node] = node.model_copy(update={"serving": Serving(reachable=True, healthy=True,
+        nodes[step.node] = node.model_copy(update={"serving": ServingApi(reachable=True, healthy=True,
                                                                       models=[served])})
     return obs.model_copy(update={"nodes": nodes})
 

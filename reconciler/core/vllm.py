@@ -217,11 +217,24 @@ def parse_serve_help(text: str) -> list[str]:
     return flags
 
 
-def memory_needed(desired: Desired, total_bytes: int) -> int:
+def memory_for(utilization: float, total_bytes: int, margin: int) -> int:
     """What MemAvailable must cover before vLLM starts on a node of `total_bytes` unified memory: the share it
-    takes (gpu_memory_utilization of the total, as vLLM sizes its pool) plus the margin the file keeps for the rest.
-    One formula: the drift that reports too little memory and the start's preflight must never disagree."""
-    return int(desired.serving.gpu_memory_utilization * total_bytes) + desired.policy.memory_margin
+    takes (`utilization` of the total, as vLLM sizes its pool) plus `margin` for the rest. The one formula;
+    `memory_needed` applies it to a desired state, `largest_utilization` inverts it."""
+    return int(utilization * total_bytes) + margin
+
+
+def memory_needed(desired: Desired, total_bytes: int) -> int:
+    """`memory_for` the file's gpu_memory_utilization and policy.memory_margin: the drift that reports too little
+    memory and the start's preflight must never disagree."""
+    return memory_for(desired.serving.gpu_memory_utilization, total_bytes, desired.policy.memory_margin)
+
+
+def largest_utilization(total_bytes: int, available_bytes: int, margin: int) -> float:
+    """The inverse of `memory_for`: the largest utilization u with `memory_for(u, total_bytes, margin) <=
+    available_bytes` (0 when not even the margin fits). `discover` guesses gpu_memory_utilization with it: the guess
+    and the memory check that `memory_needed` makes read the same formula."""
+    return max(0.0, (available_bytes - margin) / total_bytes)
 
 
 def launch_specs(desired: Desired) -> list[LaunchSpec]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from reconciler.core.observed import Container, Image, Link, Memory, RdmaPort, Serving
+from reconciler.core.observed import Container, Image, Link, Memory, RdmaPort, ServingApi
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.ssh import Session, quote, quote_word
 
@@ -174,6 +174,14 @@ def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Contai
     return True, None, sorted(found, key=lambda c: c.name)
 
 
+def _link(name: str, info: dict, rdma: RdmaPort | None) -> Link:
+    """One interface of `ip -j addr` as a Link: the one reading of iproute2's JSON (flags, mtu, IPv4)."""
+    flags = info.get("flags", [])
+    addresses = [f"{a['local']}/{a['prefixlen']}" for a in info.get("addr_info", []) if a.get("family") == "inet"]
+    return Link(name=name, operstate=str(info.get("operstate", "UNKNOWN")).lower(), admin_up="UP" in flags,
+                carrier="LOWER_UP" in flags, mtu=int(info.get("mtu", 0)), addresses=addresses, rdma=rdma)
+
+
 @node_output("link")
 def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
     if link_sec is None or link_sec.rc != 0:
@@ -181,15 +189,66 @@ def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) ->
     data = json.loads(link_sec.body or "[]")
     if not data:
         return Link(name=name, exists=False)
-    info = data[0]
-    flags = info.get("flags", [])
-    addresses = [f"{a['local']}/{a['prefixlen']}" for a in info.get("addr_info", []) if a.get("family") == "inet"]
     rdma = None
     if rdma_sec is not None and rdma_sec.rc == 0:
         state, _, phys = rdma_sec.body.partition("\n")
         rdma = RdmaPort(state=state.strip(), phys_state=phys.strip())
-    return Link(name=name, operstate=str(info.get("operstate", "UNKNOWN")).lower(), admin_up="UP" in flags,
-                carrier="LOWER_UP" in flags, mtu=int(info.get("mtu", 0)), addresses=addresses, rdma=rdma)
+    return _link(name, data[0], rdma)
+
+
+def interfaces_script() -> list[str]:
+    """The `addr` and `rdma_sysfs` sections, for a node whose fabric is not declared yet (discover): every
+    interface's `ip -j addr` (`parse_interfaces`) and every RDMA device's port 1 with the netdevs it drives
+    (`parse_rdma_devices`). `link_script` reads the declared ports only."""
+    return [
+        "sec addr",
+        "ip -j addr 2>&1; echo \"@@rc $?\"",
+        "sec rdma_sysfs",
+        "for d in /sys/class/infiniband/*; do",
+        "  [ -d \"$d\" ] || continue",
+        "  printf 'dev %s\\n' \"${d##*/}\"",
+        "  printf 'state %s\\n' \"$(cat \"$d/ports/1/state\" 2>/dev/null)\"",
+        "  printf 'phys_state %s\\n' \"$(cat \"$d/ports/1/phys_state\" 2>/dev/null)\"",
+        "  for n in \"$d\"/device/net/*; do [ -e \"$n\" ] && printf 'net %s\\n' \"${n##*/}\"; done",
+        "done; echo \"@@rc 0\"",
+    ]
+
+
+@node_output("interfaces")
+def parse_interfaces(sec: Section | None) -> list[Link]:
+    """Every interface of `interfaces_script`'s `addr` section but the loopback, in the kernel's order, read as
+    `parse_link` reads one (their RDMA ports are `parse_rdma_devices`')."""
+    if sec is None or sec.rc != 0:
+        return []
+    return [_link(str(info["ifname"]), info, None) for info in json.loads(sec.body or "[]")
+            if "LOOPBACK" not in info.get("flags", [])]
+
+
+@dataclass(frozen=True)
+class RdmaDevice:
+    """An RDMA device (`rocep1s0f1`), the netdevs it drives (`enp1s0f1np1`) and the state of its port 1."""
+
+    name: str
+    netdevs: tuple[str, ...]
+    port: RdmaPort
+
+
+@node_output("rdma devices")
+def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
+    """The `dev`/`state`/`phys_state`/`net` lines of `interfaces_script`'s `rdma_sysfs` section."""
+    if sec is None or sec.rc != 0:
+        return []
+    devices: list[dict] = []
+    for line in sec.body.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "dev":
+            devices.append({"name": value.strip(), "state": "", "phys_state": "", "netdevs": []})
+        elif devices and key in ("state", "phys_state"):
+            devices[-1][key] = value.strip()
+        elif devices and key == "net":
+            devices[-1]["netdevs"].append(value.strip())
+    return [RdmaDevice(d["name"], tuple(d["netdevs"]), RdmaPort(state=d["state"], phys_state=d["phys_state"]))
+            for d in devices]
 
 
 @node_output("meminfo")
@@ -205,7 +264,7 @@ def parse_memory(sec: Section | None) -> Memory | None:
 
 @node_output("serving API")
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
-                  completion: Section | None = None) -> Serving:
+                  completion: Section | None = None) -> ServingApi:
     code = health.body.strip() if health else ""
     served: list[str] = []
     if models is not None and models.body.strip().startswith("{"):
@@ -217,7 +276,7 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
     if ray is not None and ray.rc == 0:
         ray_nodes = count_ray_nodes(ray.body)
     healthy = code == "200"
-    return Serving(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
+    return ServingApi(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
                    completion_error=parse_completion(completion) if healthy and served else None)
 
 
@@ -337,7 +396,7 @@ def count_ray_nodes(status: str) -> int:
     return sum(1 for line in status.splitlines() if line.strip().split(" ")[-1].startswith("node_"))
 
 
-def read_api(session: Session, desired: Desired, timeout: float) -> Serving:
+def read_api(session: Session, desired: Desired, timeout: float) -> ServingApi:
     """The head's API now: health, the served names and one completion, as the probe reads them."""
     sections = read_sections(session, api_script(desired), timeout)
     return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))

@@ -21,7 +21,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from reconciler.core.planning import plan as make_plan
+from reconciler.core import planning
 from reconciler.core.render import plan_text
 from reconciler.core.spec import Desired
 from reconciler.core.text import printable
@@ -87,7 +87,7 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
     view = _ProgressView(console)
     try:
         observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command)
-        current = make_plan(desired, observed)
+        current = planning.plan(desired, observed)
         click.echo(plan_text(current), nl=False)
         if not current.steps:
             return 1 if current.changes else 0
@@ -101,7 +101,7 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
                               progress=view)
             outcome = execute(current, ctx, on_event=lambda e, f: _echo(e, f))
             observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command)
-            current = make_plan(desired, observed)
+            current = planning.plan(desired, observed)
             if not outcome.ok or not current.steps:
                 break
             click.echo("\nThe cluster moved on; planning again:\n" + plan_text(current), nl=False)

@@ -27,7 +27,7 @@ class _Record:
 
 
 @dataclass
-class Holds:
+class Backoff:
     retries: Retries
     rng: random.Random = field(default_factory=random.Random)
     records: dict[str, _Record] = field(default_factory=dict)
@@ -70,10 +70,10 @@ class Holds:
         return min((r.next_try for r in self.records.values() if r.next_try > now), default=None)
 
 
-def vetoes(plan: Plan, holds: Holds, now: float) -> dict[str, str]:
+def vetoes(plan: Plan, holds: Backoff, now: float) -> dict[str, str]:
     """step id -> why it must not run in this reconcile (its own backoff/hold, or its serving chain's)."""
     out = {s.id: r for s in plan.steps if (r := holds.wait_reason(s.id, now))}
-    chain_wait = next((f"{sid}: {r}" for sid, r in out.items() if sid.split("/")[0] in SERVING_CHAIN), None)
+    chain_wait = next((f"{s.id}: {out[s.id]}" for s in plan.steps if s.id in out and s.kind in SERVING_CHAIN), None)
     if chain_wait:
         for s in plan.steps:
             if s.kind in SERVING_CHAIN:

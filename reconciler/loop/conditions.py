@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 from reconciler.core.drift import Drift
 from reconciler.core.observed import Observed
-from reconciler.core.planning import Plan
+from reconciler.core.planning import Plan, kind_and_node
 
 
 @dataclass
@@ -73,7 +73,7 @@ def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
     out.append(from_drift("WeightsInSync", ("weights",), "InSync", "WeightsDrift"))
     out.append(from_drift("ImageInSync", ("image",), "InSync", "ImageDrift"))
     out.append(from_drift("ServingRunning", ("serving", "memory"), "Running", "ServingDrift"))
-    held = {sid: msg for sid, msg in snap.held.items() if sid.split("/")[1:2] == [name]}
+    held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
     out.append(_cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
                      "; ".join(f"{sid}: {msg}" for sid, msg in held.items())))
     return out

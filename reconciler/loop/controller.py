@@ -22,22 +22,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.core import spec
+from reconciler.core import planning, spec
 from reconciler.core.observed import Observed
 from reconciler.core.planning import STEP_KINDS, Blocker, Plan, unhealthy_grace
-from reconciler.core.planning import plan as make_plan
 from reconciler.edge import log, trusted_files
 from reconciler.edge.lease import RENEW_AFTER, Holder, Lease
 from reconciler.edge.observe import ask_serve_flags, flags_wanted, observe
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 from reconciler.loop import conditions, metrics
-from reconciler.loop.backoff import Holds, vetoes
+from reconciler.loop.backoff import Backoff, vetoes
 from reconciler.loop.generations import GenerationStore
 from reconciler.loop.health_watch import HealthWatch
 from reconciler.loop.operations import FlagsQuery, Operations, admit
 from reconciler.loop.status import StatusPublisher
-from reconciler.loop.triggers import Requests, stream_events
+from reconciler.loop.triggers import ReconcileRequests, stream_events
 
 #: While serving that served fails its health check (within the grace), reconcile again after at most this long.
 UNHEALTHY_RECHECK = 5.0
@@ -60,7 +59,7 @@ class Result:
 
 
 class Controller:
-    def __init__(self, path: Path, state_dir: Path, requests: Requests, cancel: threading.Event,
+    def __init__(self, path: Path, state_dir: Path, requests: ReconcileRequests, cancel: threading.Event,
                  events: bool = True, observe_fn=observe, sessions_factory=Sessions,
                  operations: Operations | None = None, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
@@ -82,7 +81,7 @@ class Controller:
         self._sessions_factory = sessions_factory
         self.desired: spec.Desired | None = None
         self.file_error: str | None = None
-        self.holds: Holds | None = None
+        self.holds: Backoff | None = None
         self.sessions: Sessions | None = None
         self.streams: dict[str, threading.Event] = {}
         self.reconciles = 0
@@ -119,7 +118,7 @@ class Controller:
             self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
         self.desired = desired
         metrics.desired_state_generation.set(self.store.generation)
-        self.holds = Holds(desired.policy.retries)  # a new generation: try everything again now
+        self.holds = Backoff(desired.policy.retries)  # a new generation: try everything again now
         if self.sessions is None:
             self.sessions = self._sessions_factory(desired)
         else:
@@ -164,7 +163,7 @@ class Controller:
                 observed = self._observe(desired)
                 if self.cancel.is_set():
                     return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
-                current = make_plan(desired, observed)
+                current = planning.plan(desired, observed)
                 started = self._start(desired, observed, current, reasons)
                 if not current.changes:
                     self.store.converged(self.clock())

@@ -1,8 +1,8 @@
 """The daemon: lock, signals, listener, watchdog and the loop. It only schedules; what to do is the controller's.
 
-- One reconcile at a time; triggers during one coalesce into exactly one more (triggers.Requests). Triggers: the
-  file, the nodes' event streams, an operation's end, SIGHUP, the resync timer, and the controller's requeue (a
-  backoff's or a health grace's end).
+- One reconcile at a time; triggers during one coalesce into exactly one more (triggers.ReconcileRequests).
+  Triggers: the file, the nodes' event streams, an operation's end, SIGHUP, the resync timer, and the
+  controller's requeue (a backoff's or a health grace's end).
 - The loop wakes at least every `tick` seconds even when idle, and every wake-up is its heartbeat: the systemd
   watchdog is fed only while that heartbeat is fresh, so a loop stuck anywhere (a reconcile that never returns)
   gets the daemon restarted. No step runs in the loop (they are operations beside it), so no allowance for long
@@ -28,7 +28,7 @@ from reconciler.loop import metrics, systemd
 from reconciler.loop.controller import Controller
 from reconciler.loop.generations import path_key
 from reconciler.loop.server import serve
-from reconciler.loop.triggers import Requests, watch_file
+from reconciler.loop.triggers import ReconcileRequests, watch_file
 
 # From SIGTERM to the process's end, whatever a thread is stuck in (docs/reliability.md). systemd's TimeoutStopSec
 # (systemd/spark-reconciler.service) is well above it, so a stop never ends in SIGKILL.
@@ -74,7 +74,7 @@ class Daemon:
         self.path = Path(path)
         self.state_dir = Path(state_dir)
         self.listen_override = listen
-        self.requests = Requests()
+        self.requests = ReconcileRequests()
         self.stop = threading.Event()
         self.cancel = threading.Event()
         self.stopped = threading.Event()
@@ -88,7 +88,7 @@ class Daemon:
         """A handler runs on the main thread between two bytecodes, possibly while that very thread holds a lock:
         the log writer's (structlog's PrintLogger), a metric's. Taking such a lock again deadlocks the process for
         good (the cause of a SIGTERM that never ended the daemon). So the handlers only set events and wake the
-        loop (Requests' lock is re-entrant); the loop logs and counts."""
+        loop (ReconcileRequests' lock is re-entrant); the loop logs and counts."""
         def term(_sig, _frame) -> None:
             self.stop.set()
             self.cancel.set()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from reconciler.core.drift import DRIFT_KINDS
 from reconciler.core.observed import Observed
+from reconciler.core.planning import kind_and_node
 from reconciler.core.spec import Desired
 from reconciler.edge.log import redact
 from reconciler.loop import conditions, metrics, systemd
@@ -53,7 +54,7 @@ class StatusPublisher:
         """The step_hold gauge: 1 while held, back to 0 once no longer held — also when the hold ended by a success
         or a new generation, which drop the step's record (the gauge once stayed 1 until the daemon restarted,
         and ReconcilerStepHeld kept firing)."""
-        now = {(sid.split("/")[0], sid.split("/")[1]) for sid in held}
+        now = {kind_and_node(sid) for sid in held}
         for kind, node in self._held - now:
             metrics.step_hold.labels(kind=kind, node=node).set(0)
         for kind, node in now:

@@ -17,7 +17,7 @@ from reconciler.edge.ssh import RemoteError, Session, quote
 from reconciler.loop import metrics
 
 
-class Requests:
+class ReconcileRequests:
     """At most one pending request; the reasons of coalesced requests are kept for the log."""
 
     def __init__(self) -> None:
@@ -37,7 +37,7 @@ class Requests:
             return reasons
 
 
-def watch_file(path: Path, requests: Requests, stop: threading.Event) -> threading.Thread:
+def watch_file(path: Path, requests: ReconcileRequests, stop: threading.Event) -> threading.Thread:
     """Watch the file's directory, so saves by rename (vim, most editors), by truncate-and-write and by a new
     inode are all seen; a short debounce folds the burst of events one save makes."""
     target = path.resolve()
@@ -74,7 +74,8 @@ def event_command(interface: str) -> str:
     return "".join(f"({s}; kill 0) & " for s in streams) + "cat >/dev/null; kill 0"
 
 
-def stream_events(session: Session, interface: str, requests: Requests, stop: threading.Event) -> threading.Thread:
+def stream_events(session: Session, interface: str, requests: ReconcileRequests,
+                  stop: threading.Event) -> threading.Thread:
     node = session.node.name
     logger = log.get().bind(node=node)
 

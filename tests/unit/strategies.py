@@ -14,7 +14,7 @@ from reconciler.core.observed import (
     NodeObservation,
     Observed,
     RdmaPort,
-    Serving,
+    ServingApi,
     WeightFile,
     Weights,
 )
@@ -143,10 +143,10 @@ def _weights(draw, desired: spec.Desired, node: str, files: list[WeightFile]) ->
     return Weights(root=root, present=True, files=list(files))
 
 
-def _health(draw, desired: spec.Desired) -> Serving:
+def _health(draw, desired: spec.Desired) -> ServingApi:
     want = desired.serving.served_model_name or desired.model.id
     healthy = draw(st.booleans())
-    return Serving(reachable=draw(often(True, False)), healthy=healthy,
+    return ServingApi(reachable=draw(often(True, False)), healthy=healthy,
                    models=[draw(often(want, "other-model"))],
                    completion_error=draw(often(None, "timed out")),
                    served_before=draw(st.booleans()), unhealthy_for=draw(st.sampled_from([None, 5.0, 10_000.0])),

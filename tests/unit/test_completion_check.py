@@ -13,7 +13,7 @@ import pytest
 
 from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
-from reconciler.core.observed import Observed, Serving
+from reconciler.core.observed import Observed, ServingApi
 from reconciler.core.spec import Desired
 from reconciler.edge.probes import COMPLETION_DEADLINE, SEC, Section, completion_argv, parse_completion
 
@@ -52,7 +52,7 @@ def test_completion_request_is_one_token_of_the_served_name(cluster_yaml):
     assert argv[argv.index("-m") + 1] == str(COMPLETION_DEADLINE)
 
 
-def _with_head_serving(desired: Desired, serving: Serving, seed_snapshot) -> Observed:
+def _with_head_serving(desired: Desired, serving: ServingApi, seed_snapshot) -> Observed:
     seed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
     head = desired.head.name
     nodes = dict(seed.nodes)
@@ -63,7 +63,7 @@ def _with_head_serving(desired: Desired, serving: Serving, seed_snapshot) -> Obs
 def test_health_200_without_a_completion_is_drift(cluster_yaml, seed_snapshot):
     desired = Desired.model_validate(load_file(cluster_yaml).data)
     name = desired.serving.served_model_name or desired.model.id
-    hung = Serving(reachable=True, healthy=True, models=[name],
+    hung = ServingApi(reachable=True, healthy=True, models=[name],
                    completion_error=f"no answer within {COMPLETION_DEADLINE}s")
     drift = [d for d in diff(desired, _with_head_serving(desired, hung, seed_snapshot)) if d.kind == "health"]
     assert len(drift) == 1

@@ -20,7 +20,7 @@ REPORT_ONLY = Drift("n1", "co-tenant", "container/x", "absent", "running", actio
 @st.composite
 def snapshots(draw) -> Snapshot:
     drift = draw(st.lists(st.sampled_from([LINK, UNREACHABLE, REPORT_ONLY]), max_size=3, unique=True))
-    steps = [Step("link/n1", "link", "n1", "mtu")] if draw(st.booleans()) else []
+    steps = [Step("link", "n1", "mtu")] if draw(st.booleans()) else []
     blocked = [Blocker("n2", "waits for n2")] if draw(st.booleans()) else []
     plan = draw(st.sampled_from([None, Plan(drift, steps, blocked)]))
     return Snapshot(generation=2, observed_generation=2, plan=plan,

@@ -23,7 +23,7 @@ from reconciler.core.spec import load
 from reconciler.loop.controller import Controller
 from reconciler.loop.metrics import REGISTRY
 from reconciler.loop.operations import Operations
-from reconciler.loop.triggers import Requests
+from reconciler.loop.triggers import ReconcileRequests
 
 HEAD, WORKER = "spark-1a32", "spark-5be3"
 
@@ -108,7 +108,7 @@ def _with(observed: Observed, node: str, **update) -> Observed:
 
 
 def _controller(desired_path, tmp_path, script, gate):
-    requests = Requests()
+    requests = ReconcileRequests()
     ops = Operations(on_end=lambda: requests.request("operation"), run=gate)
     c = Controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False,
                    observe_fn=script, sessions_factory=FakeSessions, operations=ops)
@@ -236,10 +236,10 @@ def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_pat
     """No event says "the API stopped answering": the loop must not wait for the grace's end or the resync to
     notice that the failure became a crash (seen on the testbed: a rank killed, the plan saw the head failing
     first and waited 300 s, the container's exit arriving in between unnoticed)."""
-    from reconciler.core.observed import Serving
+    from reconciler.core.observed import ServingApi
     from reconciler.loop.controller import UNHEALTHY_RECHECK
 
-    served = Serving(reachable=True, healthy=True, models=["x"], completion_error="curl exit 28",
+    served = ServingApi(reachable=True, healthy=True, models=["x"], completion_error="curl exit 28",
                      unhealthy_for=1.0, served_before=True)
     head = converged.node(HEAD)
     failing = _with(converged, HEAD, serving=served)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 
 from reconciler.core.spec import Retries
-from reconciler.loop.backoff import Holds
+from reconciler.loop.backoff import Backoff
 from reconciler.loop.controller import Controller
 from reconciler.loop.generations import GenerationStore
 from reconciler.loop.metrics import REGISTRY
 from reconciler.loop.status import StatusPublisher
-from reconciler.loop.triggers import Requests
+from reconciler.loop.triggers import ReconcileRequests
 
 LAST_CONVERGED = "reconciler_last_converged_timestamp_seconds"
 
@@ -24,7 +24,7 @@ def test_last_converged_survives_a_restart(tmp_path):
     first.generation, first.observed_generation = 4, 3
     first.converged(1_700_000_000.5)
 
-    second = Controller(desired, state, Requests(), threading.Event())
+    second = Controller(desired, state, ReconcileRequests(), threading.Event())
     assert (second.store.generation, second.store.observed_generation) == (4, 4)
     assert second.store.last_converged == 1_700_000_000.5
     assert REGISTRY.get_sample_value(LAST_CONVERGED) == 1_700_000_000.5
@@ -67,7 +67,7 @@ def _hold_gauge(node: str) -> float | None:
 def test_the_step_hold_gauge_returns_to_0_when_the_hold_ends(tmp_path):
     """A success drops the step's record; the gauge once stayed at 1 until the daemon restarted."""
     publisher = StatusPublisher(tmp_path / "cluster.yaml")
-    holds = Holds(Retries(hold_after=2))
+    holds = Backoff(Retries(hold_after=2))
     for _ in range(2):
         holds.failed("await-health/gb-head", "unhealthy", 0.0)
     holds.failed("await-health/gb-worker", "unhealthy", 0.0)  # failing, not held yet

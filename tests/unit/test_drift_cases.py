@@ -29,7 +29,7 @@ from reconciler.core.observed import (
     Memory,
     Observed,
     RdmaPort,
-    Serving,
+    ServingApi,
     WeightFile,
     Weights,
 )
@@ -454,13 +454,13 @@ def test_memory_is_not_judged_where_nothing_starts(desired, seen):
 # ------------------------------------------------------------------------------------------------ the API
 
 
-def _api(**fields: object) -> Serving:
-    return Serving(reachable=True, healthy=True, models=["tiny-moe"]).model_copy(update=fields)
+def _api(**fields: object) -> ServingApi:
+    return ServingApi(reachable=True, healthy=True, models=["tiny-moe"]).model_copy(update=fields)
 
 
 @pytest.mark.parametrize(("health", "words"), [
     (None, "not answering"),
-    (Serving(reachable=False), "not answering"),
+    (ServingApi(reachable=False), "not answering"),
     (_api(healthy=False), "unhealthy"),
     (_api(models=["glm-4.5-air"]), "serving glm-4.5-air"),
     (_api(models=["a", "b"]), "serving a, b"),

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import pytest
 
 from reconciler.core.loader import load_file
-from reconciler.core.observed import NodeObservation, Observed, Serving
+from reconciler.core.observed import NodeObservation, Observed, ServingApi
 from reconciler.core.planning import plan, unhealthy_grace
 from reconciler.core.spec import Desired
 from reconciler.loop.health_watch import HealthWatch, _age
@@ -36,7 +36,7 @@ def deployed(desired, seed_snapshot) -> Observed:
     return converged_in_simulator(desired, seed_snapshot)
 
 
-def _head_serving(desired: Desired, observed: Observed, serving: Serving, container_id: str | None = None
+def _head_serving(desired: Desired, observed: Observed, serving: ServingApi, container_id: str | None = None
                   ) -> Observed:
     head = desired.head.name
     node = observed.node(head)
@@ -48,10 +48,10 @@ def _head_serving(desired: Desired, observed: Observed, serving: Serving, contai
 
 
 def healthy(desired):
-    return Serving(reachable=True, healthy=True, models=[desired.serving.served_model_name or desired.model.id])
+    return ServingApi(reachable=True, healthy=True, models=[desired.serving.served_model_name or desired.model.id])
 
 
-WEDGED = Serving(reachable=True, healthy=True, models=["x"], completion_error="timed out after 5 s (curl exit 28)")
+WEDGED = ServingApi(reachable=True, healthy=True, models=["x"], completion_error="timed out after 5 s (curl exit 28)")
 
 
 def _restarts_in_order(desired, result) -> bool:
@@ -84,7 +84,7 @@ def test_served_then_wedged_is_left_alone_within_the_grace_and_restarted_after(d
 def test_a_cold_start_that_never_served_waits_for_health_instead(desired, deployed):
     watch = HealthWatch()
     for t in (0.0, 100.0, 10 * GRACE):
-        result = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, Serving()), now=t))
+        result = plan(desired, watch.annotate(desired, _head_serving(desired, deployed, ServingApi()), now=t))
         assert [s.kind for s in result.steps] == ["await-health"], t
 
 
@@ -102,7 +102,7 @@ def test_no_wait_for_health_while_a_serving_node_cannot_be_reached(desired, depl
     await-health step that can only time out (the mutant of record "await-health while a serving node is
     unreachable"; the property test finds this case only by chance)."""
     worker = desired.serving_nodes[1].name
-    cold = _head_serving(desired, deployed, Serving())
+    cold = _head_serving(desired, deployed, ServingApi())
     unseen = cold.model_copy(update={"nodes": {**cold.nodes, worker: NodeObservation(
         name=worker, reachable=False, error="connection timed out")}})
     result = plan(desired, HealthWatch().annotate(desired, unseen, now=0.0))
@@ -157,7 +157,7 @@ def test_a_serving_container_that_is_gone_resets_the_failure_clock(desired, depl
     watch.annotate(desired, _head_serving(desired, deployed, WEDGED), now=1)
     head = desired.head.name
     gone = deployed.model_copy(update={"nodes": {**deployed.nodes, head: deployed.node(head).model_copy(
-        update={"containers": [], "serving": Serving()})}})
+        update={"containers": [], "serving": ServingApi()})}})
     watch.annotate(desired, gone, now=2)
     assert watch.unhealthy_since is None
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from reconciler.core.planning import Plan, Step
 from reconciler.core.spec import Retries
-from reconciler.loop.backoff import Holds, vetoes
+from reconciler.loop.backoff import Backoff, vetoes
 from tests.unit.examples import examples
 
 RETRIES = Retries(backoff_initial="2s", backoff_max="60s", hold_after=4)
@@ -28,7 +28,7 @@ def expected_wait(failures: int) -> float:
 
 @given(st.integers(min_value=1, max_value=12), st.integers(min_value=0, max_value=2**32))
 def test_a_failed_step_waits_its_backoff_within_the_jitter(failures, seed):
-    holds = Holds(RETRIES, rng=random.Random(seed))
+    holds = Backoff(RETRIES, rng=random.Random(seed))
     for _ in range(failures):
         holds.failed("link/n1", "ip: permission denied", now=1000.0)
     wait = holds.records["link/n1"].next_try - 1000.0
@@ -38,7 +38,7 @@ def test_a_failed_step_waits_its_backoff_within_the_jitter(failures, seed):
 
 
 def test_the_reason_says_held_or_backing_off_and_the_last_error_and_ends_with_the_wait():
-    holds = Holds(RETRIES, rng=random.Random(1))
+    holds = Backoff(RETRIES, rng=random.Random(1))
     holds.failed("weights/n2", "rsync: connection reset", now=0.0)
     reason = holds.wait_reason("weights/n2", now=0.1)
     assert reason is not None and reason.startswith("backing off after 1 failure(s)")
@@ -51,7 +51,7 @@ def test_the_reason_says_held_or_backing_off_and_the_last_error_and_ends_with_th
 
 
 def test_success_forgets_the_step_and_its_count():
-    holds = Holds(RETRIES, rng=random.Random(2))
+    holds = Backoff(RETRIES, rng=random.Random(2))
     for _ in range(5):
         holds.failed("image/n2", "docker load: no space left", now=0.0)
     holds.succeeded("image/n2")
@@ -61,7 +61,7 @@ def test_success_forgets_the_step_and_its_count():
 
 
 def test_next_due_is_the_earliest_wait_still_running():
-    holds = Holds(RETRIES, rng=random.Random(3))
+    holds = Backoff(RETRIES, rng=random.Random(3))
     holds.failed("a/n1", "x", now=0.0)
     holds.failed("b/n1", "x", now=100.0)
     a, b = holds.records["a/n1"].next_try, holds.records["b/n1"].next_try
@@ -71,7 +71,9 @@ def test_next_due_is_the_earliest_wait_still_running():
 
 
 def _plan(*ids: str) -> Plan:
-    return Plan([], [Step(i, i.split("/")[0], i.split("/")[1], "why") for i in ids], [])  # type: ignore[arg-type]
+    parts = [i.split("/") for i in ids]
+    return Plan([], [Step(kind, node, "why", container=rest[0] if rest else None)  # type: ignore[arg-type]
+                     for kind, node, *rest in parts], [])
 
 
 @given(st.sampled_from(["stop-serving/h", "start-serving/w", "launch-model/h", "await-health/h"]))
@@ -79,7 +81,7 @@ def _plan(*ids: str) -> Plan:
 def test_one_waiting_serving_step_holds_back_the_whole_ordered_restart(waiting):
     plan = _plan("stop-container/h/x", "stop-serving/h", "stop-serving/w", "start-serving/w", "start-serving/h",
                  "launch-model/h", "await-health/h")
-    holds = Holds(RETRIES, rng=random.Random(4))
+    holds = Backoff(RETRIES, rng=random.Random(4))
     holds.failed(waiting, "vllm exited", now=0.0)
     out = vetoes(plan, holds, now=0.5)
     serving = {s.id for s in plan.steps if s.kind != "stop-container"}
@@ -89,6 +91,6 @@ def test_one_waiting_serving_step_holds_back_the_whole_ordered_restart(waiting):
 
 def test_a_waiting_step_outside_the_chain_holds_back_only_itself():
     plan = _plan("link/w", "weights/w", "stop-serving/w")
-    holds = Holds(RETRIES, rng=random.Random(5))
+    holds = Backoff(RETRIES, rng=random.Random(5))
     holds.failed("link/w", "ip: no such device", now=0.0)
     assert set(vetoes(plan, holds, now=0.5)) == {"link/w"}

@@ -17,13 +17,13 @@ from reconciler.edge.execute import Outcome, StepResult
 from reconciler.edge.steps import StepContext
 from reconciler.loop.operations import FlagsQuery, Operations, admit
 
-WEIGHTS = Step("weights/w", "weights", "w", "sync")
-LINK_H = Step("link/h", "link", "h", "down")
-STOP_CT = Step("stop-container/w/x", "stop-container", "w", "not allowed", params={"container": "x"})
-STOP_SERVING = Step("stop-serving/h/vllm", "stop-serving", "h", "restart", (WEIGHTS.id,))
-START_W = Step("start-serving/w", "start-serving", "w", "rank 1", (STOP_SERVING.id,))
-START_H = Step("start-serving/h", "start-serving", "h", "rank 0", (START_W.id,))
-AWAIT = Step("await-health/h", "await-health", "h", "health", (START_H.id,))
+WEIGHTS = Step("weights", "w", "sync")
+LINK_H = Step("link", "h", "down")
+STOP_CT = Step("stop-container", "w", "not allowed", container="x")
+STOP_SERVING = Step("stop-serving", "h", "restart", (WEIGHTS.id,), container="vllm")
+START_W = Step("start-serving", "w", "rank 1", (STOP_SERVING.id,))
+START_H = Step("start-serving", "h", "rank 0", (START_W.id,))
+AWAIT = Step("await-health", "h", "health", (START_H.id,))
 PLAN = [LINK_H, STOP_CT, WEIGHTS, STOP_SERVING, START_W, START_H, AWAIT]
 
 
@@ -48,7 +48,7 @@ def test_a_weight_sync_in_flight_lets_link_and_co_tenant_repairs_run_but_not_wha
 def test_any_part_of_the_serving_chain_in_flight_holds_the_whole_chain():
     """A restart is one ordered unit: with await-health of the last restart still running, a new restart's stop
     (which has no dependency in common with it) must not start."""
-    plan = [LINK_H, Step("stop-serving/w/vllm", "stop-serving", "w", "restart"), START_W]
+    plan = [LINK_H, Step("stop-serving", "w", "restart", container="vllm"), START_W]
     admitted, waiting = admit(plan, [AWAIT])
     assert ids(admitted) == [LINK_H.id]
     assert waiting["stop-serving/w/vllm"] == "the serving chain is in flight (await-health/h)"

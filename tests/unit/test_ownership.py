@@ -143,4 +143,4 @@ def _ctx(desired: Desired, docker: FakeDocker) -> StepContext:
 
 
 def _step(name: str) -> Step:
-    return Step(f"stop-serving/{NODE}/{name}", "stop-serving", NODE, "test", (), params={"container": name})
+    return Step("stop-serving", NODE, "test", (), container=name)

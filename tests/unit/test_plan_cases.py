@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from reconciler.core import spec
-from reconciler.core.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, Serving
+from reconciler.core.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, ServingApi
 from reconciler.core.planning import Blocker, Step, plan
 from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
 
@@ -22,9 +22,14 @@ STOPS = tuple(f"stop-serving/{n}/vllm_serving" for n in ("head", *WORKERS))
 
 
 def step(sid: str, reason: str, after: tuple[str, ...] = (), **params: str) -> Step:
-    """A step by its documented id, `KIND/NODE[/CONTAINER]`."""
-    kind, node = sid.split("/")[:2]
-    return Step(sid, kind, node, reason, after, params)  # type: ignore[arg-type]
+    """A step by its documented id, `KIND/NODE[/CONTAINER]`, and its params as `plan --json` shows them."""
+    kind, node, *container = sid.split("/")
+    typed: dict[str, object] = {name: int(value) if name == "rank" else value for name, value in params.items()}
+    if container:
+        typed["container"] = container[0]
+    step = Step(kind, node, reason, after, **typed)  # type: ignore[arg-type]
+    assert step.id == sid
+    return step
 
 
 def ordered_restart(why: str, before: tuple[str, ...] = (), stopped: tuple[str, ...] = STOPS) -> list[Step]:
@@ -180,8 +185,8 @@ def test_no_link_step_on_a_node_docker_cannot_be_asked_on_but_its_link_is_repair
 # ------------------------------------------------------------------------------------------------ health
 
 
-def _health(**fields: object) -> Serving:
-    return Serving(reachable=True, healthy=False, models=[]).model_copy(update=fields)
+def _health(**fields: object) -> ServingApi:
+    return ServingApi(reachable=True, healthy=False, models=[]).model_copy(update=fields)
 
 
 def test_a_cold_start_is_waited_for(desired, seen):

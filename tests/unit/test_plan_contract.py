@@ -25,7 +25,7 @@ def keys(doc: dict, field: str) -> set[str]:
 def test_a_plan_renders_with_the_documented_keys_and_its_own_values():
     doc = documented()
     drift = Drift("n1", "link", "link/eth1/mtu", "9000", "1500", actionable=False, blocking=True)
-    step = Step("start-serving/n1", "start-serving", "n1", "start rank 1", after=("link/n1",), params={"rank": "1"})
+    step = Step("start-serving", "n1", "start rank 1", after=("link/n1",), rank=1)
     plan = Plan([drift], [step], [Blocker("n2", "waits for n2")], mode="observe", trusted=("remote code",))
 
     out = json.loads(json.dumps(plan.as_dict()))  # what `--json` prints
@@ -45,4 +45,4 @@ def test_a_plan_renders_with_the_documented_keys_and_its_own_values():
 def test_report_only_drift_is_no_change_and_a_step_is():
     report_only = Drift("n1", "co-tenant", "container/x", "absent", "running", actionable=False)
     assert Plan([report_only], [], []).as_dict()["changes"] is False
-    assert Plan([], [Step("link/n1", "link", "n1", "why")], []).as_dict()["changes"] is True
+    assert Plan([], [Step("link", "n1", "why")], []).as_dict()["changes"] is True

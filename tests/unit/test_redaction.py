@@ -253,8 +253,8 @@ def test_the_status_document_is_redacted(tmp_path):
         plan = Plan(
             drift=[Drift("head-a", "serving", "serving/head-a", "vllm serve m",
                          f"vllm serve m --api-key {SHORT} --hf-token={SHORT}")],
-            steps=[Step("start-serving/head-a", "start-serving", "head-a", f"argv differs: HF_TOKEN={SHORT}",
-                        params={"container": "vllm", "api_key": SHORT})],
+            steps=[Step("stop-serving", "head-a", f"argv differs: HF_TOKEN={SHORT}",
+                        container="vllm")],
             blocked=[Blocker("head-a", f"registry said 401 to Authorization: Bearer {SHORT}")])
         snap = Snapshot(generation=2, observed_generation=1, plan=plan,
                         file_error=f'serving.env: {{"HF_TOKEN": "{SHORT}"}} is not a string',
@@ -264,7 +264,7 @@ def test_the_status_document_is_redacted(tmp_path):
         publisher.publish(snap, ["head-a"], error=None, now=1.0)
         served = json.dumps(publisher.status)
         assert_no_secret(served, SHORT, HF, REGISTERED)
-        assert publisher.status["lastPlan"]["steps"][0]["params"] == {"container": "vllm", "api_key": "***"}
+        assert publisher.status["lastPlan"]["steps"][0]["params"] == {"container": "vllm"}
         assert publisher.status["phase"] and publisher.status["lastError"] == "image/head-a: docker login -p *** failed"
 
 

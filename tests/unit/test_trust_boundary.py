@@ -199,7 +199,7 @@ def test_the_mtu_of_the_interface_carrying_the_ssh_session_is_never_changed(base
     ctx = SimpleNamespace(desired=desired, sessions={"worker-b": Node()}, command_timeout=5,
                           remaining=lambda t=None: 5, cancel=None)
     with pytest.raises(StepFailed, match="the reconciler's SSH session arrives on it"):
-        link.converge_link(ctx, Step("link/worker-b", "link", "worker-b", "test", ()))
+        link.converge_link(ctx, Step("link", "worker-b", "test", ()))
     assert sent == [["sh", "-c", 'printf "%s" "$SSH_CONNECTION"']]  # nothing was sent with sudo
 
 

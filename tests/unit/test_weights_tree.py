@@ -370,8 +370,8 @@ def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon"):
     ctx = StepContext(desired=_desired(tmp_path, streams=streams, transport=transport), sessions=nodes, observed=None,
                       progress=lambda e, f: (events if events is not None else []).append((e, f)),
                       deadline=time.monotonic() + 120)
-    step.sync_weights(ctx, Step(id="weights/dst", kind="weights", node="dst", reason="test",
-                                params={"source": "src"}))
+    step.sync_weights(ctx, Step(kind="weights", node="dst", reason="test",
+                                source="src"))
 
 
 @pytest.mark.parametrize("streams,transport", [(1, "rsync-daemon"), (3, "rsync-daemon"), (1, "ssh"), (3, "ssh")])

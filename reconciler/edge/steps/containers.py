@@ -51,7 +51,8 @@ def _stop(ctx: StepContext, node: str, name: str) -> None:
 
 def stop_container(ctx: StepContext, step: Step) -> None:
     """Stop a co-tenant that is not allowed. Re-checks that it is still running, unmanaged and not allowed."""
-    name, node = step.params["container"], step.node
+    name, node = step.container, step.node
+    assert name is not None, "the plan sets it for a stop step"
     ct = ctx.desired.co_tenants
     if ct.is_allowed(node, name) or ct.is_protected(node, name):
         return  # the file changed since the plan: nothing to do
@@ -66,7 +67,8 @@ def stop_container(ctx: StepContext, step: Step) -> None:
 def stop_serving(ctx: StepContext, step: Step) -> None:
     """Stop one of our serving containers (ordered restart or no longer wanted); remove it only when it bears
     the configured serving name (a container under a former name is stopped and left for the operator)."""
-    name, node = step.params["container"], step.node
+    name, node = step.container, step.node
+    assert name is not None, "the plan sets it for a stop step"
     info = inspect(ctx, node, name)
     if info is None:
         return

@@ -85,8 +85,9 @@ def copy_image(ctx: StepContext, step: Step) -> None:
     """The target must end up with the content the plan saw on the image source (the head unless listed
     otherwise); the archive may name no other tag. Checked on the target after the load, not taken from the
     stream's sender."""
-    ref, source, node = step.params["image"], step.params["source"], step.node
-    expect = step.params.get("content")
+    ref, source, node = step.image, step.source, step.node
+    assert ref is not None and source is not None, "the plan sets both for an image step"
+    expect = step.content
     want = inspect_image(ctx, source, ref)
     if want is None:
         raise StepFailed(f"{ref} is no longer present on {source}")

@@ -230,7 +230,8 @@ def _run_streams(run: Callable[[int, tuple[list[str], bool]], None],
 
 
 def sync_weights(ctx: StepContext, step: Step) -> None:
-    target, source = step.node, step.params["source"]
+    target, source = step.node, step.source
+    assert source is not None, "the plan sets it for a weights step"
     src_root, dst_root = weights_root(ctx.desired, source), weights_root(ctx.desired, target)
     expected = read_manifest(ctx, source)
     if not expected.present:
