@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import ipaddress
 
-from reconciler.edge.discover import _next_free_address
+from reconciler.edge.discover import next_free_address
 
 
 def _next(ref: str, *taken: str) -> str | None:
     iface = ipaddress.IPv4Interface(ref)
     used = {iface.ip, *(ipaddress.IPv4Address(t) for t in taken)}
-    free = _next_free_address(iface, int(iface.ip), used)
+    free = next_free_address(iface, int(iface.ip), used)
     return None if free is None else str(ipaddress.IPv4Address(free))
 
 

@@ -17,6 +17,7 @@ import yaml
 from reconciler.core import spec
 from reconciler.core.export import lws_manifest, lws_yaml
 from reconciler.edge import discover as disc
+from reconciler.edge.probes import Section, parse_containers
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = Path(__file__).parent / "fixtures"
@@ -272,8 +273,10 @@ def test_parsers_for_the_rest_of_the_script():
                                       + "a" * 40 + "\n")
     assert roots == ["/home/spark/.cache/huggingface/hub", "/srv/a/models/hub"]
     assert models[0].model_id == "Qwen/Qwen3-8B" and models[0].revision == "a" * 40
-    cs = disc.parse_containers('{"name":"/vllm_node","image":"vllm-node","args":["infinity"],'
-                               '"entrypoint":["sleep"],"labels":null}')
+    _, _, listed = parse_containers(Section('{"name":"/vllm_node","id":"c0","image":"vllm-node","state":"running",'
+                                            '"labels":null}', 0))
+    cs = disc.running_containers(listed, disc.parse_commands('{"name":"/vllm_node","args":["infinity"],'
+                                                             '"entrypoint":["sleep"]}'))
     assert disc.holds_serving_port(cs[0], 8000)
     other = disc.RunningContainer("embed", "img", ("cotenant", "--port", "8001"))
     assert not disc.holds_serving_port(other, 8000)

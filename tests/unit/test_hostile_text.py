@@ -4,6 +4,7 @@ literal text: no escape sequence, no rich markup, no line break that would start
 from __future__ import annotations
 
 import ipaddress
+import re
 import unicodedata
 from types import SimpleNamespace
 
@@ -131,7 +132,7 @@ def test_discover_writes_node_text_only_as_quoted_values_and_one_line_comments()
                        user="spark", known_hosts="/etc/spark-reconciler/known_hosts", identity=None, jump=True)
     assert_terminal_safe(text)
     live = [line for line in text.splitlines() if line.lstrip().startswith(("mode:", "y:"))]
-    assert len(live) == 1 and live[0].startswith("  mode: enforce   # "), "only policy.mode"
+    assert len(live) == 1 and re.fullmatch(r"  mode: enforce +# .*", live[0]), "only policy.mode"
     doc = yaml.safe_load(text)
     assert set(doc) == {"nodes", "model", "serving", "co_tenants", "policy"}
     assert doc["policy"]["mode"] == "enforce"
