@@ -122,9 +122,10 @@ def testbed_lock(timeout: float = 1800):
 
 def testbed_up(nodes: int = 2, scenario: str = "converged", **kw):
     """Bring the testbed up in exactly this shape: down first when another shape is up."""
+    from reconciler.core.spec import parse_size
     from testbed import api
     cfg = api._load_config()
-    if cfg and (cfg["nodes"] != nodes or any(cfg.get(k) != api.storage.parse_size(v) for k, v in kw.items()
+    if cfg and (cfg["nodes"] != nodes or any(cfg.get(k) != parse_size(v, short_units=True) for k, v in kw.items()
                                               if v is not None)):
         api.down()
     return api.up(nodes=nodes, scenario=scenario, **kw)

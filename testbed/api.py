@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from reconciler.core.spec import parse_size
+
 from . import dockerd, faults, memory, net, scenarios, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
 from .proc import TestbedError, alive, load_pids, run, stop_pid
@@ -54,7 +56,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     """Bring the testbed up (or, if it is already up with the same node count, just apply *scenario*)."""
     _preflight()
     lay = layout(nodes)
-    wsize = storage.parse_size(weights_size)
+    wsize = parse_size(weights_size, short_units=True)
     cfg = _load_config()
     if cfg and cfg["nodes"] != nodes:
         raise TestbedError(f"a {cfg['nodes']}-node testbed is up; run `python -m testbed down` first")
@@ -64,7 +66,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     made_run_sshd = (cfg or {}).get("made_run_sshd", not Path("/run/sshd").exists())
     # the head holds 2 models x 2 layouts; a worker (at most) the served model in one layout
     head_disk = max(4 << 30, 5 * wsize + (512 << 20))
-    wdisk = storage.parse_size(worker_disk) if worker_disk else max(2 << 30, 2 * wsize + (256 << 20))
+    wdisk = parse_size(worker_disk, short_units=True) if worker_disk else max(2 << 30, 2 * wsize + (256 << 20))
     cfg = {"nodes": nodes, "weights_size": wsize, "head_disk": head_disk, "worker_disk": wdisk,
            "scenario": scenario, "made_run_sshd": made_run_sshd}
     _config_file().write_text(json.dumps(cfg, indent=1))
@@ -80,7 +82,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     storage.setup_shared_root()
     for n in lay.nodes:
         storage.setup_node(n, head_disk if n.index == 0 else wdisk)
-    new_view = memory.setup(lay, storage.parse_size(node_memory))
+    new_view = memory.setup(lay, parse_size(node_memory, short_units=True))
     for n in lay.nodes:              # after the mounts: each sshd gets its own mount namespace
         if new_view:
             sshd.stop(n)             # its namespace holds the old view's mount (dead, when lxcfs was killed)

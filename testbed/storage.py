@@ -12,23 +12,11 @@ propagates later mounts/unmounts into it.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
 from .layout import DATA_ROOT, SRV_ROOT, SSH_USER, Node, state_dir
 from .proc import TestbedError, ok, run
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(s: str | int) -> int:
-    if isinstance(s, int):
-        return s
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", s, re.I)
-    if not m:
-        raise ValueError(f"bad size {s!r} (e.g. 64M, 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def mounts() -> list[str]:

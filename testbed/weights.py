@@ -32,7 +32,6 @@ __all__ = [
     "generate",
     "install_snapshot",
     "model_dir",
-    "parse_size",
     "shard_names",
     "verify_model",
     "verify_shard",
@@ -44,17 +43,6 @@ ROW_BYTES = HIDDEN * DTYPE_SIZES["BF16"]
 CHUNK = 1 << 20
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REVISION = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
-def parse_size(text: str | int) -> int:
-    """'64K', '10M', '1.5G', '123' -> bytes (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a size: {text!r}")
-    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
-    return int(float(m.group(1)) * mult)
 
 
 def _check_ids(model_id: str, revision: str) -> tuple[str, str]:

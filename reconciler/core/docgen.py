@@ -22,7 +22,7 @@ _SECTIONS: list[tuple[str, type[BaseModel]]] = [
 
 _HEADER = """# Desired-state reference
 
-Generated from `reconciler/core/spec.py` by `reconciler schema --markdown`; do not edit by hand (a test checks it).
+Generated from `reconciler/core/spec/` by `reconciler schema --markdown`; do not edit by hand (a test checks it).
 Durations are written like `30s`, `5m`, `1h30m`, `250ms`; sizes like `4GiB`, `500MB` or a number of bytes.
 Unknown keys are errors. Every string that reaches a remote command must match a strict pattern, listed below as
 the type. Errors are reported all at once as `FILE:LINE:COL: field.path: message`.

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
 from reconciler.core import spec
+from reconciler.core.spec import values
 
 INVALID_DIR = Path(__file__).parent / "invalid"
 CORPUS = sorted(INVALID_DIR.glob("*.yaml"))
@@ -331,7 +332,7 @@ def test_listen_rejects_impossible_addresses_and_ports(listen, edit, problems):
     assert any(l.startswith("X:37:11: policy.listen: ") for l in lines), lines
 
 
-@pytest.mark.parametrize("flag", sorted(spec._RESERVED_SERVE_FLAGS))
+@pytest.mark.parametrize("flag", sorted(values._RESERVED_SERVE_FLAGS))
 def test_every_reserved_serve_flag_is_refused_bare_and_with_value(flag):
     adapter = TypeAdapter(spec.ExtraArg)
     for arg in (flag, f"{flag}=1"):

@@ -1,3 +1,4 @@
+import functools
 import hashlib
 import json
 import os
@@ -5,12 +6,12 @@ import struct
 
 import pytest
 
+from reconciler.core.spec import parse_size
 from testbed.weights import (
     INDEX_NAME,
     ShardError,
     generate,
     model_dir,
-    parse_size,
     verify_model,
     verify_shard,
 )
@@ -129,7 +130,8 @@ def test_bad_arguments(tmp_path):
         generate(tmp_path, "a/b", REV, "zip", 1, 10)
     with pytest.raises(ValueError):
         generate(tmp_path, "a/b", "../x", "hf-cache", 1, 10)
-    assert parse_size("64K") == 65536 and parse_size("1.5G") == 3 << 29 and parse_size("10MiB") == 10 << 20
+    size = functools.partial(parse_size, short_units=True)  # the testbed's sizes (`--weights-size 64M`)
+    assert size("64K") == 65536 and size("1.5G") == 3 << 29 and size("10MiB") == 10 << 20
 
 
 def test_the_difference_counts_each_missing_and_each_different_file():

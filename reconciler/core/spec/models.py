@@ -1,0 +1,363 @@
+"""The desired state: what the operator declares, as frozen pydantic models.
+
+Only the shape lives here: which fields there are, their types (`values.py`), defaults and descriptions (the
+reference docs/desired-state.md is generated from them), and the views the core derives from a file (the head,
+the serving nodes, the secrets each node gets). What the fields must satisfy together is `rules.py`, run by
+`Desired`'s own validator, so no `Desired` exists that breaks a rule, however it was made.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import ipaddress
+import json
+from collections.abc import Mapping
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from reconciler.core.spec.rules import ConsistencyError, MissingSecrets, consistency_problems
+from reconciler.core.spec.values import (
+    AbsPath,
+    Capability,
+    ContainerEnvName,
+    ContainerName,
+    ContainerPattern,
+    DataPath,
+    DockerGpus,
+    DockerShmSize,
+    DockerVolume,
+    Duration,
+    EnvValue,
+    ExtraArg,
+    FabricInterface,
+    HostName,
+    ImageDigest,
+    ImageRef,
+    Listen,
+    ModelId,
+    NodeName,
+    PlainEnvName,
+    Port,
+    RdmaDevice,
+    Revision,
+    ServedName,
+    SizeInBytes,
+    SshUser,
+    UlimitName,
+    UlimitValue,
+    at_least,
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Ssh(_Model):
+    """How the reconciler reaches a node. Host keys are always checked against `known_hosts`."""
+
+    host: HostName
+    user: SshUser = "spark"
+    port: Port = 22
+    jump: NodeName | None = Field(None, description="Name of another node to hop through (the internet-less worker "
+                                                    "is reached through the head).")
+    known_hosts: AbsPath = Field("/etc/spark-reconciler/known_hosts",
+                                 description="known_hosts file every host key is checked against (strict).")
+    identity_file: AbsPath | None = Field(None, description="Private key; default: the SSH agent / ~/.ssh keys.")
+    connect_timeout: Annotated[Duration, at_least(1, "no SSH handshake completes in less")] = Duration(10)
+
+
+class FabricPort(_Model):
+    """One netdev of the fabric, with its RDMA device and address."""
+
+    interface: FabricInterface = Field(
+        description="Netdev, e.g. enp1s0f1np1 (<= 15 characters). Never `lo`; the reconciler also never changes "
+        "the MTU of the interface its SSH session arrives on (that could cut the node off).")
+    rdma_device: RdmaDevice | None = Field(None, description="RDMA device, e.g. rocep1s0f1; its port must be ACTIVE.")
+    address: ipaddress.IPv4Interface = Field(description="IPv4 address with prefix, e.g. 192.168.200.12/24.")
+
+
+class Fabric(FabricPort):
+    """The RoCE link between the nodes (ConnectX-7 on a Spark): what NCCL, rendezvous and weight sync use."""
+
+    mtu: int = Field(9000, ge=576, le=9216, description="Of every port of the fabric (both ends must agree).")
+    twin: FabricPort | None = Field(
+        None, description="The port's other half: each QSFP port of a Spark's ConnectX-7 shows up as two "
+        "netdevs on two PCIe x4 links, ~100 Gb/s each (ibdev2netdev: roceP2p1s0f1 ==> enP2p1s0f1np1). Declared, "
+        "it is observed and repaired like the first, and NCCL uses both RDMA devices. Its own subnet.")
+
+    def ports(self) -> list[FabricPort]:
+        """The declared ports, the first (`interface`) first."""
+        return [self, *([self.twin] if self.twin else [])]
+
+
+class Node(_Model):
+    name: NodeName
+    role: Literal["head", "worker"]
+    ssh: Ssh
+    fabric: Fabric
+    internet: bool = Field(True, description="False for a node that must never reach the internet. Informative: "
+                                             "serving gets HF_HUB_OFFLINE=1 on every node, as the weights "
+                                             "come from the reconciler, never from the Hub.")
+    gpus: int = Field(1, ge=1, le=16, description="GPUs on this node (a Spark has one GB10).")
+
+
+class Model(_Model):
+    id: ModelId
+    revision: Revision = "main"
+    layout: Literal["hf-cache", "plain"] = Field(
+        "hf-cache", description="hf-cache: `path` is a Hugging Face hub directory holding models--ORG--NAME; "
+                                "plain: `path` is the model directory itself.")
+    source: NodeName | None = Field(None, description="Node that holds the weights (default: the head).")
+    path: DataPath | dict[NodeName, DataPath] = Field(
+        description="Path on every node, or a mapping node -> path. A directory of its own: not `/`, a "
+        "top-level directory, a home itself or a system path.")
+
+    def path_on(self, node: str) -> str:
+        return self.path if isinstance(self.path, str) else self.path[node]
+
+
+class DockerOptions(_Model):
+    """`docker run` options of the serving containers. What reaches beyond the container (privileged, other
+    capabilities and devices, host paths) needs the matching `trust` entry (docs/security.md)."""
+
+    gpus: DockerGpus | None = "all"
+    privileged: bool = Field(False, description="Root over the node (every device, every capability). Faster "
+                             "RDMA on some reports; needs trust.privileged. Without it: devices "
+                             "[/dev/infiniband] and cap_add [IPC_LOCK] give NCCL its RoCE transport.")
+    ipc: Literal["host", "private", "shareable"] | None = "host"
+    shm_size: DockerShmSize | None = Field(
+        "64g", description="Only with ipc private or shareable: with `ipc: host` the container uses the host's "
+        "/dev/shm, docker ignores --shm-size and podman refuses it, so it is not passed.")
+    ulimits: dict[UlimitName, UlimitValue] = Field(
+        default_factory=lambda: {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"},
+        description="Default: what NGC's containers ask for (memlock -1, stack 64 MiB) and a high nofile.")
+    devices: list[AbsPath] = Field(default_factory=list, description="/dev/infiniband (and below) freely; any "
+                                   "other device must be listed in trust.devices.")
+    cap_add: list[Capability] = Field(default_factory=list, description="IPC_LOCK freely; any other capability "
+                                      "must be listed in trust.capabilities.")
+    volumes: list[DockerVolume] = Field(default_factory=list)
+
+
+class Serving(_Model):
+    engine: Literal["vllm"] = "vllm"
+    image: ImageRef
+    image_id: ImageDigest | None = Field(
+        None, description="Pin: the image id or repository digest the source node's `image` must have (`docker "
+        "image inspect --format '{{.Id}} {{.RepoDigests}}' IMAGE`). Nothing starts on another image; copies to "
+        "the other nodes are checked by content (layers and config), which survives `docker save | load` on "
+        "either image store.")
+    image_sources: list[NodeName] | None = Field(
+        None, description="Nodes the image may be copied from (default: the head only). A node not listed never "
+        "becomes a source: a worker claiming to have the image cannot feed its `docker save` to the others.")
+    launcher: Literal["native", "ray"] = "native"
+    host: Literal["127.0.0.1", "0.0.0.0"] = Field(
+        "127.0.0.1", description="Address vLLM's API binds on the head (host network). Loopback by default: the "
+        "API has no authentication unless serving.secrets holds VLLM_API_KEY. 0.0.0.0 to serve other machines: "
+        "then with an API key or a proxy in front (docs/security.md). Nothing else: the reconciler's health checks "
+        "ask 127.0.0.1 on the head, which a bind to one LAN address would not answer.")
+    container_name: ContainerName = "vllm_serving"
+    nodes: list[NodeName] | None = Field(None, description="Nodes the model spans (default: head first, then "
+                                                           "workers in file order, as many as tp x pp needs).")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    port: Port = 8000
+    master_port: Port = 29501
+    ray_port: Port = 6379
+    gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=16, le=10_000_000)
+    served_model_name: ServedName | None = None
+    extra_args: list[ExtraArg] = Field(default_factory=list)
+    env: dict[PlainEnvName, EnvValue] = Field(default_factory=dict, description="Plain settings for every "
+        "serving container. Not secrets (see `secrets`), not what the reconciler sets itself.")
+    secrets: dict[ContainerEnvName, Literal["head", "serving", "internet"]] = Field(
+        default_factory=dict, description="Environment variables whose values come from the reconciler's own "
+        "environment (systemd EnvironmentFile), never from this file, to the nodes that need them: `head` (the "
+        "API server: VLLM_API_KEY), `serving` (every serving node), `internet` (serving nodes with internet: "
+        "HF_TOKEN; the offline worker never gets it). Sent on docker's stdin, never written to a node's disk by "
+        "the reconciler, exported as secretKeyRef.")
+    docker: DockerOptions = Field(default_factory=DockerOptions)
+    compile_cache: Literal["home"] | DataPath | None = Field(
+        "home", description="Where each node keeps what vLLM compiles (torch.compile/inductor, Triton, "
+        "FlashInfer), so a restart does not compile again. `home`: the SSH user's ~/.cache/vllm, "
+        "~/.cache/flashinfer and ~/.triton (home = /home/USER, /root for root), as eugr's launcher mounts them; "
+        "an absolute path: vllm/, flashinfer/ and triton/ below it; null: nothing kept. Created as the SSH user.")
+    health_timeout: Annotated[Duration, at_least(10, "a cold start takes longer")] = Field(
+        Duration(3600), description="Deadline for /health after a (cold) start.")
+    unhealthy_grace: Annotated[Duration, at_least(10, "shorter restarts serving on every hiccup")] = Field(
+        Duration(300), description="How long serving that has served may fail its health check (/health, the "
+        "model listed, one completion) before it is restarted in order. Longer than a restart takes, so a "
+        "hiccup never costs a reload; doubled after each restart that did not hold, up to 16x.")
+
+
+class CoTenants(_Model):
+    """Other containers on the nodes. `*` as node key applies to every node."""
+
+    allowed: dict[NodeName | Literal["*"], list[ContainerPattern]] = Field(default_factory=dict)
+    protected: dict[NodeName | Literal["*"], list[ContainerPattern]] = Field(
+        default_factory=dict, description="Never stopped or touched, whatever else the file says.")
+    unlisted: Literal["stop", "report"] = "stop"
+
+    def _matches(self, table: dict[str, list[str]], node: str, name: str) -> bool:
+        patterns = table.get(node, []) + table.get("*", [])
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    def is_allowed(self, node: str, name: str) -> bool:
+        return self._matches(self.allowed, node, name)
+
+    def is_protected(self, node: str, name: str) -> bool:
+        return self._matches(self.protected, node, name)
+
+
+_NO_COMMAND_IN_LESS = at_least(1, "no remote command completes in less; every node would look unreachable")
+
+
+class Timeouts(_Model):
+    step: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(120)
+    command: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(60)
+    stop_grace: Duration = Field(Duration(30), description="`docker stop -t`: time before SIGKILL.")
+    weights_sync: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(12 * 3600)
+    image_sync: Annotated[Duration, _NO_COMMAND_IN_LESS] = Duration(3600)
+
+
+class Retries(_Model):
+    attempts: int = Field(3, ge=1, le=20, description="Tries per step for transient errors within one reconcile.")
+    backoff_initial: Annotated[Duration, at_least(0.1, "a retry without a pause hammers the node")] = Duration(1)
+    backoff_max: Annotated[Duration, at_least(0.1, "a retry without a pause hammers the node")] = Duration(300)
+    hold_after: int = Field(5, ge=1, le=100, description="Consecutive failed reconciles before a step is held.")
+
+
+class WeightsPolicy(_Model):
+    parallel_streams: int = Field(4, ge=1, le=32)
+    transport: Literal["rsync-daemon", "ssh"] = Field(
+        "rsync-daemon", description="rsync-daemon: a one-time rsync daemon on the target's fabric address, with a "
+        "one-time secret (no cipher: the fabric is a dedicated cable, the bytes are public weights; "
+        "docs/weights-transport.md); needs python3 on the target. ssh: rsync over ssh (aes128-gcm), slower, for "
+        "a fabric you do not trust or a target without python3.")
+    bandwidth_limit: SizeInBytes | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
+
+
+class Policy(_Model):
+    mode: Literal["enforce", "observe"] = "enforce"
+    paused: bool = False
+    resync_interval: Annotated[Duration, at_least(1, "shorter is a busy loop of SSH probes")] = Duration(30)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    retries: Retries = Field(default_factory=Retries)
+    weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
+    memory_margin: SizeInBytes = Field(4 * 2**30, description="MemAvailable must exceed gmu x MemTotal + this.")
+    drop_caches: bool = Field(False, description="Drop the page cache before a start when memory is short.")
+    listen: Listen = Field(
+        "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")
+
+
+class Trust(_Model):
+    """What this file lets the serving containers do beyond the safe default: each entry is root-equivalent
+    or close to it on every serving node, so each is an explicit opt-in, listed by `plan` (docs/security.md)."""
+
+    privileged: bool = Field(False, description="Allow serving.docker.privileged.")
+    capabilities: list[Capability] = Field(default_factory=list, description="Allow these in cap_add (beyond "
+                                           "IPC_LOCK).")
+    devices: list[AbsPath] = Field(default_factory=list, description="Allow these devices (beyond "
+                                   "/dev/infiniband), each with what lies below it.")
+    host_paths: list[AbsPath] = Field(default_factory=list, description="Host directories serving.docker.volumes "
+                                      "may mount (the model and the compile caches are mounted by the reconciler "
+                                      "itself). System paths stay refused.")
+    remote_code: bool = Field(False, description="Pass --trust-remote-code: vLLM then runs Python from the model "
+                              "repository, as root in the container.")
+
+    def granted(self) -> list[str]:
+        """Each opt-in in words, for `plan` (empty: nothing beyond the default)."""
+        return ([*(["privileged containers"] if self.privileged else []),
+                 *(f"capability {c}" for c in self.capabilities), *(f"device {d}" for d in self.devices),
+                 *(f"host path {p}" for p in self.host_paths),
+                 *(["the model repository's code (--trust-remote-code)"] if self.remote_code else [])])
+
+
+class Desired(_Model):
+    nodes: list[Node] = Field(min_length=1)
+    model: Model
+    serving: Serving
+    co_tenants: CoTenants = Field(default_factory=CoTenants)
+    policy: Policy = Field(default_factory=Policy)
+    trust: Trust = Field(default_factory=Trust)
+    # The values of serving.secrets, from the reconciler's environment (with_secrets); never from the file, never
+    # dumped. Compared with ==, so a rotated key is a new desired state (and a restart: the spec hash covers it).
+    _secret_values: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Desired:
+        problems = consistency_problems(self)
+        if problems:
+            raise ConsistencyError(problems)
+        return self
+
+    def with_secrets(self, environ: Mapping[str, str]) -> Desired:
+        """This desired state with the values of serving.secrets taken from `environ` (the edge passes the
+        process environment). Raises MissingSecrets naming each declared one that is absent or empty."""
+        missing = [name for name in self.serving.secrets if not environ.get(name)]
+        if missing:
+            raise MissingSecrets(missing)
+        out = self.model_copy()
+        out._secret_values = {name: environ[name] for name in self.serving.secrets}
+        return out
+
+    def secret_names_for(self, node: Node) -> list[str]:
+        """The secrets `node`'s serving container gets: `head` only on the head, `internet` only on nodes with
+        internet (the offline worker never holds an HF token), `serving` on every serving node."""
+        wanted = {"head": node.role == "head", "internet": node.internet, "serving": True}
+        return [name for name, to in self.serving.secrets.items() if wanted[to]]
+
+    def secrets_for(self, node: Node) -> dict[str, str]:
+        return {name: self._secret_values[name] for name in self.secret_names_for(node)
+                if name in self._secret_values}
+
+    def secret(self, name: str) -> str | None:
+        return self._secret_values.get(name)
+
+    def fingerprint(self) -> str:
+        """What makes a new generation: the file's meaning and the secrets' values (a rotated key is a change).
+        A sha256, so the state directory never holds a value."""
+        body = self.model_dump_json() + "\0" + json.dumps(sorted(self._secret_values.items()))
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    def secret_values(self) -> list[str]:
+        """For the log's redaction: every value the edge must never print."""
+        return list(self._secret_values.values())
+
+    # -- derived views the core uses; defined here so there is one place that decides them
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    @property
+    def head(self) -> Node:
+        return next(n for n in self.nodes if n.role == "head")
+
+    @property
+    def instance(self) -> str:
+        """This cluster's reconciler, as its containers' instance label and its lease on the head name it: the
+        head's SSH address (one head, one reconciler; node names are only this file's)."""
+        return f"{self.head.ssh.host}:{self.head.ssh.port}"
+
+    @property
+    def image_sources(self) -> list[str]:
+        return self.serving.image_sources or [self.head.name]
+
+    @property
+    def source_node(self) -> str:
+        return self.model.source or self.head.name
+
+    @property
+    def serving_nodes(self) -> list[Node]:
+        """Head first, then workers: the rank order of the launch."""
+        if self.serving.nodes is not None:
+            chosen = [self.node(n) for n in self.serving.nodes]
+        else:
+            need, chosen = self.serving.tensor_parallel_size * self.serving.pipeline_parallel_size, []
+            for node in [self.head] + [n for n in self.nodes if n.role == "worker"]:
+                if sum(n.gpus for n in chosen) >= need:
+                    break
+                chosen.append(node)
+        return sorted(chosen, key=lambda n: n.role != "head")

@@ -1,0 +1,185 @@
+"""From a file to a `Desired`, or to every problem of the file placed at FILE:LINE:COL with a message to act on.
+
+pydantic reports a problem as a path into the data and a message written for programmers; `loader` knows where
+each path is in the text. This module joins the two: it drops pydantic's noise (union branches, its own wording),
+finds the cross-field problems inside pydantic's error (`rules.ConsistencyError`), and still reports them when
+some field is broken too, so one run shows the operator everything that is wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from reconciler.core import loader
+from reconciler.core.loader import Loc
+from reconciler.core.spec.models import Desired
+from reconciler.core.spec.rules import KEY, ConsistencyError, MissingSecrets
+
+
+class InvalidDesiredState(Exception):
+    """All problems of one file, each placed at FILE:LINE:COL."""
+
+    def __init__(self, filename: str, problems: list[loader.Problem]):
+        self.filename = filename
+        self.problems = sorted(problems, key=lambda p: (p.position.line, p.position.column))
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        return [p.render(self.filename) for p in self.problems]
+
+
+def _message(err: ErrorDetails) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "extra_forbidden":
+        return "unknown field (check the spelling; see `reconciler schema`)"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    if kind == "string_type":
+        return f"must be a string; quote the value ({err.get('input')!r} was read as {type(err.get('input')).__name__})"
+    if kind == "literal_error":
+        return msg.replace("Input should be", "must be")
+    return msg.replace("Input should be", "must be")
+
+
+_BRANCH_MISMATCH = {"dict_type", "string_type", "list_type", "int_type", "none_required"}
+
+
+def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, ErrorDetails]]:
+    """(path, is-about-the-key, error) per problem, without pydantic's union-branch noise: for `str | dict`
+    fields keep the branch that fits the input."""
+    errs = []
+    for err in exc.errors(include_url=False):
+        at_key = KEY in err["loc"]
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        errs.append((loc, at_key, err))
+    by_loc: dict[Loc, int] = {}
+    for loc, _, _ in errs:
+        by_loc[loc] = by_loc.get(loc, 0) + 1
+    return [(loc, at_key, err) for loc, at_key, err in errs
+            if not (by_loc[loc] > 1 and err["type"] in _BRANCH_MISMATCH)]
+
+
+def _place(doc: loader.Document, loc: Loc, at_key: bool) -> loader.Position:
+    return doc.key_positions.get(loc, doc.position_of(loc)) if at_key else doc.position_of(loc)
+
+
+def problems_from_validation(doc: loader.Document, exc: ValidationError) -> list[loader.Problem]:
+    out: list[loader.Problem] = []
+    for loc, at_key, err in _clean_errors(exc):
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConsistencyError):
+            for sub_loc, message in cause.problems:
+                key = sub_loc[-1:] == (KEY,)
+                full = loc + (sub_loc[:-1] if key else sub_loc)
+                out.append(loader.Problem(_place(doc, full, key), loader.format_loc(full), message))
+            continue
+        out.append(loader.Problem(_place(doc, loc, at_key or err["type"] == "extra_forbidden"),
+                                  loader.format_loc(loc), _message(err)))
+    return out
+
+
+def _without(data: Any, loc: Loc) -> None:
+    """Delete the value at `loc` from nested dicts/lists (used to re-check the rest of a broken file)."""
+    for part in loc[:-1]:
+        data = data[part]
+    if isinstance(data, dict):
+        data.pop(loc[-1], None)
+    elif isinstance(data, list) and isinstance(loc[-1], int) and loc[-1] < len(data):
+        data[loc[-1]] = None
+
+
+def _consistency_without(data: Any, broken: list[Loc]) -> list[tuple[Loc, str]]:
+    """The cross-field problems of `data` once the broken values are dropped (fields with defaults fall back to
+    them); none when the rest is not valid either, as the rules then never ran."""
+    data = copy.deepcopy(data)
+    for loc in broken:
+        _without(data, loc)
+    try:
+        Desired.model_validate(data)
+        return []
+    except ValidationError as exc:
+        causes = [(e.get("ctx") or {}).get("error") for e in exc.errors(include_url=False)]
+        consistency = [c for c in causes if isinstance(c, ConsistencyError)]
+        if len(consistency) != len(causes):
+            return []
+        return [problem for cause in consistency for problem in cause.problems]
+
+
+def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader.Problem]:
+    """Cross-field rules normally run only on valid fields. To still report every error at once, drop the broken
+    values and validate again; keep only the cross-field problems that do not touch a dropped value, so a default
+    never produces an error the operator did not write."""
+    try:
+        problems = _consistency_without(doc.data, broken)
+    except (KeyError, IndexError, TypeError):
+        return []
+    out = []
+    for loc, message in problems:
+        at_key = loc[-1:] == (KEY,)  # placed at the key, as when the file has no other error
+        loc = loc[:-1] if at_key else loc
+        if any(loc[: len(b) - 1] == b[:-1] or b[: len(loc)] == loc for b in broken):
+            continue
+        out.append(loader.Problem(_place(doc, loc, at_key), loader.format_loc(loc), message))
+    return out
+
+
+def _unended(doc: loader.Document) -> list[loader.Problem]:
+    if doc.ended:
+        return []
+    last = max([p.line for p in doc.value_positions.values()], default=1)
+    return [loader.Problem(loader.Position(last, 1), "", "the file does not end with the line `...` (YAML's "
+                           "document end marker, required as the last line: a half-written save must never "
+                           "count as a desired state)")]
+
+
+def parse(doc: loader.Document, filename: str) -> Desired:
+    try:
+        desired = Desired.model_validate(doc.data)
+    except ValidationError as exc:
+        problems = problems_from_validation(doc, exc)
+        if not any(isinstance((e.get("ctx") or {}).get("error"), ConsistencyError) for e in exc.errors()):
+            broken = [loc for loc, _, _ in _clean_errors(exc) if loc]
+            problems += _cross_field_despite(doc, broken)
+        raise InvalidDesiredState(filename, problems + _unended(doc)) from None
+    if unended := _unended(doc):
+        raise InvalidDesiredState(filename, unended)
+    return desired
+
+
+def _missing_secrets(doc: loader.Document, names: list[str]) -> list[loader.Problem]:
+    return [loader.Problem(doc.key_positions.get(("serving", "secrets", name), loader.Position(1, 1)),
+                           f"serving.secrets.{name}", f"{name} is not set in the reconciler's environment (systemd: "
+                           "EnvironmentFile=, see docs/security.md)") for name in names]
+
+
+def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Desired:
+    """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed. With
+    `environ`, also resolve serving.secrets from it (a missing one is a problem placed at its name)."""
+    filename = str(path)
+    try:
+        doc = loader.load_file(Path(path))
+    except loader.LoadError as exc:
+        raise InvalidDesiredState(filename, exc.problems) from None
+    desired = parse(doc, filename)
+    if environ is None:
+        return desired
+    try:
+        return desired.with_secrets(environ)
+    except MissingSecrets as exc:
+        raise InvalidDesiredState(filename, _missing_secrets(doc, exc.names)) from None
+
+
+def loads(text: str | bytes, filename: str = "<string>") -> Desired:
+    try:
+        doc = loader.load_text(text.encode() if isinstance(text, str) else text)
+    except loader.LoadError as exc:
+        raise InvalidDesiredState(filename, exc.problems) from None
+    return parse(doc, filename)
