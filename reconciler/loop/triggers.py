@@ -76,7 +76,7 @@ def event_command(interface: str) -> str:
 
 def stream_events(session: Session, interface: str, requests: ReconcileRequests,
                   stop: threading.Event) -> threading.Thread:
-    node = session.node.name
+    node = session.name
     logger = log.get().bind(node=node)
 
     def loop() -> None:

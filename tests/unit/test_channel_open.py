@@ -13,10 +13,6 @@ from reconciler.edge.ssh import ChannelRefused, Session
 from reconciler.edge.ssh import session as remote
 
 
-class _Node:
-    name = "worker"
-
-
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -62,7 +58,7 @@ def clock(monkeypatch) -> _Clock:
 
 
 def _session(monkeypatch, transport: _Transport) -> Session:
-    session = Session(_Node())  # type: ignore[arg-type]
+    session = Session("worker", None)  # type: ignore[arg-type]
     monkeypatch.setattr(session, "transport", lambda: transport)
     monkeypatch.setattr(session, "_alive", lambda: True)  # a cut cable: the transport has not noticed yet
     return session

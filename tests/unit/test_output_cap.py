@@ -9,13 +9,9 @@ from reconciler.edge.ssh import OutputTooLarge, Session
 from reconciler.edge.ssh import session as remote
 
 
-class _Node:
-    name = "worker"
-
-
 def test_a_buffered_output_past_the_cap_is_an_error(monkeypatch):
     monkeypatch.setattr(remote, "MAX_OUTPUT", 1000)
-    output = remote._ChannelOutput(Session(_Node()), None, "sh -s")  # type: ignore[arg-type]
+    output = remote._ChannelOutput(Session("worker", None), None, "sh -s")  # type: ignore[arg-type]
     buffer = bytearray()
     output._keep(buffer, b"x" * 1000, streaming=False)
     with pytest.raises(OutputTooLarge, match="wrote more than 1000 bytes"):
@@ -24,7 +20,7 @@ def test_a_buffered_output_past_the_cap_is_an_error(monkeypatch):
 
 def test_a_streamed_output_keeps_its_last_bytes(monkeypatch):
     monkeypatch.setattr(remote, "MAX_OUTPUT", 10)
-    output = remote._ChannelOutput(Session(_Node()), None, "rsync")  # type: ignore[arg-type]
+    output = remote._ChannelOutput(Session("worker", None), None, "rsync")  # type: ignore[arg-type]
     buffer = bytearray()
     for chunk in (b"0123456789", b"abc", b"defgh"):
         output._keep(buffer, chunk, streaming=True)

@@ -20,9 +20,7 @@ This module opens the sessions and runs the script (the CLI's `reconciler discov
 
 from __future__ import annotations
 
-import ipaddress
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
 
 from reconciler.core import spec
 from reconciler.edge.discover.facts import (
@@ -55,25 +53,18 @@ __all__ = ["FabricGuess", "Iface", "ModelDir", "NodeFacts", "RdmaLink", "Running
            "parse_images", "parse_ip_addr", "parse_listen", "parse_meminfo", "parse_models", "parse_port_state",
            "parse_rdma_sysfs", "probe", "render", "running_containers", "sessions_for"]
 
-#: A Session wants a whole spec.Node, but reads only its name and `ssh` (and its gateway's name): the fabric of
-#: the nodes discover opens sessions to is a placeholder, never used (TEST-NET-1 address, RFC 5737).
-_UNUSED_FABRIC = spec.Fabric(interface="discover", address=ipaddress.IPv4Interface("192.0.2.1/32"))
-
-
 def sessions_for(head: str, workers: list[str], *, user: str, known_hosts: str, identity: str | None,
                  jump: bool, port: int = 22) -> list[Session]:
     """A session per host, head first; the workers through the head's session when `jump`. Raises pydantic's
     ValidationError on a host, user or path the spec would refuse."""
 
-    def node(name: str, role: Literal["head", "worker"], host: str, via: str | None) -> spec.Node:
-        return spec.Node(name=name, role=role, fabric=_UNUSED_FABRIC,
-                         ssh=spec.Ssh(host=host, user=user, port=port, jump=via, known_hosts=known_hosts,
-                                      identity_file=identity))
+    def ssh(host: str, via: str | None) -> spec.Ssh:
+        return spec.Ssh(host=host, user=user, port=port, jump=via, known_hosts=known_hosts, identity_file=identity)
 
-    head_session = Session(node("head", "head", head, None))
+    head_session = Session("head", ssh(head, None))
     sessions = [head_session]
     for i, worker in enumerate(workers, start=1):
-        sessions.append(Session(node(f"worker{i}", "worker", worker, "head" if jump else None),
+        sessions.append(Session(f"worker{i}", ssh(worker, "head" if jump else None),
                                 gateway=head_session if jump else None))
     return sessions
 
@@ -83,7 +74,7 @@ def probe(sessions: list[Session], timeout: float = 60) -> list[NodeFacts]:
     problems."""
 
     def read(session: Session) -> NodeFacts:
-        return facts_from_sections(session.node.ssh.host, read_sections(session, SCRIPT_LINES, timeout))
+        return facts_from_sections(session.ssh.host, read_sections(session, SCRIPT_LINES, timeout))
 
     with ThreadPoolExecutor(max_workers=min(8, len(sessions))) as pool:
         return list(pool.map(read, sessions))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import paramiko
 from paramiko.ssh_exception import AuthenticationException, BadHostKeyException, SSHException
 
-from reconciler.core.spec import Desired, Node
+from reconciler.core.spec import Desired, Node, Ssh
 from reconciler.edge.ssh.commands import KILL_AFTER, bounded, quote, sudo_argv, sudo_commands
 from reconciler.edge.ssh.errors import (
     AuthFailed,
@@ -68,10 +68,13 @@ class Result:
 
 
 class Session:
-    """A persistent SSH session to one node (through its jump host's session when it has one)."""
+    """A persistent SSH session to one node (through its jump host's session when it has one). It needs the node's
+    name (every error names it) and its `ssh` settings, nothing else of the node: discover opens sessions to hosts
+    that are not in any desired state yet."""
 
-    def __init__(self, node: Node, gateway: Session | None = None, sudo: Sequence[tuple[str, ...]] = ()):
-        self.node = node
+    def __init__(self, name: str, ssh: Ssh, gateway: Session | None = None, sudo: Sequence[tuple[str, ...]] = ()):
+        self.name = name
+        self.ssh = ssh
         self.gateway = gateway
         self.sudo = tuple(sudo)  # the exact commands this node may be sent as root (sudo_commands)
         self._client: paramiko.SSHClient | None = None
@@ -83,12 +86,12 @@ class Session:
     def _connect(self) -> paramiko.SSHClient:
         """A connected client. paramiko's default would reject unknown keys too, but only RejectPolicy says so
         outright: the product never trusts on first use."""
-        ssh = self.node.ssh
+        ssh = self.ssh
         client = paramiko.SSHClient()
         try:
             client.load_host_keys(ssh.known_hosts)
         except OSError as exc:
-            raise HostKeyRejected(self.node.name,
+            raise HostKeyRejected(self.name,
                                   f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}") from None
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
         sock = (_tcp(ssh.host, ssh.port, ssh.connect_timeout) if self.gateway is None
@@ -107,9 +110,9 @@ class Session:
         try:
             return self.gateway.transport().open_channel("direct-tcpip", (host, port), ("", 0), timeout=timeout)
         except RemoteError as exc:
-            raise Unreachable(self.node.name, f"jump host {exc}") from None
+            raise Unreachable(self.name, f"jump host {exc}") from None
         except _SSH_ERRORS as exc:
-            raise Unreachable(self.node.name, f"jump host {self.gateway.node.name} could not open a channel to "
+            raise Unreachable(self.name, f"jump host {self.gateway.name} could not open a channel to "
                                               f"{host}:{port}: {exc}") from None
 
     def transport(self) -> paramiko.Transport:
@@ -125,8 +128,8 @@ class Session:
             return transport
 
     def _connect_typed(self) -> paramiko.SSHClient:
-        name, ssh = self.node.name, self.node.ssh
-        where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.node.name}" if self.gateway else "")
+        name, ssh = self.name, self.ssh
+        where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.name}" if self.gateway else "")
         try:
             return self._connect()
         except BadHostKeyException as exc:
@@ -175,7 +178,7 @@ class Session:
         this command only, not the connection."""
         deadline = time.monotonic() + timeout
         if not self._channels.acquire(timeout=timeout):
-            raise ChannelRefused(self.node.name, f"no free channel within {timeout:g}s "
+            raise ChannelRefused(self.name, f"no free channel within {timeout:g}s "
                                                  f"({MAX_CHANNELS} in use): `{command[:80]}`")
         try:
             channel = self._open(command, max(deadline - time.monotonic(), 0.1))
@@ -206,9 +209,9 @@ class Session:
                 # the transport still lives (measured against the testbed's sshd, tests/e2e/test_remote_deadlines).
                 if not (isinstance(exc, paramiko.ChannelException) or self._alive()):
                     self.close()
-                    raise Unreachable(self.node.name, f"session lost: {exc}") from None
+                    raise Unreachable(self.name, f"session lost: {exc}") from None
                 if attempt == REFUSAL_RETRIES or deadline - time.monotonic() < REFUSAL_GAP:
-                    raise ChannelRefused(self.node.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
+                    raise ChannelRefused(self.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
                 time.sleep(REFUSAL_GAP)
         raise AssertionError("unreachable")
 
@@ -224,7 +227,7 @@ class Session:
         with self.channel(command, timeout=10) as channel:
             yield from self._lines(channel, stop, idle)
         if not stop.is_set():
-            raise Unreachable(self.node.name, "event stream ended")
+            raise Unreachable(self.name, "event stream ended")
 
     def _lines(self, channel: paramiko.Channel, stop, idle: float):
         buffer = b""
@@ -244,7 +247,7 @@ class Session:
                 select.select([channel], [], [], idle)
         except _SSH_ERRORS as exc:
             self._close_if_dead()
-            raise Unreachable(self.node.name, f"event stream lost: {exc}") from None
+            raise Unreachable(self.name, f"event stream lost: {exc}") from None
 
     def _alive(self) -> bool:
         return self._live_transport() is not None
@@ -277,10 +280,10 @@ class Session:
         result = self.run_command(command, timeout=timeout + KILL_AFTER + 1, stdin=stdin, on_output=on_output,
                                   cancel=cancel, keep_stdin=supervised)
         if result.exit_code in (124, 137) and time.monotonic() - start >= timeout - 0.5:
-            raise CommandTimeout(self.node.name, f"`{shlex.join(argv)[:200]}` did not finish within {timeout:g}s "
+            raise CommandTimeout(self.name, f"`{shlex.join(argv)[:200]}` did not finish within {timeout:g}s "
                                                  "(ended on the node)")
         if check and not result.ok:
-            raise CommandFailed(self.node.name, argv, result.exit_code, result.stdout, result.stderr)
+            raise CommandFailed(self.name, argv, result.exit_code, result.stdout, result.stderr)
         return result
 
     @contextlib.contextmanager
@@ -343,7 +346,7 @@ class _ChannelOutput:
         with self._lost_as_unreachable("during"):
             while True:
                 if cancel is not None and cancel.is_set():
-                    raise Cancelled(self._session.node.name, f"`{self._what[:80]}` cancelled")
+                    raise Cancelled(self._session.name, f"`{self._what[:80]}` cancelled")
                 if channel.recv_ready():
                     chunk = channel.recv(1 << 16)
                     if self._on_output is not None:
@@ -357,7 +360,7 @@ class _ChannelOutput:
                     return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise CommandTimeout(self._session.node.name, late)
+                    raise CommandTimeout(self._session.name, late)
                 select.select([channel], [], [], min(remaining, 1.0))
 
     def result(self) -> Result:
@@ -371,14 +374,14 @@ class _ChannelOutput:
             yield
         except _SSH_ERRORS as exc:
             self._session._close_if_dead()
-            raise Unreachable(self._session.node.name, f"session lost {when} `{self._what[:80]}`: {exc}") from None
+            raise Unreachable(self._session.name, f"session lost {when} `{self._what[:80]}`: {exc}") from None
 
     def _keep(self, buffer: bytearray, chunk: bytes, *, streaming: bool) -> None:
         """Append up to MAX_OUTPUT: a streamed output keeps its tail, anything else over the cap is an error."""
         buffer += chunk
         if len(buffer) > MAX_OUTPUT:
             if not streaming:
-                raise OutputTooLarge(self._session.node.name,
+                raise OutputTooLarge(self._session.name,
                                      f"`{self._what[:80]}` wrote more than {MAX_OUTPUT} bytes")
             del buffer[: len(buffer) - MAX_OUTPUT]
 
@@ -453,11 +456,11 @@ class Sessions:
         for node in self._in_jump_order(desired):
             gateway = self._sessions.get(node.ssh.jump) if node.ssh.jump else None
             kept, sudo = old.get(node.name), tuple(sudo_commands(desired, node))
-            if kept and kept.node == node and kept.gateway is gateway:
+            if kept and kept.ssh == node.ssh and kept.gateway is gateway:
                 kept.sudo = sudo  # policy.drop_caches may have changed
                 self._sessions[node.name] = kept
             else:
-                self._sessions[node.name] = Session(node, gateway, sudo)
+                self._sessions[node.name] = Session(node.name, node.ssh, gateway, sudo)
         for name, session in old.items():
             if self._sessions.get(name) is not session:
                 session.close()
