@@ -87,15 +87,18 @@ class Mutants:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.mutated = {p.name[:-5]: (p.with_suffix("").read_text()) for p in (root / "reconciler").glob("*.meta")}
+        # keyed by the file's path below reconciler/ (core/drift.py, core/spec/models.py)
+        self.mutated = {str(p.relative_to(root / "reconciler"))[:-5]: p.with_suffix("").read_text()
+                        for p in (root / "reconciler").rglob("*.py.meta")}
         self.by_name = {f: {q.rsplit(".", 1)[-1]: n for q, n in _functions(text).items()}
                         for f, text in self.mutated.items()}
 
     def codes(self) -> list[tuple[str, str, int | None]]:
         out = []
-        for meta in sorted((self.root / "reconciler").glob("*.py.meta")):
+        for meta in sorted((self.root / "reconciler").rglob("*.py.meta")):
             codes = json.loads(meta.read_text())["exit_code_by_key"]
-            out += [(meta.name[:-5], key, code) for key, code in sorted(codes.items())]
+            file = str(meta.relative_to(self.root / "reconciler"))[:-5]
+            out += [(file, key, code) for key, code in sorted(codes.items())]
         return out
 
     def texts(self, file: str, key: str) -> tuple[str, str]:
@@ -110,8 +113,8 @@ class Mutants:
         and every one that imports the module (tests written after the stats pass are not in them)."""
         stats = json.loads((self.root / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
         files = {t.split("::")[0] for t in stats.get(key.rsplit("__mutmut_", 1)[0], ())}
-        module = file.removesuffix(".py")
-        uses = re.compile(rf"reconciler\.{module}\b|from reconciler import [^\n]*\b{module}\b")
+        package, _, module = file.removesuffix(".py").removesuffix("/__init__").replace("/", ".").rpartition(".")
+        uses = re.compile(rf"reconciler\.{package}\.{module}\b|from reconciler\.{package} import [^\n]*\b{module}\b")
         files |= {str(p.relative_to(REPO)) for p in (REPO / "tests" / "unit").glob("test_*.py")
                   if uses.search(p.read_text())}
         return tuple(sorted(files))

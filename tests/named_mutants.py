@@ -33,23 +33,23 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("a changed spec hash is never acted on", "drift.py",
+    Mutant("a changed spec hash is never acted on", "core/drift.py",
            'elif c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:',
            'elif c.labels.get(LABEL_SPEC_HASH) == "never":', (PROPS,)),
-    Mutant("an MTU-only mismatch is not drift", "drift.py",
+    Mutant("an MTU-only mismatch is not drift", "core/drift.py",
            "    if link.mtu != mtu:\n", "    if link.mtu != mtu and not link.addresses:\n", (PROPS,)),
-    Mutant("a wrong-size shard counts as in sync", "drift.py",
+    Mutant("a wrong-size shard counts as in sync", "core/drift.py",
            "elif got.size != f.size or (f.sha256", "elif (f.sha256", (PROPS,)),
-    Mutant("the Ray head start loses its dependency on weights and image", "planning.py",
+    Mutant("the Ray head start loses its dependency on weights and image", "core/planning.py",
            '"start the Ray head first", stopped,', '"start the Ray head first", (),', (PROPS,)),
-    Mutant("every node takes the head's interface name", "vllm.py",
+    Mutant("every node takes the head's interface name", "core/vllm.py",
            "    iface = node.fabric.interface\n", "    iface = desired.head.fabric.interface\n", (LAUNCH,)),
-    Mutant("env is not in the spec hash", "vllm.py",
+    Mutant("env is not in the spec hash", "core/vllm.py",
            "self.docker_flags, sorted(self.env.items()),", "self.docker_flags,", (LAUNCH,)),
-    Mutant("a node with a dead docker engine is treated as usable", "drift.py",
+    Mutant("a node with a dead docker engine is treated as usable", "core/drift.py",
            "    if not obs.docker_reachable:\n        return [Drift(",
            "    if False:\n        return [Drift(", (PROPS,)),
-    Mutant("await-health while a serving node is unreachable", "planning.py",
+    Mutant("await-health while a serving node is unreachable", "core/planning.py",
            "    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:",
            "    if unseen := []:", (PROPS, "tests/unit/test_health_escalation.py")),
 ]
@@ -63,11 +63,11 @@ def run(m: Mutant, *pytest_args: str, env: dict[str, str] | None = None) -> tupl
         tree = Path(tmp) / "repo"  # the whole source tree: the tests import `reconciler` from their rootdir
         shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv", "mutants", ".hypothesis",
                                                                   "__pycache__", "*.egg-info"))
-        path = tree / "reconciler" / "core" / m.file
+        path = tree / "reconciler" / m.file
         text = path.read_text()
         if text.count(m.before) != 1:
             raise SystemExit(f"{m.name}: `{m.before.strip()}` occurs {text.count(m.before)} times in "
-                             f"reconciler/core/{m.file}; update the mutant of record with the code")
+                             f"reconciler/{m.file}; update the mutant of record with the code")
         path.write_text(text.replace(m.before, m.after))
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no",
                               *pytest_args, *m.tests], cwd=tree, capture_output=True, text=True, check=False,
