@@ -69,7 +69,6 @@ def manifest_script(root: str) -> str:
             "echo '@@rc 0'; else echo '@@rc 2'; fi")
 
 
-
 _MAX_HOPS = 40  # links one path resolution follows: Linux's MAXSYMLINKS (ELOOP beyond)
 _UNKNOWN: tuple[str, ...] = ("\0",)  # a tree whose canonical path is not known: no real path is ever inside it
 

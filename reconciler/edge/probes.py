@@ -48,9 +48,279 @@ def node_output(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
         return guarded
     return wrap
 
+
+@dataclass
+
+
+class Section:
+    body: str
+    rc: int
+
+
+SEC = "sec() { printf '\\n@@%s\\n' \"$1\"; }"
+
+
+@node_output("probe output")
+
+
+def split_sections(output: str) -> dict[str, Section]:
+    sections: dict[str, Section] = {}
+    name: str | None = None
+    body: list[str] = []
+    for line in output.splitlines():
+        if line.startswith("@@rc ") and name is not None:
+            sections[name] = Section("\n".join(body).strip("\n"), int(line[5:].strip() or 1))
+            name, body = None, []
+        elif line.startswith("@@") and not line.startswith("@@rc"):
+            name, body = line[2:].strip(), []
+        elif name is not None:
+            body.append(line)
+    return sections
+
+
+def read_sections(session: Session, lines: list[str], timeout: float) -> dict[str, Section]:
+    """Run fragments on a node outside the probe (a step re-reading one fact right before it acts)."""
+    script = "\n".join(["export LC_ALL=C", SEC, *lines]) + "\n"
+    return split_sections(session.run_script(script, timeout=timeout).stdout)
+
+
+# The Docker API over its unix socket: one curl instead of two or three Go CLI start-ups (85 -> 49 ms per no-op
+# cycle, docs/benchmarks.md); the CLI stays the fallback (TCP DOCKER_HOST, no curl).
+_DOCKER_SOCKET = 'sock=/var/run/docker.sock; case "${DOCKER_HOST:-}" in unix://*) sock=${DOCKER_HOST#unix://};; esac'
+
+
 _INSPECT = ('{"name":{{json .Name}},"id":{{json .Id}},"image":{{json .Config.Image}},"image_id":{{json .Image}},'
             '"state":{{json .State.Status}},"labels":{{json .Config.Labels}},"started_at":{{json .State.StartedAt}},'
             '"restart_count":{{json .RestartCount}}}')
+
+
+def containers_script() -> list[str]:
+    """The `containers` section: every container, running or not (`parse_containers`)."""
+    return [
+        _DOCKER_SOCKET,
+        "sec containers",
+        "if out=$(curl -sf --unix-socket \"$sock\" 'http://docker/containers/json?all=1' 2>/dev/null); then "
+        "printf 'API %s\\n' \"$out\"; rc=0; else "
+        "ids=$(docker ps -aq --no-trunc 2>&1); rc=$?; "
+        f"if [ $rc -eq 0 ] && [ -n \"$ids\" ]; then docker inspect --format {quote_word(_INSPECT)} $ids 2>&1; "
+        "elif [ $rc -ne 0 ]; then printf '%s\\n' \"$ids\"; fi; fi",
+        "echo \"@@rc $rc\"",
+    ]
+
+
+def _api_container(raw: dict) -> Container:
+    return Container(name=(raw.get("Names") or ["/"])[0].lstrip("/"), id=raw["Id"], image=raw.get("Image", ""),
+                     image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {})
+
+
+@node_output("containers")
+
+
+def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
+    if sec is None:
+        return False, "probe did not report containers", []
+    if sec.rc == 0 and sec.body.startswith("API "):
+        found = [_api_container(raw) for raw in json.loads(sec.body[4:])]
+        return True, None, sorted(found, key=lambda c: c.name)
+    found = []
+    for line in sec.body.splitlines():
+        if line.startswith("{"):
+            raw = json.loads(line)
+            raw["name"] = raw["name"].lstrip("/")
+            raw["labels"] = raw.get("labels") or {}
+            found.append(Container.model_validate(raw))
+    if sec.rc != 0 and not found:
+        return False, sec.body.strip()[-500:] or f"docker exited {sec.rc}", []
+    return True, None, sorted(found, key=lambda c: c.name)
+
+
+def image_script(image: str) -> list[str]:
+    """The `image` section: the engine's inspect object of `image` (`parse_image`); needs `containers_script`'s
+    socket line before it."""
+    return [
+        "sec image",
+        f"if img=$(curl -sf --unix-socket \"$sock\" {quote_word('http://docker/images/' + image + '/json')}"
+        " 2>/dev/null); then printf 'API %s\\n' \"$img\"; else "
+        f"docker image inspect {quote_word(image)} 2>/dev/null; fi; echo \"@@rc $?\"",
+    ]
+
+
+# What `docker load` keeps of an image on either store: the layers' diff ids and the runtime config (the config
+# blob travels byte for byte in the archive). Not the id, not the history, not the size (docs/troubleshooting.md).
+_CONTENT_CONFIG = ("Env", "Entrypoint", "Cmd", "WorkingDir", "User", "Labels")
+
+
+# The graph driver names a containerd image store reports: its snapshotter (moby daemon/containerd/image.go).
+_SNAPSHOTTERS = {"overlayfs", "native", "btrfs", "zfs", "stargz", "fuse-overlayfs"}
+
+
+def image_from_inspect(raw: object) -> Image:
+    """One image from the engine's inspect object (`/images/REF/json`, or one element of `docker image
+    inspect`). KeyError/TypeError on anything else; callers on node bytes go through `node_output`."""
+    if not isinstance(raw, dict) or not isinstance(raw["Id"], str):
+        raise TypeError(f"not an image inspect object: {str(raw)[:80]!r}")
+    config = raw.get("Config") or {}
+    layers = (raw.get("RootFS") or {}).get("Layers") or []  # the API may leave out an empty list
+    content = {"layers": list(layers), "os": raw.get("Os", ""), "arch": raw.get("Architecture", ""),
+               "variant": raw.get("Variant", ""), "config": {k: config.get(k) or None for k in _CONTENT_CONFIG}}
+    body = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    driver = str((raw.get("GraphDriver") or {}).get("Name", ""))
+    store = "containerd" if "Descriptor" in raw or driver in _SNAPSHOTTERS else driver
+    digests = [d for d in raw.get("RepoDigests") or [] if isinstance(d, str)]
+    return Image(id=raw["Id"], content="sha256:" + hashlib.sha256(body.encode()).hexdigest(), digests=digests,
+                 store=store)
+
+
+@node_output("image")
+
+
+def parse_image(sec: Section | None) -> Image | None:
+    """The serving image on a node (None: absent). `API {...}`: the engine's API answered; else the CLI's
+    `docker image inspect` array."""
+    body = sec.body.strip() if sec and sec.rc == 0 else ""
+    if not body:
+        return None
+    if body.startswith("API "):
+        return image_from_inspect(json.loads(body[4:]))
+    found = json.loads(body)
+    return image_from_inspect(found[0]) if found else None
+
+
+_TWIN = "-twin"  # section suffix of the fabric's twin port
+
+
+def link_script(node: Node) -> list[str]:
+    """Script lines reading each fabric port: `link`/`rdma` sections for the first, `link-twin`/`rdma-twin` for
+    the twin (needs `sec`). The probe and the link step read the ports with these same lines."""
+    lines = []
+    for port, suffix in zip(node.fabric.ports(), ("", _TWIN), strict=False):
+        lines += [f"sec link{suffix}", f"ip -j addr show dev {quote_word(port.interface)} 2>&1; echo \"@@rc $?\"",
+                  f"sec rdma{suffix}"]
+        if port.rdma_device:
+            sysfs = f"/sys/class/infiniband/{port.rdma_device}/ports/1"
+            lines.append(f"if [ -d {quote_word(sysfs)} ]; then "
+                         f"cat {quote_word(sysfs + '/state')} {quote_word(sysfs + '/phys_state')}; "
+                         "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
+        else:
+            lines.append("echo '@@rc 2'")
+    return lines
+
+
+def _link(name: str, info: dict, rdma: RdmaPort | None) -> Link:
+    """One interface of `ip -j addr` as a Link: the one reading of iproute2's JSON (flags, mtu, IPv4)."""
+    flags = info.get("flags", [])
+    addresses = [f"{a['local']}/{a['prefixlen']}" for a in info.get("addr_info", []) if a.get("family") == "inet"]
+    return Link(name=name, operstate=str(info.get("operstate", "UNKNOWN")).lower(), admin_up="UP" in flags,
+                carrier="LOWER_UP" in flags, mtu=int(info.get("mtu", 0)), addresses=addresses, rdma=rdma)
+
+
+@node_output("link")
+
+
+def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
+    if link_sec is None or link_sec.rc != 0:
+        return Link(name=name, exists=False)
+    data = json.loads(link_sec.body or "[]")
+    if not data:
+        return Link(name=name, exists=False)
+    rdma = None
+    if rdma_sec is not None and rdma_sec.rc == 0:
+        state, _, phys = rdma_sec.body.partition("\n")
+        rdma = RdmaPort(state=state.strip(), phys_state=phys.strip())
+    return _link(name, data[0], rdma)
+
+
+def parse_links(node: Node, sections: dict[str, Section]) -> tuple[Link, Link | None]:
+    """The first port's link and the twin's (None when no twin is declared), from `link_script`'s sections."""
+    first = parse_link(node.fabric.interface, sections.get("link"), sections.get("rdma"))
+    twin = node.fabric.twin
+    if twin is None:
+        return first, None
+    return first, parse_link(twin.interface, sections.get("link" + _TWIN), sections.get("rdma" + _TWIN))
+
+
+def interfaces_script() -> list[str]:
+    """The `addr` and `rdma_sysfs` sections, for a node whose fabric is not declared yet (discover): every
+    interface's `ip -j addr` (`parse_interfaces`) and every RDMA device's port 1 with the netdevs it drives
+    (`parse_rdma_devices`). `link_script` reads the declared ports only."""
+    return [
+        "sec addr",
+        "ip -j addr 2>&1; echo \"@@rc $?\"",
+        "sec rdma_sysfs",
+        "for d in /sys/class/infiniband/*; do",
+        "  [ -d \"$d\" ] || continue",
+        "  printf 'dev %s\\n' \"${d##*/}\"",
+        "  printf 'state %s\\n' \"$(cat \"$d/ports/1/state\" 2>/dev/null)\"",
+        "  printf 'phys_state %s\\n' \"$(cat \"$d/ports/1/phys_state\" 2>/dev/null)\"",
+        "  for n in \"$d\"/device/net/*; do [ -e \"$n\" ] && printf 'net %s\\n' \"${n##*/}\"; done",
+        "done; echo \"@@rc 0\"",
+    ]
+
+
+@node_output("interfaces")
+
+
+def parse_interfaces(sec: Section | None) -> list[Link]:
+    """Every interface of `interfaces_script`'s `addr` section but the loopback, in the kernel's order, read as
+    `parse_link` reads one (their RDMA ports are `parse_rdma_devices`')."""
+    if sec is None or sec.rc != 0:
+        return []
+    return [_link(str(info["ifname"]), info, None) for info in json.loads(sec.body or "[]")
+            if "LOOPBACK" not in info.get("flags", [])]
+
+
+@dataclass(frozen=True)
+
+
+class RdmaDevice:
+    """An RDMA device (`rocep1s0f1`), the netdevs it drives (`enp1s0f1np1`) and the state of its port 1."""
+
+    name: str
+    netdevs: tuple[str, ...]
+    port: RdmaPort
+
+
+@node_output("rdma devices")
+
+
+def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
+    """The `dev`/`state`/`phys_state`/`net` lines of `interfaces_script`'s `rdma_sysfs` section."""
+    if sec is None or sec.rc != 0:
+        return []
+    devices: list[dict] = []
+    for line in sec.body.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "dev":
+            devices.append({"name": value.strip(), "state": "", "phys_state": "", "netdevs": []})
+        elif devices and key in ("state", "phys_state"):
+            devices[-1][key] = value.strip()
+        elif devices and key == "net":
+            devices[-1]["netdevs"].append(value.strip())
+    return [RdmaDevice(d["name"], tuple(d["netdevs"]), RdmaPort(state=d["state"], phys_state=d["phys_state"]))
+            for d in devices]
+
+
+def memory_script() -> list[str]:
+    """The `meminfo` section: MemTotal and MemAvailable, the unified memory GPU and CPU share (`parse_memory`)."""
+    return ["sec meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; echo \"@@rc $?\""]
+
+
+@node_output("meminfo")
+
+
+def parse_memory(sec: Section | None) -> Memory | None:
+    if sec is None or sec.rc != 0:
+        return None
+    values = {}
+    for line in sec.body.splitlines():
+        key, _, rest = line.partition(":")
+        values[key] = int(rest.split()[0]) * 1024
+    return Memory(total_bytes=values["MemTotal"], available_bytes=values["MemAvailable"])
+
+
+def read_memory(session: Session, timeout: float) -> Memory | None:
+    """The node's memory now (None when /proc/meminfo did not answer)."""
+    return parse_memory(read_sections(session, memory_script(), timeout).get("meminfo"))
 
 
 COMPLETION_DEADLINE = 5  # seconds: one token of a loaded model answers in milliseconds; a wedged rank never does
@@ -81,288 +351,6 @@ def completion_argv(desired: Desired) -> list[str]:
                     "-w", "\\n%{http_code}", "-d", body, url)
 
 
-@node_output("completion")
-def parse_completion(sec: Section | None) -> str | None:
-    """None when the completion answered with a choice; else a short reason (node bytes never raise)."""
-    if sec is None:
-        return "not tried"
-    body, _, code = sec.body.strip().rpartition("\n")
-    if sec.rc == 28:
-        return f"no answer within {COMPLETION_DEADLINE}s"
-    if code.strip() != "200":
-        return f"HTTP {code.strip() or 'none'} (curl exit {sec.rc})"
-    try:
-        choices = json.loads(body).get("choices")
-    except (ValueError, AttributeError):
-        return "the answer is not JSON"
-    return None if isinstance(choices, list) and choices else "the answer has no choices"
-
-
-SEC = "sec() { printf '\\n@@%s\\n' \"$1\"; }"
-_TWIN = "-twin"  # section suffix of the fabric's twin port
-
-
-def link_script(node: Node) -> list[str]:
-    """Script lines reading each fabric port: `link`/`rdma` sections for the first, `link-twin`/`rdma-twin` for
-    the twin (needs `sec`). The probe and the link step read the ports with these same lines."""
-    lines = []
-    for port, suffix in zip(node.fabric.ports(), ("", _TWIN), strict=False):
-        lines += [f"sec link{suffix}", f"ip -j addr show dev {quote_word(port.interface)} 2>&1; echo \"@@rc $?\"",
-                  f"sec rdma{suffix}"]
-        if port.rdma_device:
-            sysfs = f"/sys/class/infiniband/{port.rdma_device}/ports/1"
-            lines.append(f"if [ -d {quote_word(sysfs)} ]; then "
-                         f"cat {quote_word(sysfs + '/state')} {quote_word(sysfs + '/phys_state')}; "
-                         "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
-        else:
-            lines.append("echo '@@rc 2'")
-    return lines
-
-
-def parse_links(node: Node, sections: dict[str, Section]) -> tuple[Link, Link | None]:
-    """The first port's link and the twin's (None when no twin is declared), from `link_script`'s sections."""
-    first = parse_link(node.fabric.interface, sections.get("link"), sections.get("rdma"))
-    twin = node.fabric.twin
-    if twin is None:
-        return first, None
-    return first, parse_link(twin.interface, sections.get("link" + _TWIN), sections.get("rdma" + _TWIN))
-
-
-@dataclass
-class Section:
-    body: str
-    rc: int
-
-
-@node_output("probe output")
-def split_sections(output: str) -> dict[str, Section]:
-    sections: dict[str, Section] = {}
-    name: str | None = None
-    body: list[str] = []
-    for line in output.splitlines():
-        if line.startswith("@@rc ") and name is not None:
-            sections[name] = Section("\n".join(body).strip("\n"), int(line[5:].strip() or 1))
-            name, body = None, []
-        elif line.startswith("@@") and not line.startswith("@@rc"):
-            name, body = line[2:].strip(), []
-        elif name is not None:
-            body.append(line)
-    return sections
-
-
-def _api_container(raw: dict) -> Container:
-    return Container(name=(raw.get("Names") or ["/"])[0].lstrip("/"), id=raw["Id"], image=raw.get("Image", ""),
-                     image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {})
-
-
-@node_output("containers")
-def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
-    if sec is None:
-        return False, "probe did not report containers", []
-    if sec.rc == 0 and sec.body.startswith("API "):
-        found = [_api_container(raw) for raw in json.loads(sec.body[4:])]
-        return True, None, sorted(found, key=lambda c: c.name)
-    found = []
-    for line in sec.body.splitlines():
-        if line.startswith("{"):
-            raw = json.loads(line)
-            raw["name"] = raw["name"].lstrip("/")
-            raw["labels"] = raw.get("labels") or {}
-            found.append(Container.model_validate(raw))
-    if sec.rc != 0 and not found:
-        return False, sec.body.strip()[-500:] or f"docker exited {sec.rc}", []
-    return True, None, sorted(found, key=lambda c: c.name)
-
-
-def _link(name: str, info: dict, rdma: RdmaPort | None) -> Link:
-    """One interface of `ip -j addr` as a Link: the one reading of iproute2's JSON (flags, mtu, IPv4)."""
-    flags = info.get("flags", [])
-    addresses = [f"{a['local']}/{a['prefixlen']}" for a in info.get("addr_info", []) if a.get("family") == "inet"]
-    return Link(name=name, operstate=str(info.get("operstate", "UNKNOWN")).lower(), admin_up="UP" in flags,
-                carrier="LOWER_UP" in flags, mtu=int(info.get("mtu", 0)), addresses=addresses, rdma=rdma)
-
-
-@node_output("link")
-def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
-    if link_sec is None or link_sec.rc != 0:
-        return Link(name=name, exists=False)
-    data = json.loads(link_sec.body or "[]")
-    if not data:
-        return Link(name=name, exists=False)
-    rdma = None
-    if rdma_sec is not None and rdma_sec.rc == 0:
-        state, _, phys = rdma_sec.body.partition("\n")
-        rdma = RdmaPort(state=state.strip(), phys_state=phys.strip())
-    return _link(name, data[0], rdma)
-
-
-def interfaces_script() -> list[str]:
-    """The `addr` and `rdma_sysfs` sections, for a node whose fabric is not declared yet (discover): every
-    interface's `ip -j addr` (`parse_interfaces`) and every RDMA device's port 1 with the netdevs it drives
-    (`parse_rdma_devices`). `link_script` reads the declared ports only."""
-    return [
-        "sec addr",
-        "ip -j addr 2>&1; echo \"@@rc $?\"",
-        "sec rdma_sysfs",
-        "for d in /sys/class/infiniband/*; do",
-        "  [ -d \"$d\" ] || continue",
-        "  printf 'dev %s\\n' \"${d##*/}\"",
-        "  printf 'state %s\\n' \"$(cat \"$d/ports/1/state\" 2>/dev/null)\"",
-        "  printf 'phys_state %s\\n' \"$(cat \"$d/ports/1/phys_state\" 2>/dev/null)\"",
-        "  for n in \"$d\"/device/net/*; do [ -e \"$n\" ] && printf 'net %s\\n' \"${n##*/}\"; done",
-        "done; echo \"@@rc 0\"",
-    ]
-
-
-@node_output("interfaces")
-def parse_interfaces(sec: Section | None) -> list[Link]:
-    """Every interface of `interfaces_script`'s `addr` section but the loopback, in the kernel's order, read as
-    `parse_link` reads one (their RDMA ports are `parse_rdma_devices`')."""
-    if sec is None or sec.rc != 0:
-        return []
-    return [_link(str(info["ifname"]), info, None) for info in json.loads(sec.body or "[]")
-            if "LOOPBACK" not in info.get("flags", [])]
-
-
-@dataclass(frozen=True)
-class RdmaDevice:
-    """An RDMA device (`rocep1s0f1`), the netdevs it drives (`enp1s0f1np1`) and the state of its port 1."""
-
-    name: str
-    netdevs: tuple[str, ...]
-    port: RdmaPort
-
-
-@node_output("rdma devices")
-def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
-    """The `dev`/`state`/`phys_state`/`net` lines of `interfaces_script`'s `rdma_sysfs` section."""
-    if sec is None or sec.rc != 0:
-        return []
-    devices: list[dict] = []
-    for line in sec.body.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "dev":
-            devices.append({"name": value.strip(), "state": "", "phys_state": "", "netdevs": []})
-        elif devices and key in ("state", "phys_state"):
-            devices[-1][key] = value.strip()
-        elif devices and key == "net":
-            devices[-1]["netdevs"].append(value.strip())
-    return [RdmaDevice(d["name"], tuple(d["netdevs"]), RdmaPort(state=d["state"], phys_state=d["phys_state"]))
-            for d in devices]
-
-
-@node_output("meminfo")
-def parse_memory(sec: Section | None) -> Memory | None:
-    if sec is None or sec.rc != 0:
-        return None
-    values = {}
-    for line in sec.body.splitlines():
-        key, _, rest = line.partition(":")
-        values[key] = int(rest.split()[0]) * 1024
-    return Memory(total_bytes=values["MemTotal"], available_bytes=values["MemAvailable"])
-
-
-@node_output("serving API")
-def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
-                  completion: Section | None = None) -> ServingApi:
-    code = health.body.strip() if health else ""
-    served: list[str] = []
-    if models is not None and models.body.strip().startswith("{"):
-        try:
-            served = [m["id"] for m in json.loads(models.body).get("data", [])]
-        except (ValueError, KeyError, TypeError):
-            served = []
-    ray_nodes = None
-    if ray is not None and ray.rc == 0:
-        ray_nodes = count_ray_nodes(ray.body)
-    healthy = code == "200"
-    return ServingApi(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
-                   completion_error=parse_completion(completion) if healthy and served else None)
-
-
-# What `docker load` keeps of an image on either store: the layers' diff ids and the runtime config (the config
-# blob travels byte for byte in the archive). Not the id, not the history, not the size (docs/troubleshooting.md).
-_CONTENT_CONFIG = ("Env", "Entrypoint", "Cmd", "WorkingDir", "User", "Labels")
-# The graph driver names a containerd image store reports: its snapshotter (moby daemon/containerd/image.go).
-_SNAPSHOTTERS = {"overlayfs", "native", "btrfs", "zfs", "stargz", "fuse-overlayfs"}
-
-
-def image_from_inspect(raw: object) -> Image:
-    """One image from the engine's inspect object (`/images/REF/json`, or one element of `docker image
-    inspect`). KeyError/TypeError on anything else; callers on node bytes go through `node_output`."""
-    if not isinstance(raw, dict) or not isinstance(raw["Id"], str):
-        raise TypeError(f"not an image inspect object: {str(raw)[:80]!r}")
-    config = raw.get("Config") or {}
-    layers = (raw.get("RootFS") or {}).get("Layers") or []  # the API may leave out an empty list
-    content = {"layers": list(layers), "os": raw.get("Os", ""), "arch": raw.get("Architecture", ""),
-               "variant": raw.get("Variant", ""), "config": {k: config.get(k) or None for k in _CONTENT_CONFIG}}
-    body = json.dumps(content, sort_keys=True, separators=(",", ":"))
-    driver = str((raw.get("GraphDriver") or {}).get("Name", ""))
-    store = "containerd" if "Descriptor" in raw or driver in _SNAPSHOTTERS else driver
-    digests = [d for d in raw.get("RepoDigests") or [] if isinstance(d, str)]
-    return Image(id=raw["Id"], content="sha256:" + hashlib.sha256(body.encode()).hexdigest(), digests=digests,
-                 store=store)
-
-
-@node_output("image")
-def parse_image(sec: Section | None) -> Image | None:
-    """The serving image on a node (None: absent). `API {...}`: the engine's API answered; else the CLI's
-    `docker image inspect` array."""
-    body = sec.body.strip() if sec and sec.rc == 0 else ""
-    if not body:
-        return None
-    if body.startswith("API "):
-        return image_from_inspect(json.loads(body[4:]))
-    found = json.loads(body)
-    return image_from_inspect(found[0]) if found else None
-
-
-def read_sections(session: Session, lines: list[str], timeout: float) -> dict[str, Section]:
-    """Run fragments on a node outside the probe (a step re-reading one fact right before it acts)."""
-    script = "\n".join(["export LC_ALL=C", SEC, *lines]) + "\n"
-    return split_sections(session.run_script(script, timeout=timeout).stdout)
-
-
-# The Docker API over its unix socket: one curl instead of two or three Go CLI start-ups (85 -> 49 ms per no-op
-# cycle, docs/benchmarks.md); the CLI stays the fallback (TCP DOCKER_HOST, no curl).
-_DOCKER_SOCKET = 'sock=/var/run/docker.sock; case "${DOCKER_HOST:-}" in unix://*) sock=${DOCKER_HOST#unix://};; esac'
-
-
-def containers_script() -> list[str]:
-    """The `containers` section: every container, running or not (`parse_containers`)."""
-    return [
-        _DOCKER_SOCKET,
-        "sec containers",
-        "if out=$(curl -sf --unix-socket \"$sock\" 'http://docker/containers/json?all=1' 2>/dev/null); then "
-        "printf 'API %s\\n' \"$out\"; rc=0; else "
-        "ids=$(docker ps -aq --no-trunc 2>&1); rc=$?; "
-        f"if [ $rc -eq 0 ] && [ -n \"$ids\" ]; then docker inspect --format {quote_word(_INSPECT)} $ids 2>&1; "
-        "elif [ $rc -ne 0 ]; then printf '%s\\n' \"$ids\"; fi; fi",
-        "echo \"@@rc $rc\"",
-    ]
-
-
-def image_script(image: str) -> list[str]:
-    """The `image` section: the engine's inspect object of `image` (`parse_image`); needs `containers_script`'s
-    socket line before it."""
-    return [
-        "sec image",
-        f"if img=$(curl -sf --unix-socket \"$sock\" {quote_word('http://docker/images/' + image + '/json')}"
-        " 2>/dev/null); then printf 'API %s\\n' \"$img\"; else "
-        f"docker image inspect {quote_word(image)} 2>/dev/null; fi; echo \"@@rc $?\"",
-    ]
-
-
-def memory_script() -> list[str]:
-    """The `meminfo` section: MemTotal and MemAvailable, the unified memory GPU and CPU share (`parse_memory`)."""
-    return ["sec meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; echo \"@@rc $?\""]
-
-
-def read_memory(session: Session, timeout: float) -> Memory | None:
-    """The node's memory now (None when /proc/meminfo did not answer)."""
-    return parse_memory(read_sections(session, memory_script(), timeout).get("meminfo"))
-
-
 def api_script(desired: Desired) -> list[str]:
     """The `health`, `models` and `completion` sections of the head's API (`parse_serving`).
 
@@ -386,6 +374,51 @@ def api_script(desired: Desired) -> list[str]:
     ]
 
 
+@node_output("completion")
+
+
+def parse_completion(sec: Section | None) -> str | None:
+    """None when the completion answered with a choice; else a short reason (node bytes never raise)."""
+    if sec is None:
+        return "not tried"
+    body, _, code = sec.body.strip().rpartition("\n")
+    if sec.rc == 28:
+        return f"no answer within {COMPLETION_DEADLINE}s"
+    if code.strip() != "200":
+        return f"HTTP {code.strip() or 'none'} (curl exit {sec.rc})"
+    try:
+        choices = json.loads(body).get("choices")
+    except (ValueError, AttributeError):
+        return "the answer is not JSON"
+    return None if isinstance(choices, list) and choices else "the answer has no choices"
+
+
+@node_output("serving API")
+
+
+def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
+                  completion: Section | None = None) -> ServingApi:
+    code = health.body.strip() if health else ""
+    served: list[str] = []
+    if models is not None and models.body.strip().startswith("{"):
+        try:
+            served = [m["id"] for m in json.loads(models.body).get("data", [])]
+        except (ValueError, KeyError, TypeError):
+            served = []
+    ray_nodes = None
+    if ray is not None and ray.rc == 0:
+        ray_nodes = count_ray_nodes(ray.body)
+    healthy = code == "200"
+    return ServingApi(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
+                   completion_error=parse_completion(completion) if healthy and served else None)
+
+
+def read_api(session: Session, desired: Desired, timeout: float) -> ServingApi:
+    """The head's API now: health, the served names and one completion, as the probe reads them."""
+    sections = read_sections(session, api_script(desired), timeout)
+    return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))
+
+
 def ray_script(container: str) -> list[str]:
     """The `ray` section: `ray status` inside the head's serving container (`count_ray_nodes`)."""
     return ["sec ray", f"docker exec {quote_word(container)} ray status 2>&1; echo \"@@rc $?\""]
@@ -394,9 +427,3 @@ def ray_script(container: str) -> list[str]:
 def count_ray_nodes(status: str) -> int:
     """Nodes alive in `ray status` output: one `1 node_<id>` line per node under "Active:"."""
     return sum(1 for line in status.splitlines() if line.strip().split(" ")[-1].startswith("node_"))
-
-
-def read_api(session: Session, desired: Desired, timeout: float) -> ServingApi:
-    """The head's API now: health, the served names and one completion, as the probe reads them."""
-    sections = read_sections(session, api_script(desired), timeout)
-    return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))

@@ -178,14 +178,6 @@ def test_cli_prints_the_same_manifest():
 
 # ------------------------------------------------------------------------------------------ discover parsers
 
-def test_port_state_strings():
-    assert disc.parse_port_state("4: ACTIVE") == (4, "ACTIVE")
-    assert disc.parse_port_state("5: LinkUp") == (5, "LinkUp")
-    assert disc.parse_port_state("1: DOWN") == (1, "DOWN")
-    assert disc.parse_port_state("3: Disabled") == (3, "Disabled")
-    assert disc.parse_port_state("") == (None, "")
-
-
 def test_ibdev2netdev_as_printed_on_a_spark():
     links = disc.parse_ibdev2netdev(text_fixture("ibdev2netdev-spark.txt"))
     assert [(r.device, r.netdev, r.active) for r in links] == [

@@ -39,7 +39,6 @@ from reconciler.edge.discover.facts import (
     parse_listen,
     parse_meminfo,
     parse_models,
-    parse_port_state,
     parse_rdma_sysfs,
     running_containers,
 )
@@ -50,7 +49,7 @@ from reconciler.edge.ssh import Session
 
 __all__ = ["FabricGuess", "Iface", "ModelDir", "NodeFacts", "RdmaLink", "RunningContainer", "guess_fabric",
            "holds_serving_port", "next_free_address", "parse_commands", "parse_facts", "parse_ibdev2netdev",
-           "parse_images", "parse_ip_addr", "parse_listen", "parse_meminfo", "parse_models", "parse_port_state",
+           "parse_images", "parse_ip_addr", "parse_listen", "parse_meminfo", "parse_models",
            "parse_rdma_sysfs", "probe", "render", "running_containers", "sessions_for"]
 
 def sessions_for(head: str, workers: list[str], *, user: str, known_hosts: str, identity: str | None,

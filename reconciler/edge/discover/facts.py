@@ -162,12 +162,6 @@ class NodeFacts:
 
 # --------------------------------------------------------------------------------------------------- parsers
 
-def parse_port_state(text: str) -> tuple[int | None, str]:
-    """`4: ACTIVE` -> (4, "ACTIVE"); `5: LinkUp` -> (5, "LinkUp"); anything else -> (None, text)."""
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\S+)\s*", text or "")
-    return (int(m.group(1)), m.group(2)) if m else (None, (text or "").strip())
-
-
 @node_output("ibdev2netdev")
 def parse_ibdev2netdev(text: str) -> list[RdmaLink]:
     """`rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)` per line (Mellanox OFED's ibdev2netdev)."""

@@ -31,7 +31,6 @@ def sudo_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
     return out
 
 
-
 def bounded(argv: Sequence[str], seconds: float) -> list[str]:
     """argv under coreutils `timeout` on the node: a command the head gave up on does not live on there (closing
     an SSH channel does not stop a process that never writes: a curl to a hung dockerd, a wedged `docker`).
