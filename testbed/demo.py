@@ -155,8 +155,8 @@ def run() -> int:
         print("testbed down" + (f" (left behind: {left})" if left else ""))
         return 130
     except TestbedError as exc:
-        print(f"demo: {exc}; the daemon's last lines are above. The testbed stays up; `make demo-down` cleans up.",
-              file=sys.stderr)
+        seen = "the daemon's last lines are above. " if daemon is not None else ""
+        print(f"demo: {exc}; {seen}The testbed stays up; `make demo-down` cleans up.", file=sys.stderr)
         return 1
     finally:
         if daemon is not None:

@@ -45,29 +45,32 @@ def ok(cmd: Sequence[str], timeout: float = 30) -> bool:
 
 
 def wait_for(cond: Callable[[], T], timeout: float = 15.0, what: str = "condition", *,
-             interval: float = 0.05) -> T:
+             interval: float | None = None) -> T:
     """Poll *cond* until it returns a truthy value or *timeout* seconds pass (then TestbedError): the one wait of
     the testbed, the tests and the bench. A condition may raise until it holds (a port not yet listening); a
-    TestbedError from it says it can never hold (the daemon died) and ends the wait at once.
+    TestbedError (it can never hold: the daemon died) or an AssertionError (a test's check failed) from it ends
+    the wait at once. Without `interval`, the polls start at 50 ms and slow to 0.5 s (a node's dockerd takes
+    seconds); with one, they keep it (a test acting right after a step boundary must not act late).
 
     The product has its own wait (`reconciler.edge.steps.wait_for`: cancellable, never swallowing an error); the
     harness does not borrow it, so a bug there cannot hide in the tests that judge it."""
     deadline = time.monotonic() + timeout
+    pause = interval if interval is not None else 0.05
     last_exc: Exception | None = None
     while True:
         try:
             v = cond()
             if v:
                 return v
-        except TestbedError:
-            raise                 # the condition says it can never hold (e.g. the daemon died)
+        except (TestbedError, AssertionError):
+            raise                 # it can never hold (the daemon died), or a test's check inside it failed
         except Exception as e:  # noqa: BLE001 - the condition may fail until it holds
             last_exc = e
         if time.monotonic() > deadline:
             raise TestbedError(f"timed out after {timeout:g}s waiting for {what}"
                                + (f" (last error: {last_exc})" if last_exc else ""))
-        time.sleep(interval)
-        interval = min(interval * 1.5, 0.5)
+        time.sleep(pause)
+        pause = pause if interval is not None else min(pause * 1.5, 0.5)
 
 
 def free_port() -> int:

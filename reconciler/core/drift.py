@@ -163,7 +163,7 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
             out.append(_on_container(node.name, "serving", name, "running", c.state))
         elif c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:
             out.append(_on_container(node.name, "serving", name, f"spec {spec.spec_hash}",
-                             f"spec {c.labels.get('spark-reconciler.spec-hash', 'none')}"))
+                             f"spec {c.labels.get(LABEL_SPEC_HASH, 'none')}"))
         elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
             out.append(_on_container(node.name, "serving", name, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
         elif reference is not None and (local is None or local.content != reference):
@@ -300,7 +300,7 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
     head = desired.head.name
     if not reachable.get(head):
         return []
-    want = desired.serving.served_model_name or desired.model.id
+    want = desired.served_name
     health = observed.node(head).serving
     if health is not None and health.serves(want):
         return []

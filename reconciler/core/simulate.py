@@ -60,7 +60,7 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         containers = [c for c in node.containers if c.name != spec.container_name] + [started]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "await-health":
-        served = desired.serving.served_model_name or desired.model.id
+        served = desired.served_name
         nodes[step.node] = node.model_copy(update={"serving": ServingApi(reachable=True, healthy=True,
                                                                       models=[served])})
     return obs.model_copy(update={"nodes": nodes})

@@ -2,8 +2,8 @@
 `Observed`, all nodes in parallel.
 
 A probe that fails on one node (unreachable, odd output, too much output) is that node's condition; the others
-are observed all the same. Also here: asking the serving image which `vllm serve` flags it accepts, once per image
-id, from a throw-away container.
+are observed all the same. The one-shot commands also ask the serving image for its flags here (`image_flags`); the
+daemon asks beside its loop.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from reconciler.core.drift import image_holder
-from reconciler.core.observed import NodeObservation, Observed, ServeFlags
+from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.spec import Desired, Node
-from reconciler.core.vllm import extra_flags, parse_serve_help
+from reconciler.edge.image_flags import flags_once, flags_wanted
 from reconciler.edge.manifest import manifest_script, parse_weights, weights_root
 from reconciler.edge.probes import (
-    SEC,
+    SECTION_FUNCTION,
     ProbeError,
     api_script,
     containers_script,
@@ -38,8 +37,8 @@ from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions
 
 def probe_script(desired: Desired, node: Node) -> str:
     """The script for one node: every fragment of `probes`, the head's API and Ray too."""
-    lines = ["export LC_ALL=C", SEC, *containers_script(), *image_script(desired.serving.image), *link_script(node),
-             *memory_script(), manifest_script(weights_root(desired, node.name))]
+    lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(), *image_script(desired.serving.image),
+             *link_script(node), *memory_script(), manifest_script(weights_root(desired, node.name))]
     if node.role == "head":
         lines += api_script(desired)
         if desired.serving.launcher == "ray":
@@ -100,44 +99,5 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel:
     observed = Observed(nodes={r.name: r for r in results})
     if ask_flags and (wanted := flags_wanted(desired, observed)):
         holder, image_id = wanted
-        if image_id not in _asked:
-            _asked[image_id] = ask_serve_flags(desired, sessions, holder, image_id)
-        observed = observed.model_copy(update={"serve_flags": _asked[image_id]})
+        observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, holder, image_id)})
     return observed, durations
-
-
-_asked: dict[str, ServeFlags] = {}  # image id -> its flags: an id is a content hash, the same id knows the same
-
-
-FLAGS_DEADLINE = 180.0  # `vllm serve --help=all` imports torch: ~12 s on 2 CPU cores, more on a busy node
-
-
-def flags_wanted(desired: Desired, observed: Observed) -> tuple[str, str] | None:
-    """(node, image id) to ask what the serving image can do: the node holding the reference image; None when
-    there is nothing to judge (serving.extra_args has no flags and the launcher is native) or no node has it."""
-    holder = image_holder(desired, observed)
-    if not (extra_flags(desired.serving.extra_args) or desired.serving.launcher == "ray") or holder is None:
-        return None
-    return holder, observed.node(holder).images[desired.serving.image].id
-
-
-# One throw-away container answers both questions: `sh` is in every vLLM image (NGC's and vLLM's own are Ubuntu).
-_ASK_IMAGE = ('if command -v ray >/dev/null 2>&1; then echo "@@ray yes"; else echo "@@ray no"; fi; '
-              'exec vllm serve --help=all')
-
-
-def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
-    """What the serving image's own `vllm serve` accepts (its `--help=all`) and whether it has Ray, from a
-    throw-away container (no network) on `holder`. Image ids name one content: callers ask once per id."""
-    argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", desired.serving.image, "-c",
-            _ASK_IMAGE]
-    has_ray = None
-    try:
-        res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE, check=False)
-        flags = parse_serve_help(res.stdout)
-        ray_line = next((line for line in res.stdout.splitlines() if line.startswith("@@ray ")), "")
-        has_ray = {"@@ray yes": True, "@@ray no": False}.get(ray_line.strip())
-        error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
-    except RemoteError as exc:
-        flags, error = [], exc.message
-    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, error=error)

@@ -21,7 +21,7 @@ from typing import ParamSpec, TypeVar
 
 from reconciler.core.observed import Container, Image, Link, Memory, RdmaPort, ServingApi
 from reconciler.core.spec import Desired, Node
-from reconciler.edge.ssh import Session, quote, quote_word
+from reconciler.edge.ssh import ENDED_BY_TIMEOUT, CommandTimeout, Session, quote, quote_word
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,19 +50,15 @@ def node_output(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
 
 
 @dataclass
-
-
 class Section:
     body: str
     rc: int
 
 
-SEC = "sec() { printf '\\n@@%s\\n' \"$1\"; }"
+SECTION_FUNCTION = "sec() { printf '\\n@@%s\\n' \"$1\"; }"
 
 
 @node_output("probe output")
-
-
 def split_sections(output: str) -> dict[str, Section]:
     sections: dict[str, Section] = {}
     name: str | None = None
@@ -79,9 +75,18 @@ def split_sections(output: str) -> dict[str, Section]:
 
 
 def read_sections(session: Session, lines: list[str], timeout: float) -> dict[str, Section]:
-    """Run fragments on a node outside the probe (a step re-reading one fact right before it acts)."""
-    script = "\n".join(["export LC_ALL=C", SEC, *lines]) + "\n"
-    return split_sections(session.run_script(script, timeout=timeout).stdout)
+    """Run fragments on a node outside the probe (a step re-reading one fact right before it acts). Past the
+    deadline this is CommandTimeout, as for any command a step runs (the probe instead reads what did arrive)."""
+    script = "\n".join(["export LC_ALL=C", SECTION_FUNCTION, *lines]) + "\n"
+    result = session.run_script(script, timeout=timeout)
+    if result.exit_code in ENDED_BY_TIMEOUT:
+        raise CommandTimeout(session.name, f"reading {', '.join(_section_names(lines))} did not finish within "
+                                           f"{timeout:g}s (ended on the node)")
+    return split_sections(result.stdout)
+
+
+def _section_names(lines: list[str]) -> list[str]:
+    return [line.split(" ", 1)[1] for line in lines if line.startswith("sec ")]
 
 
 # The Docker API over its unix socket: one curl instead of two or three Go CLI start-ups (85 -> 49 ms per no-op
@@ -114,8 +119,6 @@ def _api_container(raw: dict) -> Container:
 
 
 @node_output("containers")
-
-
 def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
     if sec is None:
         return False, "probe did not report containers", []
@@ -172,8 +175,6 @@ def image_from_inspect(raw: object) -> Image:
 
 
 @node_output("image")
-
-
 def parse_image(sec: Section | None) -> Image | None:
     """The serving image on a node (None: absent). `API {...}`: the engine's API answered; else the CLI's
     `docker image inspect` array."""
@@ -215,8 +216,6 @@ def _link(name: str, info: dict, rdma: RdmaPort | None) -> Link:
 
 
 @node_output("link")
-
-
 def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
     if link_sec is None or link_sec.rc != 0:
         return Link(name=name, exists=False)
@@ -258,8 +257,6 @@ def interfaces_script() -> list[str]:
 
 
 @node_output("interfaces")
-
-
 def parse_interfaces(sec: Section | None) -> list[Link]:
     """Every interface of `interfaces_script`'s `addr` section but the loopback, in the kernel's order, read as
     `parse_link` reads one (their RDMA ports are `parse_rdma_devices`')."""
@@ -270,8 +267,6 @@ def parse_interfaces(sec: Section | None) -> list[Link]:
 
 
 @dataclass(frozen=True)
-
-
 class RdmaDevice:
     """An RDMA device (`rocep1s0f1`), the netdevs it drives (`enp1s0f1np1`) and the state of its port 1."""
 
@@ -281,8 +276,6 @@ class RdmaDevice:
 
 
 @node_output("rdma devices")
-
-
 def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
     """The `dev`/`state`/`phys_state`/`net` lines of `interfaces_script`'s `rdma_sysfs` section."""
     if sec is None or sec.rc != 0:
@@ -306,8 +299,6 @@ def memory_script() -> list[str]:
 
 
 @node_output("meminfo")
-
-
 def parse_memory(sec: Section | None) -> Memory | None:
     if sec is None or sec.rc != 0:
         return None
@@ -344,7 +335,7 @@ def completion_argv(desired: Desired) -> list[str]:
     /health only says the API process is up: with a rank unreachable over the fabric, vLLM's /health kept
     answering 200 while completions hung (docs/testbed.md). One token through the whole tensor-parallel group is
     the check that cannot be fooled. The served name is validated by spec; the body is JSON, quoted once."""
-    name = desired.serving.served_model_name or desired.model.id
+    name = desired.served_name
     body = json.dumps({"model": name, "prompt": "ping", "max_tokens": 1, "temperature": 0})
     url = f"http://127.0.0.1:{desired.serving.port}/v1/completions"
     return api_argv(desired, "-s", "-m", str(COMPLETION_DEADLINE), "-H", "Content-Type: application/json",
@@ -375,8 +366,6 @@ def api_script(desired: Desired) -> list[str]:
 
 
 @node_output("completion")
-
-
 def parse_completion(sec: Section | None) -> str | None:
     """None when the completion answered with a choice; else a short reason (node bytes never raise)."""
     if sec is None:
@@ -394,8 +383,6 @@ def parse_completion(sec: Section | None) -> str | None:
 
 
 @node_output("serving API")
-
-
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
                   completion: Section | None = None) -> ServingApi:
     code = health.body.strip() if health else ""

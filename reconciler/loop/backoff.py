@@ -70,9 +70,9 @@ class Backoff:
         return min((r.next_try for r in self.records.values() if r.next_try > now), default=None)
 
 
-def vetoes(plan: Plan, holds: Backoff, now: float) -> dict[str, str]:
+def vetoes(plan: Plan, backoff: Backoff, now: float) -> dict[str, str]:
     """step id -> why it must not run in this reconcile (its own backoff/hold, or its serving chain's)."""
-    out = {s.id: r for s in plan.steps if (r := holds.wait_reason(s.id, now))}
+    out = {s.id: r for s in plan.steps if (r := backoff.wait_reason(s.id, now))}
     chain_wait = next((f"{s.id}: {out[s.id]}" for s in plan.steps if s.id in out and s.kind in SERVING_CHAIN), None)
     if chain_wait:
         for s in plan.steps:

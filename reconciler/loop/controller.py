@@ -6,7 +6,7 @@ included. What it keeps between reconciles, each in its own small piece:
 
 - the desired state in force: an invalid file never stops the loop nor triggers steps; the last valid generation
   keeps being enforced and DesiredStateInvalid says what is wrong, with line and column;
-- generations (`generations.GenerationStore`), holds and backoff per step (`holds`), the health history of the
+- generations (`generations.GenerationStore`), holds and backoff per step (`backoff.Backoff`), the health history of the
   head's serving (`health_watch`), the operations in flight, the image's flag list (`operations.FlagsQuery`);
 - the SSH sessions and the per-node event streams, rebuilt when the desired state changes them.
 
@@ -26,8 +26,9 @@ from reconciler.core import planning, spec
 from reconciler.core.observed import Observed
 from reconciler.core.planning import STEP_KINDS, Blocker, Plan, unhealthy_grace
 from reconciler.edge import log, trusted_files
+from reconciler.edge.image_flags import ask_serve_flags, flags_wanted
 from reconciler.edge.lease import RENEW_AFTER, Holder, Lease
-from reconciler.edge.observe import ask_serve_flags, flags_wanted, observe
+from reconciler.edge.observe import observe
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 from reconciler.loop import conditions, metrics
@@ -81,7 +82,7 @@ class Controller:
         self._sessions_factory = sessions_factory
         self.desired: spec.Desired | None = None
         self.file_error: str | None = None
-        self.holds: Backoff | None = None
+        self.backoff: Backoff | None = None
         self.sessions: Sessions | None = None
         self.streams: dict[str, threading.Event] = {}
         self.reconciles = 0
@@ -118,7 +119,7 @@ class Controller:
             self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
         self.desired = desired
         metrics.desired_state_generation.set(self.store.generation)
-        self.holds = Backoff(desired.policy.retries)  # a new generation: try everything again now
+        self.backoff = Backoff(desired.policy.retries)  # a new generation: try everything again now
         if self.sessions is None:
             self.sessions = self._sessions_factory(desired)
         else:
@@ -203,11 +204,11 @@ class Controller:
             if self.lease is not None and self.lease.holding and not self.operations.busy():
                 self.lease.release()
             return 0
-        assert self.sessions is not None and self.holds is not None and self.lease is not None
+        assert self.sessions is not None and self.backoff is not None and self.lease is not None
         if (taken := self.lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
             current.blocked.append(Blocker(desired.head.name, f"nothing starts: {taken}"))
             return 0
-        runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.holds, self.clock()))
+        runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.backoff, self.clock()))
         if not runnable:
             return 0
         self.log.info("reconcile.plan", generation=self.store.generation, reasons=sorted(reasons),
@@ -221,12 +222,12 @@ class Controller:
         """Finished steps into the holds (only the loop writes them); returns the failures, one line each."""
         failures = []
         for r in results:
-            if self.holds is None:
+            if self.backoff is None:
                 break
             if r.result == "success":
-                self.holds.succeeded(r.step.id)
+                self.backoff.succeeded(r.step.id)
             elif r.result in ("failed", "blocked"):
-                self.holds.failed(r.step.id, r.message, self.clock())
+                self.backoff.failed(r.step.id, r.message, self.clock())
                 failures.append(f"{r.step.id}: {r.message}")
         return failures
 
@@ -239,7 +240,7 @@ class Controller:
         if (self.lease is not None and self.lease.holding and self.desired is not None
                 and self.desired.policy.resync_interval > RENEW_AFTER):
             due.append(RENEW_AFTER)
-        if self.holds is not None and (when := self.holds.next_due(now)) is not None:
+        if self.backoff is not None and (when := self.backoff.next_due(now)) is not None:
             due.append(when - now)
         if self.desired is not None and observed is not None:
             health = observed.node(self.desired.head.name).serving
@@ -278,7 +279,7 @@ class Controller:
     def _publish(self, observed: Observed | None, current: Plan | None, failures: list[str],
                  error: str | None) -> str:
         desired = self.desired
-        held = self.holds.held() if self.holds else {}
+        held = self.backoff.held() if self.backoff else {}
         self.publisher.holds(held)
         in_flight = self.operations.busy()
         kinds: dict[str, int] = {}

@@ -3,7 +3,7 @@
 One probe sees "the API does not answer". Whether that is a cold start (a 119 GB load takes many minutes: wait,
 up to `serving.health_timeout`) or a wedge (an NCCL hang, a stuck rank: restart after `serving.unhealthy_grace`)
 depends on history: did this very container serve before, and since when has it failed? The watch keeps that
-history per container id and writes it into the observation (`Serving.unhealthy_for`, `served_before`,
+history per container id and writes it into the observation (`ServingApi.unhealthy_for`, `served_before`,
 `health_restarts`), so the pure plan decides from one snapshot, and `plan --observed` of a saved snapshot decides
 the same. A container older than the cold-start allowance counts as having served: after a daemon restart a
 wedged vLLM is not granted another hour.
@@ -59,7 +59,7 @@ class HealthWatch:
             self.container_id, self.served, self._wedged = container.id, False, False
             self.unhealthy_since = self.serving_since = None
         grace = desired.serving.unhealthy_grace
-        if serving.serves(desired.serving.served_model_name or desired.model.id):
+        if serving.serves(desired.served_name):
             self.served, self.unhealthy_since = True, None
             self.serving_since = self.serving_since if self.serving_since is not None else now
             if now - self.serving_since >= grace * 2 ** MAX_GRACE_DOUBLINGS:

@@ -80,5 +80,5 @@ class StatusPublisher:
                 metrics.weights_bytes.labels(node=node.name, state="synced").set(
                     min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
         head = observed.node(desired.head.name).serving
-        want = desired.serving.served_model_name or desired.model.id
+        want = desired.served_name
         metrics.serving_healthy.set(1 if head and head.serves(want) else 0)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconciler.core import spec
-from reconciler.edge import ssh as remote
+from reconciler.edge import ssh
 from reconciler.edge.ssh import Sessions
 from testbed.proc import wait_for
 from tests.e2e.daemon import CLI, Daemon
@@ -165,10 +165,10 @@ def test_each_node_grants_exactly_what_the_code_may_send(testbed):
     the node's commands is permitted by the node's real sudo (`sudo -n -l CMD` asks without running it)."""
     desired = spec.load(testbed.desired_state)
     for node in desired.nodes:
-        allowed = remote.sudo_commands(desired, node)
+        allowed = ssh.sudo_commands(desired, node)
         assert allowed, node.name
         for argv in allowed:
-            asked = testbed.exec(node.name, "sudo -n -l " + remote.quote(argv), check=False)
+            asked = testbed.exec(node.name, "sudo -n -l " + ssh.quote(argv), check=False)
             assert asked.returncode == 0, (node.name, argv, asked.stderr)
 
 
@@ -194,7 +194,7 @@ def test_every_sudo_call_in_the_code_is_one_of_the_exact_commands(testbed):
     the first computed value), so nothing the code sends as root is missing from `reconciler sudoers`."""
     text = testbed.desired_state.read_text().replace("policy:\n", "policy:\n  drop_caches: true\n", 1)
     desired = spec.loads(text)  # every optional sudo command on (drop_caches)
-    shapes = {argv for node in desired.nodes for argv in remote.sudo_commands(desired, node)}
+    shapes = {argv for node in desired.nodes for argv in ssh.sudo_commands(desired, node)}
     calls = []
     for path in (REPO / "reconciler").rglob("*.py"):
         for m in re.finditer(r"run\(\[([^\]]*)\][^)]*sudo=True", path.read_text()):

@@ -10,7 +10,7 @@ import pytest
 from paramiko import ChannelException, SSHException
 
 from reconciler.edge.ssh import ChannelRefused, Session
-from reconciler.edge.ssh import session as remote
+from reconciler.edge.ssh import session as ssh_session
 
 
 class _Clock:
@@ -53,7 +53,7 @@ class _Transport:
 @pytest.fixture
 def clock(monkeypatch) -> _Clock:
     fake = _Clock()
-    monkeypatch.setattr(remote, "time", fake)
+    monkeypatch.setattr(ssh_session, "time", fake)
     return fake
 
 
@@ -65,7 +65,7 @@ def _session(monkeypatch, transport: _Transport) -> Session:
 
 
 def test_a_node_that_does_not_answer_costs_one_deadline_not_one_per_retry(monkeypatch, clock):
-    transport = _Transport(clock, ["silent"] * (remote.REFUSAL_RETRIES + 1))
+    transport = _Transport(clock, ["silent"] * (ssh_session.REFUSAL_RETRIES + 1))
     with pytest.raises(ChannelRefused, match="Timeout opening channel"):
         _session(monkeypatch, transport)._open("true", timeout=10)
     assert transport.timeouts == [10]
@@ -77,20 +77,20 @@ def test_a_refusal_that_clears_is_retried_and_the_command_runs(monkeypatch, cloc
     channel = _session(monkeypatch, transport)._open("echo hi", timeout=10)
     assert channel.commands == ["echo hi"]
     assert len(transport.timeouts) == 3
-    assert clock.now == 2 * remote.REFUSAL_GAP
+    assert clock.now == 2 * ssh_session.REFUSAL_GAP
     assert all(t <= 10 for t in transport.timeouts)
 
 
 def test_a_refusal_that_lasts_fails_this_command_after_the_retries(monkeypatch, clock):
-    transport = _Transport(clock, ["refused"] * (remote.REFUSAL_RETRIES + 1))
+    transport = _Transport(clock, ["refused"] * (ssh_session.REFUSAL_RETRIES + 1))
     with pytest.raises(ChannelRefused, match="refused a channel"):
         _session(monkeypatch, transport)._open("true", timeout=10)
-    assert len(transport.timeouts) == remote.REFUSAL_RETRIES + 1
+    assert len(transport.timeouts) == ssh_session.REFUSAL_RETRIES + 1
 
 
 def test_retries_stop_where_the_deadline_leaves_no_room_for_another(monkeypatch, clock):
     transport = _Transport(clock, ["refused", "silent", "open"])
     with pytest.raises(ChannelRefused):
         _session(monkeypatch, transport)._open("true", timeout=1)
-    assert transport.timeouts == [1, 1 - remote.REFUSAL_GAP]
+    assert transport.timeouts == [1, 1 - ssh_session.REFUSAL_GAP]
     assert clock.now == 1

@@ -15,7 +15,7 @@ from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
 from reconciler.core.observed import Observed, ServingApi
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import COMPLETION_DEADLINE, SEC, Section, completion_argv, parse_completion
+from reconciler.edge.probes import COMPLETION_DEADLINE, SECTION_FUNCTION, Section, completion_argv, parse_completion
 
 REAL_ANSWER = (
     '{"id":"cmpl-aa28977b610327c4","object":"text_completion","created":1796277722,"model":"tiny","choices":'
@@ -77,7 +77,7 @@ def _serving_part_of_the_probe(desired: Desired) -> str:
     from reconciler.edge.observe import probe_script
 
     script = probe_script(desired, desired.head)
-    return SEC + "\n" + script[script.index("sec health"):]
+    return SECTION_FUNCTION + "\n" + script[script.index("sec health"):]
 
 
 STUB_CURL = """#!/bin/sh

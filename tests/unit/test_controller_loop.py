@@ -223,12 +223,12 @@ def test_a_backoff_that_has_ended_asks_for_no_requeue(desired_path, tmp_path, co
     testbed while a cold start was awaited after a failed one)."""
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     c.reconcile({"start"})
-    assert c.holds is not None
-    c.holds.failed("await-health/spark-1a32", "exited", now=0.0)  # its backoff ended long ago
-    assert c.holds.next_due(now=1e9) is None
+    assert c.backoff is not None
+    c.backoff.failed("await-health/spark-1a32", "exited", now=0.0)  # its backoff ended long ago
+    assert c.backoff.next_due(now=1e9) is None
     assert c._requeue_after(converged) is None
-    c.holds.failed("weights/spark-5be3", "rsync exited 23", now=2e9)  # one still running (in the future)
-    assert c.holds.next_due(now=1e9) is not None
+    c.backoff.failed("weights/spark-5be3", "rsync exited 23", now=2e9)  # one still running (in the future)
+    assert c.backoff.next_due(now=1e9) is not None
     assert c._requeue_after(converged) > 0
 
 

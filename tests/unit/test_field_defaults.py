@@ -60,7 +60,7 @@ def test_dirty_pages_are_written_before_the_cache_is_dropped(cluster_yaml):
         def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
             assert "/proc/meminfo" in script
             return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n")
+                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n", exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60)
     serving.memory_preflight(ctx, "n")
@@ -111,7 +111,7 @@ def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
 
         def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
             return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n")
+                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n", exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
                           progress=lambda event, fields: events.append(event))

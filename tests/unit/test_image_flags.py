@@ -131,7 +131,7 @@ def test_native_on_an_image_without_ray_is_fine(cluster_yaml, seed_snapshot, kno
 
 
 def test_a_ray_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed_snapshot):
-    from reconciler.edge.observe import flags_wanted
+    from reconciler.edge.image_flags import flags_wanted
 
     native, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=[])
     ray, _ = _deployed(cluster_yaml, seed_snapshot, extra_args=[], launcher="ray")
@@ -143,7 +143,7 @@ def test_a_ray_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed
 def test_one_throwaway_container_answers_flags_and_ray(cluster_yaml, seed_snapshot, ray_line, has_ray):
     from types import SimpleNamespace
 
-    from reconciler.edge.observe import ask_serve_flags
+    from reconciler.edge.image_flags import ask_serve_flags
 
     desired, _ = _deployed(cluster_yaml, seed_snapshot, launcher="ray")
     seen = []

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
 from reconciler.core import spec
-from reconciler.edge import ssh as remote
+from reconciler.edge import ssh
 from tests.unit.examples import examples
 
 TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=60)
@@ -23,13 +23,13 @@ SHELLY = st.lists(st.sampled_from(list("a-_./:=$`'\"\\;|&<>(){}[]*?!~# \t\n") + 
 @settings(**examples(400))
 @given(argv=st.lists(st.one_of(TEXT, SHELLY), min_size=1, max_size=6))
 def test_quote_round_trips_through_a_posix_shell_split(argv):
-    assert shlex.split(remote.quote(argv)) == argv
+    assert shlex.split(ssh.quote(argv)) == argv
 
 
 @settings(**examples(200))
 @given(value=st.one_of(TEXT, SHELLY))
 def test_a_quoted_value_is_one_word_even_next_to_others(value):
-    line = remote.quote(["cmd", value, "--flag"])
+    line = ssh.quote(["cmd", value, "--flag"])
     assert shlex.split(line) == ["cmd", value, "--flag"]
 
 
@@ -62,7 +62,7 @@ def test_env_values_and_extra_args_are_free_text_but_one_word(value):
         except ValidationError:
             continue
         assert "\n" not in accepted and "\r" not in accepted if kind is spec.EnvValue else True
-        assert shlex.split(remote.quote(["vllm", accepted])) == ["vllm", accepted]
+        assert shlex.split(ssh.quote(["vllm", accepted])) == ["vllm", accepted]
 
 
 def test_env_values_cannot_inject_a_second_env_file_line():
@@ -79,7 +79,7 @@ def _allowed(base_yaml: str) -> list[tuple[str, ...]]:
     from reconciler.core import spec
 
     desired = spec.loads(base_yaml.replace("  resync_interval: 30s", "  resync_interval: 30s\n  drop_caches: true"))
-    return remote.sudo_commands(desired, desired.nodes[1])
+    return ssh.sudo_commands(desired, desired.nodes[1])
 
 
 @pytest.mark.parametrize("argv", [
@@ -89,7 +89,7 @@ def _allowed(base_yaml: str) -> list[tuple[str, ...]]:
     ["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"],
 ])
 def test_sudo_allows_exactly_the_nodes_commands(argv, base_yaml):
-    assert remote.sudo_argv(argv, _allowed(base_yaml)) == ["sudo", "-n", *argv]
+    assert ssh.sudo_argv(argv, _allowed(base_yaml)) == ["sudo", "-n", *argv]
 
 
 @pytest.mark.parametrize("argv", [
@@ -108,19 +108,19 @@ def test_sudo_allows_exactly_the_nodes_commands(argv, base_yaml):
 ])
 def test_sudo_refuses_anything_else(argv, base_yaml):
     with pytest.raises(PermissionError):
-        remote.sudo_argv(argv, _allowed(base_yaml))
+        ssh.sudo_argv(argv, _allowed(base_yaml))
 
 
 def test_the_sudoers_lines_are_the_commands_the_code_may_send(base_yaml):
     from reconciler.core import spec
 
     desired = spec.loads(base_yaml)
-    text = remote.sudoers_snippet(desired)
+    text = ssh.sudoers_snippet(desired)
     assert "*" not in text.split("\n", 3)[3]
     for node in desired.nodes:
         line = next(t for t in text.splitlines() if t.startswith(f"{node.ssh.user} ALL=(root) NOPASSWD: ")
                     and text.splitlines()[text.splitlines().index(t) - 1] == f"# on {node.name}")
-        assert line.split("NOPASSWD: ", 1)[1].split(", ") == [" ".join(c) for c in remote.sudo_commands(desired, node)]
+        assert line.split("NOPASSWD: ", 1)[1].split(", ") == [" ".join(c) for c in ssh.sudo_commands(desired, node)]
 
 
 def test_launch_argv_carries_no_env_value_with_an_env_file():

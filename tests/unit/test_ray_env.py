@@ -45,9 +45,11 @@ def test_the_list_is_written_in_the_head_container_before_vllm_serve(cluster_yam
     class Session:
         def run(self, argv, timeout, check=True, stdin=None):
             calls.append((argv, stdin))
-            if argv[-2:] == ["ray", "status"]:
-                return SimpleNamespace(stdout="Active:\n 1 node_a\n 1 node_b\n", exit_code=0)
             return SimpleNamespace(stdout="0\n", exit_code=0)
+
+        def run_script(self, script, timeout):  # the probe's `ray` fragment (reconciler.edge.probes.ray_script)
+            assert "ray status" in script
+            return SimpleNamespace(stdout="@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n", exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
                           remaining=lambda t=None: 60)

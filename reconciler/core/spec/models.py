@@ -332,6 +332,12 @@ class Desired(_Model):
         return next(n for n in self.nodes if n.name == name)
 
     @property
+    def served_name(self) -> str:
+        """The name the OpenAI API serves the model under: `serving.served_model_name`, else the model id (vLLM's
+        own default for `--served-model-name`)."""
+        return self.serving.served_model_name or self.model.id
+
+    @property
     def head(self) -> Node:
         return next(n for n in self.nodes if n.role == "head")
 

@@ -9,6 +9,7 @@ The names below are the package's interface; the rest of the reconciler imports 
 """
 
 from reconciler.edge.ssh.commands import (
+    ENDED_BY_TIMEOUT,
     KILL_AFTER,
     bounded,
     quote,
@@ -42,8 +43,8 @@ from reconciler.edge.ssh.session import (
     Sessions,
 )
 
-__all__ = ["KEEPALIVE", "KEEPALIVE_MISSES", "KILL_AFTER", "MAX_CHANNELS", "MAX_OUTPUT", "REFUSAL_GAP",
-           "REFUSAL_RETRIES", "AuthFailed", "Cancelled", "ChannelRefused", "CommandFailed", "CommandTimeout",
-           "Companion", "HostKeyRejected", "OutputTooLarge", "RemoteError", "Result", "Session", "Sessions",
-           "Unreachable", "bounded", "quote", "quote_word", "sudo_allowed", "sudo_argv", "sudo_commands",
+__all__ = ["ENDED_BY_TIMEOUT", "KEEPALIVE", "KEEPALIVE_MISSES", "KILL_AFTER", "MAX_CHANNELS", "MAX_OUTPUT",
+           "REFUSAL_GAP", "REFUSAL_RETRIES", "AuthFailed", "Cancelled", "ChannelRefused", "CommandFailed",
+           "CommandTimeout", "Companion", "HostKeyRejected", "OutputTooLarge", "RemoteError", "Result", "Session",
+           "Sessions", "Unreachable", "bounded", "quote", "quote_word", "sudo_allowed", "sudo_argv", "sudo_commands",
            "sudoers_snippet"]

@@ -15,6 +15,8 @@ from reconciler.core.spec import Desired, Node
 
 #: What the node gets on top of a command's deadline to exit after `timeout` sent TERM, before KILL.
 KILL_AFTER = 2
+#: The exit codes of a command `timeout` ended: 124 (TERM), 137 (KILL after KILL_AFTER).
+ENDED_BY_TIMEOUT = (124, 137)
 
 
 def sudo_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:

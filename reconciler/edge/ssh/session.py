@@ -28,7 +28,7 @@ import paramiko
 from paramiko.ssh_exception import AuthenticationException, BadHostKeyException, SSHException
 
 from reconciler.core.spec import Desired, Node, Ssh
-from reconciler.edge.ssh.commands import KILL_AFTER, bounded, quote, sudo_argv, sudo_commands
+from reconciler.edge.ssh.commands import ENDED_BY_TIMEOUT, KILL_AFTER, bounded, quote, sudo_argv, sudo_commands
 from reconciler.edge.ssh.errors import (
     AuthFailed,
     Cancelled,
@@ -84,20 +84,21 @@ class Session:
     # -- connection -------------------------------------------------------------------------------------------
 
     def _connect(self) -> paramiko.SSHClient:
-        """A connected client. paramiko's default would reject unknown keys too, but only RejectPolicy says so
-        outright: the product never trusts on first use."""
+        """A connected client: the TCP path first (a node that is not there is Unreachable, retried), then the
+        host-key policy. paramiko's default would reject unknown keys too, but only RejectPolicy says so outright:
+        the product never trusts on first use."""
         ssh = self.ssh
+        sock = (_tcp(ssh.host, ssh.port, ssh.connect_timeout) if self.gateway is None
+                else self._through_gateway(ssh.host, ssh.port, ssh.connect_timeout))
         client = paramiko.SSHClient()
         try:
             client.load_host_keys(ssh.known_hosts)
         except OSError as exc:
+            sock.close()
             raise HostKeyRejected(self.name,
                                   f"cannot read known_hosts {ssh.known_hosts}: {exc.strerror}") from None
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        sock = (_tcp(ssh.host, ssh.port, ssh.connect_timeout) if self.gateway is None
-                else self._through_gateway(ssh.host, ssh.port, ssh.connect_timeout))
-        client.connect(ssh.host, port=ssh.port, username=ssh.user, sock=sock,
-                       key_filename=ssh.identity_file,
+        client.connect(ssh.host, port=ssh.port, username=ssh.user, sock=sock, key_filename=ssh.identity_file,
                        allow_agent=ssh.identity_file is None, look_for_keys=ssh.identity_file is None,
                        timeout=ssh.connect_timeout, banner_timeout=ssh.connect_timeout,
                        auth_timeout=ssh.connect_timeout)
@@ -279,7 +280,7 @@ class Session:
         start = time.monotonic()
         result = self.run_command(command, timeout=timeout + KILL_AFTER + 1, stdin=stdin, on_output=on_output,
                                   cancel=cancel, keep_stdin=supervised)
-        if result.exit_code in (124, 137) and time.monotonic() - start >= timeout - 0.5:
+        if result.exit_code in ENDED_BY_TIMEOUT and time.monotonic() - start >= timeout - 0.5:
             raise CommandTimeout(self.name, f"`{shlex.join(argv)[:200]}` did not finish within {timeout:g}s "
                                                  "(ended on the node)")
         if check and not result.ok:
@@ -294,7 +295,7 @@ class Session:
         its signal to end. Bounded on the node at `timeout`, like `run`."""
         with self.channel(quote(bounded(argv, timeout)), open_timeout) as channel:
             output = _ChannelOutput(self, channel, argv[0])
-            output.send(stdin, close=False)
+            output.send(stdin, close=False, when="starting")
             yield Companion(output, argv[0])
 
     def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> Result:
@@ -311,7 +312,7 @@ class Session:
             output = _ChannelOutput(self, channel, command, on_output=on_output)
             output.send(stdin, close=not keep_stdin)
             while output.read(deadline, cancel=cancel,
-                              late=f"`{command[:200]}` did not finish within {timeout:g}s"):
+                              timeout_message=f"`{command[:200]}` did not finish within {timeout:g}s"):
                 pass
             return output.result()
 
@@ -322,13 +323,14 @@ class _ChannelOutput:
     streamed command, keeps its tail; a lost session becomes Unreachable (the connection is dropped only when it
     is really gone: sibling channels, e.g. the other rsync streams, may live on a healthy one)."""
 
-    def __init__(self, session: Session, channel: paramiko.Channel, what: str,
+    def __init__(self, session: Session, channel: paramiko.Channel, label: str,
                  on_output: Callable[[bytes], None] | None = None):
-        self._session, self._channel, self._what, self._on_output = session, channel, what, on_output
+        self._session, self._channel, self._label, self._on_output = session, channel, label, on_output
         self.out, self.err = bytearray(), bytearray()
 
-    def send(self, data: bytes | None, *, close: bool) -> None:
-        with self._lost_as_unreachable("starting"):
+    def send(self, data: bytes | None, *, close: bool, when: str = "during") -> None:
+        """Write the command's stdin (and close it unless the command keeps it as a lifeline)."""
+        with self._lost_as_unreachable(when):
             if data is not None:
                 self._channel.sendall(data)
             if close:
@@ -339,14 +341,14 @@ class _ChannelOutput:
         with contextlib.suppress(*_SSH_ERRORS):
             self._channel.shutdown_write()
 
-    def read(self, deadline: float, *, late: str, cancel: threading.Event | None = None) -> bool:
+    def read(self, deadline: float, *, timeout_message: str, cancel: threading.Event | None = None) -> bool:
         """Read until some stdout arrived (True) or the command ended with all its output in (False);
-        CommandTimeout (`late`) at the deadline, Cancelled once `cancel` is set."""
+        CommandTimeout (`timeout_message`) at the deadline, Cancelled once `cancel` is set."""
         channel = self._channel
         with self._lost_as_unreachable("during"):
             while True:
                 if cancel is not None and cancel.is_set():
-                    raise Cancelled(self._session.name, f"`{self._what[:80]}` cancelled")
+                    raise Cancelled(self._session.name, f"`{self._label[:80]}` cancelled")
                 if channel.recv_ready():
                     chunk = channel.recv(1 << 16)
                     if self._on_output is not None:
@@ -360,7 +362,7 @@ class _ChannelOutput:
                     return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise CommandTimeout(self._session.name, late)
+                    raise CommandTimeout(self._session.name, timeout_message)
                 select.select([channel], [], [], min(remaining, 1.0))
 
     def result(self) -> Result:
@@ -374,7 +376,7 @@ class _ChannelOutput:
             yield
         except _SSH_ERRORS as exc:
             self._session._close_if_dead()
-            raise Unreachable(self._session.name, f"session lost {when} `{self._what[:80]}`: {exc}") from None
+            raise Unreachable(self._session.name, f"session lost {when} `{self._label[:80]}`: {exc}") from None
 
     def _keep(self, buffer: bytearray, chunk: bytes, *, streaming: bool) -> None:
         """Append up to MAX_OUTPUT: a streamed output keeps its tail, anything else over the cap is an error."""
@@ -382,7 +384,7 @@ class _ChannelOutput:
         if len(buffer) > MAX_OUTPUT:
             if not streaming:
                 raise OutputTooLarge(self._session.name,
-                                     f"`{self._what[:80]}` wrote more than {MAX_OUTPUT} bytes")
+                                     f"`{self._label[:80]}` wrote more than {MAX_OUTPUT} bytes")
             del buffer[: len(buffer) - MAX_OUTPUT]
 
 
@@ -418,7 +420,7 @@ class Companion:
         return self._output.result()
 
     def _read(self, deadline: float) -> bool:
-        return self._output.read(deadline, late=f"`{self._name}` said nothing within the deadline")
+        return self._output.read(deadline, timeout_message=f"`{self._name}` said nothing within the deadline")
 
 
 def _tcp(host: str, port: int, timeout: float) -> socket.socket:

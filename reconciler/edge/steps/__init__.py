@@ -1,7 +1,7 @@
 """The actuators: one module per family (containers, link, images, weights, serving).
 
 Each step is a plain function `run(ctx, step)`: it re-checks its precondition on the node (the world may have
-moved since the observation), acts through `remote` only, and verifies its own effect by re-reading what it
+moved since the observation), acts through `ssh` only, and verifies its own effect by re-reading what it
 touched; it raises StepFailed (or a transient RemoteError, which the executor retries) when it could not. Steps
 know nothing of the loop: the executor in `reconciler.edge.execute` orders, times and retries them.
 """

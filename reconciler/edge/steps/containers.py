@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED
+from reconciler.core.observed import LABEL_INSTANCE, Container
 from reconciler.core.planning import Step
 from reconciler.edge.steps import StepContext, StepFailed, wait_for
 
@@ -25,20 +25,27 @@ def inspect(ctx: StepContext, node: str, name: str) -> dict | None:
     return json.loads(result.stdout)[0]
 
 
+def _labelled(info: dict) -> Container:
+    """The labels of `docker inspect NAME` judged by the observed model's own rules (`Container.managed`,
+    `owned_by`), so a step and the plan can never disagree on whose a container is."""
+    return Container(name=info.get("Name", "").lstrip("/"), id=info.get("Id", ""), image="", state="created",
+                     labels=(info.get("Config") or {}).get("Labels") or {})
+
+
 def is_managed(info: dict) -> bool:
-    return (info.get("Config", {}).get("Labels") or {}).get(LABEL_MANAGED) == "true"
+    return _labelled(info).managed
 
 
 def owner_problem(ctx: StepContext, node: str, name: str, info: dict) -> str | None:
     """Why this reconciler must not stop `name` on `node` as its own serving container, if it must not."""
-    labels = info.get("Config", {}).get("Labels") or {}
+    container = _labelled(info)
     if ctx.desired.co_tenants.is_protected(node, name):
         return f"{name} on {node} is protected (co_tenants.protected); never stopped"
-    if not is_managed(info):
+    if not container.managed:
         return f"{name} on {node} was not created by the reconciler; it is never stopped or removed"
-    if labels.get(LABEL_INSTANCE, ctx.desired.instance) != ctx.desired.instance:
-        return (f"{name} on {node} belongs to another reconciler (instance {labels[LABEL_INSTANCE]}, this one is "
-                f"{ctx.desired.instance}); never stopped or removed")
+    if not container.owned_by(ctx.desired.instance):
+        return (f"{name} on {node} belongs to another reconciler (instance {container.labels[LABEL_INSTANCE]}, "
+                f"this one is {ctx.desired.instance}); never stopped or removed")
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step
 from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed
-from reconciler.edge.probes import count_ray_nodes, read_api, read_memory
+from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, wait_for
 from reconciler.edge.steps.containers import inspect, owner_problem
@@ -107,9 +107,8 @@ def launch_model(ctx: StepContext, step: Step) -> None:
     session = ctx.sessions[node]
 
     def joined() -> bool:
-        out = session.run(["docker", "exec", spec.container_name, "ray", "status"], timeout=ctx.command_timeout,
-                          check=False).stdout
-        return count_ray_nodes(out) >= nodes
+        status = read_sections(session, ray_script(spec.container_name), ctx.command_timeout).get("ray")
+        return status is not None and status.rc == 0 and count_ray_nodes(status.body) >= nodes
 
     wait_for(joined, timeout=ctx.remaining(120), interval=0.5, what=f"{nodes} nodes in `ray status`",
              cancel=ctx.cancel)
@@ -130,7 +129,7 @@ def await_health(ctx: StepContext, step: Step) -> None:
     tensor-parallel group works, not only the API process), under serving.health_timeout. The API is read by the
     probe's own fragment and parser (`probes.read_api`)."""
     d = ctx.desired
-    head, want = step.node, d.serving.served_model_name or d.model.id
+    head, want = step.node, d.served_name
     session = ctx.sessions[head]
 
     def healthy() -> bool:
@@ -141,7 +140,7 @@ def await_health(ctx: StepContext, step: Step) -> None:
                                  f"(exit {state.get('ExitCode')}) while waiting for health:\n"
                                  + logs_tail(ctx, spec.node, spec.container_name))
         api = read_api(session, d, ctx.command_timeout)
-        return api.healthy and want in api.models and api.completion_error is None
+        return api.serves(want)
 
     wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=1.0, cancel=ctx.cancel,
              what=f"http://127.0.0.1:{d.serving.port}/health on {head}, {want!r} in /v1/models and one completion")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import shlex
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +34,8 @@ from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
 from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing, weights_root
-from reconciler.edge.probes import split_sections
-from reconciler.edge.ssh import CommandFailed
+from reconciler.edge.probes import read_sections
+from reconciler.edge.ssh import CommandFailed, Session, quote
 from reconciler.edge.steps import StepContext, StepFailed, hop
 from reconciler.edge.steps.rsyncd import Door, rsync_daemon
 
@@ -44,9 +43,8 @@ RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync 
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
-def _listing(session, root: str, timeout: float) -> Listing:
-    out = session.run_script(manifest_script(root) + "\n", timeout=timeout).stdout
-    return read_listing(root, split_sections(out).get("weights"))
+def _listing(session: Session, root: str, timeout: float) -> Listing:
+    return read_listing(root, read_sections(session, [manifest_script(root)], timeout).get("weights"))
 
 
 def read_manifest(ctx: StepContext, node: str) -> Weights:
@@ -144,7 +142,7 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     if door is not None:
         argv += ["--password-file=-", f"--address={ctx.desired.node(source).fabric.address.ip}"]
     else:
-        argv += ["-e", shlex.join(hop.ssh_options(ctx, target))]
+        argv += ["-e", quote(hop.ssh_options(ctx, target))]
     limit = ctx.desired.policy.weights.bandwidth_limit
     if limit:
         argv.append(f"--bwlimit={max(1, limit // 1024)}")

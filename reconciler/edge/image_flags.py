@@ -1,0 +1,58 @@
+"""What the serving image itself accepts: its own `vllm serve --help=all` and whether it has Ray, asked once per
+image id from a throw-away container on the node that holds it.
+
+`serving.extra_args` is judged by the image, not by a list in this code: vLLM's flags change between releases, and
+an NGC build is not a PyPI one. The question imports torch (seconds to minutes), so the daemon asks beside its loop
+(`loop.operations.FlagsQuery`) and the one-shot commands ask through `flags_once`.
+"""
+
+from __future__ import annotations
+
+from reconciler.core.drift import image_holder
+from reconciler.core.observed import Observed, ServeFlags
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import extra_flags, parse_serve_help
+from reconciler.edge.ssh import RemoteError, Sessions
+
+FLAGS_DEADLINE = 180.0  # `vllm serve --help=all` imports torch: ~12 s on 2 CPU cores, more on a busy node
+
+
+def flags_wanted(desired: Desired, observed: Observed) -> tuple[str, str] | None:
+    """(node, image id) to ask what the serving image can do: the node holding the reference image; None when
+    there is nothing to judge (serving.extra_args has no flags and the launcher is native) or no node has it."""
+    holder = image_holder(desired, observed)
+    if not (extra_flags(desired.serving.extra_args) or desired.serving.launcher == "ray") or holder is None:
+        return None
+    return holder, observed.node(holder).images[desired.serving.image].id
+
+
+# One throw-away container answers both questions: `sh` is in every vLLM image (NGC's and vLLM's own are Ubuntu).
+_ASK_IMAGE = ('if command -v ray >/dev/null 2>&1; then echo "@@ray yes"; else echo "@@ray no"; fi; '
+              'exec vllm serve --help=all')
+
+
+def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
+    """What the serving image's own `vllm serve` accepts (its `--help=all`) and whether it has Ray, from a
+    throw-away container (no network) on `holder`. Image ids name one content: callers ask once per id."""
+    argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", desired.serving.image, "-c",
+            _ASK_IMAGE]
+    has_ray = None
+    try:
+        res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE, check=False)
+        flags = parse_serve_help(res.stdout)
+        ray_line = next((line for line in res.stdout.splitlines() if line.startswith("@@ray ")), "")
+        has_ray = {"@@ray yes": True, "@@ray no": False}.get(ray_line.strip())
+        error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
+    except RemoteError as exc:
+        flags, error = [], exc.message
+    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, error=error)
+
+
+_asked: dict[str, ServeFlags] = {}  # image id -> its flags: an id is a content hash, the same id knows the same
+
+
+def flags_once(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
+    """`ask_serve_flags`, once per image id for the life of the process."""
+    if image_id not in _asked:
+        _asked[image_id] = ask_serve_flags(desired, sessions, holder, image_id)
+    return _asked[image_id]
