@@ -172,9 +172,9 @@ def test_each_node_grants_exactly_what_the_code_may_send(testbed):
             assert asked.returncode == 0, (node.name, argv, asked.stderr)
 
 
-def test_sudo_refuses_anything_else_before_it_is_sent(recorder):
+def test_sudo_refuses_anything_else_before_it_is_sent(recorder, testbed):
     """Another interface, another MTU or address, another command: refused in the reconciler, before sudo."""
-    fabric = recorder.node.fabric
+    fabric = spec.load(testbed.desired_state).node(recorder.name).fabric
     for argv in (["/usr/sbin/ip", "link", "del", fabric.interface], ["/usr/sbin/ip", "link", "set", "dev"],
                  ["/usr/sbin/ip", "link", "set", "dev", "eth0", "down"],
                  ["/usr/sbin/ip", "link", "set", "dev", fabric.interface, "mtu", "1500"],

@@ -242,11 +242,9 @@ def test_plan_with_a_missing_snapshot_exits_2(console_script, cluster_yaml, tmp_
 
 
 def test_status_without_a_daemon_exits_1_and_says_where_it_looked(console_script):
-    import socket
+    from testbed.proc import free_port
 
-    with socket.socket() as sock:  # a loopback port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a loopback port nobody listens on
     result = run(console_script, "status", "--url", url)
     assert result.returncode == 1
     assert f"cannot reach the daemon at {url}" in result.stderr
