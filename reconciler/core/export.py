@@ -3,8 +3,11 @@
 The bridge out of this tool (docs/scaling.md): the same image, environment and `vllm serve` argv that
 reconciler/core/vllm.py renders for the native (multiprocessing) launcher, in the shape of the vLLM docs' LWS example
 (docs.vllm.ai deployment/frameworks/lws, MP variant): `--nnodes $(LWS_GROUP_SIZE) --node-rank $(LWS_WORKER_INDEX)
---master-addr $(LWS_LEADER_ADDRESS)`. Kubernetes expands `$(VAR)` in `command` from the container's environment,
-which LWS fills in on every pod, so no shell is needed. Pure: desired state in, manifest (dict / YAML) out.
+--master-addr $(LWS_LEADER_ADDRESS)`. Kubernetes expands `$(VAR)` in `args` from the container's environment,
+which LWS fills in on every pod, so no shell is needed. `args`, not `command`: `command` replaces the image's
+ENTRYPOINT, and NGC's (`/opt/nvidia/nvidia_entrypoint.sh`) sets up CUDA forward compatibility before it runs the
+argv it is given (Kubernetes "Define a Command and Arguments for a Container"; issue 29, finding 8).
+Pure: desired state in, manifest (dict / YAML) out.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def _pod_template(desired: Desired, spec: vllm.LaunchSpec, size: int, leader: bo
     container: dict = {
         "name": "vllm-leader" if leader else "vllm-worker",
         "image": s.image,
-        "command": _serve_command(spec, size, worker=not leader),
+        "args": _serve_command(spec, size, worker=not leader),  # the image's ENTRYPOINT stays
         "env": _env(desired, spec),
         "resources": {"limits": {"nvidia.com/gpu": str(node.gpus)}},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},

@@ -136,6 +136,8 @@ class Image(_Model):
     content: str
     digests: list[str] = Field(default_factory=list, description="repository digests (`repo@sha256:...`)")
     store: str = Field("", description="the engine's image store: `containerd` or the graph driver's name")
+    entrypoint: list[str] = Field(default_factory=list, description="the image config's Entrypoint (NGC's: "
+                                  "/opt/nvidia/nvidia_entrypoint.sh, which sets up CUDA forward compatibility)")
 
     @model_validator(mode="before")
     @classmethod

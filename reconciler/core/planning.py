@@ -14,7 +14,7 @@ from typing import Literal
 from reconciler.core.drift import Drift, diff, image_holder
 from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
-from reconciler.core.vllm import unknown_flags
+from reconciler.core.vllm import serve_wrapper, unknown_flags
 
 StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
                    "await-health"]
@@ -38,6 +38,7 @@ class Step:
     content: str | None = None  # image: the content id the copy must have
     path: str | None = None  # weights: where the tree goes on the target
     rank: int | None = None  # start-serving: the node's rank in the tensor-parallel group
+    wrapper: tuple[str, ...] | None = None  # launch-model: the image's Entrypoint that `vllm serve` runs under
 
     @property
     def id(self) -> str:
@@ -47,14 +48,15 @@ class Step:
 
     @property
     def params(self) -> dict[str, str]:
-        return {name: str(value) for name in _PARAMS if (value := getattr(self, name)) is not None}
+        return {name: " ".join(value) if isinstance(value, tuple) else str(value)
+                for name in _PARAMS if (value := getattr(self, name)) is not None}
 
     def as_dict(self) -> dict[str, object]:
         return {"id": self.id, "kind": self.kind, "node": self.node, "reason": self.reason,
                 "after": list(self.after), "params": self.params}
 
 
-_PARAMS = ("container", "source", "image", "content", "path", "rank")
+_PARAMS = ("container", "source", "image", "content", "path", "rank", "wrapper")
 
 
 def kind_and_node(step_id: str) -> tuple[str, str]:
@@ -77,6 +79,7 @@ class Plan:
     blocked: list[Blocker]
     mode: str = "enforce"
     trusted: tuple[str, ...] = ()  # the file's `trust` opt-ins in words: shown with every plan (docs/security.md)
+    ulimits: tuple[str, ...] = ()  # the serving containers' effective `--ulimit`s: shown with every start
 
     @property
     def changes(self) -> bool:
@@ -88,7 +91,7 @@ class Plan:
         return {"changes": self.changes, "mode": self.mode, "drift": [d.as_dict() for d in self.drift],
                 "steps": [s.as_dict() for s in self.steps],
                 "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked],
-                "trusted": list(self.trusted)}
+                "trusted": list(self.trusted), "ulimits": list(self.ulimits)}
 
 
 #: The grace before a restart for health doubles per restart that did not hold, up to 2**4 = 16x.
@@ -138,7 +141,8 @@ def plan(desired: Desired, observed: Observed) -> Plan:
                           source=source, path=desired.model.path_on(d.node)))
 
     steps += _serving_steps(desired, observed, drift, steps, blocked, down)
-    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()))
+    ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
+    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits)
 
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
@@ -180,7 +184,9 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
         c = observed.node(node).container(name)
         if c is not None and c.owned_by(desired.instance):
             stop(node, name, f"ordered restart ({why})", prereq)
-    steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps))
+    image = observed.node(head).images.get(desired.serving.image)
+    wrapper = serve_wrapper(image.entrypoint) if image else ()
+    steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps), wrapper)
     return steps
 
 
@@ -268,7 +274,7 @@ def _restart_hurdles(drift: list[Drift], serving: list[str]) -> list[Drift]:
     return [d for d in drift if d.blocking and (d.node in serving or d.kind in ("weights", "image"))]
 
 
-def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...]) -> list[Step]:
+def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...], wrapper: tuple[str, ...]) -> list[Step]:
     """Start serving on `serving` (head first in the list) once `stopped` are done, then wait for health.
 
     native: the workers (headless) first, the head (rank 0) last, as it waits for them. Ray: the head's GCS
@@ -286,7 +292,7 @@ def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...]) ->
         starts = [Step("start-serving", w, "join the Ray cluster", (head_step.id,),
                        rank=i + 1) for i, w in enumerate(workers)]
         launch = Step("launch-model", head, "vllm serve on the Ray head once all "
-                      "nodes joined", (head_step.id,) + tuple(s.id for s in starts))
+                      "nodes joined", (head_step.id,) + tuple(s.id for s in starts), wrapper=wrapper or None)
         steps = [head_step, *starts, launch]
     return steps + [Step("await-health", head, "wait for /health and /v1/models",
                          (steps[-1].id,))]

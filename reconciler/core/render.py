@@ -37,6 +37,9 @@ def plan_text(plan: Plan) -> str:
             for s in (x for x in plan.steps if x.node == node):
                 after = f" (after {', '.join(str(order[a]) for a in s.after)})" if s.after else ""
                 lines.append(f"    {order[s.id]:>2}. {_SIGN[s.kind]} {s.id}: {s.reason}{after}")
+    if any(s.kind == "start-serving" for s in plan.steps):
+        lines += ["", f"Serving starts with ulimits {' '.join(plan.ulimits) or '(none)'} (serving.docker.ulimits "
+                      "merged over the defaults)."]
     if plan.blocked:
         lines += ["", "Blocked:"]
         for b in plan.blocked:

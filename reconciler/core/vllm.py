@@ -118,7 +118,7 @@ def _docker_flags(desired: Desired) -> list[str]:
         flags += ["--gpus", opts.gpus]
     if opts.shm_size and opts.ipc != "host":  # the host's /dev/shm has its own size; docker ignores the flag
         flags += ["--shm-size", opts.shm_size]  # with it, and podman refuses the pair
-    for name, value in sorted(opts.ulimits.items()):
+    for name, value in opts.effective_ulimits.items():
         flags += ["--ulimit", f"{name}={value}"]
     for device in opts.devices:
         flags += ["--device", device]
@@ -155,7 +155,8 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
     if desired.model.layout == "hf-cache":
         env["HF_HUB_OFFLINE"] = "1"
     if desired.serving.launcher == "ray":
-        env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip)}
+        env |= {"RAY_memory_monitor_refresh_ms": "0", "RAY_NODE_IP_ADDRESS": str(node.fabric.address.ip),
+                "RAY_num_prestart_python_workers": "0"}
     defaults = dict(GB10_ENV)
     if {"--enable-sleep-mode", "--enable_sleep_mode"} & set(extra_flags(desired.serving.extra_args)):
         # vLLM's sleep-mode allocator refuses expandable segments (vllm/device_allocator/cumem.py)
@@ -167,6 +168,14 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
 # fragments less with expandable segments (a 2x Spark report measured 6-7 GiB more free), and NCCL's own CPU
 # affinity guess is wrong on GB10's big.LITTLE cores (docs/troubleshooting.md "GB10 memory defaults").
 GB10_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_IGNORE_CPU_AFFINITY": "1"}
+
+
+#: `ray start` as eugr/spark-vllm-docker's launch-cluster.sh runs it on Sparks. Ray's object store takes 30 % of
+#: memory by default (Ray docs, "Memory Management": object store size), which on unified memory is taken from
+#: vLLM's pool, and vLLM's tensor parallel never uses it: 1 GiB. Two CPUs keep Ray's own workers off vLLM's cores;
+#: no usage stats leave an internet-less worker. The head also drops the dashboard (`--include-dashboard=false`).
+RAY_OBJECT_STORE_BYTES = 1 << 30
+RAY_START_FLAGS = ("--object-store-memory", str(RAY_OBJECT_STORE_BYTES), "--num-cpus", "2", "--disable-usage-stats")
 
 
 def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
@@ -184,6 +193,17 @@ def _serve_argv(desired: Desired, model_arg: str) -> list[str]:
     if desired.trust.remote_code:
         argv += ["--trust-remote-code"]
     return argv
+
+
+def serve_wrapper(entrypoint: list[str]) -> tuple[str, ...]:
+    """What `vllm serve` must run under inside a running container of an image with this Entrypoint. `docker
+    exec` bypasses the Entrypoint, and NGC's (`/opt/nvidia/nvidia_entrypoint.sh`, which ends in `exec "$@"`) sets
+    up CUDA forward compatibility first: without it FlashInfer's JIT fails with cudaErrorUnsupportedPtxVersion
+    (gyliu513/langX101 PR #409). An Entrypoint that is itself a program to run rather than a wrapper (vLLM's
+    own image: `vllm serve`; a bare python or ray) is not put in front of `vllm serve`."""
+    if not entrypoint or entrypoint[0].rsplit("/", 1)[-1].split(".")[0] in ("vllm", "python", "python3", "ray"):
+        return ()
+    return tuple(entrypoint)
 
 
 def extra_flags(extra_args: list[str]) -> list[str]:
@@ -260,12 +280,14 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
         else:
             ip = str(node.fabric.address.ip)
             if rank == 0:
-                command = ["ray", "start", "--block", "--head", "--port", str(s.ray_port), "--node-ip-address", ip]
+                command = ["ray", "start", "--block", "--head", "--port", str(s.ray_port), "--node-ip-address", ip,
+                           *RAY_START_FLAGS, "--include-dashboard=false"]
                 serve_exec = tuple(_serve_argv(desired, model_arg) + [
                     "--host", s.host, "--port", str(s.port), "--distributed-executor-backend", "ray",
                     *s.extra_args])
             else:
-                command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip]
+                command = ["ray", "start", "--block", f"--address={head_ip}:{s.ray_port}", "--node-ip-address", ip,
+                           *RAY_START_FLAGS]
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
                                 docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
                                 instance=desired.instance))

@@ -170,8 +170,11 @@ def image_from_inspect(raw: object) -> Image:
     driver = str((raw.get("GraphDriver") or {}).get("Name", ""))
     store = "containerd" if "Descriptor" in raw or driver in _SNAPSHOTTERS else driver
     digests = [d for d in raw.get("RepoDigests") or [] if isinstance(d, str)]
+    entrypoint = config.get("Entrypoint") or []
+    if not isinstance(entrypoint, list) or not all(isinstance(a, str) for a in entrypoint):
+        raise TypeError(f"not an image Entrypoint: {str(entrypoint)[:80]!r}")
     return Image(id=raw["Id"], content="sha256:" + hashlib.sha256(body.encode()).hexdigest(), digests=digests,
-                 store=store)
+                 store=store, entrypoint=entrypoint)
 
 
 @node_output("image")

@@ -177,9 +177,10 @@ def desired():
 @pytest.fixture
 def seen(desired):
     """What the probe really printed on that cluster, parsed: it plans nothing (checked here, once per test)."""
-    from reconciler.core.planning import Plan, plan
+    from reconciler.core.planning import plan
     from tests.unit.recorded import observe
 
     observed = observe(desired)
-    assert plan(desired, observed) == Plan([], [], [], "enforce", ()), "the recording must plan nothing"
+    result = plan(desired, observed)
+    assert (result.drift, result.steps, result.blocked) == ([], [], []), "the recording must plan nothing"
     return observed

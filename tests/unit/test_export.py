@@ -153,7 +153,8 @@ def test_manifest_fits_the_lws_crd_fields(schema, change):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
         shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory"
-        argv = c["command"]
+        assert "command" not in c, "command replaces the image's ENTRYPOINT (NGC's CUDA compat setup)"
+        argv = c["args"]
         assert argv[:3] == ["vllm", "serve", desired.model.id]
         for flag, var in (("--nnodes", "$(LWS_GROUP_SIZE)"), ("--node-rank", "$(LWS_WORKER_INDEX)"),
                           ("--master-addr", "$(LWS_LEADER_ADDRESS)")):

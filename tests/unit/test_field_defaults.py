@@ -38,6 +38,30 @@ def test_ngc_ulimits_by_default(cluster_yaml):
         assert {"stack=67108864", "memlock=-1"} <= set(_flag_values(spec.docker_flags, "--ulimit"))
 
 
+def test_a_partial_ulimits_merges_over_the_defaults_and_null_removes_one(cluster_yaml):
+    """Issue 29, finding 9: naming only `nofile` used to replace the whole default map, so the containers lost
+    memlock=-1 (NCCL's RDMA registration) and the 64 MiB stack without a word."""
+    only_nofile = launch_specs(_desired(cluster_yaml, docker={"ulimits": {"nofile": "16384:16384"}}))[0]
+    assert _flag_values(only_nofile.docker_flags, "--ulimit") == ["memlock=-1", "nofile=16384:16384",
+                                                                  "stack=67108864"]
+    removed = launch_specs(_desired(cluster_yaml, docker={"ulimits": {"memlock": None, "core": "0"}}))[0]
+    assert _flag_values(removed.docker_flags, "--ulimit") == ["core=0", "nofile=1048576:1048576", "stack=67108864"]
+
+
+def test_the_plan_shows_the_effective_ulimits_with_every_start(cluster_yaml, seed_snapshot):
+    import json
+
+    from reconciler.core.observed import Observed
+    from reconciler.core.planning import plan
+    from reconciler.core.render import plan_text
+
+    desired = _desired(cluster_yaml, docker={"ulimits": {"nofile": "4096", "stack": None}})
+    result = plan(desired, Observed.model_validate(json.loads(seed_snapshot.read_text())))
+    assert any(s.kind == "start-serving" for s in result.steps)
+    assert result.as_dict()["ulimits"] == ["memlock=-1", "nofile=4096"]
+    assert "Serving starts with ulimits memlock=-1 nofile=4096 (serving.docker.ulimits merged" in plan_text(result)
+
+
 def test_shm_size_only_where_docker_honours_it(cluster_yaml):
     host = launch_specs(_desired(cluster_yaml, docker={"ipc": "host", "shm_size": "64g"}))
     private = launch_specs(_desired(cluster_yaml, docker={"ipc": "private", "shm_size": "64g"}))

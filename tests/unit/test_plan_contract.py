@@ -26,12 +26,13 @@ def test_a_plan_renders_with_the_documented_keys_and_its_own_values():
     doc = documented()
     drift = Drift("n1", "link", "link/eth1/mtu", "9000", "1500", actionable=False, blocking=True)
     step = Step("start-serving", "n1", "start rank 1", after=("link/n1",), rank=1)
-    plan = Plan([drift], [step], [Blocker("n2", "waits for n2")], mode="observe", trusted=("remote code",))
+    plan = Plan([drift], [step], [Blocker("n2", "waits for n2")], mode="observe", trusted=("remote code",),
+                ulimits=("memlock=-1",))
 
     out = json.loads(json.dumps(plan.as_dict()))  # what `--json` prints
     assert set(out) == set(doc)
-    assert {k: out[k] for k in ("changes", "mode", "trusted")} == {"changes": True, "mode": "observe",
-                                                                    "trusted": ["remote code"]}
+    assert {k: out[k] for k in ("changes", "mode", "trusted", "ulimits")} == {
+        "changes": True, "mode": "observe", "trusted": ["remote code"], "ulimits": ["memlock=-1"]}
     assert set(out["drift"][0]) == keys(doc, "drift")
     assert out["drift"] == [{"node": "n1", "kind": "link", "resource": "link/eth1/mtu", "expected": "9000",
                              "observed": "1500", "actionable": False, "blocking": True}]

@@ -53,8 +53,29 @@ def test_the_list_is_written_in_the_head_container_before_vllm_serve(cluster_yam
 
     ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
                           remaining=lambda t=None: 60)
-    serving.launch_model(ctx, SimpleNamespace(node=head.node))
+    serving.launch_model(ctx, SimpleNamespace(node=head.node, wrapper=None))
     writes = [i for i, (argv, _) in enumerate(calls) if argv[-1] == serving.NON_CARRY_OVER_WRITE]
     serves = [i for i, (argv, _) in enumerate(calls) if "-d" in argv and "vllm serve" in " ".join(argv)]
     assert len(writes) == 1 and len(serves) == 1 and writes[0] < serves[0]
     assert json.loads(calls[writes[0]][1]) == list(head.keep_local)
+
+
+def test_vllm_serve_is_exec_d_under_the_images_entrypoint_wrapper(cluster_yaml):
+    """`docker exec` bypasses the Entrypoint; NGC's sets up CUDA forward compatibility (core.vllm.serve_wrapper)."""
+    desired = _asymmetric(cluster_yaml, "ray")
+    head = launch_specs(desired)[0]
+    calls = []
+
+    class Session:
+        def run(self, argv, timeout, check=True, stdin=None):
+            calls.append(argv)
+            return SimpleNamespace(stdout="0\n", exit_code=0)
+
+        def run_script(self, script, timeout):
+            return SimpleNamespace(stdout="@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n", exit_code=0)
+
+    ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
+                          remaining=lambda t=None: 60)
+    serving.launch_model(ctx, SimpleNamespace(node=head.node, wrapper=("/opt/nvidia/nvidia_entrypoint.sh",)))
+    [serve] = [argv[-1] for argv in calls if "-d" in argv]
+    assert serve.startswith("exec /opt/nvidia/nvidia_entrypoint.sh vllm serve ")

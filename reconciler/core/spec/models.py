@@ -131,14 +131,28 @@ class DockerOptions(_Model):
     shm_size: DockerShmSize | None = Field(
         "64g", description="Only with ipc private or shareable: with `ipc: host` the container uses the host's "
         "/dev/shm, docker ignores --shm-size and podman refuses it, so it is not passed.")
-    ulimits: dict[UlimitName, UlimitValue] = Field(
-        default_factory=lambda: {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"},
-        description="Default: what NGC's containers ask for (memlock -1, stack 64 MiB) and a high nofile.")
+    ulimits: dict[UlimitName, UlimitValue | None] = Field(
+        default_factory=dict,
+        description="Merged over the defaults, what NGC's containers ask for (memlock -1: RDMA memory "
+        "registration; stack 64 MiB) and a high nofile: name only what differs; `null` removes a default. The "
+        "plan shows the effective set.")
     devices: list[AbsPath] = Field(default_factory=list, description="/dev/infiniband (and below) freely; any "
                                    "other device must be listed in trust.devices.")
     cap_add: list[Capability] = Field(default_factory=list, description="IPC_LOCK freely; any other capability "
                                       "must be listed in trust.capabilities.")
     volumes: list[DockerVolume] = Field(default_factory=list)
+
+    @property
+    def effective_ulimits(self) -> dict[str, str]:
+        """`ulimits` over `DEFAULT_ULIMITS`, a `null` removing one: a file that names only `nofile` keeps
+        `memlock=-1` (NCCL's RDMA registers its buffers in locked memory) and the 64 MiB stack."""
+        merged: dict[str, str | None] = {**DEFAULT_ULIMITS, **self.ulimits}
+        return {name: value for name, value in sorted(merged.items()) if value is not None}
+
+
+#: What NGC's containers are told to run with (NVIDIA's vLLM playbook: `--ulimit memlock=-1 --ulimit
+#: stack=67108864`), and a nofile high enough for vLLM's API server under load.
+DEFAULT_ULIMITS = {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"}
 
 
 class Serving(_Model):

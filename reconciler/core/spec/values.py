@@ -186,6 +186,7 @@ RESERVED_ENV = {
     "NCCL_IB_DISABLE": "nodes[].fabric.rdma_device", "HF_HUB_OFFLINE": "model.layout (hf-cache: offline)",
     "HF_HUB_CACHE": "model.path", "TORCHINDUCTOR_CACHE_DIR": "serving.compile_cache",
     "RAY_NODE_IP_ADDRESS": "nodes[].fabric.address", "RAY_memory_monitor_refresh_ms": "serving.launcher",
+    "RAY_num_prestart_python_workers": "serving.launcher",
     "VLLM_CONFIG_ROOT": "serving.launcher",
 }
 # Refused whatever the file trusts: they load code into every process of the container.

@@ -120,8 +120,10 @@ def launch_model(ctx: StepContext, step: Step) -> None:
     # Before `vllm serve` imports vllm.ray.ray_env, which reads the file once (path: vllm/envs.py VLLM_CONFIG_ROOT).
     session.run(["docker", "exec", "-i", spec.container_name, "sh", "-c", NON_CARRY_OVER_WRITE],
                 stdin=spec.non_carry_over_json().encode(), timeout=ctx.command_timeout)
+    # Under the image's Entrypoint (`Step.wrapper`, from the plan): `docker exec` would bypass NGC's CUDA setup.
+    argv = (*(step.wrapper or ()), *spec.serve_exec)
     session.run(["docker", "exec", "-d", spec.container_name, "sh", "-c",
-                 f"exec {quote(spec.serve_exec)} >/proc/1/fd/1 2>/proc/1/fd/2"], timeout=ctx.command_timeout)
+                 f"exec {quote(argv)} >/proc/1/fd/1 2>/proc/1/fd/2"], timeout=ctx.command_timeout)
 
 
 def await_health(ctx: StepContext, step: Step) -> None:
