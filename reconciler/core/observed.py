@@ -181,15 +181,18 @@ class ServeFlags(_Model):
     flags: list[str] = Field(default_factory=list)
     has_ray: bool | None = Field(None, description="`ray` is on the image's PATH (`launcher: ray` runs `ray "
                                  "start` in it); None: not known")
-    error: str | None = Field(None, description="why the image could not be asked (then nothing is judged)")
+    version: str | None = Field(None, description="the image's vLLM version (`importlib.metadata`, else `vllm "
+                                "--version`); None: it did not say")
+    error: str | None = Field(None, description="why the image could not be asked: a serving (re)start is refused "
+                              "until it can (asked again with backoff)")
     pending: bool = Field(False, description="asked, no answer yet: a serving (re)start waits for it")
 
 
 class Observed(_Model):
     version: Literal["spark-reconciler/observed/v1"] = SNAPSHOT_VERSION
     nodes: dict[str, NodeObservation]
-    serve_flags: ServeFlags | None = Field(None, description="asked once per image id, only when serving.extra_args "
-                                                             "has flags to judge")
+    serve_flags: ServeFlags | None = Field(None, description="what the serving image's `vllm serve` knows, asked "
+                                           "once per image id; None: not asked, and a serving (re)start waits")
 
     def node(self, name: str) -> NodeObservation:
         return self.nodes.get(name) or NodeObservation(name=name, reachable=False, error="not observed")

@@ -14,7 +14,7 @@ from typing import Literal
 from reconciler.core.drift import Drift, diff, image_holder
 from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
-from reconciler.core.vllm import serve_wrapper, unknown_flags
+from reconciler.core.vllm import extra_flags, serve_argvs, serve_wrapper, unknown_flags
 
 StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
                    "await-health"]
@@ -239,31 +239,57 @@ def _grace_note(desired: Desired, observed: Observed) -> str:
             f"{unhealthy_grace(desired, observed):.0f}s")
 
 
+#: vLLM's own multi-node flags, which the native launcher renders: they arrived with vllm-project/vllm PR #23691,
+#: after NVIDIA's 25.09 (vLLM 0.10.1.1) and 25.10 (0.10.2) images were built (spark-arena/sparkrun#287).
+NATIVE_MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+
+
 def _image_refuses(desired: Desired, observed: Observed) -> str | None:
-    """Why serving must not (re)start on this image, as the image itself says (asked once per image id): an
-    extra_args flag its `vllm serve` does not know, or `launcher: ray` on an image without Ray (NVIDIA's
-    26.05-py3 ships without it, and the offline worker cannot pip-install it). vLLM or `ray start` would exit at
-    once on every node; saying so before anything is stopped keeps the running generation serving."""
-    flags = observed.serve_flags
+    """Why serving must not (re)start on this image, as the image itself says (asked once per image id): a flag
+    of any `vllm serve` argv the start would run (the reconciler's own, extra_args) that its `vllm serve` does not
+    know, `launcher: ray` on an image without Ray (NVIDIA's 26.05-py3 ships without it, and the offline worker
+    cannot pip-install it), or no answer at all. Every rank would exit at once; saying so before anything is
+    stopped keeps the running generation serving. Fail closed (issue 29): an answer still pending, about another
+    image id, or that could not be had refuses too. No answer at all (`serve_flags` None) is only an offline
+    snapshot's: `observe` asks whenever a restart is planned, and the daemon asks every image id it sees."""
     holder = image_holder(desired, observed)
-    if flags is None or holder is None:
-        return None
-    image = observed.node(holder).images.get(desired.serving.image)
-    if image is None or image.id != flags.image_id:
-        return None  # asked about another image id: nothing to judge this one by
-    named = f"{desired.serving.image} ({flags.image_id[:19]})"
+    image = observed.node(holder).images.get(desired.serving.image) if holder else None
+    if holder is None or image is None:
+        return None  # no node holds the image: its own drift blocks the restart and says what to do
+    flags = observed.serve_flags
+    named = f"{desired.serving.image} ({image.id[:19]})"
+    if flags is None:
+        return None  # not asked: only a snapshot without an answer (the daemon and the commands always ask first)
+    if flags.image_id != image.id:
+        return (f"serving waits for {named} to say which flags its `vllm serve` knows: the answer at hand is "
+                f"about {flags.image_id[:19]}; nothing is stopped")
     if flags.pending:
         return (f"serving waits for {named} to say which flags its `vllm serve` knows and whether it has Ray "
                 "(asked once per image id), to judge it before anything stops")
+    if flags.error:
+        return (f"{named} could not be asked on {holder} which flags its `vllm serve` knows: {flags.error}. "
+                "Nothing is stopped or started; it is asked again with backoff. See why with `docker run --rm "
+                f"--entrypoint sh {desired.serving.image} -c 'vllm serve --help=all'` on {holder} (`exec format "
+                "error`: an image for another platform)")
     if desired.serving.launcher == "ray" and flags.has_ray is False:
         return (f"serving.launcher is ray, but {named} has no `ray` command (NVIDIA's vLLM 26.05-py3 ships "
                 "without Ray, and the offline worker cannot install it): use launcher: native, or an image "
                 "with Ray; nothing is stopped or started")
-    unknown = [] if flags.error else unknown_flags(desired.serving.extra_args, flags.flags)
+    unknown = list(dict.fromkeys(f for argv in serve_argvs(desired) for f in unknown_flags(list(argv), flags.flags)))
     if not unknown:
         return None
-    return (f"serving.extra_args: {', '.join(unknown)} {'is not a flag' if len(unknown) == 1 else 'are not flags'} "
-            f"of `vllm serve` in {named}; nothing is stopped or started")
+    version = f"vLLM {flags.version}" if flags.version else "vLLM of an unknown version"
+    extra = set(extra_flags(desired.serving.extra_args))
+    own, theirs = [f for f in unknown if f not in extra], [f for f in unknown if f in extra]
+    if own:
+        hint = (" vLLM's native multi-node arrived with vllm-project/vllm PR #23691, after NVIDIA's 25.09 and 25.10 "
+                "images: use a newer image, or launcher: ray." if set(own) & set(NATIVE_MULTI_NODE_FLAGS) else "")
+        launcher = desired.serving.launcher
+        return (f"`vllm serve` in {named}, {version}, does not know {', '.join(own)}, which the {launcher} "
+                "launcher passes; every rank would exit with 'unrecognized arguments'." + hint +
+                " Nothing is stopped or started")
+    return (f"serving.extra_args: {', '.join(theirs)} {'is not a flag' if len(theirs) == 1 else 'are not flags'} "
+            f"of `vllm serve` in {named}, {version}; nothing is stopped or started")
 
 
 def _restart_hurdles(drift: list[Drift], serving: list[str]) -> list[Drift]:

@@ -78,6 +78,11 @@ def observed_text(observed: Observed) -> str:
             s = n.serving
             lines.append(f"  serving: {'healthy' if s.healthy else 'not healthy'}"
                          f"{', models ' + ', '.join(s.models) if s.models else ''}")
+    if answer := observed.serve_flags:
+        ray = {True: "yes", False: "no", None: "unknown"}[answer.has_ray]
+        said = ("asking" if answer.pending else f"could not be asked: {answer.error}" if answer.error else
+                f"vLLM {answer.version or '(version not said)'}, {len(answer.flags)} serve flags, ray {ray}")
+        lines.append(f"serving image {answer.image_id[:19]}: {said}")
     return _join(lines)
 
 

@@ -222,6 +222,17 @@ def unknown_flags(extra_args: list[str], known: list[str]) -> list[str]:
     return [f for f in extra_flags(extra_args) if f not in names and f.replace("_", "-") not in names]
 
 
+def serve_argvs(desired: Desired) -> list[tuple[str, ...]]:
+    """Every `vllm serve` argv a start of `desired` runs: each native rank's command, Ray's serve exec on the head.
+    All of them are judged by the image's own `--help=all` before anything stops (planning._image_refuses)."""
+    argvs = []
+    for spec in launch_specs(desired):
+        for argv in (spec.command, spec.serve_exec or ()):
+            if argv[:2] == ("vllm", "serve"):
+                argvs.append(argv)
+    return argvs
+
+
 def parse_serve_help(text: str) -> list[str]:
     """Every option name in `vllm serve --help=all` output: argparse lists them on lines indented by two spaces,
     aliases separated by ", " before the description (`  --api-server-count N, -asc N  Text`)."""

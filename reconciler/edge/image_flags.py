@@ -11,23 +11,27 @@ from __future__ import annotations
 from reconciler.core.drift import image_holder
 from reconciler.core.observed import Observed, ServeFlags
 from reconciler.core.spec import Desired
-from reconciler.core.vllm import extra_flags, parse_serve_help
+from reconciler.core.vllm import parse_serve_help
 from reconciler.edge.ssh import RemoteError, Sessions
 
 FLAGS_DEADLINE = 180.0  # `vllm serve --help=all` imports torch: ~12 s on 2 CPU cores, more on a busy node
 
 
 def flags_wanted(desired: Desired, observed: Observed) -> tuple[str, str] | None:
-    """(node, image id) to ask what the serving image can do: the node holding the reference image; None when
-    there is nothing to judge (serving.extra_args has no flags and the launcher is native) or no node has it."""
+    """(node, image id) to ask what the serving image can do: the node holding the reference image; None when no
+    node has it (the image's own drift blocks then). Every start is judged, the reconciler's own flags too
+    (issue 29): NGC 25.09/25.10 lack the native multi-node flags."""
     holder = image_holder(desired, observed)
-    if not (extra_flags(desired.serving.extra_args) or desired.serving.launcher == "ray") or holder is None:
+    if holder is None:
         return None
     return holder, observed.node(holder).images[desired.serving.image].id
 
 
 # One throw-away container answers both questions: `sh` is in every vLLM image (NGC's and vLLM's own are Ubuntu).
+# The version: the installed distribution's metadata (no torch import), else `vllm --version`.
 _ASK_IMAGE = ('if command -v ray >/dev/null 2>&1; then echo "@@ray yes"; else echo "@@ray no"; fi; '
+              'v=$(python3 -c "import importlib.metadata as m; print(m.version(\'vllm\'))" 2>/dev/null) || '
+              'v=$(vllm --version 2>/dev/null | tail -n 1); echo "@@version $v"; '
               'exec vllm serve --help=all')
 
 
@@ -42,17 +46,23 @@ def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id:
         flags = parse_serve_help(res.stdout)
         ray_line = next((line for line in res.stdout.splitlines() if line.startswith("@@ray ")), "")
         has_ray = {"@@ray yes": True, "@@ray no": False}.get(ray_line.strip())
+        version = next((line[len("@@version "):].strip()[:64] for line in res.stdout.splitlines()
+                        if line.startswith("@@version ")), "") or None
         error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
     except RemoteError as exc:
-        flags, error = [], exc.message
-    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, error=error)
+        flags, error, version = [], exc.message, None
+    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, version=version, error=error)
 
 
 _asked: dict[str, ServeFlags] = {}  # image id -> its flags: an id is a content hash, the same id knows the same
 
 
 def flags_once(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
-    """`ask_serve_flags`, once per image id for the life of the process."""
-    if image_id not in _asked:
-        _asked[image_id] = ask_serve_flags(desired, sessions, holder, image_id)
-    return _asked[image_id]
+    """`ask_serve_flags`, once per image id for the life of the process. An answer that could not be had is never
+    kept: the next command asks again (it may have been a busy node's deadline)."""
+    if image_id in _asked:
+        return _asked[image_id]
+    answer = ask_serve_flags(desired, sessions, holder, image_id)
+    if answer.error is None:
+        _asked[image_id] = answer
+    return answer

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.image_flags import flags_once, flags_wanted
 from reconciler.edge.manifest import manifest_script, parse_weights, weights_root
@@ -83,8 +84,9 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel:
             ask_flags: bool = True) -> tuple[Observed, dict[str, float]]:
     """Probe all nodes in parallel (an unreachable node never stalls the others); also return seconds per node.
     `cancel` (the daemon's shutdown) ends a probe that waits on a hung node within a second, not its timeout.
-    `ask_flags`: also ask the serving image for its flags here and now (the one-shot commands); the daemon asks
-    beside its loop instead (`reconciler.loop.operations.FlagsQuery`)."""
+    `ask_flags`: also ask the serving image for its flags here and now when a serving (re)start is planned (the
+    one-shot commands: asking imports torch, tens of seconds); the daemon asks every image id beside its loop
+    instead (`reconciler.loop.operations.FlagsQuery`)."""
     durations: dict[str, float] = {}
 
     def one(node: Node) -> NodeObservation:
@@ -97,7 +99,13 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel:
     with ThreadPoolExecutor(max_workers=max(1, len(desired.nodes))) as pool:
         results = list(pool.map(one, desired.nodes))
     observed = Observed(nodes={r.name: r for r in results})
-    if ask_flags and (wanted := flags_wanted(desired, observed)):
+    if ask_flags and (wanted := flags_wanted(desired, observed)) and _starts_serving(desired, observed):
         holder, image_id = wanted
         observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, holder, image_id)})
     return observed, durations
+
+
+def _starts_serving(desired: Desired, observed: Observed) -> bool:
+    """Whether a plan of this observation (no answer from the image yet) would start serving: only then is the
+    image asked, and the answer then judges that start (core.planning._image_refuses)."""
+    return any(s.kind == "start-serving" for s in plan(desired, observed).steps)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.core import planning, spec
-from reconciler.core.observed import Observed
+from reconciler.core.observed import Observed, ServeFlags
 from reconciler.core.planning import STEP_KINDS, Blocker, Plan, unhealthy_grace
 from reconciler.edge import log, trusted_files
 from reconciler.edge.image_flags import ask_serve_flags, flags_wanted
@@ -87,11 +87,15 @@ class Controller:
         self.streams: dict[str, threading.Event] = {}
         self.reconciles = 0
         self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
+        self.image_answer: ServeFlags | None = None  # what the serving image said of itself (FlagsQuery)
 
     @property
     def status(self) -> dict:
         """/status: the last reconcile's status, with the operations as they are right now."""
-        return log.redact({**self.publisher.status, "operations": self.operations.view()})
+        flags = self.image_answer
+        image = None if flags is None else {"id": flags.image_id, "vllm_version": flags.version,
+                                            "pending": flags.pending, "error": flags.error}
+        return log.redact({**self.publisher.status, "operations": self.operations.view(), "image": image})
 
     # -- the desired state ------------------------------------------------------------------------------------
 
@@ -191,6 +195,7 @@ class Controller:
                                                cancel=self.cancel, ask_flags=False)
         observed = self.health.annotate(desired, observed, self.clock())
         observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
+        self.image_answer = observed.serve_flags  # /status shows the image's vLLM version
         StatusPublisher.observation(desired, observed, durations)
         return observed
 

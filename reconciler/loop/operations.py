@@ -189,13 +189,21 @@ class FlagsQuery:
     """The serving image's `vllm serve --help=all`, asked beside the loop: it imports torch (~26 s here, more on a
     busy node), far too long to hold a reconcile. Asked once per image id; until the answer is in, the plan sees
     ServeFlags(pending=True) and holds a serving (re)start, so an unknown flag is still refused before anything
-    stops. The answer's arrival is a trigger."""
+    stops. An answer that could not be had (a crash, a deadline, `exec format error`) refuses a start too, and is
+    asked again after `RETRY_INITIAL` seconds, doubling to `RETRY_MAX`: never kept as the image's last word.
+    The answer's arrival is a trigger."""
 
-    def __init__(self, ask: Callable[[str, str], ServeFlags], on_answer: Callable[[], None]) -> None:
+    RETRY_INITIAL = 15.0
+    RETRY_MAX = 600.0
+
+    def __init__(self, ask: Callable[[str, str], ServeFlags], on_answer: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._ask = ask
         self._on_answer = on_answer
+        self._clock = clock
         self._lock = threading.Lock()
         self._answers: dict[str, ServeFlags] = {}
+        self._failures: dict[str, tuple[int, float]] = {}  # image id -> (failed answers, when to ask again)
 
     def get(self, wanted: tuple[str, str] | None) -> ServeFlags | None:
         """The answer for (holder, image id), or a pending one after starting the question."""
@@ -203,8 +211,10 @@ class FlagsQuery:
             return None
         holder, image_id = wanted
         with self._lock:
-            if image_id in self._answers:
-                return self._answers[image_id]
+            known = self._answers.get(image_id)
+            failed, retry_at = self._failures.get(image_id, (0, 0.0))
+            if known is not None and (known.error is None or self._clock() < retry_at):
+                return known
             self._answers[image_id] = ServeFlags(image_id=image_id, pending=True)
 
         def ask() -> None:
@@ -214,6 +224,11 @@ class FlagsQuery:
                 answer = ServeFlags(image_id=image_id, error=f"asking failed: {exc!r}")
             with self._lock:
                 self._answers[image_id] = answer
+                if answer.error is None:
+                    self._failures.pop(image_id, None)
+                else:
+                    wait = min(self.RETRY_MAX, self.RETRY_INITIAL * 2 ** failed)
+                    self._failures[image_id] = (failed + 1, self._clock() + wait)
             self._on_answer()
 
         threading.Thread(target=ask, name=f"flags-{image_id[:19]}", daemon=True).start()

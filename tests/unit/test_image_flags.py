@@ -95,15 +95,18 @@ def test_known_extra_flags_restart_as_usual(cluster_yaml, seed_snapshot, known):
     assert {s.kind for s in result.steps} >= {"stop-serving", "start-serving", "await-health"}
 
 
-def test_flags_of_another_image_id_or_an_unasked_image_judge_nothing(cluster_yaml, seed_snapshot, known):
+def test_an_image_that_could_not_be_asked_refuses_and_only_an_unasked_snapshot_judges_nothing(
+        cluster_yaml, seed_snapshot, known):
     desired, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=["--max-num-seqz", "4"])
     other = plan(desired, _with_flags(desired, observed, known, image_id="sha256:" + "9" * 64))
     unasked = plan(desired, observed)
     failed = plan(desired, observed.model_copy(update={"serve_flags": ServeFlags(
         image_id=observed.node(image_holder(desired, observed) or "").images[desired.serving.image].id,
         error="timed out")}))
-    for result in (other, unasked, failed):
-        assert result.blocked == [] and any(s.kind == "start-serving" for s in result.steps)
+    assert unasked.blocked == [] and any(s.kind == "start-serving" for s in unasked.steps)
+    for result, words in ((other, "the answer at hand is about"), (failed, "could not be asked")):
+        assert not any(s.kind in ("stop-serving", "start-serving") for s in result.steps)
+        assert len(result.blocked) == 1 and words in result.blocked[0].reason
 
 
 # -- launcher: ray on an image without Ray (NVIDIA's playbook: vLLM 26.05-py3 "ships without ray") ----------------
@@ -130,12 +133,14 @@ def test_native_on_an_image_without_ray_is_fine(cluster_yaml, seed_snapshot, kno
     assert result.blocked == [] and any(s.kind == "start-serving" for s in result.steps)
 
 
-def test_a_ray_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed_snapshot):
+def test_every_launch_asks_the_image_even_without_extra_flags(cluster_yaml, seed_snapshot):
+    """The reconciler's own flags are judged too (issue 29): native without extra_args is asked as well."""
     from reconciler.edge.image_flags import flags_wanted
 
     native, observed = _deployed(cluster_yaml, seed_snapshot, extra_args=[])
     ray, _ = _deployed(cluster_yaml, seed_snapshot, extra_args=[], launcher="ray")
-    assert flags_wanted(native, observed) is None
+    assert flags_wanted(native, observed) == (native.head.name,
+                                              observed.node(native.head.name).images[native.serving.image].id)
     assert flags_wanted(ray, observed) == (ray.head.name, observed.node(ray.head.name).images[ray.serving.image].id)
 
 
@@ -151,8 +156,29 @@ def test_one_throwaway_container_answers_flags_and_ray(cluster_yaml, seed_snapsh
     class Session:
         def run(self, argv, timeout, check):
             seen.append(argv)
-            return SimpleNamespace(stdout=f"{ray_line}\n{HELP.read_text()}", stderr="", exit_code=0)
+            return SimpleNamespace(stdout=f"{ray_line}\n@@version 0.32.0\n{HELP.read_text()}", stderr="", exit_code=0)
 
     answer = ask_serve_flags(desired, {desired.head.name: Session()}, desired.head.name, "sha256:" + "1" * 64)
     assert answer.has_ray is has_ray and "--tensor-parallel-size" in answer.flags and answer.error is None
+    assert answer.version == "0.32.0"
     assert seen[0][:6] == ["docker", "run", "--rm", "--network", "none", "--entrypoint"]
+
+
+def test_a_failed_question_is_not_kept_by_the_one_shot_commands(cluster_yaml, seed_snapshot):
+    from types import SimpleNamespace
+
+    from reconciler.edge import image_flags
+
+    desired, _ = _deployed(cluster_yaml, seed_snapshot)
+    runs = []
+
+    class Session:
+        def run(self, argv, timeout, check):
+            runs.append(argv)
+            return SimpleNamespace(stdout="", stderr="exec /usr/bin/sh: exec format error", exit_code=255)
+
+    sessions, image_id = {desired.head.name: Session()}, "sha256:" + "7" * 64
+    for _ in range(2):
+        answer = image_flags.flags_once(desired, sessions, desired.head.name, image_id)
+        assert "exec format error" in (answer.error or "")
+    assert len(runs) == 2 and image_id not in image_flags._asked

@@ -175,6 +175,37 @@ def test_a_question_that_raises_still_answers_so_serving_does_not_wait_forever()
     assert answer is not None and not answer.pending and "channel refused" in (answer.error or "")
 
 
+def test_an_answer_that_could_not_be_had_is_asked_again_with_backoff_never_kept():
+    """Issue 29: a failed question once judged nothing for the life of the daemon; now it refuses, then asks again."""
+    now, calls, answered = [100.0], [], threading.Event()
+
+    def ask(holder, image_id):
+        calls.append(now[0])
+        return ServeFlags(image_id=image_id, error="exec format error") if len(calls) < 3 else \
+            ServeFlags(image_id=image_id, flags=["--port"])
+
+    def settled():
+        assert answered.wait(10)
+        answered.clear()
+        return query.get(("h", "sha256:3"))
+
+    query = FlagsQuery(ask, on_answer=answered.set, clock=lambda: now[0])
+    query.get(("h", "sha256:3"))
+    assert settled().error == "exec format error"
+    now[0] += 14.0
+    assert query.get(("h", "sha256:3")).error == "exec format error" and calls == [100.0]
+    now[0] += 1.0  # 15 s after the failure
+    assert query.get(("h", "sha256:3")).pending
+    assert settled().error == "exec format error" and calls == [100.0, 115.0]
+    now[0] += 29.0
+    assert query.get(("h", "sha256:3")).error, "the wait doubled: 30 s"
+    now[0] += 1.0
+    query.get(("h", "sha256:3"))
+    assert settled().flags == ["--port"] and calls == [100.0, 115.0, 145.0]
+    now[0] += 10_000
+    assert query.get(("h", "sha256:3")).flags == ["--port"] and len(calls) == 3, "a real answer is kept"
+
+
 def test_cancel_all_reaches_every_batch_through_its_own_context():
     ended, seen = threading.Event(), []
 

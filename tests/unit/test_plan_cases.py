@@ -11,11 +11,14 @@ what a plan says, which `plan`, `apply` and `/status` print.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from reconciler.core import spec
 from reconciler.core.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, ServingApi
 from reconciler.core.planning import Blocker, Step, plan
+from reconciler.core.vllm import parse_serve_help
 from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
 
 STOPS = tuple(f"stop-serving/{n}/vllm_serving" for n in ("head", *WORKERS))
@@ -238,7 +241,8 @@ def test_a_node_that_cannot_be_asked_holds_the_wait_for_health(desired, seen, do
 
 def _flags(seen: Observed, **fields: object) -> ServeFlags:
     image_id = seen.node("head").images["vllm-standin:latest"].id
-    return ServeFlags(image_id=image_id, flags=["--port", "--host"], has_ray=True).model_copy(update=fields)
+    known = parse_serve_help((Path(__file__).with_name("fixtures") / "vllm-0.32.0-cpu-serve-help-all.txt").read_text())
+    return ServeFlags(image_id=image_id, flags=known, has_ray=True).model_copy(update=fields)
 
 
 @pytest.mark.parametrize(("extra", "words"), [
@@ -250,8 +254,8 @@ def test_flags_the_image_does_not_know_stop_nothing(seen, extra, words):
     observed = seen.model_copy(update={"serve_flags": _flags(seen)})
     image_id = observed.serve_flags.image_id  # type: ignore[union-attr]
     assert steps_and_blockers(desired, observed) == ([], [Blocker(
-        "head", f"serving.extra_args: {words} of `vllm serve` in vllm-standin:latest ({image_id[:19]}); nothing is "
-        "stopped or started")])
+        "head", f"serving.extra_args: {words} of `vllm serve` in vllm-standin:latest ({image_id[:19]}), vLLM of an "
+        "unknown version; nothing is stopped or started")])
 
 
 def test_a_restart_waits_while_the_image_is_being_asked(seen):
@@ -263,11 +267,22 @@ def test_a_restart_waits_while_the_image_is_being_asked(seen):
         "knows and whether it has Ray (asked once per image id), to judge it before anything stops")]
 
 
-def test_flags_of_another_image_id_judge_nothing(seen):
+def test_flags_of_another_image_id_hold_the_restart(seen):
     desired = load(("  health_timeout: 2m", '  health_timeout: 2m\n  extra_args: ["--foo"]'))
     observed = seen.model_copy(update={"serve_flags": _flags(seen, image_id="sha256:" + "0" * 64)})
     steps, blocked = steps_and_blockers(desired, observed)
-    assert blocked == [] and [s.kind for s in steps][-1] == "await-health"
+    assert steps == [] and len(blocked) == 1 and "the answer at hand is about sha256:000000000000" in blocked[0].reason
+
+
+def test_an_image_without_native_multi_node_flags_stops_nothing(seen):
+    """NGC 25.09/25.10 predate vllm-project/vllm PR #23691: the reconciler's own rendered flags are judged too."""
+    desired = load(("  health_timeout: 2m", "  health_timeout: 2m\n  extra_args: [--max-num-seqs, '4']"))
+    old = [f for f in _flags(seen).flags if f not in ("--nnodes", "-n", "--node-rank", "-r", "--headless")]
+    observed = seen.model_copy(update={"serve_flags": _flags(seen, flags=old, version="0.10.2")})
+    steps, [blocked] = steps_and_blockers(desired, observed)
+    assert not any(s.kind in ("stop-serving", "start-serving") for s in steps)
+    assert "vLLM 0.10.2, does not know --nnodes, --node-rank, --headless, which the native launcher" in blocked.reason
+    assert "vllm-project/vllm PR #23691" in blocked.reason
 
 
 # ------------------------------------------------------------------------------ sources that do not serve
