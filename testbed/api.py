@@ -311,7 +311,7 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
             "    privileged: false",
             "    ipc: host",
             "    shm_size: 1g",
-            "    ulimits: {nofile: \"16384:16384\"}   # this sandbox caps nofile at 20000 and refuses memlock=-1",
+            "    ulimits: {nofile: \"16384:16384\", memlock: null}   # this sandbox caps nofile, refuses memlock=-1",
             "",
             "co_tenants:",
             "  allowed:                          # the seed's vllm_node (GLM on :8000) is not allowed"]

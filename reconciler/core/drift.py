@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, NodeObservation, Observed, Weights
+from reconciler.core.platforms import machine_platform, runs_on
 from reconciler.core.spec import Desired, FabricPort, Node
 from reconciler.core.vllm import launch_specs, memory_needed
 
@@ -222,7 +223,15 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
     out = []
     for name in ready:
         got = observed.node(name).images.get(image)
-        if got is None or got.content != reference.content:
+        machine = observed.node(name).machine
+        if not runs_on(reference.platform, machine):
+            assert machine is not None, "runs_on judges nothing without a machine"
+            arch = machine_platform(machine).split("/")[1]
+            out.append(Drift(name, "image", res, f"an image for {machine_platform(machine)} (uname -m: {machine})",
+                             f"{reference.platform} on {holder}: every rank would exit with 'exec format error'; "
+                             f"pull the {arch} image on {holder} (or a multi-platform tag); nothing is copied, "
+                             "stopped or started", actionable=False, blocking=True))
+        elif got is None or got.content != reference.content:
             out.append(Drift(name, "image", res, f"content {reference.content[:19]}",
                              f"content {got.content[:19]}" if got else "missing"))
     return out

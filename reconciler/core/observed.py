@@ -20,6 +20,9 @@ LABEL_ROLE = "spark-reconciler.role"
 # Which reconciler created the container: the cluster it serves, named by its head (Desired.instance). Without it
 # a container another reconciler made (or a copied `docker run` line) would look like one of ours.
 LABEL_INSTANCE = "spark-reconciler.instance"
+# The fixed TCP ports the container listens on (`LaunchSpec.listens`), comma-separated: which listeners on a node
+# are our own generation's, so a held port is judged before anything stops.
+LABEL_PORTS = "spark-reconciler.ports"
 
 
 class _Model(BaseModel):
@@ -43,6 +46,14 @@ class Container(_Model):
     @property
     def managed(self) -> bool:
         return self.labels.get(LABEL_MANAGED) == "true"
+
+    @property
+    def held_ports(self) -> frozenset[int] | None:
+        """The fixed ports it was started to listen on; None: started before the label existed (not known)."""
+        raw = self.labels.get(LABEL_PORTS)
+        if raw is None:
+            return None
+        return frozenset(int(p) for p in raw.split(",") if p.isdigit())
 
     def owned_by(self, instance: str) -> bool:
         """Created by the reconciler of this cluster. A container made before the instance label existed (it
@@ -138,6 +149,8 @@ class Image(_Model):
     store: str = Field("", description="the engine's image store: `containerd` or the graph driver's name")
     entrypoint: list[str] = Field(default_factory=list, description="the image config's Entrypoint (NGC's: "
                                   "/opt/nvidia/nvidia_entrypoint.sh, which sets up CUDA forward compatibility)")
+    platform: str = Field("", description="`OS/ARCH[/VARIANT]` from the inspect object (`linux/arm64` on a "
+                          "Spark); \"\": not said (an older snapshot)")
 
     @model_validator(mode="before")
     @classmethod
@@ -156,6 +169,10 @@ class NodeObservation(_Model):
     error: str | None = None
     probe_error: str | None = Field(None, description="the node answered, but its output did not parse (which "
                                     "section, why): nothing else of it is known; steps on it wait")
+    machine: str | None = Field(None, description="`uname -m` (`aarch64` on a Spark): what an image's platform "
+                                "must fit; None: not read (a snapshot from before it was)")
+    listening: list[int] | None = Field(None, description="TCP ports something listens on (/proc/net/tcp, tcp6): "
+                                        "a start needs its own free; None: not read (an older snapshot)")
     docker_reachable: bool = False
     docker_error: str | None = None
     containers: list[Container] = Field(default_factory=list)

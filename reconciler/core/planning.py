@@ -14,7 +14,7 @@ from typing import Literal
 from reconciler.core.drift import Drift, diff, image_holder
 from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
-from reconciler.core.vllm import extra_flags, serve_argvs, serve_wrapper, unknown_flags
+from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
 
 StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
                    "await-health"]
@@ -179,6 +179,9 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
         blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
                        for d in dict.fromkeys(hurdles))
         return steps
+    if taken := _ports_taken(desired, observed, before):
+        blocked.extend(taken)
+        return steps
     prereq = tuple(s.id for s in before)
     for node in serving:
         c = observed.node(node).container(name)
@@ -290,6 +293,38 @@ def _image_refuses(desired: Desired, observed: Observed) -> str | None:
                 " Nothing is stopped or started")
     return (f"serving.extra_args: {', '.join(theirs)} {'is not a flag' if len(theirs) == 1 else 'are not flags'} "
             f"of `vllm serve` in {named}, {version}; nothing is stopped or started")
+
+
+def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> list[Blocker]:
+    """The fixed ports a start needs (`LaunchSpec.listens`) that something else listens on: vLLM would exit
+    with "Address already in use" (the API) or never rendezvous (torch's TCPStore, Ray's GCS). A listener is
+    ours when one of this cluster's running containers on the node was started for that port (its ports
+    label; one from before the label is taken to hold what its node needs now). A co-tenant this plan stops
+    may be the holder, but nothing says so (/proc/net/tcp names no process the SSH user may see): with nothing
+    of ours serving, the start goes on after the stop (the seed's GLM on :8000); with a generation to keep,
+    the restart waits for the stop to land and judges again."""
+    running = {n.name: [c for c in observed.node(n.name).containers if c.running and c.owned_by(desired.instance)]
+               for n in desired.serving_nodes}
+    serving_now = any(running.values())
+    out = []
+    for spec in launch_specs(desired):
+        listening = observed.node(spec.node).listening
+        if listening is None or not spec.listens:
+            continue  # not read: only a snapshot from before the probe read it
+        ours = set().union(*(c.held_ports or {p for _, p in spec.listens} for c in running[spec.node]))
+        taken = [(field, port) for field, port in spec.listens if port in listening and port not in ours]
+        if not taken:
+            continue
+        freeing = [s.id for s in before if s.kind == "stop-container" and s.node == spec.node]
+        if freeing and not serving_now:
+            continue
+        held = ", ".join(f"{port} ({field})" for field, port in taken)
+        then = (f"; judged again once {', '.join(freeing)} has run (it may hold it)" if freeing else
+                "; nothing is stopped or started")
+        out.append(Blocker(spec.node, f"port {held} on {spec.node} is held by a process the reconciler did not "
+                                      "start, and rank 0 must listen there: free it (`sudo ss -ltnp 'sport = :"
+                                      f"{taken[0][1]}'` shows who holds it) or choose another port{then}"))
+    return out
 
 
 def _restart_hurdles(drift: list[Drift], serving: list[str]) -> list[Drift]:

@@ -58,7 +58,8 @@ def observed_text(observed: Observed) -> str:
         if not n.reachable:
             lines.append(f"node {name}: UNREACHABLE ({n.error})")
             continue
-        lines.append(f"node {name}: reachable, docker {'ok' if n.docker_reachable else n.docker_error}")
+        lines.append(f"node {name}: reachable{', ' + n.machine if n.machine else ''}, "
+                     f"docker {'ok' if n.docker_reachable else n.docker_error}")
         for c in n.containers:
             lines.append(f"  container {c.name:<20} {c.state:<8} {c.image}{' [managed]' if c.managed else ''}")
         for f in n.links():
@@ -72,8 +73,8 @@ def observed_text(observed: Observed) -> str:
             lines.append(f"  weights {n.weights.root}: " + (f"{len(n.weights.files)} files, "
                          f"{n.weights.total_bytes} bytes" if n.weights.present else "absent"))
         for ref, image in n.images.items():
-            lines.append(f"  image {ref}: {image.id[:19]} (content {image.content[:19]}"
-                         f"{', ' + image.store + ' store' if image.store else ''})")
+            lines.append(f"  image {ref}: {image.id[:19]} ({image.platform + ', ' if image.platform else ''}"
+                         f"content {image.content[:19]}{', ' + image.store + ' store' if image.store else ''})")
         if n.serving:
             s = n.serving
             lines.append(f"  serving: {'healthy' if s.healthy else 'not healthy'}"

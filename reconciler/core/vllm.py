@@ -12,7 +12,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from reconciler.core.observed import LABEL_GENERATION, LABEL_INSTANCE, LABEL_MANAGED, LABEL_ROLE, LABEL_SPEC_HASH
+from reconciler.core.observed import (
+    LABEL_GENERATION,
+    LABEL_INSTANCE,
+    LABEL_MANAGED,
+    LABEL_PORTS,
+    LABEL_ROLE,
+    LABEL_SPEC_HASH,
+)
 from reconciler.core.spec import Desired, Node
 
 HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
@@ -33,6 +40,10 @@ class LaunchSpec:
     serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
     keep_local: tuple[str, ...] = ()  # Ray launcher, head: env names vLLM must not copy to the Ray workers
     instance: str = ""  # Desired.instance, as a label (not hashed: it names the owner, not the launch)
+    #: The fixed TCP ports this rank listens on, with the field that sets each (the API, torch's TCPStore for
+    #: the native rendezvous, Ray's GCS): a start finds them free or fails. Carried as a label, so the next
+    #: plan knows which listeners are this generation's own. Not hashed: the command already says them.
+    listens: tuple[tuple[str, int], ...] = ()
 
     @property
     def spec_hash(self) -> str:
@@ -48,7 +59,8 @@ class LaunchSpec:
         reads the environment from there instead of `-e K=V`, so no value (HF_TOKEN, ...) is on a command line:
         not in `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
         labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
-                  LABEL_ROLE: "head" if self.rank == 0 else "worker", LABEL_INSTANCE: self.instance}
+                  LABEL_ROLE: "head" if self.rank == 0 else "worker", LABEL_INSTANCE: self.instance,
+                  LABEL_PORTS: ",".join(str(port) for _, port in self.listens)}
         argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
         for key, value in sorted(labels.items()):
             argv += ["--label", f"{key}={value}"]
@@ -280,6 +292,7 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
         flags = tuple(_docker_flags(desired) + mount + caches)
         env = mount_env | cache_env | _env(desired, node)
         serve_exec = None
+        listens = _listens(desired, rank, len(nodes))
         if s.launcher == "native":
             command = _serve_argv(desired, model_arg) + ["--host", s.host, "--port", str(s.port)]
             if len(nodes) > 1:
@@ -301,10 +314,22 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
                            *RAY_START_FLAGS]
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
                                 docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
-                                instance=desired.instance))
+                                instance=desired.instance, listens=listens))
     if s.launcher == "ray":
         specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))
     return specs
+
+
+def _listens(desired: Desired, rank: int, nodes: int) -> tuple[tuple[str, int], ...]:
+    """The fixed ports rank `rank` listens on. Only rank 0 has any: the API (`--port`), and the rendezvous the
+    workers dial, torch's TCPStore on `--master-port` (native, more than one node) or Ray's GCS (`ray start
+    --head --port`). Workers listen only on ports the kernel picks."""
+    s = desired.serving
+    if rank > 0:
+        return ()
+    if s.launcher == "ray":
+        return (("serving.port", s.port), ("serving.ray_port", s.ray_port))
+    return (("serving.port", s.port), *((("serving.master_port", s.master_port),) if nodes > 1 else ()))
 
 
 def _keep_local(specs: list[LaunchSpec]) -> tuple[str, ...]:

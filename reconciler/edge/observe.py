@@ -24,10 +24,14 @@ from reconciler.edge.probes import (
     containers_script,
     image_script,
     link_script,
+    listen_script,
+    machine_script,
     memory_script,
     parse_containers,
     parse_image,
     parse_links,
+    parse_listening,
+    parse_machine,
     parse_memory,
     parse_serving,
     ray_script,
@@ -39,7 +43,8 @@ from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions
 def probe_script(desired: Desired, node: Node) -> str:
     """The script for one node: every fragment of `probes`, the head's API and Ray too."""
     lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(), *image_script(desired.serving.image),
-             *link_script(node), *memory_script(), manifest_script(weights_root(desired, node.name))]
+             *link_script(node), *machine_script(), *listen_script(), *memory_script(),
+             manifest_script(weights_root(desired, node.name))]
     if node.role == "head":
         lines += api_script(desired)
         if desired.serving.launcher == "ray":
@@ -59,7 +64,9 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
                                 sections.get("completion"))
     return NodeObservation(
-        name=node.name, reachable=True, docker_reachable=docker_ok, docker_error=docker_error,
+        name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
+        listening=parse_listening(sections.get("listen")),
+        docker_reachable=docker_ok, docker_error=docker_error,
         containers=containers, images=images,
         fabric=fabric, fabric_twin=fabric_twin,
         memory=parse_memory(sections.get("meminfo")),

@@ -15,11 +15,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from reconciler.core.observed import Container, Image, Link, Memory, RdmaPort, ServingApi
+from reconciler.core.platforms import image_platform
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.ssh import ENDED_BY_TIMEOUT, CommandTimeout, Session, quote, quote_word
 
@@ -173,8 +175,10 @@ def image_from_inspect(raw: object) -> Image:
     entrypoint = config.get("Entrypoint") or []
     if not isinstance(entrypoint, list) or not all(isinstance(a, str) for a in entrypoint):
         raise TypeError(f"not an image Entrypoint: {str(entrypoint)[:80]!r}")
+    platform = image_platform(str(raw.get("Os") or ""), str(raw.get("Architecture") or ""),
+                              str(raw.get("Variant") or ""))
     return Image(id=raw["Id"], content="sha256:" + hashlib.sha256(body.encode()).hexdigest(), digests=digests,
-                 store=store, entrypoint=entrypoint)
+                 store=store, entrypoint=entrypoint, platform=platform)
 
 
 @node_output("image")
@@ -294,6 +298,56 @@ def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
             devices[-1]["netdevs"].append(value.strip())
     return [RdmaDevice(d["name"], tuple(d["netdevs"]), RdmaPort(state=d["state"], phys_state=d["phys_state"]))
             for d in devices]
+
+
+def machine_script() -> list[str]:
+    """The `machine` section: `uname -m`, which the serving image's platform must fit (`parse_machine`)."""
+    return ["sec machine", "uname -m; echo \"@@rc $?\""]
+
+
+_MACHINE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+
+
+@node_output("machine")
+def parse_machine(sec: Section | None) -> str | None:
+    """The node's machine name; None when uname did not answer. Anything but one plain word is odd output."""
+    if sec is None or sec.rc != 0:
+        return None
+    word = sec.body.strip()
+    if not _MACHINE.fullmatch(word):
+        raise ValueError(f"not a machine name: {word[:40]!r}")
+    return word
+
+
+def listen_script() -> list[str]:
+    """The `listen` section: the LISTEN rows (state 0A) of /proc/net/tcp and tcp6, filtered on the node so a busy
+    node's thousands of connections never fill the probe (`parse_listening`). /proc, not `ss`: nothing to
+    install, and the same kernel table. tcp6 is absent where IPv6 is off."""
+    return ["sec listen",
+            "if [ -r /proc/net/tcp ]; then cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | "
+            "grep -E '^ *[0-9]+: [0-9A-Fa-f]+:[0-9A-Fa-f]{4} [0-9A-Fa-f]+:[0-9A-Fa-f]{4} 0A '; "
+            "echo \"@@rc 0\"; else echo \"@@rc 2\"; fi"]
+
+
+def listening_ports(text: str) -> set[int]:
+    """The local ports of /proc/net/tcp{,6} LISTEN rows (`sl local rem st ...`, addresses `HEX:PORT` in hex)."""
+    ports = set()
+    for line in text.splitlines():
+        cols = line.split()
+        if not cols:
+            continue
+        if len(cols) < 4 or cols[3] != "0A":
+            raise ValueError(f"not a LISTEN row of /proc/net/tcp: {line[:80]!r}")
+        ports.add(int(cols[1].rpartition(":")[2], 16))
+    return ports
+
+
+@node_output("listen")
+def parse_listening(sec: Section | None) -> list[int] | None:
+    """The node's listening TCP ports, sorted; None when /proc/net/tcp could not be read."""
+    if sec is None or sec.rc != 0:
+        return None
+    return sorted(listening_ports(sec.body))
 
 
 def memory_script() -> list[str]:

@@ -27,3 +27,19 @@ def test_wraps_around_below_the_reference_never_the_broadcast():
 def test_a_full_subnet_has_no_free_address():
     assert _next("10.0.0.1/30", "10.0.0.2") is None
     assert _next("10.0.0.1/31", "10.0.0.0") is None
+
+
+def test_a_head_that_cannot_lock_memory_gets_a_starter_without_memlock():
+    """The defaults ask for memlock=-1; a head whose hard limit is finite would refuse every start with it
+    (docker: "setrlimit ... operation not permitted"), so the starter removes it, and keeps it where it can be had."""
+    from reconciler.core.spec.models import DockerOptions
+    from reconciler.edge.discover.facts import NodeFacts
+    from reconciler.edge.discover.render import _docker
+
+    def effective(**facts):
+        ulimits = dict(_docker(NodeFacts(host="h", **facts))["ulimits"])
+        return DockerOptions(ulimits=ulimits).effective_ulimits
+
+    limited = effective(nofile_hard=20000, memlock_unlimited=False)
+    assert "memlock" not in limited and limited["nofile"] == "20000:20000"
+    assert effective(nofile_hard=None, memlock_unlimited=True)["memlock"] == "-1"

@@ -260,7 +260,6 @@ def test_parsers_for_the_rest_of_the_script():
     imgs = disc.parse_images('{"Repository":"nvcr.io/nvidia/vllm","Tag":"26.05-py3","Size":"18.5GB"}\n'
                              '{"Repository":"<none>","Tag":"<none>","Size":"41.8MB"}')
     assert imgs == [("nvcr.io/nvidia/vllm:26.05-py3", 18_500_000_000)]
-    assert disc.parse_listen("LISTEN 0 5 0.0.0.0:8000 0.0.0.0:*\nLISTEN 0 128 [::]:22 [::]:*") == {8000, 22}
     roots, models = disc.parse_models("home\t/srv/a/models\nroot\t/home/spark/.cache/huggingface/hub\n"
                                       "hf\t/home/spark/.cache/huggingface/hub\tmodels--Qwen--Qwen3-8B\t16000000\t"
                                       + "a" * 40 + "\n")

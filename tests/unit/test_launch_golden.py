@@ -46,8 +46,10 @@ def env(ip: str, *extra: str) -> str:
 
 
 def labels(role: str, spec_hash: str) -> list[str]:
+    ports = "8000,29501" if role == "head" else ""  # the API and torch's TCPStore: rank 0 alone listens on fixed ports
     return ["--label", "spark-reconciler.generation=3", "--label", "spark-reconciler.instance=10.1.230.180:22",
-            "--label", "spark-reconciler.managed=true", "--label", f"spark-reconciler.role={role}",
+            "--label", "spark-reconciler.managed=true", "--label", f"spark-reconciler.ports={ports}",
+            "--label", f"spark-reconciler.role={role}",
             "--label", f"spark-reconciler.spec-hash={spec_hash}"]
 
 

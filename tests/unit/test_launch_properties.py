@@ -136,10 +136,17 @@ def docker_run(argv: list[str]) -> dict:
 @given(desireds(), st.integers(min_value=0, max_value=99))
 def test_docker_runs_each_rank_detached_named_and_labelled_for_the_next_observe(desired, generation):
     """What the next observe and diff read back off the container: its name, the owner, the spec hash, the
-    generation and the role; detached, so the step returns; env inline or from the file, never both."""
+    generation, the role and the ports rank 0 listens on (read off its own argv: every `--port` and, with
+    more than one node, `--master-port`); detached, so the step returns; env inline or from the file, never
+    both."""
     for s in launch_specs(desired):
         run = docker_run(s.run_argv(generation))
         assert "-d" in run["flags"] and run["--name"] == s.container_name
+        argv = [*s.command, *(s.serve_exec or ())]
+        listens = {argv[i + 1] for i, a in enumerate(argv) if a in ("--port", "--master-port")} if s.rank == 0 \
+            else set()
+        ports = run["labels"].pop("spark-reconciler.ports")
+        assert set(filter(None, ports.split(","))) == listens
         assert run["labels"] == {"spark-reconciler.managed": "true", "spark-reconciler.spec-hash": s.spec_hash,
                                  "spark-reconciler.generation": str(generation),
                                  "spark-reconciler.role": "head" if s.rank == 0 else "worker",

@@ -340,3 +340,93 @@ def test_an_rdma_port_down_with_its_netdev_is_in_the_link_steps_reason():
     assert steps_and_blockers(desired, changed(seen, "worker1", fabric=port)) == ([step(
         "link/worker1", "link/enp1s0f1np1: expected up, observed admin-down; rdma/rocep1s0f1: expected 4: ACTIVE, "
         "observed 1: DOWN (3: Disabled)")], [])
+
+
+# ------------------------------------------------------------------------------------------------ platform
+
+
+def _on_machines(observed: Observed, machine: str) -> Observed:
+    for name in observed.nodes:
+        observed = changed(observed, name, machine=machine)
+    return observed
+
+
+def test_an_image_of_another_platform_stops_nothing_and_copies_nothing(seen):
+    """The recording's image is linux/amd64; on aarch64 Sparks (NVIDIA's playbook: "Missing ARM64 image") every
+    rank would exit with `exec format error`. A serving change and a worker without the image plan nothing that
+    stops, copies or starts; each serving node says what to pull, and the running generation keeps serving."""
+    desired = load(("max_model_len: 4096", "max_model_len: 8192"))
+    observed = _on_machines(changed(seen, "worker2", images={}), "aarch64")
+    assert observed.node("head").images["vllm-standin:latest"].platform == "linux/amd64"
+    result = plan(desired, observed)
+    assert result.steps == [] and result.blocked
+    image = [d for d in result.drift if d.kind == "image"]
+    assert {d.node for d in image} == {"head", *WORKERS} and all(d.blocking and not d.actionable for d in image)
+    assert image[0].expected == "an image for linux/arm64 (uname -m: aarch64)"
+    assert "linux/amd64 on head: every rank would exit with 'exec format error'; pull the arm64 image on head" \
+        in image[0].observed
+
+
+@pytest.mark.parametrize("machine", ["x86_64", None])
+def test_an_image_of_the_nodes_platform_restarts_as_before(desired, seen, machine):
+    """x86_64 is amd64 (containerd/platforms normalizeArch); an unread machine (a snapshot from before the probe
+    read it) judges nothing."""
+    edited_desired = load(("max_model_len: 4096", "max_model_len: 8192"))
+    steps, blocked = steps_and_blockers(edited_desired, _on_machines(seen, machine))
+    assert blocked == [] and [s.kind for s in steps].count("stop-serving") == 4
+
+
+# ------------------------------------------------------------------------------------------------ ports
+
+GLM = Container(name="vllm_node", id="c0ffee", image="vllm-node:glm", state="running")
+
+
+def _listening(seen: Observed, *ports: int, ours: str | None = "8000,29501", glm: bool = False) -> Observed:
+    """The head with `ports` listening; its serving container labelled with `ours` (None: started before the
+    label existed); `glm`: the seed's GLM, not allowed, running beside it."""
+    head = seen.node("head")
+    containers = serving_with(seen, "head", labels={**head.container("vllm_serving").labels,  # type: ignore[union-attr]
+                                                    **({"spark-reconciler.ports": ours} if ours is not None else {})})
+    return changed(seen, "head", listening=[22, *ports], containers=[*containers, *([GLM] if glm else [])])
+
+
+@pytest.mark.parametrize("ours", ["8000,29501", None])
+def test_ports_held_by_the_running_generation_are_its_own(seen, ours):
+    """A serving change restarts as ever when the listeners are the generation's own, by its label, or, for a
+    container started before the label, by what its node needs now."""
+    desired = load(("max_model_len: 4096", "max_model_len: 8192"))
+    steps, blocked = steps_and_blockers(desired, _listening(seen, 8000, 29501, ours=ours))
+    assert blocked == [] and [s.kind for s in steps].count("stop-serving") == 4
+
+
+def test_a_new_port_held_by_another_process_stops_nothing(seen):
+    """Open WebUI (or any process) on 8080 and the API moved there: rank 0 would exit with "Address already in
+    use" after every rank was stopped."""
+    desired = load(("  port: 8000", "  port: 8080"))
+    steps, blocked = steps_and_blockers(desired, _listening(seen, 8000, 8080, 29501))
+    assert steps == [] and blocked == [Blocker(
+        "head", "port 8080 (serving.port) on head is held by a process the reconciler did not start, and rank 0 "
+        "must listen there: free it (`sudo ss -ltnp 'sport = :8080'` shows who holds it) or choose another port; "
+        "nothing is stopped or started")]
+
+
+def test_a_held_port_with_a_co_tenant_to_stop_waits_for_the_stop_while_a_generation_serves(seen):
+    desired = load(("  master_port: 29501", "  master_port: 29600"))
+    steps, [blocked] = steps_and_blockers(desired, _listening(seen, 8000, 29501, 29600, glm=True))
+    assert [s.id for s in steps] == ["stop-container/head/vllm_node"]
+    assert blocked.reason.startswith("port 29600 (serving.master_port) on head is held")
+    assert blocked.reason.endswith("; judged again once stop-container/head/vllm_node has run (it may hold it)")
+
+
+def test_with_nothing_of_ours_serving_the_start_follows_the_co_tenants_stop(seen):
+    """The seed: the GLM holds :8000 and no generation of ours runs, so nothing is at stake; the start comes
+    after the stop, as it always did."""
+    desired = load()
+    observed = seen
+    for n in ("head", *WORKERS):
+        observed = changed(observed, n, containers=without(observed, n, "vllm_serving"))
+    observed = changed(observed, "head", listening=[22, 8000],
+                       containers=[*observed.node("head").containers, GLM])
+    steps, blocked = steps_and_blockers(desired, observed)
+    assert blocked == [] and steps[0].id == "stop-container/head/vllm_node"
+    assert "stop-container/head/vllm_node" in next(s for s in steps if s.id == "start-serving/head").after

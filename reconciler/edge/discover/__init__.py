@@ -36,7 +36,6 @@ from reconciler.edge.discover.facts import (
     parse_ibdev2netdev,
     parse_images,
     parse_ip_addr,
-    parse_listen,
     parse_meminfo,
     parse_models,
     parse_rdma_sysfs,
@@ -49,7 +48,7 @@ from reconciler.edge.ssh import Session
 
 __all__ = ["FabricGuess", "Iface", "ModelDir", "NodeFacts", "RdmaLink", "RunningContainer", "guess_fabric",
            "holds_serving_port", "next_free_address", "parse_commands", "parse_facts", "parse_ibdev2netdev",
-           "parse_images", "parse_ip_addr", "parse_listen", "parse_meminfo", "parse_models",
+           "parse_images", "parse_ip_addr", "parse_meminfo", "parse_models",
            "parse_rdma_sysfs", "probe", "render", "running_containers", "sessions_for"]
 
 def sessions_for(head: str, workers: list[str], *, user: str, known_hosts: str, identity: str | None,

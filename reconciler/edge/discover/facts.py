@@ -28,10 +28,12 @@ from reconciler.edge.probes import (
     Section,
     containers_script,
     interfaces_script,
+    listen_script,
     memory_script,
     node_output,
     parse_containers,
     parse_interfaces,
+    parse_listening,
     parse_memory,
     parse_rdma_devices,
     split_sections,
@@ -63,8 +65,6 @@ sec runtimes
 docker info --format '{{json .Runtimes}}' 2>&1; echo "@@rc $?"
 sec ulimit
 ulimit -Hn; ulimit -Hl; echo "@@rc 0"
-sec listen
-ss -ltnH 2>/dev/null; echo "@@rc $?"
 sec hf_home
 printf '%s\n' "${HF_HOME:-}"; echo "@@rc 0"
 sec models
@@ -88,7 +88,7 @@ done; echo "@@rc 0"
 
 #: The script, run by `probes.read_sections` (which puts `export LC_ALL=C` and `sec` first). Read-only, no
 #: interpolated value (nothing to quote). Sections as everywhere: `@@name` ... `@@rc N`.
-SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(),
+SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(), *listen_script(),
                            *_DISCOVER_ONLY.splitlines()]
 
 #: Never a fabric: loopback, docker's and libvirt's bridges and veths, Wi-Fi, VPN and CNI interfaces.
@@ -232,19 +232,6 @@ def parse_images(text: str) -> list[tuple[str, int]]:
     return out
 
 
-@node_output("listen")
-def parse_listen(text: str) -> set[int]:
-    """`ss -ltnH` -> the TCP ports something listens on."""
-    ports = set()
-    for line in text.splitlines():
-        cols = line.split()
-        if len(cols) >= 4 and cols[0] == "LISTEN":
-            port = cols[3].rpartition(":")[2]
-            if port.isdigit():
-                ports.add(int(port))
-    return ports
-
-
 @node_output("models")
 def parse_models(text: str) -> tuple[list[str], list[ModelDir]]:
     """Model directories. `roots` are Hugging Face hub directories: those that exist, then `HOME/hub` for each
@@ -329,7 +316,7 @@ def facts_from_sections(host: str, sections: dict[str, Section]) -> NodeFacts:
     facts.nvidia_runtime = '"nvidia"' in body("runtimes")
     facts.mem_total, facts.mem_available = read(lambda: parse_meminfo(body("meminfo")), (0, 0))
     _parse_ulimits(facts, body("ulimit"))
-    facts.listening = read(lambda: parse_listen(body("listen")), set())
+    facts.listening = set(read(lambda: parse_listening(sections.get("listen")) or [], list[int]()))
     facts.hf_home = body("hf_home").strip()
     facts.model_roots, facts.models = read(lambda: parse_models(body("models")),
                                                  (list[str](), list[ModelDir]()))

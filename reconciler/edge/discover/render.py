@@ -227,8 +227,8 @@ def _docker(head: NodeFacts) -> CommentedMap:
     """serving.docker from the head's docker runtimes and hard limits."""
     nofile = min(1048576, head.nofile_hard) if head.nofile_hard else 1048576
     ulimits = CommentedMap([("nofile", quoted(f"{nofile}:{nofile}"))])
-    if head.memlock_unlimited:
-        ulimits["memlock"] = quoted("-1")
+    if not head.memlock_unlimited:
+        ulimits["memlock"] = None   # removes the default memlock=-1, which docker could not grant here
     docker = CommentedMap([("gpus", quoted("all") if head.nvidia_runtime else None), ("privileged", False)])
     _eol(docker, "gpus", "the nvidia runtime is installed" if head.nvidia_runtime
          else "GUESS: docker has no nvidia runtime on the head: no --gpus")
