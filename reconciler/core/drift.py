@@ -15,8 +15,8 @@ from reconciler.core.platforms import machine_platform, runs_on
 from reconciler.core.spec import Desired, FabricPort, Node
 from reconciler.core.vllm import launch_specs, memory_needed
 
-DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "weights", "image", "serving",
-                    "health", "memory"]
+DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "gpu", "weights", "image",
+                    "serving", "health", "memory"]
 DRIFT_KINDS: tuple[str, ...] = DriftKind.__args__  # type: ignore[attr-defined]
 
 
@@ -237,6 +237,39 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
     return out
 
 
+#: What each way nvidia-smi fails means and what to do, by its exit status (NVML's nvmlReturn_t: 9 driver not
+#: loaded, 18 library/driver version mismatch; 124 is `timeout`'s, 127 the shell's "not found").
+_GPU_HINTS = {
+    9: "the NVIDIA driver is not loaded (`dkms status`, `sudo dmesg | grep -i nvrm`); a reboot loads it",
+    18: "the driver was updated without a reboot: reboot the node once the running generation can be spared",
+    124: "nvidia-smi did not answer within 10 s: the driver is wedged; reboot the node",
+    127: "no nvidia-smi: the NVIDIA driver is not installed (DGX OS ships it)",
+}
+
+
+def _gpu_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
+    """Every usable serving node's GPU stack answers, when the file asks for GPUs: nvidia-smi names the GPU and
+    the driver, and docker can hand the GPU to a container. Blocking, never actionable: the reconciler does not
+    reboot nodes or install drivers; the restart waits, so the running generation keeps serving."""
+    out = []
+    for name in ready:
+        stack = observed.node(name).gpu_stack
+        if stack is None or desired.serving.docker.gpus is None:
+            continue
+        if stack.error is not None:
+            hint = _GPU_HINTS.get(stack.status, "see `nvidia-smi` on the node")
+            out.append(Drift(name, "gpu", f"gpu/{name}", "nvidia-smi naming the GPU and its driver",
+                             f"nvidia-smi exited {stack.status}: {stack.error} ({hint}); every `docker run --gpus` "
+                             "would fail too", actionable=False, blocking=True))
+        if not stack.hook:
+            out.append(Drift(name, "gpu", f"gpu/{name}/docker", "nvidia-container-runtime-hook on the PATH",
+                             "missing: every `docker run --gpus` fails with 'could not select device driver \"\" "
+                             "with capabilities: [[gpu]]' (install nvidia-container-toolkit, then restart docker: "
+                             "moby registers its nvidia driver only when dockerd starts with the hook on its PATH)",
+                             actionable=False, blocking=True))
+    return out
+
+
 def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
     """Every usable serving node but the source matches the source's manifest."""
     out = []
@@ -330,6 +363,7 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     serving = {n.name for n in desired.serving_nodes}
     ready = [n.name for n in desired.nodes if n.name in serving and reachable[n.name]]  # in file order
     holder = image_holder(desired, observed)
+    out += _gpu_drift(desired, observed, ready)
     out += _image_drift(desired, observed, ready, holder)
     out += _weights_drift(desired, observed, ready)
     served = serving_drift(desired, observed,

@@ -92,6 +92,22 @@ class Memory(_Model):
     available_bytes: int
 
 
+class GpuStack(_Model):
+    """What a GPU start needs of a node, as its own tools say: the GPU and driver (`nvidia-smi --query-gpu=name,
+    driver_version`), docker's way to them (moby registers its `nvidia` device driver, which `--gpus` selects,
+    only when `nvidia-container-runtime-hook` is on dockerd's PATH: daemon/nvidia_linux.go), the kernel and the
+    DGX OS release. After a driver update without a reboot nvidia-smi fails ("Failed to initialize NVML:
+    Driver/library version mismatch") and so does every `docker run --gpus` (docs/troubleshooting.md)."""
+
+    gpu: str | None = Field(None, description="the GPU's name (`NVIDIA GB10` on a Spark); None: nvidia-smi failed")
+    driver: str | None = Field(None, description="the driver version (580.95.05 on the seed's Sparks)")
+    error: str | None = Field(None, description="nvidia-smi's first line when it failed")
+    status: int = Field(0, description="nvidia-smi's exit status (NVML's nvmlReturn_t where it has one)")
+    hook: bool = Field(False, description="nvidia-container-runtime-hook is on the PATH (docker `--gpus`)")
+    kernel: str = Field("", description="`uname -r`")
+    dgx_os: str | None = Field(None, description="DGX OS release (`/etc/dgx-release`); None: not a DGX OS")
+
+
 class WeightFile(_Model):
     path: str  # relative to the model root
     size: int | None  # None: a symlink whose target is missing
@@ -173,6 +189,8 @@ class NodeObservation(_Model):
                                 "must fit; None: not read (a snapshot from before it was)")
     listening: list[int] | None = Field(None, description="TCP ports something listens on (/proc/net/tcp, tcp6): "
                                         "a start needs its own free; None: not read (an older snapshot)")
+    gpu_stack: GpuStack | None = Field(None, description="read when the file asks for GPUs (serving.docker.gpus); "
+                                       "None: not asked, or an older snapshot")
     docker_reachable: bool = False
     docker_error: str | None = None
     containers: list[Container] = Field(default_factory=list)

@@ -22,12 +22,14 @@ from reconciler.edge.probes import (
     ProbeError,
     api_script,
     containers_script,
+    gpu_script,
     image_script,
     link_script,
     listen_script,
     machine_script,
     memory_script,
     parse_containers,
+    parse_gpu_stack,
     parse_image,
     parse_links,
     parse_listening,
@@ -44,6 +46,7 @@ def probe_script(desired: Desired, node: Node) -> str:
     """The script for one node: every fragment of `probes`, the head's API and Ray too."""
     lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(), *image_script(desired.serving.image),
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
+             *(gpu_script() if desired.serving.docker.gpus is not None else []),
              manifest_script(weights_root(desired, node.name))]
     if node.role == "head":
         lines += api_script(desired)
@@ -66,6 +69,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     return NodeObservation(
         name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
         listening=parse_listening(sections.get("listen")),
+        gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
         docker_reachable=docker_ok, docker_error=docker_error,
         containers=containers, images=images,
         fabric=fabric, fabric_twin=fabric_twin,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from reconciler.core.observed import Container, Image, Link, Memory, RdmaPort, ServingApi
+from reconciler.core.observed import Container, GpuStack, Image, Link, Memory, RdmaPort, ServingApi
 from reconciler.core.platforms import image_platform
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.ssh import ENDED_BY_TIMEOUT, CommandTimeout, Session, quote, quote_word
@@ -317,6 +317,57 @@ def parse_machine(sec: Section | None) -> str | None:
     if not _MACHINE.fullmatch(word):
         raise ValueError(f"not a machine name: {word[:40]!r}")
     return word
+
+
+def gpu_script() -> list[str]:
+    """The `gpu`, `gpu_hook` and `os` sections (`parse_gpu_stack`). nvidia-smi under `timeout`: a wedged driver
+    can hang it, and the probe must answer within its deadline. Only the DGX OS version lines of
+    /etc/dgx-release are read (the file also holds the serial number)."""
+    return ["sec gpu",
+            "if command -v nvidia-smi >/dev/null 2>&1; then timeout 10 nvidia-smi "
+            "--query-gpu=name,driver_version --format=csv,noheader 2>&1; echo \"@@rc $?\"; "
+            "else echo 'nvidia-smi: command not found'; echo \"@@rc 127\"; fi",
+            "sec gpu_hook",
+            "command -v nvidia-container-runtime-hook; echo \"@@rc $?\"",
+            "sec os",
+            "uname -r; grep -E '^DGX_(SWBUILD_VERSION|OTA_VERSION)=' /etc/dgx-release 2>/dev/null; echo \"@@rc 0\""]
+
+
+_DRIVER = re.compile(r"\d+(\.\d+)+")
+_KERNEL = re.compile(r"[A-Za-z0-9_.+~-]{1,64}")  # 6.17.0-1014-nvidia
+
+
+def parse_gpu_stack(gpu: Section | None, hook: Section | None, os_release: Section | None) -> GpuStack | None:
+    """The node's GPU stack; None when the probe did not ask (no `gpu` section)."""
+    if gpu is None:
+        return None
+    stack = GpuStack(hook=hook is not None and hook.rc == 0, **_os_release(os_release))
+    lines = [line.strip() for line in gpu.body.splitlines() if line.strip()]
+    if gpu.rc != 0 or not lines:
+        first = lines[0] if lines else "no output"
+        return stack.model_copy(update={"error": first[:200], "status": gpu.rc})
+    return stack.model_copy(update=_gpu_line(lines[0]))
+
+
+@node_output("gpu")
+def _gpu_line(line: str) -> dict[str, str]:
+    """`NVIDIA GB10, 580.95.05`: the first GPU's name and the driver (one driver serves every GPU)."""
+    name, _, driver = line.rpartition(", ")
+    if not name or not _DRIVER.fullmatch(driver):
+        raise ValueError(f"not `name, driver_version`: {line[:80]!r}")
+    return {"gpu": name, "driver": driver}
+
+
+@node_output("os")
+def _os_release(sec: Section | None) -> dict[str, str | None]:
+    """`uname -r`, then DGX_SWBUILD_VERSION and any DGX_OTA_VERSION lines (an OTA update appends one: the last
+    is the release now)."""
+    lines = sec.body.splitlines() if sec is not None else []
+    kernel = lines[0].strip() if lines else ""
+    if kernel and not _KERNEL.fullmatch(kernel):
+        raise ValueError(f"not a kernel release: {kernel[:60]!r}")
+    versions = [line.split("=", 1)[1].strip().strip('"') for line in lines[1:] if "=" in line]
+    return {"kernel": kernel, "dgx_os": versions[-1][:40] if versions else None}
 
 
 def listen_script() -> list[str]:

@@ -71,6 +71,7 @@ def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
                      (obs.docker_error or "") if obs else ""))
     out.append(from_drift("FabricLinkUp", ("link", "rdma"), "LinkUp", "LinkDrift"))
     out.append(from_drift("WeightsInSync", ("weights",), "InSync", "WeightsDrift"))
+    out.append(from_drift("GpuReady", ("gpu",), "GpuAnswers", "GpuStackFailing"))
     out.append(from_drift("ImageInSync", ("image",), "InSync", "ImageDrift"))
     out.append(from_drift("ServingRunning", ("serving", "memory"), "Running", "ServingDrift"))
     held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
@@ -94,6 +95,23 @@ def phase_of(snap: Snapshot) -> str:
     return "Converging"
 
 
+def _uniform_gpu_stack(snap: Snapshot, nodes: list[str]) -> dict:
+    """The nodes run the same driver, kernel and DGX OS. A warning, not drift: NCCL across two drivers or
+    kernels may still work, but an update that reached one node only (an OTA run on one Spark, a reboot still
+    pending on the other) is the usual cause of a tensor-parallel start that hangs or a rank that fails alone."""
+    stacks = {n: s for n in nodes if snap.observed and n in snap.observed.nodes
+              and (s := snap.observed.node(n).gpu_stack) is not None}
+    if not stacks:
+        return _cond("", "GpuStackUniform", None, "NotRead")
+    differ = []
+    for what, values in (("driver", {n: s.driver for n, s in stacks.items() if s.driver}),
+                         ("kernel", {n: s.kernel for n, s in stacks.items() if s.kernel}),
+                         ("DGX OS", {n: s.dgx_os for n, s in stacks.items() if s.dgx_os})):
+        if len(set(values.values())) > 1:
+            differ.append(f"{what} " + ", ".join(f"{v} on {n}" for n, v in values.items()))
+    return _cond("", "GpuStackUniform", not differ, "StackSkew" if differ else "SameStack", "; ".join(differ))
+
+
 def conditions(snap: Snapshot, nodes: list[str], previous: list[dict], now: float) -> list[dict]:
     plan = snap.plan
     ready = plan is not None and not plan.changes and snap.file_error is None
@@ -108,6 +126,7 @@ def conditions(snap: Snapshot, nodes: list[str], previous: list[dict], now: floa
               "StepsRunning" if snap.in_flight else ("StepsPlanned" if plan and plan.steps else "Idle"),
               "; ".join(snap.in_flight or [s.id for s in (plan.steps if plan else [])])),
     ]
+    out.append(_uniform_gpu_stack(snap, nodes))
     for node in nodes:
         out += _node_conditions(node, snap)
     before = {(c["node"], c["type"]): c for c in previous}

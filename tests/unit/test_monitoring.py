@@ -233,7 +233,7 @@ EXPECTED_ALERTS = {
     "ReconcilerDriftPersists", "ReconcilerNotConverged", "ReconcilerReconcileErrors", "ReconcilerStepHeld",
     "ReconcilerDown", "ReconcilerAbsent", "ReconcilerDesiredStateInvalid", "ReconcilerNodeUnreachable",
     "ReconcilerFabricLinkDown", "ReconcilerServingUnhealthy", "ReconcilerWeightsOutOfSync",
-    "ReconcilerLowMemory", "ReconcilerLoopStalled",
+    "ReconcilerLowMemory", "ReconcilerLoopStalled", "ReconcilerGpuStackSkew",
 }
 
 
@@ -645,6 +645,7 @@ def test_every_coloured_panel_states_its_colours():
 CONDITION_MEANING = {
     "Ready": "good", "DesiredStateValid": "good", "Reachable": "good", "Probed": "good", "DockerReachable": "good",
     "FabricLinkUp": "good", "WeightsInSync": "good", "ImageInSync": "good", "ServingRunning": "good",
+    "GpuReady": "good", "GpuStackUniform": "good",
     "StepsHeld": "bad", "Progressing": "working",
 }
 LOOK = {  # (meaning of True, status) -> (text, colour) on the dashboard
