@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--leave", type=int, help="fill-disk: bytes to leave free")
     s.add_argument("--dev", help="link faults: interface (default enp1s0f1np1)")
     s.add_argument("--clear", action="store_true", default=None, help="crash-serving: remove the marker")
+    s.add_argument("--state", help="gpu: ok | mismatch | no-driver | hung")
+    s.add_argument("--driver", help="gpu: the driver version nvidia-smi reports")
 
     a = p.parse_args(argv)
     if a.cmd == "demo":
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "fault":
             kw = {"count": a.count, "interval": a.interval, "value": a.value, "name": a.name, "mode": a.mode,
                   "model": a.model, "layout": a.layout, "index": a.index, "leave": a.leave, "dev": a.dev,
-                  "clear": a.clear}
+                  "clear": a.clear, "state": a.state, "driver": a.driver}
             print(api.fault(a.kind, a.node, **kw))
     except (TestbedError, KeyError, ValueError) as e:
         print(f"testbed: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from reconciler.core.spec import parse_size
 
-from . import dockerd, faults, memory, net, scenarios, sshd, storage
+from . import dockerd, faults, gpu, memory, net, scenarios, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
 from .proc import TestbedError, alive, load_pids, run, stop_pid
 
@@ -72,6 +72,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     _config_file().write_text(json.dumps(cfg, indent=1))
     for n in lay.nodes:
         n.state.mkdir(mode=0o755, exist_ok=True)
+        gpu.install(n)               # before sshd and dockerd: both find the stand-ins on their PATH at start
 
     net.setup(lay)
     sshd.ensure_user()
@@ -194,7 +195,7 @@ def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool 
     if isinstance(cmd, list):
         cmd = " ".join(cmd)                  # like ssh: the words are joined and run by the login shell
     env = ["env", "-i", f"HOME=/home/{user}", f"USER={user}", f"LOGNAME={user}", "SHELL=/bin/sh",
-           f"PATH={sshd.NODE_PATH}", f"DOCKER_HOST={n.docker_host}"]
+           f"PATH={sshd.node_path(n)}", f"DOCKER_HOST={n.docker_host}"]
     if user == "root":
         as_user = []
     else:
@@ -307,7 +308,7 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
             f"  health_timeout: {serving.health_timeout}",
             *serving.extra,
             "  docker:",
-            "    gpus: null                      # no GPU here",
+            "    gpus: all                       # the nvidia device driver, through the testbed's hook stand-in",
             "    privileged: false",
             "    ipc: host",
             "    shm_size: 1g",

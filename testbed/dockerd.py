@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from . import gpu
 from .layout import Node
 from .proc import TestbedError, alive, load_pids, ok, run, spawn, stop_pid, stop_recorded, wait_for
 
@@ -96,7 +97,7 @@ def start(node: Node, timeout: float = 60) -> None:
         "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false", "--bridge=none",
         "--userland-proxy=false", "--cgroup-parent", f"spark-testbed-{node.name}",
         "--storage-driver", "overlay2", "--log-level", "warn",
-    ], log=node.state / "dockerd.log")
+    ], log=node.state / "dockerd.log", env=_with_gpu_hook(node))
 
     def ready():
         if not running(node):
@@ -104,6 +105,12 @@ def start(node: Node, timeout: float = 60) -> None:
                                f"{(node.state / 'dockerd.log').read_text()[-1500:]}")
         return engine_id(node)
     wait_for(ready, timeout=timeout, what=f"dockerd on {node.name}")
+
+
+def _with_gpu_hook(node: Node) -> dict[str, str]:
+    """dockerd's environment: the node's GPU stand-ins first on its PATH, where moby looks for
+    nvidia-container-runtime-hook once, at start, to register its `nvidia` device driver (testbed/gpu.py)."""
+    return {**os.environ, "PATH": f"{gpu.bin_dir(node)}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"}
 
 
 def stop(node: Node, *, containerd: bool = False, timeout: float = 30) -> None:

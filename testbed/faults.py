@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from . import dockerd, net, scenarios, sshd, storage
+from . import dockerd, gpu, net, scenarios, sshd, storage
 from .layout import FABRIC_IFACE, MODELS, SERVED_MODEL, Layout
 from .proc import TestbedError
 
@@ -218,6 +218,12 @@ def probe_restore(lay: Layout, node: str) -> str:
     return f"{node}: /proc/meminfo is the node's own again"
 
 
+def gpu_fault(lay: Layout, node: str, state: str = "mismatch", driver: str = gpu.DRIVER) -> str:
+    """The node's GPU stack as after a driver update without a reboot (`mismatch`), with no driver loaded
+    (`no-driver`), hung (`hung`), or back (`ok`; another `driver` makes the nodes' drivers differ)."""
+    return gpu.set_state(lay.node(node), state, driver)
+
+
 FAULTS: dict[str, Callable[..., str]] = {
     "link-down": link_down, "link-up": link_up, "link-flap": link_flap, "mtu": mtu,
     "kill-container": kill_container, "stop-container": stop_container, "rogue-container": rogue_container,
@@ -225,5 +231,5 @@ FAULTS: dict[str, Callable[..., str]] = {
     "dockerd-start": dockerd_start, "mgmt-cut": mgmt_cut, "mgmt-restore": mgmt_restore,
     "fill-disk": fill_disk, "free-disk": free_disk, "corrupt-shard": corrupt_shard,
     "delete-shard": delete_shard, "crash-serving": crash_serving, "hostile-probe": hostile_probe,
-    "probe-restore": probe_restore,
+    "probe-restore": probe_restore, "gpu": gpu_fault,
 }

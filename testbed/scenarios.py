@@ -22,7 +22,7 @@ import pwd
 import shutil
 from pathlib import Path
 
-from . import dockerd, net, sshd, storage
+from . import dockerd, gpu, net, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node
 from .proc import TestbedError
 from .realvllm.image import IMAGE as REAL_IMAGE
@@ -165,6 +165,7 @@ def _restore(lay: Layout) -> None:
     disk fill and no crash marker on any node."""
     from .faults import probe_restore
     for n in lay.nodes:
+        gpu.set_state(n, "ok")
         net.set_mgmt(n, True)
         sshd.start(n)
         probe_restore(lay, n.name)

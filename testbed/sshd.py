@@ -23,6 +23,12 @@ SUDO_RULES = ("/usr/sbin/ip link set dev *", "/usr/sbin/ip addr add *", "/usr/sb
 NODE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+def node_path(node: Node) -> str:
+    """The PATH of the node's SSH sessions: its GPU stand-ins (testbed/gpu.py) first, as /usr/bin on a Spark."""
+    from .gpu import bin_dir
+    return f"{bin_dir(node)}:{NODE_PATH}"
+
+
 def identity_file() -> Path:
     return state_dir() / "id_ed25519"
 
@@ -114,7 +120,7 @@ PrintMotd no
 PrintLastLog no
 MaxStartups 100:30:200
 MaxSessions 10
-SetEnv DOCKER_HOST={node.docker_host} PATH={NODE_PATH}
+SetEnv DOCKER_HOST={node.docker_host} PATH={node_path(node)}
 Subsystem sftp internal-sftp
 """)
     return conf

@@ -51,7 +51,7 @@ def test_discover_writes_a_valid_starter_that_converges(seed_testbed, tmp_path):
     assert desired.model.path == {"spark-head": "/srv/spark-testbed/head/models/hub",
                                   "spark-worker": "/srv/spark-testbed/worker/models/hub"}
     assert desired.serving.image == "vllm-standin:latest" and desired.serving.tensor_parallel_size == 2
-    assert desired.serving.docker.gpus is None, "no nvidia runtime on the testbed's docker"
+    assert desired.serving.docker.gpus == "all", "the testbed's hook stand-in, as the toolkit's on a Spark"
     assert desired.co_tenants.allowed == {"spark-head": ["reranker", "vllm_embeddings"],
                                           "spark-worker": ["vllm_embeddings"]}
     assert "vllm_node is NOT allowed" in text, "the GLM on :8000 holds the serving port: left out, with a reason"

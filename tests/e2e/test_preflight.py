@@ -105,3 +105,30 @@ def test_a_port_another_process_holds_stops_nothing(serving, tmp_path):
         _still_serving(tb, before)
     finally:
         tb.exec("head", "pkill -f 'http.server 8080'")
+
+
+@pytest.mark.parametrize("state", ["mismatch", "hung"])
+def test_a_gpu_stack_that_fails_stops_nothing(serving, tmp_path, state):
+    """The worker's driver updated without a reboot (nvidia-smi: "Driver/library version mismatch"; every
+    `docker run --gpus` fails in the toolkit's hook), or nvidia-smi hangs on a wedged driver. A serving change
+    would have stopped both ranks and failed to start them; it waits, and says what to do."""
+    tb = serving
+    before = _serving_ids(tb)
+    tb.fault("gpu", "worker", state=state)
+    try:
+        desired = variant(tmp_path, lambda d: d["serving"].update(max_model_len=8192))
+        result = reconciler("apply", str(desired), "--yes", "--max-passes", "1")
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out
+        words = {"mismatch": "nvidia-smi exited 18: Failed to initialize NVML: Driver/library version mismatch "
+                             "(the driver was updated without a reboot",
+                 "hung": "nvidia-smi exited 124: no output (nvidia-smi did not answer within 10 s"}[state]
+        assert words in out and "stop-serving" not in out, out
+        _still_serving(tb, before)
+        start = tb.exec("worker", "docker run --rm --gpus all --network none cotenant-standin:latest true")
+        assert "nvml error: driver/library version mismatch" in start.stderr or state == "hung", start.stderr
+    finally:
+        tb.fault("gpu", "worker", state="ok")
+    result = reconciler("apply", str(desired), "--yes")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert api_models(tb) == ["tiny-moe"], "once the GPU answers, the change goes through"

@@ -27,11 +27,13 @@ from reconciler.edge.probes import (
     ProbeError,
     Section,
     containers_script,
+    gpu_script,
     interfaces_script,
     listen_script,
     memory_script,
     node_output,
     parse_containers,
+    parse_gpu_stack,
     parse_interfaces,
     parse_listening,
     parse_memory,
@@ -89,6 +91,7 @@ done; echo "@@rc 0"
 #: The script, run by `probes.read_sections` (which puts `export LC_ALL=C` and `sec` first). Read-only, no
 #: interpolated value (nothing to quote). Sections as everywhere: `@@name` ... `@@rc N`.
 SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(), *listen_script(),
+                           *gpu_script(),
                            *_DISCOVER_ONLY.splitlines()]
 
 #: Never a fabric: loopback, docker's and libvirt's bridges and veths, Wi-Fi, VPN and CNI interfaces.
@@ -149,6 +152,7 @@ class NodeFacts:
     containers: list[RunningContainer] = field(default_factory=list)
     images: list[tuple[str, int]] = field(default_factory=list)   # (ref, size bytes)
     nvidia_runtime: bool = False
+    gpu_hook: bool = False            # nvidia-container-runtime-hook on the PATH: docker `--gpus` works through it
     mem_total: int = 0
     mem_available: int = 0
     nofile_hard: int | None = None
@@ -314,6 +318,8 @@ def facts_from_sections(host: str, sections: dict[str, Section]) -> NodeFacts:
         facts.containers = running_containers(listed, read(lambda: parse_commands(body("commands")), {}))
     facts.images = read(lambda: parse_images(body("images")), [])
     facts.nvidia_runtime = '"nvidia"' in body("runtimes")
+    stack = read(lambda: parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")), None)
+    facts.gpu_hook = stack is not None and stack.hook
     facts.mem_total, facts.mem_available = read(lambda: parse_meminfo(body("meminfo")), (0, 0))
     _parse_ulimits(facts, body("ulimit"))
     facts.listening = set(read(lambda: parse_listening(sections.get("listen")) or [], list[int]()))

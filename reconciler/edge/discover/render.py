@@ -229,9 +229,10 @@ def _docker(head: NodeFacts) -> CommentedMap:
     ulimits = CommentedMap([("nofile", quoted(f"{nofile}:{nofile}"))])
     if not head.memlock_unlimited:
         ulimits["memlock"] = None   # removes the default memlock=-1, which docker could not grant here
-    docker = CommentedMap([("gpus", quoted("all") if head.nvidia_runtime else None), ("privileged", False)])
-    _eol(docker, "gpus", "the nvidia runtime is installed" if head.nvidia_runtime
-         else "GUESS: docker has no nvidia runtime on the head: no --gpus")
+    gpus = head.nvidia_runtime or head.gpu_hook
+    docker = CommentedMap([("gpus", quoted("all") if gpus else None), ("privileged", False)])
+    _eol(docker, "gpus", "the NVIDIA container toolkit is installed" if gpus
+         else "GUESS: no NVIDIA container toolkit on the head (no nvidia runtime, no hook): no --gpus")
     _eol(docker, "privileged", "true needs trust.privileged: root over the node (docs/security.md)")
     if head.rdma_source != "none":
         docker["devices"] = _flow(CommentedSeq(["/dev/infiniband"]))
