@@ -232,8 +232,11 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
                              f"pull the {arch} image on {holder} (or a multi-platform tag); nothing is copied, "
                              "stopped or started", actionable=False, blocking=True))
         elif got is None or got.content != reference.content:
-            out.append(Drift(name, "image", res, f"content {reference.content[:19]}",
-                             f"content {got.content[:19]}" if got else "missing"))
+            seen = f"content {got.content[:19]}" if got else "missing"
+            short = _short_of(observed.node(name).disk_free, "image", reference.size or 0)
+            out.append(Drift(name, "image", res, f"content {reference.content[:19]}", seen) if short is None else
+                       Drift(name, "image", res, f"{_gib((reference.size or 0) + DISK_MARGIN)} free in docker's "
+                             "data root for the copy", f"{seen}; {short}", actionable=False, blocking=True))
     return out
 
 
@@ -291,11 +294,40 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
             out.append(Drift(source, "weights", res, "present on the source node", "missing",
                              actionable=False, blocking=True))
         else:
-            problem = weights_difference(src_obs.weights, observed.node(name).weights)
+            target = observed.node(name)
+            problem = weights_difference(src_obs.weights, target.weights)
             if problem:
+                missing = _missing_bytes(src_obs.weights, target.weights)
+                short = _short_of(target.disk_free, "weights", missing)
                 out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
-                                 f"{src_obs.weights.total_bytes} bytes", problem))
+                                 f"{src_obs.weights.total_bytes} bytes", problem) if short is None else
+                           Drift(name, "weights", res, f"{_gib(missing + DISK_MARGIN)} free on "
+                                 f"{desired.model.path_on(name)} for the copy", f"{problem}; {short}",
+                                 actionable=False, blocking=True))
     return out
+
+
+#: What a copy needs free beyond its own bytes: rsync's and docker's own files, and room for the node to go on.
+DISK_MARGIN = 1 << 30
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _missing_bytes(source: Weights, target: Weights | None) -> int:
+    """Bytes of the source's files the target lacks or holds at another size: what the copy writes."""
+    have = {f.path: f.size for f in target.files} if target is not None else {}
+    return sum(f.size or 0 for f in source.files if f.link_target is None and have.get(f.path) != f.size)
+
+
+def _short_of(free: dict[str, int] | None, where: str, needed: int) -> str | None:
+    """Why `needed` bytes (plus the margin) do not fit in what the probe read free for `where`; None when they do
+    or the probe did not say (an older snapshot)."""
+    if free is None or where not in free or free[where] >= needed + DISK_MARGIN:
+        return None
+    return (f"only {_gib(free[where])} free: the copy would fill the disk; free "
+            f"{_gib(needed + DISK_MARGIN - free[where])} there (nothing is copied, stopped or started)")
 
 
 def _unresolved_revision(desired: Desired, weights: Weights) -> str | None:

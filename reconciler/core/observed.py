@@ -165,6 +165,8 @@ class Image(_Model):
     store: str = Field("", description="the engine's image store: `containerd` or the graph driver's name")
     entrypoint: list[str] = Field(default_factory=list, description="the image config's Entrypoint (NGC's: "
                                   "/opt/nvidia/nvidia_entrypoint.sh, which sets up CUDA forward compatibility)")
+    size: int | None = Field(None, description="bytes of the unpacked image (inspect `Size`): what a `docker load` "
+                             "of it writes; None: not said")
     platform: str = Field("", description="`OS/ARCH[/VARIANT]` from the inspect object (`linux/arm64` on a "
                           "Spark); \"\": not said (an older snapshot)")
 
@@ -191,6 +193,9 @@ class NodeObservation(_Model):
                                         "a start needs its own free; None: not read (an older snapshot)")
     gpu_stack: GpuStack | None = Field(None, description="read when the file asks for GPUs (serving.docker.gpus); "
                                        "None: not asked, or an older snapshot")
+    disk_free: dict[str, int] | None = Field(None, description="free bytes (`df -P -B1`) where a copy writes: "
+                                             "`weights` (the model path, or its nearest existing parent) and "
+                                             "`image` (docker's data root); None: not read (an older snapshot)")
     docker_reachable: bool = False
     docker_error: str | None = None
     containers: list[Container] = Field(default_factory=list)

@@ -22,6 +22,7 @@ from reconciler.edge.probes import (
     ProbeError,
     api_script,
     containers_script,
+    disk_script,
     gpu_script,
     image_script,
     link_script,
@@ -29,6 +30,7 @@ from reconciler.edge.probes import (
     machine_script,
     memory_script,
     parse_containers,
+    parse_disk,
     parse_gpu_stack,
     parse_image,
     parse_links,
@@ -47,6 +49,7 @@ def probe_script(desired: Desired, node: Node) -> str:
     lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(), *image_script(desired.serving.image),
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
+             *disk_script(desired.model.path_on(node.name)),
              manifest_script(weights_root(desired, node.name))]
     if node.role == "head":
         lines += api_script(desired)
@@ -68,7 +71,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
                                 sections.get("completion"))
     return NodeObservation(
         name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
-        listening=parse_listening(sections.get("listen")),
+        listening=parse_listening(sections.get("listen")), disk_free=parse_disk(sections.get("disk")),
         gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
         docker_reachable=docker_ok, docker_error=docker_error,
         containers=containers, images=images,

@@ -177,8 +177,10 @@ def image_from_inspect(raw: object) -> Image:
         raise TypeError(f"not an image Entrypoint: {str(entrypoint)[:80]!r}")
     platform = image_platform(str(raw.get("Os") or ""), str(raw.get("Architecture") or ""),
                               str(raw.get("Variant") or ""))
+    size = raw.get("Size")
     return Image(id=raw["Id"], content="sha256:" + hashlib.sha256(body.encode()).hexdigest(), digests=digests,
-                 store=store, entrypoint=entrypoint, platform=platform)
+                 store=store, entrypoint=entrypoint, platform=platform,
+                 size=size if isinstance(size, int) and size >= 0 else None)
 
 
 @node_output("image")
@@ -368,6 +370,42 @@ def _os_release(sec: Section | None) -> dict[str, str | None]:
         raise ValueError(f"not a kernel release: {kernel[:60]!r}")
     versions = [line.split("=", 1)[1].strip().strip('"') for line in lines[1:] if "=" in line]
     return {"kernel": kernel, "dgx_os": versions[-1][:40] if versions else None}
+
+
+def disk_script(weights_path: str) -> list[str]:
+    """The `disk` section: free bytes where the weights go (the model path, or its nearest existing parent: a
+    first copy creates it) and where docker keeps images (its data root, from the engine's /info), one
+    `weights`/`image` line of `df -P -B1` each (`parse_disk`). Needs `containers_script`'s socket line before."""
+    return ["sec disk",
+            f"p={quote_word(weights_path)}; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname -- \"$p\"); "
+            "done; printf 'weights '; df -P -B1 -- \"$p\" 2>/dev/null | tail -n 1; "
+            "r=$(curl -sf --unix-socket \"$sock\" http://docker/info 2>/dev/null | "
+            "grep -o '\"DockerRootDir\":\"[^\"]*\"' | cut -d '\"' -f 4); "
+            "[ -n \"$r\" ] || r=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null); "
+            "if [ -n \"$r\" ]; then printf 'image '; df -P -B1 -- \"$r\" 2>/dev/null | tail -n 1; fi; "
+            "echo \"@@rc 0\""]
+
+
+@node_output("disk")
+def parse_disk(sec: Section | None) -> dict[str, int] | None:
+    """`weights`/`image` -> free bytes, from `df -P` rows (`FS 1-blocks Used Available Capacity Mount`); a line
+    df did not complete is left out (not known)."""
+    if sec is None or sec.rc != 0:
+        return None
+    free = {}
+    for line in sec.body.splitlines():
+        what, _, row = line.partition(" ")
+        cols = row.split()
+        if what not in ("weights", "image"):
+            if line.strip():
+                raise ValueError(f"not a df line: {line[:80]!r}")
+            continue
+        if not cols:
+            continue  # df did not answer for it
+        if len(cols) < 6 or not cols[3].isdigit():
+            raise ValueError(f"not a `df -P -B1` row: {row[:80]!r}")
+        free[what] = int(cols[3])
+    return free
 
 
 def listen_script() -> list[str]:

@@ -132,3 +132,29 @@ def test_a_gpu_stack_that_fails_stops_nothing(serving, tmp_path, state):
     result = reconciler("apply", str(desired), "--yes")
     assert result.returncode == 0, result.stdout + result.stderr
     assert api_models(tb) == ["tiny-moe"], "once the GPU answers, the change goes through"
+
+
+def test_a_model_that_does_not_fit_on_the_worker_stops_nothing(serving, tmp_path):
+    """The worker's model disk is full (a root-owned file, as another user's download would leave it): the
+    second model cannot be copied there. The copy is not started, serving is not stopped, and the drift says how
+    much to free on which path."""
+    tb = serving
+    before = _serving_ids(tb)
+    tb.fault("fill-disk", "worker", leave=16 << 20)
+    try:
+        def dense(d):
+            d["model"].update(id="testorg/tiny-dense", revision="2" * 40)
+            d["serving"]["served_model_name"] = "tiny-dense"
+
+        desired = variant(tmp_path, dense)
+        result = reconciler("apply", str(desired), "--yes", "--max-passes", "1")
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out
+        assert "free on /srv/spark-testbed/worker/models/hub for the copy" in out, out
+        assert "the copy would fill the disk" in out and "stop-serving" not in out and "weights/worker" not in \
+            out.split("Steps")[-1], out
+        _still_serving(tb, before)
+        assert tb.exec("worker", "test -e /srv/spark-testbed/worker/models/hub/models--testorg--tiny-dense"
+                       ).returncode != 0, "nothing was copied"
+    finally:
+        tb.fault("free-disk", "worker")
