@@ -421,10 +421,13 @@ def test_dockerd_stopped_reported_and_recovered(serving):
 def test_disk_full_during_sync_names_node_path_bytes_and_resumes(seed_testbed, tmp_path):
     tb = seed_testbed
     total = sum(files(tb, "head", hub("head")).values())
-    tb.fault("fill-disk", "worker", leave=total // 3)
     desired = write_desired(tmp_path / "cluster.yaml", slow_sync)
     d = daemon(desired, tmp_path / "state")
     try:
+        # the disk fills while the copy runs (another writer on the node): with it full before, the disk
+        # preflight refuses the copy instead (tests/e2e/test_preflight.py)
+        wait_for(lambda: step_starts(d, "weights"), 60, "the weight sync to start")
+        tb.fault("fill-disk", "worker", leave=total // 3)
         t = time.monotonic()
 
         def reported():
