@@ -254,10 +254,12 @@ def _gpu_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[D
     """Every usable serving node's GPU stack answers, when the file asks for GPUs: nvidia-smi names the GPU and
     the driver, and docker can hand the GPU to a container. Blocking, never actionable: the reconciler does not
     reboot nodes or install drivers; the restart waits, so the running generation keeps serving."""
+    if desired.serving.docker.gpus is None:
+        return []
     out = []
     for name in ready:
         stack = observed.node(name).gpu_stack
-        if stack is None or desired.serving.docker.gpus is None:
+        if stack is None:
             continue
         if stack.error is not None:
             hint = _GPU_HINTS.get(stack.status, "see `nvidia-smi` on the node")

@@ -311,7 +311,8 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
         listening = observed.node(spec.node).listening
         if listening is None or not spec.listens:
             continue  # not read: only a snapshot from before the probe read it
-        ours = set().union(*(c.held_ports or {p for _, p in spec.listens} for c in running[spec.node]))
+        ours = set().union(*({p for _, p in spec.listens} if c.held_ports is None else c.held_ports
+                             for c in running[spec.node]))
         taken = [(field, port) for field, port in spec.listens if port in listening and port not in ours]
         if not taken:
             continue
