@@ -132,7 +132,6 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
 def write_ansible(desired_path: Path, where: Path) -> Path:
     """Inventory, ssh config and a playbook doing the probe's checks, task by task (what a user would write)."""
     from reconciler.core import spec
-    from reconciler.edge.manifest import weights_root
     desired = spec.load(desired_path)
     head = desired.head
     ssh_cfg = where / "ssh_config"
@@ -153,7 +152,7 @@ def write_ansible(desired_path: Path, where: Path) -> Path:
         "[ssh_connection]\npipelining = True\n"
         f"ssh_args = -F {ssh_cfg} -o ControlMaster=auto -o ControlPersist=60s\n"
         f"control_path_dir = {where}/cp\n")
-    roots = {n.name: weights_root(desired, n.name) for n in desired.nodes}
+    roots = {n.name: desired.weights_root(n.name) for n in desired.nodes}
     tasks = f"""- hosts: nodes
   gather_facts: false
   vars:

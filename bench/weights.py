@@ -311,7 +311,7 @@ def run_image(opts: Options) -> dict:
 def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[float]]:
     from reconciler.core import spec
     from reconciler.core.drift import weights_difference
-    from reconciler.edge.manifest import manifest_script, weights_root
+    from reconciler.edge.manifest import manifest_script
     from reconciler.edge.observe import observe
     from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
@@ -326,7 +326,7 @@ def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[floa
             if problem is not None:
                 raise RuntimeError(f"weights not in sync: {problem}")
             t = time.perf_counter()
-            sessions["worker"].run_script(manifest_script(weights_root(desired, "worker")), timeout=60)
+            sessions["worker"].run_script(manifest_script(desired.weights_root("worker")), timeout=60)
             if i >= 2:
                 full.append(took)
                 section.append(time.perf_counter() - t)

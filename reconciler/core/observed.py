@@ -7,6 +7,7 @@ and plans exactly like the live state, which is what makes offline `plan --obser
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +24,9 @@ LABEL_INSTANCE = "spark-reconciler.instance"
 # The fixed TCP ports the container listens on (`LaunchSpec.listens`), comma-separated: which listeners on a node
 # are our own generation's, so a held port is judged before anything stops.
 LABEL_PORTS = "spark-reconciler.ports"
+# The weights tree the container serves (`Desired.weights_root`): a container that mounts a whole hub still names
+# the one model in it it uses, so retention may remove the hub's other models (core/retention.py).
+LABEL_WEIGHTS = "spark-reconciler.weights"
 
 
 class _Model(BaseModel):
@@ -38,6 +42,8 @@ class Container(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     started_at: str | None = None
     restart_count: int = 0
+    mounts: list[str] | None = Field(None, description="the host paths it bind-mounts, running or not; None: "
+                                     "not read (an older snapshot): retention then removes no weights on its node")
 
     @property
     def running(self) -> bool:
@@ -131,6 +137,13 @@ class Weights(_Model):
     def total_bytes(self) -> int:
         return sum(f.size or 0 for f in self.files if f.link_target is None)
 
+    def digest(self) -> str:
+        """The tree's shape as a copy leaves it: every path with its size or link value (no mtimes, no hashing:
+        cheap at any size). Retention removes a tree it copied only while this still matches what the copy
+        recorded, so a file a person added or changed since keeps the whole tree."""
+        lines = sorted(f"{f.path}\t{f.size}\t{f.link_target}" for f in self.files)
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
 
 class ServingApi(_Model):
     """What the head's API answers (only probed on the head)."""
@@ -181,6 +194,20 @@ class Image(_Model):
         return pin == self.id or any(d.rpartition("@")[2] == pin for d in self.digests)
 
 
+class CopyRecord(_Model):
+    """One thing this cluster copied to a node, as the node's copy ledger (`~/.spark-reconciler/copies`) says:
+    written by the weights and image steps after a verified copy, and marked used by every serving start there.
+    Retention removes only what has a record, so what a person or another tool put on the node is never touched."""
+
+    kind: Literal["weights", "image"]
+    key: str = Field(description="weights: the tree's root on the node; image: its content id")
+    detail: str = Field(description="weights: the tree's digest at the copy (`Weights.digest`); image: its id "
+                        "on the node")
+    by: str = Field(description="the cluster that copied it (its containers' instance label)")
+    copied_at: int = Field(description="the node's clock, seconds")
+    used_at: int = Field(description="the last copy or serving start with it, the node's clock, seconds")
+
+
 class NodeObservation(_Model):
     name: str
     reachable: bool
@@ -196,6 +223,8 @@ class NodeObservation(_Model):
     disk_free: dict[str, int] | None = Field(None, description="free bytes (`df -P -B1`) where a copy writes: "
                                              "`weights` (the model path, or its nearest existing parent) and "
                                              "`image` (docker's data root); None: not read (an older snapshot)")
+    copies: list[CopyRecord] | None = Field(None, description="what this node's copy ledger records (read when "
+                                            "policy.retention.prune is on); None: not read")
     docker_reachable: bool = False
     docker_error: str | None = None
     containers: list[Container] = Field(default_factory=list)

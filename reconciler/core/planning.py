@@ -13,11 +13,12 @@ from typing import Literal
 
 from reconciler.core.drift import Drift, diff, image_holder
 from reconciler.core.observed import Observed
+from reconciler.core.retention import removals
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
 
-StepKind = Literal["stop-container", "link", "image", "weights", "stop-serving", "start-serving", "launch-model",
-                   "await-health"]
+StepKind = Literal["stop-container", "link", "prune-weights", "prune-images", "image", "weights", "stop-serving",
+                   "start-serving", "launch-model", "await-health"]
 STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
 
 
@@ -39,6 +40,7 @@ class Step:
     path: str | None = None  # weights: where the tree goes on the target
     rank: int | None = None  # start-serving: the node's rank in the tensor-parallel group
     wrapper: tuple[str, ...] | None = None  # launch-model: the image's Entrypoint that `vllm serve` runs under
+    remove: tuple[str, ...] | None = None  # prune-weights: tree roots; prune-images: content ids (retention)
 
     @property
     def id(self) -> str:
@@ -56,7 +58,7 @@ class Step:
                 "after": list(self.after), "params": self.params}
 
 
-_PARAMS = ("container", "source", "image", "content", "path", "rank", "wrapper")
+_PARAMS = ("container", "source", "image", "content", "path", "rank", "wrapper", "remove")
 
 
 def kind_and_node(step_id: str) -> tuple[str, str]:
@@ -124,10 +126,13 @@ def plan(desired: Desired, observed: Observed) -> Plan:
 
     image = desired.serving.image
     holder = image_holder(desired, observed)
+    reference = observed.node(holder).images[image].content if holder else None
+    prune_ids = _prune_steps(desired, observed, reference, steps)
     for d in drift:
         if d.kind != "image" or not d.actionable or holder is None:
             continue
         after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
+        after += prune_ids.get(d.node, ())  # room first
         expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
         steps.append(Step("image", d.node, _explain(d), after,
                           source=holder, image=image, content=expect))
@@ -136,13 +141,31 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     for d in drift:
         if d.kind != "weights" or not d.actionable:
             continue
-        after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids)
+        after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids) + prune_ids.get(d.node, ())
         steps.append(Step("weights", d.node, _explain(d), after,
                           source=source, path=desired.model.path_on(d.node)))
 
     steps += _serving_steps(desired, observed, drift, steps, blocked, down)
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
     return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits)
+
+
+def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
+                 steps: list[Step]) -> dict[str, tuple[str, ...]]:
+    """Retention's removals as steps (core/retention.py), shown in the plan like any change; a copy to the same
+    node comes after them, so the room they free is there for it. Returns the step ids per node."""
+    ids: dict[str, tuple[str, ...]] = {}
+    for r in removals(desired, observed, frozenset({desired.instance}), reference):
+        if r.weights:
+            steps.append(Step("prune-weights", r.node, f"retention: {len(r.weights)} older model tree(s) this "
+                              f"cluster copied, beyond the current and {desired.policy.retention.previous} "
+                              "previous", remove=r.weights))
+        if r.images:
+            steps.append(Step("prune-images", r.node, f"retention: {len(r.images)} older image(s) this cluster "
+                              f"copied, beyond the current and {desired.policy.retention.previous} previous",
+                              remove=r.images))
+        ids[r.node] = tuple(s.id for s in steps if s.node == r.node and s.kind.startswith("prune-"))
+    return ids
 
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],

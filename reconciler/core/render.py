@@ -11,7 +11,8 @@ from reconciler.core.observed import Observed
 from reconciler.core.planning import Plan
 from reconciler.core.text import printable
 
-_SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "image": "+", "weights": "+",
+_SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "prune-weights": "-", "prune-images": "-",
+         "image": "+", "weights": "+",
          "start-serving": "+", "launch-model": "+", "await-health": "?"}
 
 
@@ -19,9 +20,9 @@ def plan_text(plan: Plan) -> str:
     lines: list[str] = []
     if plan.trusted:  # every time: the opt-ins are root-equivalent on the serving nodes (docs/security.md)
         lines += [f"Trusted beyond the default (trust): {', '.join(plan.trusted)}.", ""]
-    if not plan.drift:
+    if not plan.drift and not plan.steps:
         return _join([*lines, "No changes. The cluster matches the desired state."])
-    lines.append("Drift:")
+    lines.append("Drift:" if plan.drift else "Drift: none.")
     for node in dict.fromkeys(d.node for d in plan.drift):
         lines.append(f"  node {node}")
         for d in (x for x in plan.drift if x.node == node):
@@ -37,6 +38,7 @@ def plan_text(plan: Plan) -> str:
             for s in (x for x in plan.steps if x.node == node):
                 after = f" (after {', '.join(str(order[a]) for a in s.after)})" if s.after else ""
                 lines.append(f"    {order[s.id]:>2}. {_SIGN[s.kind]} {s.id}: {s.reason}{after}")
+                lines += [f"          - {printable(item)}" for item in s.remove or ()]
     if any(s.kind == "start-serving" for s in plan.steps):
         lines += ["", f"Serving starts with ulimits {' '.join(plan.ulimits) or '(none)'} (serving.docker.ulimits "
                       "merged over the defaults)."]

@@ -45,6 +45,10 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         src = _node(obs, step.source).weights
         assert src is not None
         nodes[step.node] = node.model_copy(update={"weights": src.model_copy(update={"root": step.path})})
+    elif step.kind in ("prune-weights", "prune-images"):  # their ledger lines end with the removal
+        pruned, removed = ("weights" if step.kind == "prune-weights" else "image"), set(step.remove or ())
+        copies = [r for r in node.copies or [] if not (r.kind == pruned and r.key in removed)]
+        nodes[step.node] = node.model_copy(update={"copies": copies if node.copies is not None else None})
     elif step.kind == "stop-serving":  # removed under the serving name, only stopped under a former one
         gone, name = step.container, desired.serving.container_name
         containers = [c if c.name != gone else c.model_copy(update={"state": "exited"})

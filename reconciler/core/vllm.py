@@ -19,6 +19,7 @@ from reconciler.core.observed import (
     LABEL_PORTS,
     LABEL_ROLE,
     LABEL_SPEC_HASH,
+    LABEL_WEIGHTS,
 )
 from reconciler.core.spec import Desired, Node
 
@@ -44,6 +45,7 @@ class LaunchSpec:
     #: the native rendezvous, Ray's GCS): a start finds them free or fails. Carried as a label, so the next
     #: plan knows which listeners are this generation's own. Not hashed: the command already says them.
     listens: tuple[tuple[str, int], ...] = ()
+    weights: str = ""  # Desired.weights_root on the node, as a label (not hashed: the mount already says it)
 
     @property
     def spec_hash(self) -> str:
@@ -60,7 +62,7 @@ class LaunchSpec:
         not in `ps` on the node, not in the argv of an error message. The hash covers the env either way."""
         labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
                   LABEL_ROLE: "head" if self.rank == 0 else "worker", LABEL_INSTANCE: self.instance,
-                  LABEL_PORTS: ",".join(str(port) for _, port in self.listens)}
+                  LABEL_PORTS: ",".join(str(port) for _, port in self.listens), LABEL_WEIGHTS: self.weights}
         argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
         for key, value in sorted(labels.items()):
             argv += ["--label", f"{key}={value}"]
@@ -314,7 +316,8 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
                            *RAY_START_FLAGS]
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
                                 docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
-                                instance=desired.instance, listens=listens))
+                                instance=desired.instance, listens=listens,
+                                weights=desired.weights_root(node.name)))
     if s.launcher == "ray":
         specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))
     return specs

@@ -12,7 +12,6 @@ import posixpath
 from dataclasses import dataclass
 
 from reconciler.core.observed import WeightFile, Weights
-from reconciler.core.spec import Desired
 from reconciler.edge.probes import Section, node_output
 from reconciler.edge.ssh import quote_word
 
@@ -20,14 +19,6 @@ PARTIAL_DIR = ".rsync-partial"
 MAX_ENTRIES = 100_000  # entries listed per tree (and per blob store); beyond, the manifest is truncated
 MAX_DEPTH = 8  # levels below the root: models--ORG--NAME/snapshots/REV/ and five levels of the repo's own dirs
 UNSAFE_SHOWN = 10  # links a manifest names in `unsafe` (`unsafe_count` counts them all)
-
-
-def weights_root(desired: Desired, node: str) -> str:
-    """The directory whose tree is the manifest: the model dir (plain) or models--ORG--NAME (hf-cache)."""
-    path = desired.model.path_on(node)
-    if desired.model.layout == "plain":
-        return path
-    return posixpath.join(path, "models--" + desired.model.id.replace("/", "--"))
 
 
 def weights_store(root: str) -> str | None:

@@ -16,7 +16,8 @@ from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.image_flags import flags_once, flags_wanted
-from reconciler.edge.manifest import manifest_script, parse_weights, weights_root
+from reconciler.edge.ledger import ledger_script, parse_copies
+from reconciler.edge.manifest import manifest_script, parse_weights
 from reconciler.edge.probes import (
     SECTION_FUNCTION,
     ProbeError,
@@ -50,7 +51,8 @@ def probe_script(desired: Desired, node: Node) -> str:
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
              *disk_script(desired.model.path_on(node.name)),
-             manifest_script(weights_root(desired, node.name))]
+             manifest_script(desired.weights_root(node.name)),
+             *(ledger_script() if desired.policy.retention.prune else [])]
     if node.role == "head":
         lines += api_script(desired)
         if desired.serving.launcher == "ray":
@@ -77,7 +79,8 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
         containers=containers, images=images,
         fabric=fabric, fabric_twin=fabric_twin,
         memory=parse_memory(sections.get("meminfo")),
-        weights=parse_weights(weights_root(desired, node.name), sections.get("weights")), serving=serving)
+        weights=parse_weights(desired.weights_root(node.name), sections.get("weights")), serving=serving,
+        copies=parse_copies(sections.get("copies")))
 
 
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,

@@ -98,7 +98,7 @@ _DOCKER_SOCKET = 'sock=/var/run/docker.sock; case "${DOCKER_HOST:-}" in unix://*
 
 _INSPECT = ('{"name":{{json .Name}},"id":{{json .Id}},"image":{{json .Config.Image}},"image_id":{{json .Image}},'
             '"state":{{json .State.Status}},"labels":{{json .Config.Labels}},"started_at":{{json .State.StartedAt}},'
-            '"restart_count":{{json .RestartCount}}}')
+            '"restart_count":{{json .RestartCount}},"mounts":{{json .Mounts}}}')
 
 
 def containers_script() -> list[str]:
@@ -115,9 +115,19 @@ def containers_script() -> list[str]:
     ]
 
 
+def _bind_sources(mounts: object) -> list[str] | None:
+    """The host paths of a container's bind mounts (Docker's `Mounts`, in /containers/json and inspect alike);
+    volumes live in docker's own data root. None when the engine did not say (retention then keeps every tree)."""
+    if not isinstance(mounts, list):
+        return None
+    return sorted({m["Source"] for m in mounts if isinstance(m, dict) and m.get("Type") == "bind"
+                   and isinstance(m.get("Source"), str)})
+
+
 def _api_container(raw: dict) -> Container:
     return Container(name=(raw.get("Names") or ["/"])[0].lstrip("/"), id=raw["Id"], image=raw.get("Image", ""),
-                     image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {})
+                     image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {},
+                     mounts=_bind_sources(raw.get("Mounts")))
 
 
 @node_output("containers")
@@ -133,6 +143,7 @@ def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Contai
             raw = json.loads(line)
             raw["name"] = raw["name"].lstrip("/")
             raw["labels"] = raw.get("labels") or {}
+            raw["mounts"] = _bind_sources(raw.get("mounts"))
             found.append(Container.model_validate(raw))
     if sec.rc != 0 and not found:
         return False, sec.body.strip()[-500:] or f"docker exited {sec.rc}", []

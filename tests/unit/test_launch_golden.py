@@ -45,12 +45,16 @@ def env(ip: str, *extra: str) -> str:
     return "".join(f"{line}\n" for line in sorted(lines))
 
 
+WEIGHTS = "/home/spark/.cache/huggingface/hub/models--Qwen--Qwen3.5-122B-A10B-FP8"  # the tree it serves, in the hub it mounts
+
+
 def labels(role: str, spec_hash: str) -> list[str]:
     ports = "8000,29501" if role == "head" else ""  # the API and torch's TCPStore: rank 0 alone listens on fixed ports
     return ["--label", "spark-reconciler.generation=3", "--label", "spark-reconciler.instance=10.1.230.180:22",
             "--label", "spark-reconciler.managed=true", "--label", f"spark-reconciler.ports={ports}",
             "--label", f"spark-reconciler.role={role}",
-            "--label", f"spark-reconciler.spec-hash={spec_hash}"]
+            "--label", f"spark-reconciler.spec-hash={spec_hash}",
+            "--label", f"spark-reconciler.weights={WEIGHTS}"]
 
 
 def test_the_sample_starts_rank_0_and_a_headless_rank_1_over_the_fabric():

@@ -355,7 +355,10 @@ def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transpo
                                                      transport=transport),
                              timeouts=SimpleNamespace(command=60))
     loopback = SimpleNamespace(fabric=SimpleNamespace(address=SimpleNamespace(ip="127.0.0.1")))
-    return SimpleNamespace(model=model, policy=policy, source_node="src", node=lambda name: loopback)
+    hub_tree = "models--" + MODEL.replace("/", "--")
+    return SimpleNamespace(model=model, policy=policy, source_node="src", node=lambda name: loopback,
+                           weights_root=lambda n: paths[n] if layout == "plain" else f"{paths[n]}/{hub_tree}",
+                           instance="head:22")
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import fnmatch
 import hashlib
 import ipaddress
 import json
+import posixpath
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
@@ -253,6 +254,18 @@ class WeightsPolicy(_Model):
     bandwidth_limit: SizeInBytes | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
 
 
+class Retention(_Model):
+    """What a node keeps of what this cluster copied to it. Opt-in: removing files is the one thing the
+    reconciler does that cannot be undone, so it waits for the owner to ask (issue 29: a 1 TB Spark fills after a
+    few model changes of ~119 GB). Only copies this cluster made and recorded are ever removed (docs/operations.md
+    "Retention"); the weights source and anything a person put there are never touched."""
+
+    prune: bool = Field(False, description="Remove the models and images this cluster copied to a node, beyond "
+                        "the current ones and the `previous` most recently used (a rollback needs them).")
+    previous: int = Field(1, ge=1, le=10, description="How many earlier models and images each node keeps, by "
+                          "last use (served or copied), besides the current ones.")
+
+
 class Policy(_Model):
     mode: Literal["enforce", "observe"] = "enforce"
     paused: bool = False
@@ -262,6 +275,7 @@ class Policy(_Model):
     weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
     memory_margin: SizeInBytes = Field(4 * 2**30, description="MemAvailable must exceed gmu x MemTotal + this.")
     drop_caches: bool = Field(False, description="Drop the page cache before a start when memory is short.")
+    retention: Retention = Field(default_factory=Retention)
     listen: Listen = Field(
         "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")
 
@@ -360,6 +374,14 @@ class Desired(_Model):
         """This cluster's reconciler, as its containers' instance label and its lease on the head name it: the
         head's SSH address (one head, one reconciler; node names are only this file's)."""
         return f"{self.head.ssh.host}:{self.head.ssh.port}"
+
+    def weights_root(self, node: str) -> str:
+        """The directory whose tree is the model on `node`: the model dir (plain) or models--ORG--NAME (hf-cache).
+        What the probe lists, a copy writes, and retention records and removes as one."""
+        path = self.model.path_on(node)
+        if self.model.layout == "plain":
+            return path
+        return posixpath.join(path, "models--" + self.model.id.replace("/", "--"))
 
     @property
     def image_sources(self) -> list[str]:

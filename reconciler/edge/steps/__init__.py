@@ -69,14 +69,27 @@ def wait_for(check: Callable[[], Any], *, timeout: float, interval: float = 0.2,
             time.sleep(interval)
 
 
+def note_copy(ctx: StepContext, node: str, kind: str, key: str, detail: str = "-", action: str = "copied") -> None:
+    """Write a copy (or a serving start with one) to the node's copy ledger, which retention reads. A line that
+    cannot be written is reported, never a failure of the copy it records: unrecorded, a copy is only kept
+    longer (retention never removes what the ledger does not name)."""
+    from reconciler.edge import ledger
+
+    if (why := ledger.record(ctx.sessions[node], action, kind, key, ctx.desired.instance, detail,
+                             timeout=ctx.command_timeout)) is not None:
+        ctx.progress("ledger.unwritten", {"node": node, "kind": kind, "key": key, "error": why})
+
+
 def runner(kind: str) -> Callable[[StepContext, Step], None]:
     """The function that performs a step kind (imported lazily: each family is its own module)."""
-    from reconciler.edge.steps import containers, images, link, serving, weights
+    from reconciler.edge.steps import containers, images, link, retention, serving, weights
 
     table: dict[str, Callable[[StepContext, Step], None]] = {
         "stop-container": containers.stop_container,
         "stop-serving": containers.stop_serving,
         "link": link.converge_link,
+        "prune-weights": retention.prune_weights,
+        "prune-images": retention.prune_images,
         "image": images.copy_image,
         "weights": weights.sync_weights,
         "start-serving": serving.start_serving,

@@ -17,7 +17,7 @@ from reconciler.core.observed import Image
 from reconciler.core.planning import Step
 from reconciler.edge.probes import image_from_inspect
 from reconciler.edge.ssh import CommandFailed, bounded, quote
-from reconciler.edge.steps import StepContext, StepFailed, hop
+from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
 
 # bash for pipefail: a failed `docker save` or `docker load` fails the copy, not only the last stage. dd's report
 # goes to stdout (fd 3) where the step reads progress; docker load's own output to stderr.
@@ -124,3 +124,4 @@ def copy_image(ctx: StepContext, step: Step) -> None:
     if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
         raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
     ctx.progress("image.done", {"node": node, "bytes": moved.done, "image_id": got.id, "content": want.content})
+    note_copy(ctx, node, "image", want.content, got.id)

@@ -15,8 +15,9 @@ from reconciler.core.planning import Step
 from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed
 from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
-from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, wait_for
+from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, note_copy, wait_for
 from reconciler.edge.steps.containers import inspect, owner_problem
+from reconciler.edge.steps.images import inspect_image
 
 GIB = 2**30
 # Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
@@ -80,6 +81,7 @@ def start_serving(ctx: StepContext, step: Step) -> None:
             raise StepFailed(f"{spec.container_name} on {node} runs another spec; the plan stops it first")
         ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
     memory_preflight(ctx, node)
+    _note_use(ctx, node, spec)
     session = ctx.sessions[node]
     if dirs := cache_dirs(ctx.desired, ctx.desired.node(node)):
         session.run(["mkdir", "-p", *dirs.values()], timeout=ctx.command_timeout)  # ours, not root's
@@ -98,6 +100,14 @@ def start_serving(ctx: StepContext, step: Step) -> None:
         return bool(state.get("Running"))
 
     wait_for(running, timeout=ctx.remaining(60), what=f"{spec.container_name} to run on {node}", cancel=ctx.cancel)
+
+
+def _note_use(ctx: StepContext, node: str, spec: LaunchSpec) -> None:
+    """The copy ledger's `served` lines, before the start (a crash after it still counts as a use): the last use
+    orders what retention keeps for a rollback (core/retention.py)."""
+    note_copy(ctx, node, "weights", spec.weights, action="served")
+    if (image := inspect_image(ctx, node, spec.image)) is not None:
+        note_copy(ctx, node, "image", image.content, action="served")
 
 
 def launch_model(ctx: StepContext, step: Step) -> None:

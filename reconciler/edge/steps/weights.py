@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
-from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing, weights_root
+from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing
 from reconciler.edge.probes import read_sections
 from reconciler.edge.ssh import CommandFailed, Session, quote
-from reconciler.edge.steps import StepContext, StepFailed, hop
+from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
 from reconciler.edge.steps.rsyncd import Door, rsync_daemon
 
 RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
@@ -48,7 +48,7 @@ def _listing(session: Session, root: str, timeout: float) -> Listing:
 
 
 def read_manifest(ctx: StepContext, node: str) -> Weights:
-    return _listing(ctx.sessions[node], weights_root(ctx.desired, node), ctx.command_timeout).weights
+    return _listing(ctx.sessions[node], ctx.desired.weights_root(node), ctx.command_timeout).weights
 
 
 # -- links: which rsync keeps, which are copied as files, which trees are refused ---------------------------------
@@ -230,7 +230,7 @@ def _run_streams(run: Callable[[int, tuple[list[str], bool]], None],
 def sync_weights(ctx: StepContext, step: Step) -> None:
     target, source = step.node, step.source
     assert source is not None, "the plan sets it for a weights step"
-    src_root, dst_root = weights_root(ctx.desired, source), weights_root(ctx.desired, target)
+    src_root, dst_root = ctx.desired.weights_root(source), ctx.desired.weights_root(target)
     expected = read_manifest(ctx, source)
     if not expected.present:
         raise StepFailed(f"the weights are not present on the source {source} at {src_root}")
@@ -280,11 +280,12 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
         if isinstance(first, CommandFailed):
             raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
         raise first
-    _check_copy(ctx, expected, source, target, dst_root)
+    after = _check_copy(ctx, expected, source, target, dst_root)
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
+    note_copy(ctx, target, "weights", dst_root, after.digest())
 
 
-def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> None:
+def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> Weights:
     """Make the copy durable (before it is called done: the page cache still holds much of it, and a power cut
     would lose that), then require the target's manifest to equal the source's."""
     ctx.sessions[target].run(["sync", "-f", dst_root], timeout=ctx.remaining())
@@ -297,6 +298,7 @@ def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, d
                          + (f"is not fully listed ({after.truncated})" if after.truncated else
                             f"holds link(s) leading out of it, not made by the reconciler: {_unsafe(after)}; "
                             "remove them"))
+    return after
 
 
 # -- full verification (the flipped byte that sizes and mtimes cannot see) -------------------------------------
@@ -424,7 +426,7 @@ def verify_weights(desired, sessions, node: str, *, repair: bool = False, timeou
     target (only inside its tree: `remove_files`), so the next reconcile sees them missing and re-syncs exactly
     those (rsync alone would skip them: same size, same mtime)."""
     source = desired.source_node
-    src_root, dst_root = weights_root(desired, source), weights_root(desired, node)
+    src_root, dst_root = desired.weights_root(source), desired.weights_root(node)
     target = sessions[node]
     mine_listing, theirs_listing = _listing(target, dst_root, timeout), _listing(sessions[source], src_root, timeout)
     files = sorted(f.path for f in mine_listing.weights.files if f.link_target is None)

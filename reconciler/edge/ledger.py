@@ -1,0 +1,85 @@
+"""The copy ledger: what this cluster copied to a node, kept on that node, so retention removes only that.
+
+A line is appended to the SSH user's `~/.spark-reconciler/copies` (the 0700 directory of the lease) after every
+verified copy (`copied`), before every serving start with a copy (`served`: the last use orders what a rollback
+needs), and after every removal (`removed`). Appending is one `printf >>` of one short line: O_APPEND keeps
+concurrent writers' lines whole, and a line cut short by a crash does not parse and is skipped, which can only
+keep a copy longer, never remove one. It lives on the node because the node is what it describes: a copy made by
+`reconciler apply` from a laptop and one made by the daemon are recorded in the same place, and a node that is
+reinstalled loses its ledger together with what it recorded.
+
+    copied	weights	/models/qwen	1764000000	10.0.0.1:22	<tree digest>
+    copied	image	sha256:<content>	1764000000	10.0.0.1:22	sha256:<id on the node>
+    served	weights	/models/qwen	1764000100	10.0.0.1:22	-
+    removed	image	sha256:<content>	1764000200	10.0.0.1:22	-
+"""
+
+from __future__ import annotations
+
+import re
+
+from reconciler.core.observed import CopyRecord
+from reconciler.edge.probes import Section, node_output
+from reconciler.edge.ssh import Session, quote
+
+LEDGER = ".spark-reconciler/copies"  # under the SSH user's home, beside the lease
+MAX_LINES = 5000  # the newest lines the probe reads: years of model changes
+
+_KEY = {"weights": re.compile(r"/[A-Za-z0-9._+@/-]{0,4095}"), "image": re.compile(r"sha256:[0-9a-f]{64}")}
+_DETAIL = {"weights": re.compile(r"[0-9a-f]{64}"), "image": re.compile(r"sha256:[0-9a-f]{64}")}
+_BY = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,300}")
+_ACTIONS = ("copied", "served", "removed")
+
+
+def ledger_script() -> list[str]:
+    """The `copies` section: the newest MAX_LINES lines of the ledger (none yet: empty)."""
+    return ["sec copies", f'tail -n {MAX_LINES} "$HOME/{LEDGER}" 2>/dev/null; echo "@@rc 0"']
+
+
+def _line(raw: str) -> tuple[str, str, str, int, str, str] | None:
+    """One ledger line, or None when it does not parse (cut short, edited by hand): skipped, never guessed."""
+    fields = raw.split("\t")
+    if len(fields) != 6:
+        return None
+    action, kind, key, at, by, detail = fields
+    if action not in _ACTIONS or kind not in _KEY or not _KEY[kind].fullmatch(key) or not at.isdigit() \
+            or not _BY.fullmatch(by) or ".." in key.split("/"):
+        return None
+    if action == "copied" and not _DETAIL[kind].fullmatch(detail):
+        return None
+    return action, kind, key, int(at), by, detail
+
+
+@node_output("copies")
+def parse_copies(sec: Section | None) -> list[CopyRecord] | None:
+    """The ledger folded per (kind, key): what is copied and not removed since, with its last use."""
+    if sec is None:
+        return None
+    records: dict[tuple[str, str], CopyRecord] = {}
+    for raw in sec.body.splitlines():
+        if (line := _line(raw)) is None:
+            continue
+        action, kind, key, at, by, detail = line
+        known = records.get((kind, key))
+        if action == "removed":
+            records.pop((kind, key), None)
+        elif action == "copied":
+            records[(kind, key)] = CopyRecord(kind=kind, key=key, detail=detail, by=by,
+                                              copied_at=at, used_at=max(at, known.used_at if known else 0))
+        elif known is not None:
+            records[(kind, key)] = known.model_copy(update={"used_at": max(at, known.used_at)})
+    return sorted(records.values(), key=lambda r: (r.kind, r.key))
+
+
+def record(session: Session, action: str, kind: str, key: str, by: str, detail: str = "-", *,
+           timeout: float) -> str | None:
+    """Append one line, stamped with the node's clock (the ledger's times are only ever compared on that node).
+    Every value is checked here, the one writer, so nothing that would not parse back is written. None when the
+    line is written; otherwise what the node said (the caller decides whether that stops it)."""
+    assert action in _ACTIONS and _KEY[kind].fullmatch(key) and _BY.fullmatch(by), (action, kind, key, by)
+    assert action != "copied" or _DETAIL[kind].fullmatch(detail), detail
+    script = ('umask 077; d="$HOME/.spark-reconciler"; mkdir -p "$d" && '
+              'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$2" "$3" "$(date +%s)" "$4" "$5" >> "$HOME/' + LEDGER
+              + '"')
+    result = session.run_script(f"set -- {quote([action, kind, key, by, detail])}\n{script}\n", timeout=timeout)
+    return None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr.strip()[-200:]}"
