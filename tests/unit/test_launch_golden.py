@@ -45,7 +45,8 @@ def env(ip: str, *extra: str) -> str:
     return "".join(f"{line}\n" for line in sorted(lines))
 
 
-WEIGHTS = "/home/spark/.cache/huggingface/hub/models--Qwen--Qwen3.5-122B-A10B-FP8"  # the tree it serves, in the hub it mounts
+# the tree it serves, in the hub it mounts
+WEIGHTS = "/home/spark/.cache/huggingface/hub/models--Qwen--Qwen3.5-122B-A10B-FP8"
 
 
 def labels(role: str, spec_hash: str) -> list[str]:

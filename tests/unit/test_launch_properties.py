@@ -150,7 +150,8 @@ def test_docker_runs_each_rank_detached_named_and_labelled_for_the_next_observe(
         # the tree it serves: the read-only model mount itself (plain), or the model's own tree in the mounted hub
         served = run["labels"].pop("spark-reconciler.weights")
         flags = list(s.docker_flags)
-        mounted = [flags[i + 1].split(":")[0] for i, f in enumerate(flags) if f == "-v" and flags[i + 1].endswith(":ro")]
+        mounted = [flags[i + 1].split(":")[0] for i, f in enumerate(flags)
+                   if f == "-v" and flags[i + 1].endswith(":ro")]
         hub_tree = f"models--{desired.model.id.replace('/', '--')}"
         assert served in mounted or any(served == f"{m}/{hub_tree}" for m in mounted)
         assert run["labels"] == {"spark-reconciler.managed": "true", "spark-reconciler.spec-hash": s.spec_hash,
