@@ -6,12 +6,14 @@ needs), and after every removal (`removed`). Appending is one `printf >>` of one
 concurrent writers' lines whole, and a line cut short by a crash does not parse and is skipped, which can only
 keep a copy longer, never remove one. It lives on the node because the node is what it describes: a copy made by
 `reconciler apply` from a laptop and one made by the daemon are recorded in the same place, and a node that is
-reinstalled loses its ledger together with what it recorded.
+reinstalled loses its ledger together with what it recorded. Each line names the node (as the file does): a
+home shared between nodes (NFS, or the testbed's one filesystem) holds one ledger for all, and each node reads
+only its own lines; a node renamed in the file leaves its old lines to no one, which only keeps those copies.
 
-    copied	weights	/models/qwen	1764000000	10.0.0.1:22	<tree digest>
-    copied	image	sha256:<content>	1764000000	10.0.0.1:22	sha256:<id on the node>
-    served	weights	/models/qwen	1764000100	10.0.0.1:22	-
-    removed	image	sha256:<content>	1764000200	10.0.0.1:22	-
+    copied	worker	weights	/models/qwen	1764000000	10.0.0.1:22	<tree digest>
+    copied	worker	image	sha256:<content>	1764000000	10.0.0.1:22	sha256:<id on the node>
+    served	worker	weights	/models/qwen	1764000100	10.0.0.1:22	-
+    removed	worker	image	sha256:<content>	1764000200	10.0.0.1:22	-
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _KEY = {"weights": re.compile(r"/[A-Za-z0-9._+@/-]{0,4095}"), "image": re.compil
 _DETAIL = {"weights": re.compile(r"[0-9a-f]{64}"), "image": re.compile(r"sha256:[0-9a-f]{64}")}
 _BY = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,300}")
 _ACTIONS = ("copied", "served", "removed")
+_NODE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # spec's NodeName
 
 
 def ledger_script() -> list[str]:
@@ -36,12 +39,13 @@ def ledger_script() -> list[str]:
     return ["sec copies", f'tail -n {MAX_LINES} "$HOME/{LEDGER}" 2>/dev/null; echo "@@rc 0"']
 
 
-def _line(raw: str) -> tuple[str, str, str, int, str, str] | None:
-    """One ledger line, or None when it does not parse (cut short, edited by hand): skipped, never guessed."""
+def _line(raw: str, node: str) -> tuple[str, str, str, int, str, str] | None:
+    """One ledger line of `node`, or None when it is another node's or does not parse (cut short, edited by
+    hand): skipped, never guessed."""
     fields = raw.split("\t")
-    if len(fields) != 6:
+    if len(fields) != 7 or fields[1] != node:
         return None
-    action, kind, key, at, by, detail = fields
+    action, _, kind, key, at, by, detail = fields
     if action not in _ACTIONS or kind not in _KEY or not _KEY[kind].fullmatch(key) or not at.isdigit() \
             or not _BY.fullmatch(by) or ".." in key.split("/"):
         return None
@@ -51,13 +55,14 @@ def _line(raw: str) -> tuple[str, str, str, int, str, str] | None:
 
 
 @node_output("copies")
-def parse_copies(sec: Section | None) -> list[CopyRecord] | None:
-    """The ledger folded per (kind, key): what is copied and not removed since, with its last use."""
+def parse_copies(sec: Section | None, node: str) -> list[CopyRecord] | None:
+    """`node`'s lines of the ledger folded per (kind, key): what is copied and not removed since, with its last
+    use."""
     if sec is None:
         return None
     records: dict[tuple[str, str], CopyRecord] = {}
     for raw in sec.body.splitlines():
-        if (line := _line(raw)) is None:
+        if (line := _line(raw, node)) is None:
             continue
         action, kind, key, at, by, detail = line
         known = records.get((kind, key))
@@ -71,15 +76,18 @@ def parse_copies(sec: Section | None) -> list[CopyRecord] | None:
     return sorted(records.values(), key=lambda r: (r.kind, r.key))
 
 
-def record(session: Session, action: str, kind: str, key: str, by: str, detail: str = "-", *,
+def record(session: Session, node: str, action: str, kind: str, key: str, by: str, detail: str = "-", *,
            timeout: float) -> str | None:
     """Append one line, stamped with the node's clock (the ledger's times are only ever compared on that node).
     Every value is checked here, the one writer, so nothing that would not parse back is written. None when the
     line is written; otherwise what the node said (the caller decides whether that stops it)."""
-    assert action in _ACTIONS and _KEY[kind].fullmatch(key) and _BY.fullmatch(by), (action, kind, key, by)
+    assert action in _ACTIONS and _NODE.fullmatch(node) and _KEY[kind].fullmatch(key) and _BY.fullmatch(by), \
+        (action, node, kind, key, by)
     assert action != "copied" or _DETAIL[kind].fullmatch(detail), detail
     script = ('umask 077; d="$HOME/.spark-reconciler"; mkdir -p "$d" && '
-              'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$2" "$3" "$(date +%s)" "$4" "$5" >> "$HOME/' + LEDGER
+              'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$2" "$3" "$4" "$(date +%s)" "$5" "$6" >> "$HOME/'
+              + LEDGER
               + '"')
-    result = session.run_script(f"set -- {quote([action, kind, key, by, detail])}\n{script}\n", timeout=timeout)
+    args = quote([action, node, kind, key, by, detail])
+    result = session.run_script(f"set -- {args}\n{script}\n", timeout=timeout)
     return None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr.strip()[-200:]}"

@@ -80,7 +80,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
         fabric=fabric, fabric_twin=fabric_twin,
         memory=parse_memory(sections.get("meminfo")),
         weights=parse_weights(desired.weights_root(node.name), sections.get("weights")), serving=serving,
-        copies=parse_copies(sections.get("copies")))
+        copies=parse_copies(sections.get("copies"), node.name))
 
 
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,

@@ -178,26 +178,27 @@ def test_removals_match_an_oracle_written_from_the_rule(records, previous):
 # -- the ledger, as the node holds it --------------------------------------------------------------------------
 
 LEDGER = (
-    f"copied\tweights\t{HUB}/models--a\t100\t{BY}\t{DIGEST}\n"
-    f"copied\timage\tsha256:{1:064x}\t110\t{BY}\tsha256:{101:064x}\n"
-    f"served\tweights\t{HUB}/models--a\t400\t{BY}\t-\n"
-    f"copied\tweights\t{HUB}/models--b\t200\t{BY}\t{DIGEST}\n"
-    f"removed\tweights\t{HUB}/models--b\t300\t{BY}\t-\n"
-    f"served\timage\tsha256:{2:064x}\t120\t{BY}\t-\n"  # served, never copied here: not a copy
-    f"copied\tweights\t{HUB}/models--c\t500\t{BY}\n"  # cut short by a crash
-    f"copied\tweights\t{HUB}/../etc\t500\t{BY}\t{DIGEST}\n"  # a path that climbs out
-    "copied\tweights\trelative/path\t500\tx\t" + DIGEST + "\n"
+    f"copied\tworker1\tweights\t{HUB}/models--a\t100\t{BY}\t{DIGEST}\n"
+    f"copied\tworker1\timage\tsha256:{1:064x}\t110\t{BY}\tsha256:{101:064x}\n"
+    f"served\tworker1\tweights\t{HUB}/models--a\t400\t{BY}\t-\n"
+    f"copied\tworker1\tweights\t{HUB}/models--b\t200\t{BY}\t{DIGEST}\n"
+    f"removed\tworker1\tweights\t{HUB}/models--b\t300\t{BY}\t-\n"
+    f"served\tworker1\timage\tsha256:{2:064x}\t120\t{BY}\t-\n"  # served, never copied here: not a copy
+    f"copied\tworker1\tweights\t{HUB}/models--c\t500\t{BY}\n"  # cut short by a crash
+    f"copied\tworker1\tweights\t{HUB}/../etc\t500\t{BY}\t{DIGEST}\n"  # a path that climbs out
+    "copied\tworker1\tweights\trelative/path\t500\tx\t" + DIGEST + "\n"
+    f"copied\thead\tweights\t{HUB}/models--h\t500\t{BY}\t{DIGEST}\n"  # another node's (a shared home)
     "garbage\n")
 
 
 def test_the_ledger_folds_to_what_is_copied_and_not_removed_since():
-    records = ledger.parse_copies(Section(LEDGER, 0))
+    records = ledger.parse_copies(Section(LEDGER, 0), "worker1")
     assert records == [
         CopyRecord(kind="image", key=f"sha256:{1:064x}", detail=f"sha256:{101:064x}", by=BY, copied_at=110,
                    used_at=110),
         CopyRecord(kind="weights", key=f"{HUB}/models--a", detail=DIGEST, by=BY, copied_at=100, used_at=400)]
-    assert ledger.parse_copies(None) is None
-    assert ledger.parse_copies(Section("", 0)) == []
+    assert ledger.parse_copies(None, "worker1") is None
+    assert ledger.parse_copies(Section("", 0), "worker1") == []
 
 
 # -- the steps, on real files (a node that is this machine: tests/unit/test_weights_tree.Local) ----------------
@@ -208,12 +209,12 @@ def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp
     repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
     sync(tmp_path, nodes)
     dst = tmp_path / "dst" / "hub" / repo.name
-    [record] = ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0))
+    [record] = ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst")
     assert (record.kind, record.key, record.detail, record.by) == ("weights", str(dst), probe(dst).digest(), "head:22")
     ctx = _prune_ctx(tmp_path, nodes, _desired)
     prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
     assert not dst.exists() and (tmp_path / "src" / "hub" / repo.name).is_dir()
-    assert ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0)) == []
+    assert ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst") == []
 
 
 def test_a_tree_changed_since_the_copy_is_kept_and_said(tmp_path, nodes):

@@ -75,7 +75,7 @@ def note_copy(ctx: StepContext, node: str, kind: str, key: str, detail: str = "-
     longer (retention never removes what the ledger does not name)."""
     from reconciler.edge import ledger
 
-    if (why := ledger.record(ctx.sessions[node], action, kind, key, ctx.desired.instance, detail,
+    if (why := ledger.record(ctx.sessions[node], node, action, kind, key, ctx.desired.instance, detail,
                              timeout=ctx.command_timeout)) is not None:
         ctx.progress("ledger.unwritten", {"node": node, "kind": kind, "key": key, "error": why})
 
