@@ -67,3 +67,49 @@ def test_the_oldest_copy_goes_the_previous_stays(seed_testbed, tmp_path):
             tb.exec(node, f"rm -rf {_hub(node, 2)} {_hub(node, 3)} {_hub('worker', 1)}/models--someone--notes",
                     user="root")
         reconciler("apply", str(DESIRED), "--yes")
+
+
+def _image_generation(i: int):
+    def change(d):
+        d.setdefault("policy", {})["retention"] = {"prune": True, "previous": 1}
+        d["serving"]["image"] = "vllm-standin:latest" if i == 1 else f"vllm-standin:gen{i}"
+    return change
+
+
+def _image_id(tb, node: str, ref: str) -> str | None:
+    found = tb.docker(node, "image", "inspect", "--format", "{{.Id}}", ref, check=False)
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def test_the_oldest_image_goes_unforced_the_previous_stays(seed_testbed, tmp_path):
+    """Three serving images of different content (the stand-in with one more layer each, made on the head by
+    `docker commit`, as a rebuilt tag would be). After the third, the worker keeps the second and the third; the
+    first, which this cluster loaded there, is removed with `docker image rm` (no --force)."""
+    tb = seed_testbed
+    try:
+        for i in (2, 3):
+            tb.docker("head", "rm", "-f", f"retention-gen{i}", check=False)
+            mark = tmp_path / f"gen{i}"
+            mark.write_text(f"generation {i}\n")
+            tb.docker("head", "create", "--name", f"retention-gen{i}", "vllm-standin:latest")  # never started
+            tb.docker("head", "cp", str(mark), f"retention-gen{i}:/generation")  # a layer of its own
+            tb.docker("head", "commit", f"retention-gen{i}", f"vllm-standin:gen{i}")
+            tb.docker("head", "rm", f"retention-gen{i}")
+        first = None
+        for i in (1, 2, 3):
+            result = reconciler("apply", str(variant(tmp_path, _image_generation(i))), "--yes")
+            assert result.returncode == 0, result.stdout + result.stderr
+            if i == 1:
+                first = _image_id(tb, "worker", "vllm-standin:latest")
+                assert first, "the seed's image was copied to the worker"
+            assert api_models(tb) == ["tiny-moe"]
+        assert _image_id(tb, "worker", "vllm-standin:latest") is None, "the oldest image is removed"
+        assert _image_id(tb, "worker", "vllm-standin:gen2") and _image_id(tb, "worker", "vllm-standin:gen3")
+        assert _image_id(tb, "head", "vllm-standin:latest"), "the image source is never pruned"
+        ledger = tb.exec("worker", "cat ~/.spark-reconciler/copies", check=True).stdout
+        assert "removed\tworker\timage\tsha256:" in ledger, ledger
+    finally:
+        for i in (2, 3):
+            for node in ("head", "worker"):
+                tb.docker(node, "image", "rm", f"vllm-standin:gen{i}", check=False)
+        reconciler("apply", str(DESIRED), "--yes")
