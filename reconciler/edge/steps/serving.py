@@ -16,7 +16,7 @@ from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_ne
 from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, wait_for
-from reconciler.edge.steps.containers import inspect, owner_problem
+from reconciler.edge.steps.containers import inspect, owner_problem, step_owner
 
 GIB = 2**30
 # Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
@@ -26,7 +26,9 @@ NON_CARRY_OVER_WRITE = ('d="${VLLM_CONFIG_ROOT:-${XDG_CONFIG_HOME:-$HOME/.config
 
 
 def spec_for(ctx: StepContext, node: str) -> LaunchSpec:
-    return next(s for s in launch_specs(ctx.desired) if s.node == node)
+    """The launch of `node`, labelled with this cluster's instance label (the head's cluster id when the plan's
+    observation read it)."""
+    return next(s for s in launch_specs(ctx.desired, step_owner(ctx).label) if s.node == node)
 
 
 def _memory(ctx: StepContext, node: str) -> Memory:
