@@ -135,7 +135,7 @@ class Controller:
             # token names this daemon's machine and file (not the head's address), so the release drops our own
             # lease and the next act takes it back at once (tests/unit/test_lease.py); which containers are ours
             # is the head's cluster id, not the address (core.ownership), so nothing restarts. A really different
-            # head is left with no lease of ours; the old one's expires (TTL) unless it answers here.
+            # head gets a release that finds nothing of ours there; the old head's lease expires by its TTL.
             self.lease.release()
         self.lease = Lease(desired, self.sessions, self.holder)
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
