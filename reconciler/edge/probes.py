@@ -1,4 +1,5 @@
-"""Every shell fragment the reconciler runs to *read* a node, each beside the parser of what it prints.
+"""Every shell fragment the reconciler runs to *read* a node, each beside the parser of what it prints. One also
+writes, once: the head's cluster id (`identity_script`), the reconciler's own bookkeeping beside its lease.
 
 The probe (`observe`) joins the fragments into one script per node per cycle; a step that must read the same fact
 again right before acting (a link's state, MemAvailable, the serving API, one container) runs the same fragment
