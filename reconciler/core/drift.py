@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, NodeObservation, Observed, Weights
+from reconciler.core.ownership import owner
 from reconciler.core.platforms import machine_platform, runs_on
 from reconciler.core.spec import Desired, FabricPort, Node
 from reconciler.core.vllm import launch_specs, memory_needed
@@ -136,8 +137,11 @@ def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Dri
 def serving_drift(desired: Desired, observed: Observed, reference: str | None = None) -> list[Drift]:
     """Serving containers as the launch specs say. A container on another image than its node now holds under
     the reference must restart (compared by the node's own id: ids are per engine), and so must one on a node
-    whose image is not the reference's content (`reference`), which this plan's image step replaces."""
+    whose image is not the reference's content (`reference`), which this plan's image step replaces. Whose a
+    container is, `core.ownership` says: a container labelled with another name is never ours, and the drift says
+    how it may be adopted (a renumbered head) or that the head could not be asked."""
     out = []
+    ours = owner(desired, observed)
     specs = {s.node: s for s in launch_specs(desired)}
     name = desired.serving.container_name
     for node in desired.nodes:
@@ -145,7 +149,7 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
         if not obs.reachable or not obs.docker_reachable:
             continue
         for other in obs.containers:  # our containers that should not run (node left the span, name changed)
-            if (other.owned_by(desired.instance) and other.running and (node.name not in specs or other.name != name)
+            if (other.owned_by(ours) and other.running and (node.name not in specs or other.name != name)
                     and not desired.co_tenants.is_protected(node.name, other.name)):
                 out.append(_on_container(node.name, "serving", other.name, "not running (no longer wanted)",
                                  "running"))
@@ -155,10 +159,10 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
         c = obs.container(name)
         if c is None:
             out.append(_on_container(node.name, "serving", name, f"running, spec {spec.spec_hash}", "missing"))
-        elif not c.owned_by(desired.instance):
-            seen = (f"another reconciler's container (instance {c.labels.get(LABEL_INSTANCE)}) holds the name"
-                    if c.managed else "a container not created by the reconciler holds the name")
-            out.append(_on_container(node.name, "serving", name, f"created by this reconciler ({desired.instance})",
+        elif not c.owned_by(ours):
+            seen = (ours.foreign(c.labels.get(LABEL_INSTANCE)) if c.managed
+                    else "a container not created by the reconciler holds the name")
+            out.append(_on_container(node.name, "serving", name, f"created by this reconciler ({ours.describe()})",
                                      seen, actionable=False, blocking=True))
         elif not c.running:
             out.append(_on_container(node.name, "serving", name, "running", c.state))
@@ -354,9 +358,10 @@ def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) ->
     the stop."""
     stopping = {d.node for d in drift if d.kind == "co-tenant" and d.actionable}
     name = desired.serving.container_name
+    ours = owner(desired, observed)
     for node in desired.serving_nodes:
         own = observed.node(node.name).container(name)
-        if own is not None and own.owned_by(desired.instance) and own.running:
+        if own is not None and own.owned_by(ours) and own.running:
             stopping.add(node.name)
     return stopping
 

@@ -8,9 +8,12 @@ and plans exactly like the live state, which is what makes offline `plan --obser
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+if TYPE_CHECKING:
+    from reconciler.core.ownership import Owner
 
 SNAPSHOT_VERSION: Final = "spark-reconciler/observed/v1"
 
@@ -18,8 +21,9 @@ LABEL_MANAGED = "spark-reconciler.managed"
 LABEL_SPEC_HASH = "spark-reconciler.spec-hash"
 LABEL_GENERATION = "spark-reconciler.generation"
 LABEL_ROLE = "spark-reconciler.role"
-# Which reconciler created the container: the cluster it serves, named by its head (Desired.instance). Without it
-# a container another reconciler made (or a copied `docker run` line) would look like one of ours.
+# Which reconciler created the container: the cluster it serves, named by its head's cluster id (ClusterIdentity,
+# `core.ownership`), or by the head's SSH address (Desired.instance) where that id is not known. Without it a
+# container another reconciler made (or a copied `docker run` line) would look like one of ours.
 LABEL_INSTANCE = "spark-reconciler.instance"
 # The fixed TCP ports the container listens on (`LaunchSpec.listens`), comma-separated: which listeners on a node
 # are our own generation's, so a held port is judged before anything stops.
@@ -61,10 +65,12 @@ class Container(_Model):
             return None
         return frozenset(int(p) for p in raw.split(",") if p.isdigit())
 
-    def owned_by(self, instance: str) -> bool:
-        """Created by the reconciler of this cluster. A container made before the instance label existed (it
-        has `managed` but no instance) counts as ours, so an upgrade takes over its own serving."""
-        return self.managed and self.labels.get(LABEL_INSTANCE, instance) == instance
+    def owned_by(self, owner: Owner) -> bool:
+        """Created by the reconciler of this cluster (`core.ownership.owner`): its instance label is one of the
+        names the cluster goes by. A container made before the instance label existed (it has `managed` but no
+        instance) counts as ours, so an upgrade takes over its own serving."""
+        label = self.labels.get(LABEL_INSTANCE)
+        return self.managed and (label is None or label in owner.names)
 
 
 class RdmaPort(_Model):
@@ -208,6 +214,27 @@ class CopyRecord(_Model):
     used_at: int = Field(description="the last copy or serving start with it, the node's clock, seconds")
 
 
+#: A cluster id: what /proc/sys/kernel/random/uuid gives (a random UUID, lowercase), nothing else.
+CLUSTER_ID_PATTERN: Final = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+#: A name the head's containers were labelled with before the id existed: an `ssh.host:port` (a host name, an IPv4
+#: or IPv6 address, a zone), nothing a message or a label could be fooled by.
+KNOWN_AS_PATTERN: Final = r"^[A-Za-z0-9._:%\[\]-]{1,300}$"
+#: More former names than anyone renumbers a head through is odd output, not history.
+MAX_KNOWN_AS: Final = 64
+
+
+class ClusterIdentity(_Model):
+    """The cluster's own name, kept on its head in `~/.spark-reconciler/cluster-id` (`edge.probes.identity_script`):
+    a random id made once, and the instance names (`host:port`) the head's containers were labelled with before
+    it existed. It belongs to the head machine, not to an address, so a renumbered head (DHCP, a move to its
+    `.local` name) still owns its running containers (issue 29, finding 7)."""
+
+    id: Annotated[str, StringConstraints(pattern=CLUSTER_ID_PATTERN)]
+    known_as: list[Annotated[str, StringConstraints(pattern=KNOWN_AS_PATTERN)]] = Field(
+        default_factory=list, max_length=MAX_KNOWN_AS, description="former instance labels (`host:port`) this "
+        "head's containers may carry: the one it was reached by when the id was made, and any an operator adds")
+
+
 class NodeObservation(_Model):
     name: str
     reachable: bool
@@ -234,6 +261,9 @@ class NodeObservation(_Model):
     memory: Memory | None = None
     weights: Weights | None = None
     serving: ServingApi | None = None
+    identity: ClusterIdentity | None = Field(None, description="the cluster's id as the head keeps it (`~/.spark-"
+                                            "reconciler/cluster-id`), read on the head only: which containers are "
+                                            "this cluster's; None: not read (another node, or an older snapshot)")
 
     def container(self, name: str) -> Container | None:
         return next((c for c in self.containers if c.name == name), None)

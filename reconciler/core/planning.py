@@ -13,6 +13,7 @@ from typing import Literal
 
 from reconciler.core.drift import Drift, diff, image_holder
 from reconciler.core.observed import Observed
+from reconciler.core.ownership import owner
 from reconciler.core.retention import removals
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
@@ -155,7 +156,10 @@ def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
     """Retention's removals as steps (core/retention.py), shown in the plan like any change; a copy to the same
     node comes after them, so the room they free is there for it. Returns the step ids per node."""
     ids: dict[str, tuple[str, ...]] = {}
-    for r in removals(desired, observed, frozenset({desired.instance}), reference):
+    ours = owner(desired, observed)
+    if not ours.identity:
+        return {}  # whose a copy is cannot be told without the head's cluster id: nothing is removed
+    for r in removals(desired, observed, ours.names, reference):
         if r.weights:
             steps.append(Step("prune-weights", r.node, f"retention: {len(r.weights)} older model tree(s) this "
                               f"cluster copied, beyond the current and {desired.policy.retention.previous} "
@@ -206,9 +210,10 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
         blocked.extend(taken)
         return steps
     prereq = tuple(s.id for s in before)
+    ours = owner(desired, observed)
     for node in serving:
         c = observed.node(node).container(name)
-        if c is not None and c.owned_by(desired.instance):
+        if c is not None and c.owned_by(ours):
             stop(node, name, f"ordered restart ({why})", prereq)
     image = observed.node(head).images.get(desired.serving.image)
     wrapper = serve_wrapper(image.entrypoint) if image else ()
@@ -326,7 +331,8 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
     may be the holder, but nothing says so (/proc/net/tcp names no process the SSH user may see): with nothing
     of ours serving, the start goes on after the stop (the seed's GLM on :8000); with a generation to keep,
     the restart waits for the stop to land and judges again."""
-    running = {n.name: [c for c in observed.node(n.name).containers if c.running and c.owned_by(desired.instance)]
+    cluster = owner(desired, observed)
+    running = {n.name: [c for c in observed.node(n.name).containers if c.running and c.owned_by(cluster)]
                for n in desired.serving_nodes}
     serving_now = any(running.values())
     out = []

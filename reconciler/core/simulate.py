@@ -8,6 +8,7 @@ whose real effect differs from its promise here fails verification, because veri
 from __future__ import annotations
 
 from reconciler.core.observed import Container, Link, NodeObservation, Observed, RdmaPort, ServingApi
+from reconciler.core.ownership import owner
 from reconciler.core.planning import Plan, Step
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
@@ -55,7 +56,7 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
                       for c in node.containers if not (c.name == gone == name)]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "start-serving":
-        spec = next(s for s in launch_specs(desired) if s.node == step.node)
+        spec = next(s for s in launch_specs(desired, owner(desired, obs).label) if s.node == step.node)
         argv = spec.run_argv(generation=0)
         labels = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--label")
         started = Container(name=spec.container_name, id=f"sim-{step.node}", image=spec.image,

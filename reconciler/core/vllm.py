@@ -40,7 +40,9 @@ class LaunchSpec:
     command: tuple[str, ...]
     serve_exec: tuple[str, ...] | None = None  # Ray launcher: `vllm serve ...` run inside the head container
     keep_local: tuple[str, ...] = ()  # Ray launcher, head: env names vLLM must not copy to the Ray workers
-    instance: str = ""  # Desired.instance, as a label (not hashed: it names the owner, not the launch)
+    #: The instance label (`core.ownership.Owner.label`: the head's cluster id, else its SSH address). Not hashed:
+    #: it names the owner, not the launch, so a renumbered head restarts nothing.
+    instance: str = ""
     #: The fixed TCP ports this rank listens on, with the field that sets each (the API, torch's TCPStore for
     #: the native rendezvous, Ray's GCS): a start finds them free or fails. Carried as a label, so the next
     #: plan knows which listeners are this generation's own. Not hashed: the command already says them.
@@ -282,8 +284,10 @@ def largest_utilization(total_bytes: int, available_bytes: int, margin: int) -> 
     return max(0.0, (available_bytes - margin) / total_bytes)
 
 
-def launch_specs(desired: Desired) -> list[LaunchSpec]:
-    """One spec per serving node, rank order (head = rank 0)."""
+def launch_specs(desired: Desired, instance: str | None = None) -> list[LaunchSpec]:
+    """One spec per serving node, rank order (head = rank 0). `instance`: the label the containers are started
+    with (`core.ownership.owner(...).label`, what the start step and the simulation pass); the head's SSH address
+    when not given, for what only compares hashes and ports (the label is not hashed)."""
     s = desired.serving
     nodes = desired.serving_nodes
     head_ip = str(desired.head.fabric.address.ip)
@@ -316,7 +320,7 @@ def launch_specs(desired: Desired) -> list[LaunchSpec]:
                            *RAY_START_FLAGS]
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
                                 docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
-                                instance=desired.instance, listens=listens,
+                                instance=desired.instance if instance is None else instance, listens=listens,
                                 weights=desired.weights_root(node.name)))
     if s.launcher == "ray":
         specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))

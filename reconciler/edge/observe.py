@@ -25,6 +25,7 @@ from reconciler.edge.probes import (
     containers_script,
     disk_script,
     gpu_script,
+    identity_script,
     image_script,
     link_script,
     listen_script,
@@ -33,6 +34,7 @@ from reconciler.edge.probes import (
     parse_containers,
     parse_disk,
     parse_gpu_stack,
+    parse_identity,
     parse_image,
     parse_links,
     parse_listening,
@@ -46,14 +48,16 @@ from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions
 
 
 def probe_script(desired: Desired, node: Node) -> str:
-    """The script for one node: every fragment of `probes`, the head's API and Ray too."""
-    lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(), *image_script(desired.serving.image),
+    """The script for one node: every fragment of `probes`, the head's cluster id, API and Ray too."""
+    head = node.role == "head"
+    lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(),
+             *(identity_script(desired.instance) if head else []), *image_script(desired.serving.image),
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
              *disk_script(desired.model.path_on(node.name)),
              manifest_script(desired.weights_root(node.name)),
              *(ledger_script() if desired.policy.retention.prune else [])]
-    if node.role == "head":
+    if head:
         lines += api_script(desired)
         if desired.serving.launcher == "ray":
             lines += ray_script(desired.serving.container_name)
@@ -67,10 +71,11 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     image = parse_image(sections.get("image"))
     images = {desired.serving.image: image} if image else {}
     fabric, fabric_twin = parse_links(node, sections)
-    serving = None
+    serving = identity = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
                                 sections.get("completion"))
+        identity = parse_identity(sections.get("identity"))
     return NodeObservation(
         name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
         listening=parse_listening(sections.get("listen")), disk_free=parse_disk(sections.get("disk")),
@@ -80,7 +85,8 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
         fabric=fabric, fabric_twin=fabric_twin,
         memory=parse_memory(sections.get("meminfo")),
         weights=parse_weights(desired.weights_root(node.name), sections.get("weights")), serving=serving,
-        copies=parse_copies(sections.get("copies"), node.name))
+        copies=parse_copies(sections.get("copies"), node.name),
+        identity=identity)
 
 
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,

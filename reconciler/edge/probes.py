@@ -1,4 +1,5 @@
-"""Every shell fragment the reconciler runs to *read* a node, each beside the parser of what it prints.
+"""Every shell fragment the reconciler runs to *read* a node, each beside the parser of what it prints. One also
+writes, once: the head's cluster id (`identity_script`), the reconciler's own bookkeeping beside its lease.
 
 The probe (`observe`) joins the fragments into one script per node per cycle; a step that must read the same fact
 again right before acting (a link's state, MemAvailable, the serving API, one container) runs the same fragment
@@ -20,7 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from reconciler.core.observed import Container, GpuStack, Image, Link, Memory, RdmaPort, ServingApi
+from reconciler.core.observed import (
+    MAX_KNOWN_AS,
+    ClusterIdentity,
+    Container,
+    GpuStack,
+    Image,
+    Link,
+    Memory,
+    RdmaPort,
+    ServingApi,
+)
 from reconciler.core.platforms import image_platform
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.ssh import ENDED_BY_TIMEOUT, CommandTimeout, Session, quote, quote_word
@@ -330,6 +341,56 @@ def parse_machine(sec: Section | None) -> str | None:
     if not _MACHINE.fullmatch(word):
         raise ValueError(f"not a machine name: {word[:40]!r}")
     return word
+
+
+#: Bytes of the cluster-id file the probe prints: an id and MAX_KNOWN_AS names of at most 300 bytes fit; a file
+#: that does not is odd output (the parser sees the cut).
+IDENTITY_MAX_BYTES = 1 << 15
+
+
+def identity_script(instance: str) -> list[str]:
+    """The `identity` section, on the head only: the cluster's id in `~/.spark-reconciler/cluster-id`, made here
+    when the file is absent or empty (`parse_identity`).
+
+    This is the reconciler's own bookkeeping beside the lease (`edge.lease`, same 0700 directory, umask 077),
+    never cluster state or user data: it changes nothing a container, a model or a co-tenant sees, so even
+    `reconciler observe` may make it. It belongs to the head machine, not to an address, so every tool that
+    reaches the head (the daemon, `reconciler apply` from a laptop, under any address the head answers on) finds
+    the same id. Made once: the id (/proc/sys/kernel/random/uuid) and `instance`, the head's `host:port` its
+    containers were labelled with until now (adopted as `known_as`), go to a temp file in the directory, which
+    `ln` links to the name; `ln` fails when another probe made it first, and that one's file is what is printed.
+    An empty file (no probe writes one) is removed first. `instance` comes from the spec (validated) and is
+    quoted here."""
+    return ["sec identity",
+            f"(i={quote_word(instance)}; d=\"$HOME/.spark-reconciler\"; f=\"$d/cluster-id\"; umask 077; "
+            "mkdir -p -- \"$d\" || exit 70; "
+            "if [ ! -s \"$f\" ]; then "
+            "[ -e \"$f\" ] && rm -f -- \"$f\"; "
+            "u=$(cat /proc/sys/kernel/random/uuid) && [ -n \"$u\" ] || exit 71; "
+            "t=\"$d/.cluster-id.$$\"; printf '%s\\n%s\\n' \"$u\" \"$i\" > \"$t\" || { rm -f -- \"$t\"; exit 72; }; "
+            "ln -- \"$t\" \"$f\" 2>/dev/null; rm -f -- \"$t\"; fi; "
+            f"head -c {IDENTITY_MAX_BYTES + 1} -- \"$f\") 2>&1; echo \"@@rc $?\""]
+
+
+@node_output("identity")
+def parse_identity(sec: Section | None) -> ClusterIdentity | None:
+    """The head's cluster id and former names (None: not asked, a node other than the head). A head that could
+    not make or read the file, or a file that is not one id line then `host:port` lines, is odd output: the head's
+    ProbeError, never a guess at whose its containers are. Blank lines (a hand edit) are skipped."""
+    if sec is None:
+        return None
+    if sec.rc != 0:
+        raise ValueError(f"~/.spark-reconciler/cluster-id could not be made or read on the head (exit {sec.rc}): "
+                         f"{sec.body.strip()[-200:] or 'no output'}")
+    if len(sec.body.encode()) > IDENTITY_MAX_BYTES:
+        raise ValueError(f"~/.spark-reconciler/cluster-id is longer than {IDENTITY_MAX_BYTES} bytes")
+    lines = [line.strip() for line in sec.body.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("~/.spark-reconciler/cluster-id is empty")
+    if len(lines) > 1 + MAX_KNOWN_AS:
+        raise ValueError(f"~/.spark-reconciler/cluster-id has {len(lines) - 1} former names, more than "
+                         f"{MAX_KNOWN_AS}")
+    return ClusterIdentity(id=lines[0], known_as=list(dict.fromkeys(lines[1:])))
 
 
 def gpu_script() -> list[str]:

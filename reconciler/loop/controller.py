@@ -129,7 +129,14 @@ class Controller:
         else:
             self.sessions.update(desired)
         if self.lease is not None and self.lease.desired.instance != desired.instance:
-            self.lease.release()  # another head: this is another cluster now
+            # Another head address: maybe another cluster now. The sessions were updated above, so the release
+            # reaches the head at its new address. A renumbered head (the same machine under a new ssh.host, issue
+            # 29 finding 7) is fine: the lease is the same file in the SSH user's ~/.spark-reconciler, our holder
+            # token names this daemon's machine and file (not the head's address), so the release drops our own
+            # lease and the next act takes it back at once (tests/unit/test_lease.py); which containers are ours
+            # is the head's cluster id, not the address (core.ownership), so nothing restarts. A really different
+            # head gets a release that finds nothing of ours there; the old head's lease expires by its TTL.
+            self.lease.release()
         self.lease = Lease(desired, self.sessions, self.holder)
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
                       paused=desired.policy.paused)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reconciler.core.observed import Container, Link, NodeObservation, Observed
+from reconciler.core.observed import LABEL_INSTANCE, Container, Link, NodeObservation, Observed
 from reconciler.core.spec import Desired, FabricPort
 from reconciler.core.vllm import launch_specs
 
@@ -44,13 +44,23 @@ def _port_violations(node: str, want: FabricPort, mtu: int, link: Link | None) -
     return out
 
 
-def _unwanted(desired: Desired, node: str, c: Container) -> str | None:
+def ours(desired: Desired, observed: Observed, c: Container) -> bool:
+    """Created by this cluster's reconciler (docs/operations.md "Cluster identity"): managed, and its instance
+    label is the head's cluster id or a name the head was known as, or (the id not read) the head's SSH
+    `host:port`; no instance label at all is ours too (made before the label existed)."""
+    identity = observed.node(desired.head.name).identity
+    names = {identity.id, *identity.known_as} if identity else {f"{desired.head.ssh.host}:{desired.head.ssh.port}"}
+    label = c.labels.get(LABEL_INSTANCE)
+    return c.managed and (label is None or label in names)
+
+
+def _unwanted(desired: Desired, observed: Observed, node: str, c: Container) -> str | None:
     """Why a running container must not run on `node`, or None."""
     ct = desired.co_tenants
     if not c.running or ct.is_protected(node, c.name):
         return None
     if c.managed:  # a reconciler's: ours only when its instance is ours (no instance label = ours, legacy)
-        if not c.owned_by(desired.instance):
+        if not ours(desired, observed, c):
             return None
         spans = node in {n.name for n in desired.serving_nodes}
         return None if spans and c.name == desired.serving.container_name else "stray"
@@ -91,7 +101,7 @@ def violations(desired: Desired, observed: Observed) -> list[Violation]:
             out += _port_violations(node.name, want, node.fabric.mtu, link)
         if obs.docker_reachable:
             out += [Violation(node.name, why, c.name) for c in obs.containers
-                    if (why := _unwanted(desired, node.name, c))]
+                    if (why := _unwanted(desired, observed, node.name, c))]
     ref = reference_image(desired, observed)
     specs = {s.node: s for s in launch_specs(desired)}
     for node in desired.serving_nodes:
@@ -105,7 +115,7 @@ def violations(desired: Desired, observed: Observed) -> list[Violation]:
             out.append(Violation(node.name, "weights"))
         c = obs.container(desired.serving.container_name)
         spec = specs[node.name]
-        if (c is None or not c.owned_by(desired.instance) or not c.running
+        if (c is None or not ours(desired, observed, c) or not c.running
                 or c.labels.get("spark-reconciler.spec-hash") != spec.spec_hash
                 or (image is not None and c.image_id and c.image_id != image.id)):
             out.append(Violation(node.name, "serving", c.state if c else "missing"))
@@ -149,9 +159,9 @@ def _short_of_memory(desired: Desired, before: Observed, node: str) -> bool:
     below what vLLM will claim (gpu_memory_utilization x MemTotal) plus the margin."""
     obs = before.node(node)
     own = obs.container(desired.serving.container_name)
-    if own is not None and own.owned_by(desired.instance) and own.running:
+    if own is not None and ours(desired, before, own) and own.running:
         return False
-    if desired.co_tenants.unlisted == "stop" and any(_unwanted(desired, node, c) == "co-tenant"
+    if desired.co_tenants.unlisted == "stop" and any(_unwanted(desired, before, node, c) == "co-tenant"
                                                      for c in obs.containers):
         return False
     mem = obs.memory
@@ -184,7 +194,7 @@ def serving_cannot_restart(desired: Desired, before: Observed) -> str | None:
                     and _netdev_fine(node.name, want, node.fabric.mtu, link)):
                 return f"{node.name}: RDMA port down with its netdev fine (cabling)"
         c = obs.container(desired.serving.container_name)
-        if c is not None and not c.owned_by(desired.instance):
+        if c is not None and not ours(desired, before, c):
             return f"{node.name}: the serving name is another's"
         if _short_of_memory(desired, before, node.name):
             return f"{node.name}: short of memory"

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from reconciler.core import spec
 from reconciler.core.observed import (
     LABEL_INSTANCE,
+    ClusterIdentity,
     Container,
     Image,
     Link,
@@ -26,6 +27,10 @@ POOL = ["vllm_node", "vllm_embeddings", "reranker", "rogue-1", "vllm_serving", "
 
 
 REVISION = "1" * 40
+# The head's cluster id (core.ownership), another cluster's, and a former address of the head's.
+CLUSTER_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
+OTHER_CLUSTER_ID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
+FORMER = "10.8.8.8:22"
 # The two ports a GB10's ConnectX-7 exposes; nodes cabled to different ones are the asymmetric case (sparkrun #135).
 INTERFACES = ["enp1s0f1np1", "enP2p1s0f1np1"]
 
@@ -101,9 +106,12 @@ def often(fine, *bad):
 
 
 @st.composite
-def containers(draw, desired: spec.Desired, node: str, image_id: str) -> list[Container]:
+def containers(draw, desired: spec.Desired, node: str, image_id: str, label: str | None = None) -> list[Container]:
     """Co-tenants from POOL, and (often) the serving container: ours with the right or a stale spec, legacy
-    (no instance label), another reconciler's, or a stranger's holding the name."""
+    (no instance label), another reconciler's, or a stranger's holding the name. Ours is labelled `label` (what
+    the cluster labels with now: its id, or the head's address) or, less often, a name it may or may not go by
+    (the head's address, the id, a former address)."""
+    label = desired.instance if label is None else label
     specs = {s.node: s for s in launch_specs(desired)}
     serving = desired.serving.container_name
     out = []
@@ -118,8 +126,10 @@ def containers(draw, desired: spec.Desired, node: str, image_id: str) -> list[Co
             if owner != "stranger":
                 labels = {"spark-reconciler.managed": "true",
                           "spark-reconciler.spec-hash": good.spec_hash if good and draw(st.booleans()) else "stale"}
-            if owner in ("ours", "other"):
-                labels[LABEL_INSTANCE] = desired.instance if owner == "ours" else "10.9.9.9:22"
+            if owner == "ours":
+                labels[LABEL_INSTANCE] = draw(often(label, desired.instance, CLUSTER_ID, FORMER))
+            elif owner == "other":
+                labels[LABEL_INSTANCE] = draw(st.sampled_from(["10.9.9.9:22", OTHER_CLUSTER_ID]))
         out.append(Container(name=name, id=f"{node}-{name}", image=IMAGE,
                              image_id=draw(often(image_id, "sha256:old")),
                              state=draw(often("running", "exited", "created")), labels=labels))
@@ -163,6 +173,12 @@ def observations(draw, desired: spec.Desired, all_reachable: bool = False) -> Ob
         files.append(WeightFile(path=f"refs/{rev}", size=40, mtime=1.0))
     elif prefix:
         files = manifest(len(files), prefix="snapshots/" + "2" * 40 + "/")
+    # The head's cluster id: not read (an older snapshot), made with the head's address of today, made under a
+    # former address (renumbered since), or both former names adopted.
+    identity = draw(st.sampled_from([None, ClusterIdentity(id=CLUSTER_ID, known_as=[desired.instance]),
+                                     ClusterIdentity(id=CLUSTER_ID, known_as=[FORMER]),
+                                     ClusterIdentity(id=CLUSTER_ID, known_as=[FORMER, desired.instance])]))
+    label = identity.id if identity else desired.instance
     for node in desired.nodes:
         reachable = all_reachable or draw(st.integers(0, 9)) > 0
         if not reachable:
@@ -185,7 +201,8 @@ def observations(draw, desired: spec.Desired, all_reachable: bool = False) -> Ob
             links[0] = Link(name=ports[0].interface, exists=False)
         nodes[node.name] = NodeObservation(
             name=node.name, reachable=True, docker_reachable=all_reachable or draw(st.integers(0, 9)) > 0,
-            containers=draw(containers(desired, node.name, image.id if image else "sha256:none")), images=images,
+            containers=draw(containers(desired, node.name, image.id if image else "sha256:none", label)),
+            images=images, identity=identity if node.role == "head" else None,
             fabric=links[0], fabric_twin=links[1] if len(links) > 1 else None,
             memory=Memory(total_bytes=128 * GIB, available_bytes=draw(often(120, 10)) * GIB),
             weights=_weights(draw, desired, node.name, files),

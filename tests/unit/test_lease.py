@@ -98,3 +98,31 @@ def test_any_answer_from_the_head_is_a_decision_never_a_crash(text):
     assert answer is None or isinstance(answer, str)
     if answer is None:
         assert text.strip().splitlines()[-1].split("\t")[0] in ("ok", "released")
+
+
+def test_a_renumbered_head_is_the_same_lease_beside_the_same_cluster_id(desired, head):
+    """The head reached at another address (issue 29, finding 7): the same machine, so the same file under the SSH
+    user's home and the same holder token (it names the daemon's machine and file, not the head's address). The
+    controller releases the lease when `Desired.instance` changes (loop/controller.py) and takes it back at once;
+    nobody else may take it meanwhile from under a lease still held. The cluster id lives in the same directory."""
+    from reconciler.core import spec
+    from reconciler.edge.probes import SECTION_FUNCTION, identity_script, parse_identity, split_sections
+
+    moved = spec.Desired.model_validate(desired.model_dump() | {"nodes": [
+        n.model_copy(update={"ssh": n.ssh.model_copy(update={"host": "head-a.local"})}) if n.role == "head" else n
+        for n in desired.nodes]})
+    assert moved.instance != desired.instance
+    holder = Holder.of("daemon", "/etc/spark-reconciler/cluster.yaml")
+    script = "\n".join(["export LC_ALL=C", SECTION_FUNCTION, *identity_script(desired.instance)]) + "\n"
+    made = parse_identity(split_sections(head.run_script(script, 30).stdout).get("identity"))
+    before = Lease(desired, head, holder)
+    before.acquire()
+    with pytest.raises(LeaseHeld):
+        Lease(moved, head, Holder.of("apply", "/home/me/cluster.yaml")).acquire()
+    before.release()
+    after = Lease(moved, head, holder)
+    after.acquire()
+    assert after.holding and (head.home / ".spark-reconciler" / "lease").read_text().splitlines()[0] == holder.token
+    again = parse_identity(split_sections(head.run_script(script.replace(desired.instance, moved.instance), 30)
+                                          .stdout).get("identity"))
+    assert made is not None and again == made, "the lease beside it changes nothing of the cluster id"

@@ -16,6 +16,7 @@ import pytest
 from reconciler.core import spec
 from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Observed
+from reconciler.core.ownership import owner
 from reconciler.core.planning import plan
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.observe import parse_probe
@@ -47,7 +48,7 @@ def test_every_node_is_read_as_the_testbed_contract_says(recorded):
         assert serving is not None and serving.state == "running"
         assert serving.labels["spark-reconciler.spec-hash"] == hashes[node.name]
         assert serving.labels["spark-reconciler.role"] == ("head" if i == 0 else "worker")
-        assert serving.owned_by(desired.instance)
+        assert serving.owned_by(owner(desired, observed))
         expected = {"vllm_serving", "vllm_embeddings"} | ({"reranker"} if i == 0 else set())
         assert {c.name for c in obs.containers} == expected
         assert obs.memory is not None and 0 < obs.memory.available_bytes <= obs.memory.total_bytes

@@ -9,6 +9,8 @@ import json
 from types import SimpleNamespace
 
 from reconciler.core.loader import load_file
+from reconciler.core.observed import Observed
+from reconciler.core.ownership import owner
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.steps import serving
@@ -52,7 +54,8 @@ def test_the_list_is_written_in_the_head_container_before_vllm_serve(cluster_yam
             return SimpleNamespace(stdout="@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n", exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
-                          remaining=lambda t=None: 60)
+                          remaining=lambda t=None: 60, observed=Observed(nodes={}),
+                          owner=owner(desired, Observed(nodes={})))
     serving.launch_model(ctx, SimpleNamespace(node=head.node, wrapper=None))
     writes = [i for i, (argv, _) in enumerate(calls) if argv[-1] == serving.NON_CARRY_OVER_WRITE]
     serves = [i for i, (argv, _) in enumerate(calls) if "-d" in argv and "vllm serve" in " ".join(argv)]
@@ -75,7 +78,8 @@ def test_vllm_serve_is_exec_d_under_the_images_entrypoint_wrapper(cluster_yaml):
             return SimpleNamespace(stdout="@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n", exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
-                          remaining=lambda t=None: 60)
+                          remaining=lambda t=None: 60, observed=Observed(nodes={}),
+                          owner=owner(desired, Observed(nodes={})))
     serving.launch_model(ctx, SimpleNamespace(node=head.node, wrapper=("/opt/nvidia/nvidia_entrypoint.sh",)))
     [serve] = [argv[-1] for argv in calls if "-d" in argv]
     assert serve.startswith("exec /opt/nvidia/nvidia_entrypoint.sh vllm serve ")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.core.observed import LABEL_WEIGHTS, CopyRecord, Observed
+from reconciler.core.observed import LABEL_WEIGHTS, ClusterIdentity, CopyRecord, Observed
 from reconciler.core.planning import Step, plan
 from reconciler.core.render import plan_text
 from reconciler.core.retention import removals
@@ -25,7 +25,8 @@ from tests.unit.recorded import changed, load
 
 HUB = "/srv/spark-testbed/worker1/models/hub"
 CURRENT = f"{HUB}/models--testorg--tiny-moe"
-BY = "10.231.0.2:22"  # the recorded head's instance
+CLUSTER = "0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0"
+BY = CLUSTER  # records are written with the cluster's id (core/ownership.py)
 DIGEST = "d" * 64
 
 
@@ -52,11 +53,21 @@ def serving_names_its_tree(seen: Observed, node: str = "worker1") -> Observed:
 
 
 def with_copies(seen: Observed, *records: CopyRecord) -> Observed:
-    return changed(serving_names_its_tree(seen), "worker1", copies=list(records))
+    """The worker's ledger holds `records`; the head's cluster id was read (made when the head had its address of
+    the recording)."""
+    identified = changed(seen, "head", identity=ClusterIdentity(id=CLUSTER, known_as=["10.231.0.2:22"]))
+    return changed(serving_names_its_tree(identified), "worker1", copies=list(records))
 
 
-def test_the_desired_state_reads_the_instance_the_records_carry(desired):
-    assert desired.instance == BY and desired.weights_root("worker1") == CURRENT
+def test_the_desired_state_names_the_tree_the_records_carry(desired):
+    assert desired.weights_root("worker1") == CURRENT
+
+
+def test_without_the_heads_cluster_id_nothing_is_removed(desired, seen):
+    """Whose a copy is cannot be told: an older snapshot, or a head whose probe failed."""
+    observed = with_copies(seen, tree("old-a", 1), tree("old-b", 2), tree("old-c", 3))
+    assert plan(desired, observed).steps
+    assert not plan(desired, changed(observed, "head", identity=None)).steps
 
 
 def test_older_copies_beyond_the_previous_are_removed_as_planned_steps(desired, seen):
@@ -109,8 +120,10 @@ def test_a_tree_a_container_mounts_is_kept(desired, seen):
 
 def test_a_container_mounting_the_hub_keeps_every_tree_unless_it_names_its_own(desired, seen):
     """The recorded serving container (from before the label) mounts the hub: every tree in it may be its."""
-    observed = changed(seen, "worker1", copies=[tree("old-a", 1), tree("old-b", 2)])
-    assert not plan(desired, observed).steps
+    observed = with_copies(seen, tree("old-a", 1), tree("old-b", 2))
+    unlabelled = [c.model_copy(update={"labels": {k: v for k, v in c.labels.items() if k != LABEL_WEIGHTS}})
+                  for c in observed.node("worker1").containers]
+    assert not plan(desired, changed(observed, "worker1", containers=unlabelled)).steps
     assert plan(desired, with_copies(seen, tree("old-a", 1), tree("old-b", 2))).steps
 
 
@@ -210,7 +223,8 @@ def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp
     sync(tmp_path, nodes)
     dst = tmp_path / "dst" / "hub" / repo.name
     [record] = ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst")
-    assert (record.kind, record.key, record.detail, record.by) == ("weights", str(dst), probe(dst).digest(), "head:22")
+    assert (record.kind, record.key, record.detail, record.by) == ("weights", str(dst), probe(dst).digest(),
+                                                                   "head:22"), "no cluster id read: the address"
     ctx = _prune_ctx(tmp_path, nodes, _desired)
     prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
     assert not dst.exists() and (tmp_path / "src" / "hub" / repo.name).is_dir()
@@ -246,7 +260,7 @@ def _prune_ctx(tmp_path, nodes, make_desired) -> StepContext:
     """The file now names another model: the copied tree is no longer the current one."""
     desired = make_desired(tmp_path)
     desired.weights_root = lambda n: str(tmp_path / n / "hub" / "models--testorg--next")
-    return StepContext(desired=desired, sessions=nodes, observed=None, deadline=time.monotonic() + 60)
+    return StepContext(desired=desired, sessions=nodes, observed=Observed(nodes={}), deadline=time.monotonic() + 60)
 
 
 @pytest.fixture

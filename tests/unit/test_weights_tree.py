@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from reconciler.core.observed import Observed
 from reconciler.core.planning import Step
 from reconciler.edge import manifest
 from reconciler.edge.manifest import manifest_script, parse_weights
@@ -357,6 +358,7 @@ def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transpo
     loopback = SimpleNamespace(fabric=SimpleNamespace(address=SimpleNamespace(ip="127.0.0.1")))
     hub_tree = "models--" + MODEL.replace("/", "--")
     return SimpleNamespace(model=model, policy=policy, source_node="src", node=lambda name: loopback,
+                           head=SimpleNamespace(name="src"),
                            weights_root=lambda n: paths[n] if layout == "plain" else f"{paths[n]}/{hub_tree}",
                            instance="head:22")
 
@@ -370,7 +372,8 @@ def nodes(tmp_path, monkeypatch):
 
 
 def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon"):
-    ctx = StepContext(desired=_desired(tmp_path, streams=streams, transport=transport), sessions=nodes, observed=None,
+    ctx = StepContext(desired=_desired(tmp_path, streams=streams, transport=transport), sessions=nodes,
+                      observed=Observed(nodes={}),
                       progress=lambda e, f: (events if events is not None else []).append((e, f)),
                       deadline=time.monotonic() + 120)
     step.sync_weights(ctx, Step(kind="weights", node="dst", reason="test",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reconciler.core.observed import Observed
+from reconciler.core.ownership import Owner, owner
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.edge.ssh import Sessions
@@ -49,6 +50,12 @@ class StepContext:
         return min(left, cap) if cap is not None else left
 
     @property
+    def owner(self) -> Owner:
+        """This cluster as the plan judged it: the owner of the observation the plan was made from (the head's
+        cluster id, read by that probe), so a step and the plan agree on whose a container or a copy is."""
+        return owner(self.desired, self.observed)
+
+    @property
     def command_timeout(self) -> float:
         return self.remaining(self.desired.policy.timeouts.command)
 
@@ -75,7 +82,7 @@ def note_copy(ctx: StepContext, node: str, kind: str, key: str, detail: str = "-
     longer (retention never removes what the ledger does not name)."""
     from reconciler.edge import ledger
 
-    if (why := ledger.record(ctx.sessions[node], node, action, kind, key, ctx.desired.instance, detail,
+    if (why := ledger.record(ctx.sessions[node], node, action, kind, key, ctx.owner.label, detail,
                              timeout=ctx.command_timeout)) is not None:
         ctx.progress("ledger.unwritten", {"node": node, "kind": kind, "key": key, "error": why})
 

@@ -1,8 +1,9 @@
 """Stopping containers. Co-tenants are stopped and never removed (their data and volumes stay). A serving
-container is stopped only when this reconciler created it (its managed and instance labels, Container.owned_by)
-and it is not protected; it is removed only when it also bears the configured serving name, to free that name
-for a re-creation (fixed names + asynchronous removal is a known source of "name already in use"). Each is
-checked again on the node right before acting: the plan may be minutes old.
+container is stopped only when this reconciler created it (its managed and instance labels, Container.owned_by,
+judged against `core.ownership.owner` of the observation the plan was made from) and it is not protected; it is
+removed only when it also bears the configured serving name, to free that name for a re-creation (fixed names +
+asynchronous removal is a known source of "name already in use"). Each is checked again on the node right before
+acting: the plan may be minutes old.
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ def is_managed(info: dict) -> bool:
 def owner_problem(ctx: StepContext, node: str, name: str, info: dict) -> str | None:
     """Why this reconciler must not stop `name` on `node` as its own serving container, if it must not."""
     container = _labelled(info)
+    ours = ctx.owner
     if ctx.desired.co_tenants.is_protected(node, name):
         return f"{name} on {node} is protected (co_tenants.protected); never stopped"
     if not container.managed:
         return f"{name} on {node} was not created by the reconciler; it is never stopped or removed"
-    if not container.owned_by(ctx.desired.instance):
-        return (f"{name} on {node} belongs to another reconciler (instance {container.labels[LABEL_INSTANCE]}, "
-                f"this one is {ctx.desired.instance}); never stopped or removed")
+    if not container.owned_by(ours):
+        label = container.labels[LABEL_INSTANCE]
+        hint = ours.hint(label)
+        return (f"{name} on {node} is not this cluster's (instance {label}, this one is {ours.describe()})"
+                + (f": {hint}" if hint else "") + "; never stopped or removed")
     return None
 
 

@@ -22,11 +22,11 @@ def _records(ctx: StepContext, node: str, kind: str) -> dict[str, CopyRecord]:
     """The ledger as it is now (not as the plan saw it): this cluster's records of `kind`."""
     section = read_sections(ctx.sessions[node], ledger.ledger_script(), ctx.command_timeout).get("copies")
     records = ledger.parse_copies(section, node) or []
-    return {r.key: r for r in records if r.kind == kind and r.by == ctx.desired.instance}
+    return {r.key: r for r in records if r.kind == kind and r.by in ctx.owner.names}
 
 
 def _removed(ctx: StepContext, node: str, kind: str, key: str) -> None:
-    if (why := ledger.record(ctx.sessions[node], node, "removed", kind, key, ctx.desired.instance,
+    if (why := ledger.record(ctx.sessions[node], node, "removed", kind, key, ctx.owner.label,
                              timeout=ctx.command_timeout)) is not None:
         raise StepFailed(f"{key} on {node} is removed, but the ledger could not say so ({why})")
 

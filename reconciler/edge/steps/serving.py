@@ -27,7 +27,9 @@ NON_CARRY_OVER_WRITE = ('d="${VLLM_CONFIG_ROOT:-${XDG_CONFIG_HOME:-$HOME/.config
 
 
 def spec_for(ctx: StepContext, node: str) -> LaunchSpec:
-    return next(s for s in launch_specs(ctx.desired) if s.node == node)
+    """The launch of `node`, labelled with this cluster's instance label (the head's cluster id when the plan's
+    observation read it)."""
+    return next(s for s in launch_specs(ctx.desired, ctx.owner.label) if s.node == node)
 
 
 def _memory(ctx: StepContext, node: str) -> Memory:
@@ -104,9 +106,15 @@ def start_serving(ctx: StepContext, step: Step) -> None:
 
 def _note_use(ctx: StepContext, node: str, spec: LaunchSpec) -> None:
     """The copy ledger's `served` lines, before the start (a crash after it still counts as a use): the last use
-    orders what retention keeps for a rollback (core/retention.py)."""
+    orders what retention keeps for a rollback (core/retention.py). Bookkeeping only: an engine that cannot say
+    which image it holds fails the start on its own, not here."""
     note_copy(ctx, node, "weights", spec.weights, action="served")
-    if (image := inspect_image(ctx, node, spec.image)) is not None:
+    try:
+        image = inspect_image(ctx, node, spec.image)
+    except (StepFailed, RemoteError) as exc:
+        ctx.progress("ledger.unwritten", {"node": node, "kind": "image", "error": str(exc)})
+        return
+    if image is not None:
         note_copy(ctx, node, "image", image.content, action="served")
 
 
