@@ -184,3 +184,16 @@ def seen(desired):
     result = plan(desired, observed)
     assert (result.drift, result.steps, result.blocked) == ([], [], []), "the recording must plan nothing"
     return observed
+
+
+@pytest.fixture
+def nodes(tmp_path, monkeypatch):
+    """Two nodes that are this machine (`test_weights_tree.Local`: homes under tmp_path), the hop between them
+    made local: for the weights copy and retention's removal on real files."""
+    from reconciler.edge.steps import hop
+    from tests.unit.test_weights_tree import Local
+
+    monkeypatch.setattr(hop, "trust_target_on_source", lambda ctx, source, target: None)
+    monkeypatch.setattr(hop, "ssh_options", lambda ctx, target: ["ssh"])
+    monkeypatch.setattr(hop, "address", lambda ctx, target: "spark@192.0.2.1")
+    return {"src": Local(tmp_path / "home-src"), "dst": Local(tmp_path / "home-dst")}

@@ -261,15 +261,3 @@ def _prune_ctx(tmp_path, nodes, make_desired) -> StepContext:
     desired = make_desired(tmp_path)
     desired.weights_root = lambda n: str(tmp_path / n / "hub" / "models--testorg--next")
     return StepContext(desired=desired, sessions=nodes, observed=Observed(nodes={}), deadline=time.monotonic() + 60)
-
-
-@pytest.fixture
-def nodes(tmp_path, monkeypatch):
-    """As test_weights_tree's: two homes on this machine, the hop to the target made local."""
-    from reconciler.edge.steps import hop
-    from tests.unit.test_weights_tree import Local
-
-    monkeypatch.setattr(hop, "trust_target_on_source", lambda ctx, source, target: None)
-    monkeypatch.setattr(hop, "ssh_options", lambda ctx, target: ["ssh"])
-    monkeypatch.setattr(hop, "address", lambda ctx, target: "spark@192.0.2.1")
-    return {"src": Local(tmp_path / "home-src"), "dst": Local(tmp_path / "home-dst")}

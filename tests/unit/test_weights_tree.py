@@ -27,7 +27,7 @@ from reconciler.edge import manifest
 from reconciler.edge.manifest import manifest_script, parse_weights
 from reconciler.edge.probes import split_sections
 from reconciler.edge.ssh import CommandFailed, Result
-from reconciler.edge.steps import StepContext, StepFailed, hop
+from reconciler.edge.steps import StepContext, StepFailed
 from reconciler.edge.steps import weights as step
 from testbed.weights import generate
 from tests.unit.examples import examples
@@ -361,14 +361,6 @@ def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transpo
                            head=SimpleNamespace(name="src"),
                            weights_root=lambda n: paths[n] if layout == "plain" else f"{paths[n]}/{hub_tree}",
                            instance="head:22")
-
-
-@pytest.fixture
-def nodes(tmp_path, monkeypatch):
-    monkeypatch.setattr(hop, "trust_target_on_source", lambda ctx, source, target: None)
-    monkeypatch.setattr(hop, "ssh_options", lambda ctx, target: ["ssh"])
-    monkeypatch.setattr(hop, "address", lambda ctx, target: "spark@192.0.2.1")
-    return {"src": Local(tmp_path / "home-src"), "dst": Local(tmp_path / "home-dst")}
 
 
 def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon"):

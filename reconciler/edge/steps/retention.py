@@ -10,6 +10,8 @@ What is kept is reported, never forced; every removal is written to the ledger.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from reconciler.core.observed import CopyRecord
 from reconciler.core.planning import Step
 from reconciler.edge import ledger
@@ -25,54 +27,55 @@ def _records(ctx: StepContext, node: str, kind: str) -> dict[str, CopyRecord]:
     return {r.key: r for r in records if r.kind == kind and r.by in ctx.owner.names}
 
 
-def _removed(ctx: StepContext, node: str, kind: str, key: str) -> None:
-    if (why := ledger.record(ctx.sessions[node], node, "removed", kind, key, ctx.owner.label,
-                             timeout=ctx.command_timeout)) is not None:
-        raise StepFailed(f"{key} on {node} is removed, but the ledger could not say so ({why})")
+def _prune(ctx: StepContext, step: Step, kind: str, remove: Callable[[CopyRecord], str | None]) -> None:
+    """Each item of the step that the ledger still names as this cluster's goes through `remove` (None: gone,
+    written to the ledger; else why it is kept). Whatever is kept is said together at the end (StepBlocked):
+    the rest is removed all the same."""
+    node, kept = step.node, []
+    records = _records(ctx, node, kind)
+    for key in step.remove or ():
+        record = records.get(key)
+        why = "no longer in the copy ledger as this cluster's" if record is None else remove(record)
+        if why is not None:
+            kept.append(f"{key}: {why}")
+        elif (unwritten := ledger.record(ctx.sessions[node], node, "removed", kind, key, ctx.owner.label,
+                                         timeout=ctx.command_timeout)) is not None:
+            raise StepFailed(f"{key} on {node} is removed, but the ledger could not say so ({unwritten})")
+    if kept:
+        raise StepBlocked(f"retention kept on {node}: " + "; ".join(kept))
 
 
 def prune_weights(ctx: StepContext, step: Step) -> None:
-    node, kept = step.node, []
-    records = _records(ctx, node, "weights")
-    for root in step.remove or ():
-        record = records.get(root)
-        if record is None:
-            kept.append(f"{root}: no longer in the copy ledger as this cluster's")
-            continue
+    node = step.node
+
+    def remove(record: CopyRecord) -> str | None:
+        root = record.key
         if root in (ctx.desired.weights_root(node), ctx.desired.model.path_on(node)):
-            kept.append(f"{root}: the current model's")  # the file changed since the plan
-            continue
+            return "the current model's"  # the file changed since the plan
         section = read_sections(ctx.sessions[node], [manifest_script(root)], ctx.command_timeout).get("weights")
         if section is not None and section.rc == 2:  # the script's word for "no such directory"
-            _removed(ctx, node, "weights", root)
-            continue
+            return None
         tree = read_listing(root, section).weights
         if not tree.present or tree.truncated or tree.unsafe_count or tree.digest() != record.detail:
-            kept.append(f"{root}: unreadable, or changed since this cluster copied it (files added, removed or "
-                        "resized, links that leave it); remove it yourself if it is not needed")
-            continue
+            return ("unreadable, or changed since this cluster copied it (files added, removed or resized, links "
+                    "that leave it); remove it yourself if it is not needed")
         ctx.progress("retention.remove", {"node": node, "weights": root, "bytes": tree.total_bytes})
         # rm removes links, never what they lead to; --one-file-system stays off other mounts below the tree
         ctx.sessions[node].run(["rm", "-rf", "--one-file-system", "--", root], timeout=ctx.command_timeout)
-        _removed(ctx, node, "weights", root)
-    if kept:
-        raise StepBlocked(f"retention kept on {node}: " + "; ".join(kept))
+        return None
+
+    _prune(ctx, step, "weights", remove)
 
 
 def prune_images(ctx: StepContext, step: Step) -> None:
-    node, kept = step.node, []
-    records = _records(ctx, node, "image")
-    for content in step.remove or ():
-        record = records.get(content)
-        if record is None:
-            kept.append(f"{content[:19]}: no longer in the copy ledger as this cluster's")
-            continue
+    node = step.node
+
+    def remove(record: CopyRecord) -> str | None:
         result = ctx.sessions[node].run(["docker", "image", "rm", record.detail], timeout=ctx.command_timeout,
                                         check=False)
-        if result.ok or "no such image" in result.stderr.lower():
-            ctx.progress("retention.remove", {"node": node, "image": record.detail})
-            _removed(ctx, node, "image", content)
-        else:
-            kept.append(f"{record.detail[:19]}: docker refused ({result.stderr.strip()[-200:]})")
-    if kept:
-        raise StepBlocked(f"retention kept on {node}: " + "; ".join(kept))
+        if not result.ok and "no such image" not in result.stderr.lower():
+            return f"docker refused to remove {record.detail[:19]} ({result.stderr.strip()[-200:]})"
+        ctx.progress("retention.remove", {"node": node, "image": record.detail})
+        return None
+
+    _prune(ctx, step, "image", remove)
