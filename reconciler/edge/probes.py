@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import ParamSpec, TypeVar
 
 from reconciler.core.observed import (
@@ -135,10 +136,21 @@ def _bind_sources(mounts: object) -> list[str] | None:
                    and isinstance(m.get("Source"), str)})
 
 
+def _created(raw: dict) -> str | None:
+    """The API's `Created` (unix seconds: the list has no `State.StartedAt`) as the RFC 3339 time the CLI path
+    reads from inspect. For the serving containers it is their start: `docker run` creates and starts in one, with
+    `--restart no`, and they are never started again in place (a stopped one is removed before the next run). So
+    the health watch can tell a container older than the cold-start allowance after a daemon restart (issue 30)."""
+    created = raw.get("Created")
+    if isinstance(created, bool) or not isinstance(created, int) or created <= 0:
+        return None
+    return datetime.fromtimestamp(created, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _api_container(raw: dict) -> Container:
     return Container(name=(raw.get("Names") or ["/"])[0].lstrip("/"), id=raw["Id"], image=raw.get("Image", ""),
                      image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {},
-                     mounts=_bind_sources(raw.get("Mounts")))
+                     mounts=_bind_sources(raw.get("Mounts")), started_at=_created(raw))
 
 
 @node_output("containers")

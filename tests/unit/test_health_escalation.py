@@ -174,3 +174,28 @@ def test_a_serving_container_that_is_gone_resets_the_failure_clock(desired, depl
 ])
 def test_docker_start_times_are_read_with_nanoseconds_and_garbage_is_no_age(text, age):
     assert _age(text, datetime(2026, 12, 3, 10, 1, tzinfo=UTC).timestamp()) == pytest.approx(age, abs=1e-5)
+
+
+def test_the_docker_api_path_gives_the_age_too():
+    """The probe's default path, the Docker API's /containers/json, has no State.StartedAt; its `Created` (unix
+    seconds) is the serving container's start (`docker run`, `--restart no`, never started again in place). Read
+    from what the probe really printed on the recorded cluster: a daemon started two hours later takes a frozen
+    vLLM for a wedge, not a cold start (issue 30, finding 2)."""
+    import json
+
+    from tests.unit.recorded import RAW, load, observe
+
+    recorded = load()
+    body = next(line for line in RAW["outputs"]["head"].splitlines() if line.startswith("API ["))
+    created = next(c["Created"] for c in json.loads(body[4:]) if "/vllm_serving" in c["Names"])
+    state = observe(recorded)
+    container = state.node("head").container("vllm_serving")
+    assert container is not None and container.started_at is not None
+    assert _age(container.started_at, created + 7200) == 7200
+    frozen = state.model_copy(update={"nodes": {**state.nodes, "head": state.node("head").model_copy(
+        update={"serving": WEDGED})}})
+    late = created + recorded.serving.health_timeout + 1
+    watch = HealthWatch()
+    assert watch.annotate(recorded, frozen, now=late).node("head").serving.served_before
+    after = watch.annotate(recorded, frozen, now=late + recorded.serving.unhealthy_grace)
+    assert _restarts_in_order(recorded, plan(recorded, after))
