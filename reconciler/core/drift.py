@@ -14,7 +14,7 @@ from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, Node
 from reconciler.core.ownership import owner
 from reconciler.core.platforms import machine_platform, runs_on
 from reconciler.core.spec import Desired, FabricPort, Node
-from reconciler.core.vllm import launch_specs, memory_needed
+from reconciler.core.vllm import launch_specs, memory_needed, weights_size
 
 DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "gpu", "weights", "image",
                     "serving", "health", "memory"]
@@ -121,11 +121,11 @@ def weights_difference(expected: Weights, seen: Weights | None) -> str | None:
     return None
 
 
-def _memory_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Drift]:
+def _memory_drift(desired: Desired, name: str, obs: NodeObservation, weights: int | None) -> list[Drift]:
     mem = obs.memory
     if mem is None:
         return []
-    need = memory_needed(desired, mem.total_bytes)
+    need = memory_needed(desired, mem.total_bytes, weights)
     if mem.available_bytes >= need:
         return []
     gib = 2**30
@@ -372,7 +372,7 @@ def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, rea
     out = []
     for name in sorted({d.node for d in served if d.actionable} - freeing):
         if name in ready:
-            out += _memory_drift(desired, name, observed.node(name))
+            out += _memory_drift(desired, name, observed.node(name), weights_size(desired, observed))
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from reconciler.core.observed import (
@@ -20,6 +21,7 @@ from reconciler.core.observed import (
     LABEL_ROLE,
     LABEL_SPEC_HASH,
     LABEL_WEIGHTS,
+    Observed,
 )
 from reconciler.core.spec import Desired, Node
 
@@ -271,10 +273,92 @@ def memory_for(utilization: float, total_bytes: int, margin: int) -> int:
     return int(utilization * total_bytes) + margin
 
 
-def memory_needed(desired: Desired, total_bytes: int) -> int:
-    """`memory_for` the file's gpu_memory_utilization and policy.memory_margin: the drift that reports too little
-    memory and the start's preflight must never disagree."""
-    return memory_for(desired.serving.gpu_memory_utilization, total_bytes, desired.policy.memory_margin)
+_SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_IEC = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|[kKmMgGtT])?")
+
+
+def vllm_int(text: str) -> int | None:
+    """A size as vLLM's `human_readable_int` reads it (vllm/engine/arg_utils.py; later vllm/utils/argparse_utils):
+    a plain integer, a lowercase suffix in powers of ten (`25.6k`), an uppercase one in powers of two (`16G`).
+    Newer releases read `M`/`G` in powers of ten and `Mi`/`Gi` in powers of two: for a memory reservation the
+    larger reading is taken, so the check never under-reserves whichever the image runs. None: not a size."""
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match is None:
+        return None
+    number, suffix = match.groups()
+    if suffix in _SI:
+        return int(float(number) * _SI[suffix])
+    if "." in number:
+        return None  # vLLM refuses decimals with binary suffixes and plain decimals
+    return int(number) * (_IEC[suffix] if suffix else 1)
+
+
+def flag_value(args: list[str] | tuple[str, ...], flag: str) -> str | None:
+    """The value argparse would give `flag` in `args` (`--f V` or `--f=V`, the last one wins; vLLM takes `--f_g` for
+    `--f-g`). None: not given."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> list[tuple[str, int]]:
+    """What a serving rank holds in a node's unified memory, term by term, as vLLM sizes it:
+    - `gpu_memory_utilization` x MemTotal, its pool for weights, activations and the KV cache; except that
+      `--kv-cache-memory-bytes` makes vLLM ignore gpu_memory_utilization ("kv_cache_memory_bytes (when not-None)
+      ignores gpu_memory_utilization", vLLM's own `--help=all`): then the rank's share of the weights (the tree
+      over tensor x pipeline parallel ranks; the whole `gpu_memory_utilization` pool when the tree's size is not
+      known) plus that KV cache;
+    - `--cpu-offload-gb` GiB of weights vLLM keeps in CPU memory, which on GB10 is the same memory;
+    - policy.memory_margin for everything else.
+    The drift that reports too little memory and the start's preflight read the same terms."""
+    s = desired.serving
+    pool = int(s.gpu_memory_utilization * total_bytes)
+    kv_text = flag_value(s.extra_args, "--kv-cache-memory-bytes")
+    kv = vllm_int(kv_text) if kv_text is not None else None
+    if kv is None:
+        terms = [(f"gpu_memory_utilization {s.gpu_memory_utilization:g} x {total_bytes / 2**30:.1f} GiB", pool)]
+    else:
+        ranks = s.tensor_parallel_size * s.pipeline_parallel_size
+        share = -(-weights_bytes // ranks) if weights_bytes else pool
+        terms = [("the rank's share of the weights" if weights_bytes else
+                  "the gpu_memory_utilization pool (the weights' size is not known)", share),
+                 ("--kv-cache-memory-bytes", kv)]
+    offload = flag_value(s.extra_args, "--cpu-offload-gb")
+    try:
+        gib = float(offload) if offload is not None else 0.0
+    except ValueError:
+        gib = 0.0
+    if gib > 0:
+        terms.append(("--cpu-offload-gb", int(gib * 2**30)))
+    return terms + [("policy.memory_margin", desired.policy.memory_margin)]
+
+
+def memory_needed(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> int:
+    """The sum of `memory_terms`: what MemAvailable must cover before a rank starts. Without the flags that change
+    how vLLM sizes memory it is `memory_for` the file's gpu_memory_utilization and policy.memory_margin (the
+    formula `largest_utilization` inverts for discover)."""
+    return sum(size for _, size in memory_terms(desired, total_bytes, weights_bytes))
+
+
+def weights_size(desired: Desired, observed: Observed) -> int | None:
+    """The model tree's size as the weights source holds it (what every rank loads a share of); None: not seen."""
+    weights = observed.node(desired.source_node).weights
+    return weights.total_bytes if weights is not None and weights.present else None
+
+
+def memory_words(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> str:
+    """`memory_terms` for a message: `a 1.0 GiB + b 2.0 GiB = 3.0 GiB`."""
+    terms = memory_terms(desired, total_bytes, weights_bytes)
+    return (" + ".join(f"{name} {size / 2**30:.1f} GiB" for name, size in terms)
+            + f" = {sum(size for _, size in terms) / 2**30:.1f} GiB")
 
 
 def largest_utilization(total_bytes: int, available_bytes: int, margin: int) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from reconciler.core.loader import load_file
+from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.steps import serving
@@ -86,7 +87,8 @@ def test_dirty_pages_are_written_before_the_cache_is_dropped(cluster_yaml):
             return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
                                           f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n", exit_code=0)
 
-    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60)
+    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
+                          observed=Observed(nodes={}))
     serving.memory_preflight(ctx, "n")
     ran = [argv[0] for argv, _ in calls]
     assert ran == ["sync", "/usr/sbin/sysctl"]
@@ -138,6 +140,6 @@ def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
                                           f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n", exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
-                          progress=lambda event, fields: events.append(event))
+                          progress=lambda event, fields: events.append(event), observed=Observed(nodes={}))
     serving.memory_preflight(ctx, "n")
     assert ran == ["sync", "/usr/sbin/sysctl"] and events == ["serving.sync-skipped"]

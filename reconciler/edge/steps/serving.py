@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step
-from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed
+from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed, memory_words, weights_size
 from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, note_copy, wait_for
@@ -44,7 +44,8 @@ def memory_preflight(ctx: StepContext, node: str) -> None:
     caches first if allowed."""
     policy = ctx.desired.policy
     memory = _memory(ctx, node)
-    need = memory_needed(ctx.desired, memory.total_bytes)
+    weights = weights_size(ctx.desired, ctx.observed)
+    need = memory_needed(ctx.desired, memory.total_bytes, weights)
     if memory.available_bytes < need and policy.drop_caches:
         # drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst): after a 100 GB
         # rsync most of the cache is dirty until written back. `sync -f` flushes the weights' filesystem (no root
@@ -57,10 +58,8 @@ def memory_preflight(ctx: StepContext, node: str) -> None:
                                timeout=ctx.command_timeout)
         memory = _memory(ctx, node)
     if memory.available_bytes < need:
-        total = memory.total_bytes
-        raise StepBlocked(f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but gpu_memory_utilization "
-                          f"{ctx.desired.serving.gpu_memory_utilization:g} x {total / GIB:.1f} GiB + margin "
-                          f"{policy.memory_margin / GIB:.1f} GiB = {need / GIB:.1f} GiB is needed")
+        raise StepBlocked(f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but "
+                          f"{memory_words(ctx.desired, memory.total_bytes, weights)} is needed")
 
 
 def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
