@@ -18,7 +18,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from reconciler.core.planning import Plan, Step
 from reconciler.edge import log
 from reconciler.edge.ssh import RemoteError
-from reconciler.edge.steps import StepBlocked, StepContext, runner
+from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, runner
 
 LONG_STEPS = {"weights": "weights_sync", "image": "image_sync"}
 
@@ -26,7 +26,7 @@ LONG_STEPS = {"weights": "weights_sync", "image": "image_sync"}
 @dataclass(frozen=True)
 class StepResult:
     step: Step
-    result: str  # "success", "failed", "blocked", "skipped", "cancelled"
+    result: str  # "success", "failed", "blocked", "deferred" (StepDeferred: not counted), "skipped", "cancelled"
     seconds: float
     message: str = ""
     attempts: int = 0
@@ -86,7 +86,8 @@ def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict], None]
     except InterruptedError as exc:
         outcome = StepResult(step, "cancelled", time.monotonic() - start, str(exc), attempts)
     except StepBlocked as exc:
-        outcome = StepResult(step, "blocked", time.monotonic() - start, str(exc), attempts)
+        result = "deferred" if isinstance(exc, StepDeferred) else "blocked"
+        outcome = StepResult(step, result, time.monotonic() - start, str(exc), attempts)
     except (RemoteError, Exception) as exc:  # noqa: BLE001 - every failure becomes the step's result
         message = str(exc) if isinstance(exc, RemoteError) or str(exc) else repr(exc)
         outcome = StepResult(step, "cancelled" if ctx.cancel.is_set() else "failed", time.monotonic() - start,

@@ -241,6 +241,8 @@ class Controller:
             elif r.result in ("failed", "blocked"):
                 self.backoff.failed(r.step.id, r.message, self.clock())
                 failures.append(f"{r.step.id}: {r.message}")
+            elif r.result == "deferred":  # said, never counted: the next reconcile tries again
+                failures.append(f"{r.step.id}: {r.message}")
         return failures
 
     def _requeue_after(self, observed: Observed | None, settle: bool = False) -> float | None:

@@ -31,6 +31,12 @@ class StepBlocked(StepFailed):
     """A precondition does not hold (memory short, a foreign container holds the name): nothing was changed."""
 
 
+class StepDeferred(StepBlocked):
+    """A precondition the world is about to meet by itself has not been met yet within the step's wait (GB10
+    returns a stopped generation's memory with a lag): nothing was changed, the next reconcile tries again, and it
+    is no failure, so it never counts toward backoff and holds."""
+
+
 ProgressFn = Callable[[str, dict[str, Any]], None]
 
 

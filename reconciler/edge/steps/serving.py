@@ -10,12 +10,14 @@ A container that exits while we wait fails the step at once with its last log li
 
 from __future__ import annotations
 
+import contextlib
+
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
-from reconciler.core.planning import Step
+from reconciler.core.planning import Step, kind_and_node
 from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed, memory_words, weights_size
 from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
-from reconciler.edge.steps import StepBlocked, StepContext, StepFailed, note_copy, wait_for
+from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, note_copy, wait_for
 from reconciler.edge.steps.containers import inspect, owner_problem
 from reconciler.edge.steps.images import inspect_image
 
@@ -39,9 +41,22 @@ def _memory(ctx: StepContext, node: str) -> Memory:
     return memory
 
 
-def memory_preflight(ctx: StepContext, node: str) -> None:
-    """MemAvailable must cover `memory_needed` (gpu_memory_utilization x MemTotal plus the margin), dropping
-    caches first if allowed."""
+#: How long a start waits for memory a stop on its node just released. GB10 hands a stopped generation's memory
+#: back with a lag of up to a minute (sovgrid.org, "SGLang Restart OOM Fix"); past this the start is deferred to
+#: the next reconcile, not failed.
+MEMORY_SETTLE = 90.0
+SETTLE_POLL = 2.0  # seconds between the reads of MemAvailable meanwhile
+
+
+def _after_a_stop(step: Step) -> bool:
+    """The plan ran a stop on this step's node before it (our generation's or a co-tenant's)."""
+    return any(kind_and_node(a) in (("stop-serving", step.node), ("stop-container", step.node)) for a in step.after)
+
+
+def memory_preflight(ctx: StepContext, node: str, settle: float = 0.0) -> None:
+    """MemAvailable must cover `memory_needed` (`memory_terms`), dropping caches first if allowed. With `settle`
+    (a stop on this node just ran), MemAvailable is read again every 2 s up to that many seconds before the start
+    is deferred (StepDeferred: not counted toward holds); without, a short node blocks at once."""
     policy = ctx.desired.policy
     memory = _memory(ctx, node)
     weights = weights_size(ctx.desired, ctx.observed)
@@ -57,9 +72,23 @@ def memory_preflight(ctx: StepContext, node: str) -> None:
         ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True,
                                timeout=ctx.command_timeout)
         memory = _memory(ctx, node)
+    if memory.available_bytes < need and settle > 0:
+        seen = [memory]
+
+        def returned() -> bool:
+            seen.append(_memory(ctx, node))
+            return seen[-1].available_bytes >= need
+
+        with contextlib.suppress(StepFailed):
+            wait_for(returned, timeout=ctx.remaining(settle), interval=SETTLE_POLL, what="memory", cancel=ctx.cancel)
+        memory = seen[-1]
     if memory.available_bytes < need:
-        raise StepBlocked(f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but "
-                          f"{memory_words(ctx.desired, memory.total_bytes, weights)} is needed")
+        short = (f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but "
+                 f"{memory_words(ctx.desired, memory.total_bytes, weights)} is needed")
+        if settle > 0:
+            raise StepDeferred(f"{short}, {settle:.0f} s after the stop on {node} (GB10 returns a stopped "
+                               "generation's memory with a lag); tried again at the next reconcile")
+        raise StepBlocked(short)
 
 
 def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
@@ -81,7 +110,7 @@ def start_serving(ctx: StepContext, step: Step) -> None:
         if info["State"]["Running"]:
             raise StepFailed(f"{spec.container_name} on {node} runs another spec; the plan stops it first")
         ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
-    memory_preflight(ctx, node)
+    memory_preflight(ctx, node, MEMORY_SETTLE if _after_a_stop(step) else 0.0)
     _note_use(ctx, node, spec)
     session = ctx.sessions[node]
     if dirs := cache_dirs(ctx.desired, ctx.desired.node(node)):
