@@ -383,8 +383,8 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
         return []
     want = desired.served_name
     health = observed.node(head).serving
-    if health is not None and health.serves(want):
-        return []
+    if health is not None and health.working(want):
+        return []  # busy is serving: every slot taken, the probe's completion queued behind them (issue 30)
     if health is None or not health.reachable:
         seen = "not answering"
     elif not health.healthy:

@@ -151,6 +151,17 @@ class Weights(_Model):
         return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
+class EngineLoad(_Model):
+    """vLLM's own scheduler counters from the head's /metrics (vllm/v1/metrics/loggers.py names them), summed over
+    their label sets: what tells a busy engine (every `--max-num-seqs` slot taken, the probe's completion waiting
+    in the first-come-first-served queue, tokens still coming) from a wedged one (no token since the last probe)."""
+
+    running: float = Field(description="vllm:num_requests_running")
+    waiting: float = Field(description="vllm:num_requests_waiting")
+    tokens: float = Field(description="vllm:prompt_tokens_total + vllm:generation_tokens_total: counted per engine "
+                          "step, so they grow while long generations run")
+
+
 class ServingApi(_Model):
     """What the head's API answers (only probed on the head)."""
 
@@ -166,10 +177,19 @@ class ServingApi(_Model):
     served_before: bool = Field(False, description="this head container served since it started (or is older "
                                 "than the cold-start allowance): a failure now is a wedge, not a slow start")
     health_restarts: int = Field(0, description="restarts for health in a row that did not hold (backoff)")
+    engine: EngineLoad | None = Field(None, description="the engine's counters (read when /health answers 200); "
+                                      "None: not read")
+    busy: bool = Field(False, description="the completion did not answer, but the engine made progress since the "
+                       "last probe (its tokens grew), as the daemon watched it: busy, not unhealthy")
 
     def serves(self, name: str) -> bool:
         """The one definition of healthy serving: /health 200, `name` listed, and a completion answered."""
         return self.healthy and name in self.models and self.completion_error is None
+
+    def working(self, name: str) -> bool:
+        """Serving `name`, or busy serving it (the completion queued behind full slots while tokens keep coming):
+        what the health drift, the healthy gauge and the alert judge. Never a reason to restart."""
+        return self.serves(name) or (self.busy and self.healthy and name in self.models)
 
 
 class Image(_Model):

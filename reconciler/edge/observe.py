@@ -74,7 +74,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     serving = identity = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
-                                sections.get("completion"))
+                                sections.get("completion"), sections.get("engine"))
         identity = parse_identity(sections.get("identity"))
     return NodeObservation(
         name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),

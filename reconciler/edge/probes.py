@@ -26,6 +26,7 @@ from reconciler.core.observed import (
     MAX_KNOWN_AS,
     ClusterIdentity,
     Container,
+    EngineLoad,
     GpuStack,
     Image,
     Link,
@@ -592,7 +593,37 @@ def api_script(desired: Desired) -> list[str]:
         "sec completion",
         f"rc=0; if [ \"$code\" = 200 ]; then {auth}{quote(completion_argv(desired))}; rc=$?; fi; echo; "
         "echo \"@@rc $rc\"",
+        "sec engine",
+        f"rc=0; if [ \"$code\" = 200 ]; then curl -s -m 2 {quote_word(f'http://127.0.0.1:{port}/metrics')} | "
+        f"grep -E {quote_word(_ENGINE_LINES)}; rc=$?; fi; echo \"@@rc $rc\"",
     ]
+
+
+#: The lines of vLLM's /metrics the engine section keeps (read after the completion, so its own token counts):
+#: a real vLLM's page is tens of KB of histograms, filtered on the node.
+ENGINE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                  "vllm:generation_tokens_total")
+_ENGINE_LINES = "^(" + "|".join(ENGINE_METRICS) + ")[{ ]"
+
+
+@node_output("engine")
+def parse_engine(sec: Section | None) -> EngineLoad | None:
+    """vLLM's counters, summed over label sets (one engine per API server here; several with data parallel).
+    None: not read (an unhealthy API, no /metrics, a page without them)."""
+    if sec is None or sec.rc not in (0, 1):  # grep's 1: no such line
+        return None
+    sums: dict[str, float] = {}
+    for line in sec.body.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ENGINE_METRICS:
+            value = float(line.rsplit(" ", 1)[1])
+            if value != value or value in (float("inf"), float("-inf")):  # NaN, Inf: not a count
+                return None
+            sums[name] = sums.get(name, 0.0) + value
+    if not all(m in sums for m in ENGINE_METRICS):
+        return None
+    return EngineLoad(running=sums[ENGINE_METRICS[0]], waiting=sums[ENGINE_METRICS[1]],
+                      tokens=sums[ENGINE_METRICS[2]] + sums[ENGINE_METRICS[3]])
 
 
 @node_output("completion")
@@ -614,7 +645,7 @@ def parse_completion(sec: Section | None) -> str | None:
 
 @node_output("serving API")
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
-                  completion: Section | None = None) -> ServingApi:
+                  completion: Section | None = None, engine: Section | None = None) -> ServingApi:
     code = health.body.strip() if health else ""
     served: list[str] = []
     if models is not None and models.body.strip().startswith("{"):
@@ -627,13 +658,15 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
         ray_nodes = count_ray_nodes(ray.body)
     healthy = code == "200"
     return ServingApi(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
-                   completion_error=parse_completion(completion) if healthy and served else None)
+                      completion_error=parse_completion(completion) if healthy and served else None,
+                      engine=parse_engine(engine) if healthy else None)
 
 
 def read_api(session: Session, desired: Desired, timeout: float) -> ServingApi:
     """The head's API now: health, the served names and one completion, as the probe reads them."""
     sections = read_sections(session, api_script(desired), timeout)
-    return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))
+    return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
+                         sections.get("engine"))
 
 
 def ray_script(container: str) -> list[str]:

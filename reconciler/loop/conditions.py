@@ -74,6 +74,12 @@ def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
     out.append(from_drift("GpuReady", ("gpu",), "GpuAnswers", "GpuStackFailing"))
     out.append(from_drift("ImageInSync", ("image",), "InSync", "ImageDrift"))
     out.append(from_drift("ServingRunning", ("serving", "memory"), "Running", "ServingDrift"))
+    if obs is not None and obs.serving is not None:  # the head: vLLM at capacity is said, never drift
+        engine = obs.serving.engine
+        load = f"{engine.running:g} running, {engine.waiting:g} waiting" if engine else ""
+        out.append(_cond(name, "ServingBusy", obs.serving.busy, "QueueFull" if obs.serving.busy else "Answering",
+                         (f"a completion queued behind every slot while tokens keep coming ({load}): busy, not "
+                          "wedged; nothing restarts" if obs.serving.busy else load)))
     held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
     out.append(_cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
                      "; ".join(f"{sid}: {msg}" for sid, msg in held.items())))

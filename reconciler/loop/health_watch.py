@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from reconciler.core.observed import Observed
+from reconciler.core.observed import Observed, ServingApi
 from reconciler.core.planning import MAX_GRACE_DOUBLINGS
 from reconciler.core.spec import Desired
 
@@ -43,6 +43,7 @@ class HealthWatch:
         self.unhealthy_since: float | None = None
         self.serving_since: float | None = None
         self.restarts = 0
+        self.tokens: float | None = None  # the engine's token count at the last probe that read it (this container)
         self._wedged = False  # the current container served and now fails: its replacement is a restart for health
 
     def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
@@ -57,9 +58,10 @@ class HealthWatch:
             if self._wedged:
                 self.restarts += 1
             self.container_id, self.served, self._wedged = container.id, False, False
-            self.unhealthy_since = self.serving_since = None
+            self.unhealthy_since = self.serving_since = self.tokens = None
         grace = desired.serving.unhealthy_grace
-        if serving.serves(desired.served_name):
+        busy = self._busy(desired, serving)
+        if serving.serves(desired.served_name) or busy:
             self.served, self.unhealthy_since = True, None
             self.serving_since = self.serving_since if self.serving_since is not None else now
             if now - self.serving_since >= grace * 2 ** MAX_GRACE_DOUBLINGS:
@@ -71,7 +73,19 @@ class HealthWatch:
         self._wedged = served_before and self.unhealthy_since is not None
         annotated = serving.model_copy(update={
             "unhealthy_for": None if self.unhealthy_since is None else now - self.unhealthy_since,
-            "served_before": served_before, "health_restarts": self.restarts})
+            "served_before": served_before, "health_restarts": self.restarts, "busy": busy})
         nodes = dict(observed.nodes)
         nodes[head] = node.model_copy(update={"serving": annotated})
         return observed.model_copy(update={"nodes": nodes})
+
+    def _busy(self, desired: Desired, serving: ServingApi) -> bool:
+        """The completion did not answer, but the engine's tokens grew since the last probe read them: vLLM
+        schedules first come, first served (priority scheduling is opt-in, vllm-project/vllm PR #5958) and Spark
+        recipes keep `--max-num-seqs` at 1-4, so with every slot taken by long generations the probe's one token
+        waits in the queue. That is serving at capacity, not a wedge; a wedged engine's counters stand still.
+        The baseline is read after the probe's own completion, so a freeze shows at the first failed check."""
+        engine, before = serving.engine, self.tokens
+        if engine is not None:
+            self.tokens = engine.tokens
+        return (not serving.serves(desired.served_name) and desired.served_name in serving.models
+                and engine is not None and before is not None and engine.tokens > before)

@@ -58,8 +58,11 @@ weights_bytes = Gauge("reconciler_weights_bytes", "Model bytes on the node (sync
 weights_sync_bytes = Counter("reconciler_weights_sync_bytes_total", "Bytes copied to the node by weight syncs.",
                              ["node"], registry=REGISTRY)
 serving_healthy = Gauge("reconciler_serving_healthy", "1 when /health is 200, the model is listed and a "
-                        "completion answers.",
+                        "completion answers, or the engine is busy (its tokens grow while the completion queues).",
                         registry=REGISTRY)
+serving_busy = Gauge("reconciler_serving_busy", "1 while the head's engine is busy: every slot taken, the probe's "
+                     "completion queued, tokens still coming (vLLM's own counters); never a reason to restart.",
+                     registry=REGISTRY)
 events = Counter("reconciler_events_total", "Triggers received (docker and link events per node, file changes, "
                  "resyncs, signals).", ["node", "source"], registry=REGISTRY)
 build_info = Gauge("reconciler_build_info", "Always 1; the version label says which build runs.", ["version"],
@@ -73,6 +76,7 @@ build_info.labels(version=VERSION).set(1)
 desired_state_valid.set(0)
 converged.set(0)
 serving_healthy.set(0)
+serving_busy.set(0)
 for _p in PHASES:
     phase.labels(phase=_p).set(0)
 

@@ -81,4 +81,5 @@ class StatusPublisher:
                     min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
         head = observed.node(desired.head.name).serving
         want = desired.served_name
-        metrics.serving_healthy.set(1 if head and head.serves(want) else 0)
+        metrics.serving_healthy.set(1 if head and head.working(want) else 0)
+        metrics.serving_busy.set(1 if head and head.busy else 0)

@@ -13,7 +13,7 @@ import pytest
 
 from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
-from reconciler.core.observed import Observed, ServingApi
+from reconciler.core.observed import EngineLoad, Observed, ServingApi
 from reconciler.core.spec import Desired
 from reconciler.edge.probes import COMPLETION_DEADLINE, SECTION_FUNCTION, Section, completion_argv, parse_completion
 
@@ -86,6 +86,17 @@ case "$*" in
   */health*) [ "$HEALTH" = 200 ] && printf 200 || { printf 000; exit 28; } ;;
   */v1/models*) printf '{"data": [{"id": "%s"}]}' "$SERVED" ;;
   */v1/completions*) printf '\\n000'; exit 28 ;;
+  */metrics*) cat <<'END'
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 120.0
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9
+vllm:generation_tokens_total{engine="0",model_name="m"} 2400.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0
+END
+  ;;
 esac
 """
 
@@ -112,13 +123,15 @@ def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cl
                          env=env, timeout=30, check=True).stdout
     sections = split_sections(out)
     asked = [w for w in calls.read_text().split() if w.startswith("http://")]
-    serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))
+    serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
+                            sections.get("engine"))
     if health == "200":
-        assert len(asked) == 3 and sections["completion"].rc == 28
+        assert len(asked) == 4 and sections["completion"].rc == 28
         assert serving.completion_error == f"no answer within {COMPLETION_DEADLINE}s"
+        assert serving.engine == EngineLoad(running=4, waiting=2, tokens=2520), "vLLM's counters, summed"
     else:
         assert len(asked) == 1, asked
-        assert not serving.healthy and serving.completion_error is None
+        assert not serving.healthy and serving.completion_error is None and serving.engine is None
 
 
 STUB_AUTH_CURL = """#!/bin/sh

@@ -199,3 +199,51 @@ def test_the_docker_api_path_gives_the_age_too():
     assert watch.annotate(recorded, frozen, now=late).node("head").serving.served_before
     after = watch.annotate(recorded, frozen, now=late + recorded.serving.unhealthy_grace)
     assert _restarts_in_order(recorded, plan(recorded, after))
+
+
+# -- busy is not wedged (issue 30, finding 1) ----------------------------------------------------------------------
+
+def _queued(desired, tokens: float) -> ServingApi:
+    """The probe's completion waited out its deadline behind full slots; vLLM's counters as /metrics gave them."""
+    from reconciler.core.observed import EngineLoad
+
+    name = desired.serving.served_model_name or desired.model.id
+    return ServingApi(reachable=True, healthy=True, models=[name], completion_error="no answer within 5s",
+                      engine=EngineLoad(running=4, waiting=3, tokens=tokens))
+
+
+def test_a_busy_engine_is_never_restarted_however_long_the_load_lasts(desired, deployed):
+    """Every slot taken for ten graces: the tokens grow at every probe, so it is busy, not unhealthy: no health
+    drift, no restart, and the status says so."""
+    watch, t = HealthWatch(), 1000.0
+    watch.annotate(desired, _head_serving(desired, deployed, _queued(desired, 100)), now=t)  # the baseline
+    for i in range(1, 11):
+        seen = watch.annotate(desired, _head_serving(desired, deployed, _queued(desired, 100 + 500 * i)),
+                              now=t + i * GRACE)
+        api = seen.node(desired.head.name).serving
+        assert api.busy and api.unhealthy_for is None and api.working(api.models[0]), i
+        result = plan(desired, seen)
+        assert not [d for d in result.drift if d.kind == "health"] and result.steps == [], i
+
+
+def test_an_engine_whose_counters_stand_still_is_a_wedge_from_the_first_failed_check(desired, deployed):
+    """The baseline is read after the probe's own completion: a freeze shows at once (health drift, so the status
+    leaves Converged), and after the grace the pair is restarted in order."""
+    watch, t = HealthWatch(), 1000.0
+    answered = healthy(desired).model_copy(update={"engine": _queued(desired, 700).engine})
+    watch.annotate(desired, _head_serving(desired, deployed, answered), now=t)
+    first = watch.annotate(desired, _head_serving(desired, deployed, _queued(desired, 700)), now=t + 3)
+    assert not first.node(desired.head.name).serving.busy
+    assert [d.kind for d in plan(desired, first).drift] == ["health"]
+    later = watch.annotate(desired, _head_serving(desired, deployed, _queued(desired, 700)), now=t + 3 + GRACE)
+    assert _restarts_in_order(desired, plan(desired, later))
+
+
+def test_a_busy_engine_that_freezes_is_restarted_a_grace_after_the_first_probe_without_progress(desired, deployed):
+    watch, t = HealthWatch(), 1000.0
+    for i, tokens in enumerate((100, 200, 300)):
+        watch.annotate(desired, _head_serving(desired, deployed, _queued(desired, tokens)), now=t + i)
+    stuck = _head_serving(desired, deployed, _queued(desired, 300))
+    assert not watch.annotate(desired, stuck, now=t + 3).node(desired.head.name).serving.busy
+    assert not plan(desired, watch.annotate(desired, stuck, now=t + 3 + GRACE - 1)).steps
+    assert _restarts_in_order(desired, plan(desired, watch.annotate(desired, stuck, now=t + 3 + GRACE + 1)))
