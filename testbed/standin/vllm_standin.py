@@ -7,7 +7,14 @@ HF_HUB_OFFLINE), safetensors header/size checks of every shard, the multi-node r
 /v1/completions once ready, peer-loss handling, the Ray executor asking the local `ray` stand-in for nodes/GPUs.
 What is fake: no GPU, no NCCL, no tensors are used; completions are canned.
 
-Environment knobs: STANDIN_GPUS_PER_NODE (1), STANDIN_LOAD_DELAY_S (0.5), STANDIN_CRASH=1,
+The scheduler is vLLM's shape (vllm/v1/core/sched/scheduler.py): at most `--max-num-seqs` sequences run, the rest
+wait first come, first served (priority scheduling is opt-in, vllm-project/vllm PR #5958), every running sequence
+gains a token per engine step, and `vllm:num_requests_running`, `vllm:num_requests_waiting` and the token counters
+move as they do (counted per step, not per finished request). STANDIN_TOKENS_PER_S sets the step rate (0: instant,
+the default). SIGUSR1 wedges the engine: /health still answers 200, no token is produced, every request hangs
+(an NCCL collective waiting for a rank that never comes); SIGUSR2 releases it.
+
+Environment knobs: STANDIN_GPUS_PER_NODE (1), STANDIN_LOAD_DELAY_S (0.5), STANDIN_CRASH=1, STANDIN_TOKENS_PER_S (0),
 VLLM_ENGINE_READY_TIMEOUT_S (600), STANDIN_HEARTBEAT_S (1), STANDIN_PEER_TIMEOUT_S (5),
 STANDIN_RAY_PG_TIMEOUT_S (10), RAY_ADDRESS, HF_HUB_CACHE / HF_HOME, HF_HUB_OFFLINE.
 Marker file: `.standin-crash` in the model directory or any of its ancestors.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -149,6 +157,8 @@ class Engine:
         self.gpus = env_int("STANDIN_GPUS_PER_NODE", 1)
         self.exit_code: int | None = None
         self.kv_cache: list[bytearray] = []
+        self.scheduler = Scheduler(self, args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                                   env_float("STANDIN_TOKENS_PER_S", 0.0))
 
     @property
     def world(self) -> int:
@@ -499,20 +509,78 @@ def _models(engine: Engine) -> dict:
     return {"object": "list", "data": data}
 
 
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default outside its per-hardware overrides (vllm/engine/arg_utils.py)
+
+
+class Scheduler:
+    """At most `slots` sequences run; the others wait in arrival order; each running sequence gains one token per
+    step of 1/rate seconds (all of them in the same step, as a batch does). A wedged engine makes no step."""
+
+    def __init__(self, engine: Engine, slots: int, rate: float):
+        self.engine, self.slots, self.rate = engine, max(1, slots), rate
+        self.cond = threading.Condition()
+        self.queue: list[object] = []
+        self.running = 0
+        self.wedged = False
+
+    def load(self) -> tuple[int, int]:
+        with self.cond:
+            return self.running, len(self.queue)
+
+    def wedge(self, on: bool) -> None:
+        with self.cond:
+            self.wedged = on
+            self.cond.notify_all()
+
+    def run(self, prompt_tokens: int, n: int) -> bool:
+        """Wait for a slot (first come, first served), then generate `n` tokens. False: the engine died."""
+        ticket = object()
+        with self.cond:
+            self.queue.append(ticket)
+            while self.queue[0] is not ticket or self.running >= self.slots or self.wedged:
+                if not self.engine.healthy:
+                    self.queue.remove(ticket)
+                    self.cond.notify_all()
+                    return False
+                self.cond.wait(0.2)
+            self.queue.pop(0)
+            self.running += 1
+            self.cond.notify_all()
+        try:
+            with self.engine.lock:
+                self.engine.prompt_tokens += prompt_tokens
+            for _ in range(n):
+                with self.cond:
+                    while self.wedged and self.engine.healthy:
+                        self.cond.wait(0.2)
+                if not self.engine.healthy:
+                    return False
+                if self.rate > 0:
+                    time.sleep(1 / self.rate)
+                with self.engine.lock:
+                    self.engine.gen_tokens += 1
+            return True
+        finally:
+            with self.cond:
+                self.running -= 1
+                self.cond.notify_all()
+
+
 def _complete(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
-    """(status, JSON) for a completion or chat request to a healthy engine: up to 64 words of "stand-in",
-    counted in the engine's metrics."""
+    """(status, JSON) for a completion or chat request to a healthy engine: `max_tokens` words of "stand-in"
+    (up to 4096), through the scheduler, counted in the engine's metrics as they are made."""
     model = body.get("model") or engine.served[0]
     if model not in engine.served:
         return 404, {"error": {"message": f"The model `{model}` does not exist.",
                                "type": "NotFoundError", "param": None, "code": 404}}
-    n = max(1, min(int(body.get("max_tokens") or 16), 64))
+    n = max(1, min(int(body.get("max_tokens") or 16), 4096))
     text = " ".join(["stand-in"] * n)
     prompt_tokens = len(str(body.get("prompt") or body.get("messages") or "").split())
+    if not engine.scheduler.run(prompt_tokens, n):
+        return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause.",
+                               "type": "EngineDeadError", "code": 500}}
     with engine.lock:
         engine.requests += 1
-        engine.prompt_tokens += prompt_tokens
-        engine.gen_tokens += n
     rid = uuid.uuid4().hex
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     if path == "/v1/completions":
@@ -579,9 +647,10 @@ def make_handler(engine: Engine):
 def metrics(e: Engine) -> str:
     name = e.served[0]
     lab = f'engine="0",model_name="{name}"'
+    running, waiting = e.scheduler.load()
     rows = [
-        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", 0),
-        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", 0),
+        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", running),
+        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", waiting),
         ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", 0.0),
         ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", 0.0),
         ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", e.prompt_tokens),
@@ -636,6 +705,8 @@ def serve(args) -> int:
     raw("INFO:     Application startup complete.")
     raw(f"INFO:     Uvicorn running on http://{host}:{a.port} (Press CTRL+C to quit)")
     engine.srv = srv
+    signal.signal(signal.SIGUSR1, lambda *_: engine.scheduler.wedge(True))
+    signal.signal(signal.SIGUSR2, lambda *_: engine.scheduler.wedge(False))
     while True:
         time.sleep(0.5)
 

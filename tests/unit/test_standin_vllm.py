@@ -186,3 +186,54 @@ def test_sigterm_while_waiting_is_prompt(procs, tmp_path, model):
     wait_for(lambda: "Waiting for" in p.output, what="waiting")
     p.terminate()
     assert p.wait(3) == 0
+
+
+def _engine(port: int) -> dict[str, float]:
+    """The stand-in's scheduler counters, read off /metrics as the probe reads vLLM's."""
+    _, text = http_get(f"http://127.0.0.1:{port}/metrics")
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total")):
+            out[line.split("{")[0].removeprefix("vllm:")] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_scheduler_runs_max_num_seqs_and_queues_the_rest_first_come_first_served(procs, tmp_path, model):
+    """vLLM's shape: one slot (`--max-num-seqs 1`), a token every 20 ms: a second request waits in the queue while
+    the first generates, the counters show it, and the tokens grow while it runs; SIGUSR1 wedges the engine
+    (/health still 200, no token), SIGUSR2 releases it."""
+    import signal
+    import threading
+
+    port = free_port()
+    p = start(procs, tmp_path, ["serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs",
+                                "1", "--served-model-name", "moe"], env={"STANDIN_TOKENS_PER_S": "50"})
+    wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, what="health 200")
+    answers: list[int] = []
+
+    def ask():
+        code, _ = http_post(f"http://127.0.0.1:{port}/v1/completions",
+                            b'{"model": "moe", "prompt": "hi", "max_tokens": 100}', timeout=30)
+        answers.append(code)
+
+    clients = [threading.Thread(target=ask) for _ in range(2)]
+    for c in clients:
+        c.start()
+    wait_for(lambda: _engine(port).get("num_requests_waiting") == 1.0, what="the second request queued")
+    assert _engine(port)["num_requests_running"] == 1.0
+    first = _engine(port)["generation_tokens_total"]
+    wait_for(lambda: _engine(port)["generation_tokens_total"] > first, what="tokens while it runs")
+    p.p.send_signal(signal.SIGUSR1)
+    seen: list[float] = []
+
+    def standing_still() -> bool:  # two reads a poll apart (>= 5 steps at 50 tokens/s) that agree
+        seen.append(_engine(port)["generation_tokens_total"])
+        return len(seen) > 1 and seen[-1] == seen[-2]
+
+    wait_for(standing_still, what="the counters to stand still", interval=0.2)
+    assert seen[-1] < 200, "wedged before the two requests were done"
+    assert http_get(f"http://127.0.0.1:{port}/health")[0] == 200, "a wedged engine still answers /health"
+    p.p.send_signal(signal.SIGUSR2)
+    for c in clients:
+        c.join(30)
+    assert answers == [200, 200] and _engine(port)["generation_tokens_total"] == 200.0
