@@ -91,6 +91,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     sshd.write_known_hosts(lay)
     for n in lay.nodes:
         dockerd.start(n)
+        memory.start_device_memory(n)
     scenarios.apply(lay, scenario, wsize)
     (st / "testbed.yaml").write_text(desired_state(lay))
     return Testbed(lay)
@@ -240,7 +241,9 @@ class Serving:
 
 STANDIN_SERVING = Serving(SERVED_MODEL, MODELS[SERVED_MODEL], "tiny-moe", scenarios.SERVING_IMAGE,
                           "the vLLM stand-in, built locally; on the head only in seed",
-                          "0.05      # the stand-in holds no GPU memory; keeps the preflight honest", "2m")
+                          "0.05      # the stand-in holds no GPU memory; keeps the preflight honest", "2m",
+                          ('  env: {STANDIN_DEVICE_MEMORY_URL: "http://127.0.0.1:9479/"}   # free memory as GB10\'s '
+                           'driver says it (testbed/device_memory.py)',))
 
 
 def real_serving() -> Serving:

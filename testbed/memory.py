@@ -170,3 +170,25 @@ def _rmdir(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def start_device_memory(node: Node) -> None:
+    """The node's "free device memory" answer (testbed/device_memory.py) on its loopback, once per `up` (kept
+    when it still runs). Nothing without per-node memory."""
+    import sys
+
+    from .device_memory import DEVICE_MEMORY_PORT
+
+    d = cgroup_dir(node)
+    name = f"{node.name}/device-memory"
+    e = load_pids().get(name)
+    if d is None or (e and alive(e["pid"], e.get("starttime"))):
+        return
+    root = Path(__file__).resolve().parents[1]
+    spawn(name, ["ip", "netns", "exec", node.netns, sys.executable, "-m", "testbed.device_memory", str(d),
+                 str(DEVICE_MEMORY_PORT)], log=state_dir() / f"device-memory-{node.name}.log",
+          env={**os.environ, "PYTHONPATH": str(root)})
+    url = f"http://127.0.0.1:{DEVICE_MEMORY_PORT}/"
+    wait_for(lambda: subprocess.run(["ip", "netns", "exec", node.netns, "curl", "-sf", "-m", "2", url],
+                                    capture_output=True, timeout=10, check=False).returncode == 0,
+             timeout=20, what=f"{node.name}'s device memory answer")

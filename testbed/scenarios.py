@@ -22,7 +22,7 @@ import pwd
 import shutil
 from pathlib import Path
 
-from . import dockerd, gpu, net, sshd, storage
+from . import dockerd, gpu, memory, net, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node
 from .proc import TestbedError
 from .realvllm.image import IMAGE as REAL_IMAGE
@@ -170,6 +170,7 @@ def _restore(lay: Layout) -> None:
         sshd.start(n)
         probe_restore(lay, n.name)
         dockerd.start(n)
+        memory.start_device_memory(n)
     for n in lay.nodes:
         dockerd.remove_all_containers(n)
         (n.model_root / FILL_FILE).unlink(missing_ok=True)

@@ -14,7 +14,12 @@ move as they do (counted per step, not per finished request). STANDIN_TOKENS_PER
 the default). SIGUSR1 wedges the engine: /health still answers 200, no token is produced, every request hangs
 (an NCCL collective waiting for a rank that never comes); SIGUSR2 releases it.
 
+Before it allocates, it asks STANDIN_DEVICE_MEMORY_URL (testbed/device_memory.py) what the GPU has free, as vLLM
+asks the driver, and fails like vLLM's startup check when that is below gpu_memory_utilization x the node: on GB10
+page cache is not free to the GPU (vllm-project/vllm#35313).
+
 Environment knobs: STANDIN_GPUS_PER_NODE (1), STANDIN_LOAD_DELAY_S (0.5), STANDIN_CRASH=1, STANDIN_TOKENS_PER_S (0),
+STANDIN_DEVICE_MEMORY_URL (unset),
 VLLM_ENGINE_READY_TIMEOUT_S (600), STANDIN_HEARTBEAT_S (1), STANDIN_PEER_TIMEOUT_S (5),
 STANDIN_RAY_PG_TIMEOUT_S (10), RAY_ADDRESS, HF_HUB_CACHE / HF_HOME, HF_HUB_OFFLINE.
 Marker file: `.standin-crash` in the model directory or any of its ancestors.
@@ -248,6 +253,7 @@ class Engine:
                 raise EngineError(f"RuntimeError: {self.reason}")
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
         log("INFO", "gpu_model_runner.py:2007", f"Model loading took 0.0 GiB and {delay:.2f} seconds")
+        check_device_memory(self.args.gpu_memory_utilization)
         self.kv_cache = hold_memory(self.args.gpu_memory_utilization)
         log("INFO", "gpu_worker.py:298", f"Available KV cache memory: {sum(map(len, self.kv_cache)) / 2**30:.2f} GiB "
             f"(gpu_memory_utilization {self.args.gpu_memory_utilization:g} of {node_memory() / 2**30:.2f} GiB)")
@@ -481,6 +487,32 @@ def node_memory() -> int:
     except OSError:
         pass
     return total
+
+
+def check_device_memory(gpu_memory_utilization: float) -> None:
+    """vLLM's startup check (vllm/v1/worker/gpu_worker.py: free memory against `gpu_memory_utilization` x total)
+    against the node's device memory as a GB10 driver reports it: page cache is not free
+    (testbed/device_memory.py, asked at STANDIN_DEVICE_MEMORY_URL). Without that URL (the stand-in's own tests on
+    the host) there is nothing to ask and nothing is checked."""
+    url = os.environ.get("STANDIN_DEVICE_MEMORY_URL")
+    if not url:
+        return
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            device = json.loads(r.read())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"RuntimeError: cudaMemGetInfo failed: {exc}") from None
+    total, free = int(device["total"]), int(device["free"])
+    requested = gpu_memory_utilization * node_memory()
+    if free < requested:
+        gib = 2**30
+        raise EngineError(f"ValueError: Free memory on device cuda:0 ({free / gib:.2f}/{total / gib:.2f} GiB) on "
+                          f"startup is less than desired GPU memory utilization ({gpu_memory_utilization}, "
+                          f"{requested / gib:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory used "
+                          "by other processes.")
 
 
 def hold_memory(gpu_memory_utilization: float) -> list[bytearray]:

@@ -274,7 +274,9 @@ class Policy(_Model):
     retries: Retries = Field(default_factory=Retries)
     weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
     memory_margin: SizeInBytes = Field(4 * 2**30, description="MemAvailable must exceed gmu x MemTotal + this.")
-    drop_caches: bool = Field(False, description="Drop the page cache before a start when memory is short.")
+    drop_caches: bool = Field(True, description="Write back and drop the page cache before every serving start "
+                              "(sudo: `sysctl -w vm.drop_caches=3`): on GB10 the GPU cannot use the cache that "
+                              "MemAvailable counts as free.")
     retention: Retention = Field(default_factory=Retention)
     listen: Listen = Field(
         "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")

@@ -53,25 +53,37 @@ def _after_a_stop(step: Step) -> bool:
     return any(kind_and_node(a) in (("stop-serving", step.node), ("stop-container", step.node)) for a in step.after)
 
 
+def _drop_caches(ctx: StepContext, node: str) -> None:
+    """Write the weights' filesystem back, then drop the clean page cache: before every start, not only when
+    MemAvailable is short. On GB10 MemAvailable counts the clean cache as free while the GPU driver does not
+    (vllm-project/vllm#35313: vLLM's startup check fails; NV_ERR_NO_MEMORY, vllm-project/vllm#56824), so the cache
+    after a weights copy, or of warm shards, is exactly what makes a start that passed the preflight fail; NVIDIA's
+    vLLM playbook flushes it by hand, and MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks#47 on both nodes before every
+    launch. drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst), hence the
+    `sync -f` of the weights' filesystem first (no root needed; not every mount: a hung NFS one would hold the
+    start; past its deadline, go on). A node whose sudoers lacks the line (`reconciler sudoers FILE`) is said and
+    the start goes on: the preflight and vLLM's own check still guard it."""
+    try:
+        ctx.sessions[node].run(["sync", "-f", ctx.desired.model.path_on(node)], timeout=ctx.command_timeout)
+    except RemoteError as exc:
+        ctx.progress("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
+    try:
+        ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True, timeout=ctx.command_timeout)
+    except RemoteError as exc:
+        ctx.progress("serving.drop-caches-refused", {"node": node, "error": exc.message[:200]})
+
+
 def memory_preflight(ctx: StepContext, node: str, settle: float = 0.0) -> None:
-    """MemAvailable must cover `memory_needed` (`memory_terms`), dropping caches first if allowed. With `settle`
+    """MemAvailable must cover `memory_needed` (`memory_terms`), after the page cache is dropped (policy.drop_caches,
+    on by default: `_drop_caches`). With `settle`
     (a stop on this node just ran), MemAvailable is read again every 2 s up to that many seconds before the start
     is deferred (StepDeferred: not counted toward holds); without, a short node blocks at once."""
     policy = ctx.desired.policy
+    if policy.drop_caches:
+        _drop_caches(ctx, node)
     memory = _memory(ctx, node)
     weights = weights_size(ctx.desired, ctx.observed)
     need = memory_needed(ctx.desired, memory.total_bytes, weights)
-    if memory.available_bytes < need and policy.drop_caches:
-        # drop_caches frees clean pages only ("will not free any dirty objects", kernel vm.rst): after a 100 GB
-        # rsync most of the cache is dirty until written back. `sync -f` flushes the weights' filesystem (no root
-        # needed), not every mount (a hung NFS one would hold the start); past the command deadline, go on.
-        try:
-            ctx.sessions[node].run(["sync", "-f", ctx.desired.model.path_on(node)], timeout=ctx.command_timeout)
-        except RemoteError as exc:
-            ctx.progress("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
-        ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True,
-                               timeout=ctx.command_timeout)
-        memory = _memory(ctx, node)
     if memory.available_bytes < need and settle > 0:
         seen = [memory]
 
