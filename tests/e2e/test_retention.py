@@ -89,6 +89,8 @@ def test_the_oldest_image_goes_unforced_the_previous_stays(seed_testbed, tmp_pat
     try:
         for i in (2, 3):
             tb.docker("head", "rm", "-f", f"retention-gen{i}", check=False)
+            for node in ("head", "worker"):  # left by a run that died before its cleanup
+                tb.docker(node, "image", "rm", "-f", f"vllm-standin:gen{i}", check=False)
             mark = tmp_path / f"gen{i}"
             mark.write_text(f"generation {i}\n")
             tb.docker("head", "create", "--name", f"retention-gen{i}", "vllm-standin:latest")  # never started
@@ -109,7 +111,7 @@ def test_the_oldest_image_goes_unforced_the_previous_stays(seed_testbed, tmp_pat
         ledger = tb.exec("worker", "cat ~/.spark-reconciler/copies", check=True).stdout
         assert "removed\tworker\timage\tsha256:" in ledger, ledger
     finally:
-        for i in (2, 3):
+        reconciler("apply", str(DESIRED), "--yes")  # serving back on the testbed's image, then the others go:
+        for i in (2, 3):  # the data roots outlive the testbed (its image cache), and so would these tags
             for node in ("head", "worker"):
-                tb.docker(node, "image", "rm", f"vllm-standin:gen{i}", check=False)
-        reconciler("apply", str(DESIRED), "--yes")
+                tb.docker(node, "image", "rm", "-f", f"vllm-standin:gen{i}", check=False)

@@ -104,3 +104,43 @@ def test_up_heals_a_killed_meminfo_view(seed_testbed):
     assert dead.returncode != 0 and "not connected" in dead.stderr, "the fault is real: the node's view is dead"
     api.up(nodes=2, scenario="seed")
     assert {n: meminfo(tb, n)["MemTotal"] for n in ("head", "worker")} == {"head": 8 * GIB, "worker": 8 * GIB}
+
+
+def test_page_cache_is_dropped_before_a_start_as_a_gb10_needs(seed_testbed, tmp_path):
+    """The worker's page cache holds 4.5 GiB of a file it read (a weights copy leaves the same), charged to the
+    node. MemAvailable counts it as free, so the preflight passes; the GPU's free memory does not (GB10,
+    vllm-project/vllm#35313; the testbed's device memory, testbed/device_memory.py), so vLLM's startup check fails
+    at gmu 0.5 without the drop, and the start succeeds with it (policy.drop_caches, now the default)."""
+    tb = seed_testbed
+    fill = "/tmp/spark-testbed-cache-fill"  # written and read on the worker: its cache is the worker's
+    try:
+        result = reconciler("apply", str(variant(tmp_path, lambda d: None)), "--yes")
+        assert result.returncode == 0, result.stdout + result.stderr
+
+        def cached() -> None:
+            tb.exec("worker", f"dd if=/dev/zero of={fill} bs=1M count=4608 status=none && sync "
+                              f"&& cat {fill} > /dev/null", check=True, timeout=300)
+            device = json.loads(tb.exec("worker", "curl -s -m 2 http://127.0.0.1:9479/", check=True).stdout)
+            assert device["free"] < 0.5 * device["total"], device  # the cache is not free to the GPU
+            assert meminfo(tb, "worker")["MemAvailable"] > (0.5 * 8 + 1) * GIB, "but MemAvailable counts it"
+
+        def half(drop: bool):
+            def change(data):
+                data["serving"]["gpu_memory_utilization"] = 0.5
+                data["policy"]["drop_caches"] = drop
+            return change
+
+        cached()
+        (tmp_path / "nodrop").mkdir()
+        failed = reconciler("apply", str(variant(tmp_path / "nodrop", half(False))), "--yes", "--max-passes", "1")
+        out = failed.stdout + failed.stderr
+        assert failed.returncode != 0, out
+        assert "Free memory on device cuda:0" in out and "is less than desired GPU memory utilization (0.5" in out, out
+
+        cached()
+        (tmp_path / "drop").mkdir()
+        result = reconciler("apply", str(variant(tmp_path / "drop", half(True))), "--yes", timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert completion(tb, "tiny-moe")["choices"]
+    finally:
+        tb.exec("worker", f"rm -f {fill}")
