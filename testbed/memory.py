@@ -185,8 +185,9 @@ def start_device_memory(node: Node) -> None:
     if d is None or (e and alive(e["pid"], e.get("starttime"))):
         return
     root = Path(__file__).resolve().parents[1]
-    spawn(name, ["ip", "netns", "exec", node.netns, sys.executable, "-m", "testbed.device_memory", str(d),
-                 str(DEVICE_MEMORY_PORT)], log=state_dir() / f"device-memory-{node.name}.log",
+    # nsenter --net, not `ip netns exec`: that one remounts /sys, and the node's cgroup is read from there
+    spawn(name, ["nsenter", f"--net=/run/netns/{node.netns}", "--", sys.executable, "-m", "testbed.device_memory",
+                 str(d), str(DEVICE_MEMORY_PORT)], log=state_dir() / f"device-memory-{node.name}.log",
           env={**os.environ, "PYTHONPATH": str(root)})
     url = f"http://127.0.0.1:{DEVICE_MEMORY_PORT}/"
     wait_for(lambda: subprocess.run(["ip", "netns", "exec", node.netns, "curl", "-sf", "-m", "2", url],
