@@ -10,7 +10,7 @@ What is fake: no GPU, no NCCL, no tensors are used; completions are canned.
 The scheduler is vLLM's shape (vllm/v1/core/sched/scheduler.py): at most `--max-num-seqs` sequences run, the rest
 wait first come, first served (priority scheduling is opt-in, vllm-project/vllm PR #5958), every running sequence
 gains a token per engine step, and `vllm:num_requests_running`, `vllm:num_requests_waiting` and the token counters
-move as they do (counted per step, not per finished request). STANDIN_TOKENS_PER_S sets the step rate (0: instant,
+move as they do (counted per step, not per finished request). STANDIN_STEPS_PER_S sets the step rate (0: instant,
 the default). SIGUSR1 wedges the engine: /health still answers 200, no token is produced, every request hangs
 (an NCCL collective waiting for a rank that never comes); SIGUSR2 releases it.
 
@@ -18,7 +18,7 @@ Before it allocates, it asks STANDIN_DEVICE_MEMORY_URL (testbed/device_memory.py
 asks the driver, and fails like vLLM's startup check when that is below gpu_memory_utilization x the node: on GB10
 page cache is not free to the GPU (vllm-project/vllm#35313).
 
-Environment knobs: STANDIN_GPUS_PER_NODE (1), STANDIN_LOAD_DELAY_S (0.5), STANDIN_CRASH=1, STANDIN_TOKENS_PER_S (0),
+Environment knobs: STANDIN_GPUS_PER_NODE (1), STANDIN_LOAD_DELAY_S (0.5), STANDIN_CRASH=1, STANDIN_STEPS_PER_S (0),
 STANDIN_DEVICE_MEMORY_URL (unset),
 VLLM_ENGINE_READY_TIMEOUT_S (600), STANDIN_HEARTBEAT_S (1), STANDIN_PEER_TIMEOUT_S (5),
 STANDIN_RAY_PG_TIMEOUT_S (10), RAY_ADDRESS, HF_HUB_CACHE / HF_HOME, HF_HUB_OFFLINE.
@@ -163,7 +163,7 @@ class Engine:
         self.exit_code: int | None = None
         self.kv_cache: list[bytearray] = []
         self.scheduler = Scheduler(self, args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-                                   env_float("STANDIN_TOKENS_PER_S", 0.0))
+                                   env_float("STANDIN_STEPS_PER_S", 0.0))
 
     @property
     def world(self) -> int:

@@ -33,7 +33,7 @@ TOKENS = 150  # per client request: 6 s at 25 tokens/s, longer than the probe's 
 def _busy_cluster(data):
     data["serving"]["unhealthy_grace"] = f"{GRACE}s"
     data["serving"]["extra_args"] = [*data["serving"].get("extra_args", []), "--max-num-seqs", "2"]
-    data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_TOKENS_PER_S": "25",
+    data["serving"]["env"] = {**data["serving"].get("env", {}), "STANDIN_STEPS_PER_S": "25",
                               # a wedged rank waits for its peer as a real one does (NCCL's 10 min)
                               "STANDIN_PEER_TIMEOUT_S": "600"}
 

@@ -207,7 +207,7 @@ def test_the_scheduler_runs_max_num_seqs_and_queues_the_rest_first_come_first_se
 
     port = free_port()
     p = start(procs, tmp_path, ["serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs",
-                                "1", "--served-model-name", "moe"], env={"STANDIN_TOKENS_PER_S": "50"})
+                                "1", "--served-model-name", "moe"], env={"STANDIN_STEPS_PER_S": "50"})
     wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, what="health 200")
     answers: list[int] = []
 
