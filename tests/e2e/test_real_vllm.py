@@ -83,6 +83,27 @@ def test_seed_converges_with_the_real_vllm_in_one_apply(deployed):
     assert rc == 0 and answer and answer["choices"][0]["text"], answer
 
 
+def test_the_probe_reads_the_real_vllms_own_counters(deployed):
+    """What tells busy from wedged (issue 30, finding 1) read off vLLM 0.32 itself: the probe's engine section
+    finds vllm:num_requests_running, vllm:num_requests_waiting and the token counters, and the tokens grow by what
+    a completion made (each probe's own one-token completion comes first, so at least 4 + 1)."""
+    tb, desired, _ = deployed
+
+    def engine() -> dict:
+        out = reconciler("observe", str(desired), "--json")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        api = json.loads(out.stdout)["nodes"]["head"]["serving"]
+        assert api["engine"] is not None, api
+        return api["engine"]
+
+    before = engine()
+    rc, answer = completion(tb)
+    assert rc == 0 and answer and answer["usage"]["completion_tokens"] == 4, answer
+    after = engine()
+    assert after["tokens"] >= before["tokens"] + 4 + 1, (before, after)
+    assert after["running"] == 0 and after["waiting"] == 0, after
+
+
 def test_serving_change_restarts_in_order_and_answers_again(deployed, tmp_path):
     tb, desired, _ = deployed
     data = yaml.safe_load(desired.read_text())
