@@ -12,9 +12,10 @@ SSH address, as before the id existed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from reconciler.core.observed import Observed
+from reconciler.core.observed import KNOWN_AS_PATTERN, Observed
 from reconciler.core.spec import Desired
 
 #: Where the id lives on the head, for messages (the probe fragment in `edge.probes` makes and reads it).
@@ -43,6 +44,8 @@ class Owner:
                     "be read (unreachable, or its probe failed); nothing is stopped until it is")
         if not self.identity:
             return None
+        if label is None or not re.fullmatch(KNOWN_AS_PATTERN, label):  # a line the head's probe would refuse
+            return "remove or rename that container"
         return (f"if that is this head under a former address, add the line `{label}` to {CLUSTER_ID_FILE} on "
                 f"{self.head} and it is adopted; otherwise remove or rename that container")
 

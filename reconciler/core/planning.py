@@ -159,7 +159,7 @@ def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
     ours = owner(desired, observed)
     if not ours.identity:
         return {}  # whose a copy is cannot be told without the head's cluster id: nothing is removed
-    for r in removals(desired, observed, ours.names, reference):
+    for r in removals(desired, observed, ours, reference):
         if r.weights:
             steps.append(Step("prune-weights", r.node, f"retention: {len(r.weights)} older model tree(s) this "
                               f"cluster copied, beyond the current and {desired.policy.retention.previous} "

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reconciler.core.observed import LABEL_WEIGHTS, Container, CopyRecord, NodeObservation, Observed
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_WEIGHTS, Container, CopyRecord, NodeObservation, Observed
+from reconciler.core.ownership import Owner
 from reconciler.core.spec import Desired
 
 
@@ -37,17 +38,27 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root if root == "/" else root + "/")
 
 
-def _mounts_tree(container: Container, root: str) -> bool:
+def overlaps(a: str, b: str) -> bool:
+    """One of the two directories is the other or lies in it."""
+    return _inside(a, b) or _inside(b, a)
+
+
+def mounts_tree(source: str, root: str, serves: str | None = None) -> bool:
+    """A bind mount of `source` reaches the tree at `root`: it is the tree or lies in it, or it holds the tree (a
+    whole hub) and the container does not name another tree as the one it serves (`serves`)."""
+    if _inside(source, root):
+        return True
+    return _inside(root, source) and (not serves or overlaps(root, serves))
+
+
+def _mounts(container: Container, root: str, ours: frozenset[str]) -> bool:
+    """Whether `container` may use the tree. Its mounts not read: it may. The tree it names as the one it serves
+    (LABEL_WEIGHTS) counts only on this cluster's own containers: a label on anyone else's is a claim, not a fact."""
     if container.mounts is None:
-        return True  # not read: keep everything rather than guess
-    for source in container.mounts:
-        if _inside(source, root):
-            return True
-        if _inside(root, source):  # a hub holding the tree: kept unless the container names another tree
-            named = container.labels.get(LABEL_WEIGHTS)
-            if not named or _inside(root, named) or _inside(named, root):
-                return True
-    return False
+        return True
+    own = container.managed and container.labels.get(LABEL_INSTANCE, "") in ours
+    serves = container.labels.get(LABEL_WEIGHTS) if own else None
+    return any(mounts_tree(source, root, serves) for source in container.mounts)
 
 
 def _is_current_image(desired: Desired, obs: NodeObservation, record: CopyRecord, reference: str | None) -> bool:
@@ -62,9 +73,10 @@ def _newest_first(records: list[CopyRecord]) -> list[CopyRecord]:
     return sorted(records, key=lambda r: (-r.used_at, -r.copied_at, r.key))
 
 
-def removals(desired: Desired, observed: Observed, ours: frozenset[str], reference: str | None) -> list[Removal]:
-    """Per node, what retention removes now: this cluster's copies (`ours`: the instance labels that are this
-    cluster's) beyond the current ones and the `previous` newest others, minus what a container uses.
+def removals(desired: Desired, observed: Observed, owner: Owner, reference: str | None) -> list[Removal]:
+    """Per node, what retention removes now: this cluster's copies (the ledger's records under its id,
+    `owner.label`: never under a former address, which DHCP may give another cluster's head) beyond the current
+    ones and the `previous` newest others, minus what a container uses.
     `reference`: the image content the plan makes current (the image holder's)."""
     policy = desired.policy.retention
     if not policy.prune:
@@ -74,12 +86,13 @@ def removals(desired: Desired, observed: Observed, ours: frozenset[str], referen
         obs = observed.node(node.name)
         if obs.copies is None or not obs.reachable or obs.probe_error is not None or not obs.docker_reachable:
             continue
-        mine = _newest_first([r for r in obs.copies if r.by in ours])
+        mine = _newest_first([r for r in obs.copies if r.by == owner.label])
         current = desired.weights_root(node.name)
-        trees = [r for r in mine if r.kind == "weights" and not _inside(r.key, current) and not _inside(current, r.key)]
+        trees = [r for r in mine if r.kind == "weights" and not overlaps(r.key, current)]
         images = [r for r in mine if r.kind == "image" and not _is_current_image(desired, obs, r, reference)]
         made_from = {c.image_id for c in obs.containers if c.image_id}
-        old_trees = [r.key for r in trees[policy.previous:] if not any(_mounts_tree(c, r.key) for c in obs.containers)]
+        old_trees = [r.key for r in trees[policy.previous:]
+                     if not any(_mounts(c, r.key, owner.names) for c in obs.containers)]
         old_images = [r.key for r in images[policy.previous:] if r.detail not in made_from]
         if old_trees or old_images:
             out.append(Removal(node.name, tuple(sorted(old_trees)), tuple(sorted(old_images))))

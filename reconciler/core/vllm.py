@@ -336,7 +336,7 @@ def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None =
         gib = float(offload) if offload is not None else 0.0
     except ValueError:
         gib = 0.0
-    if gib > 0:
+    if gib > 0 and gib < 2**20:  # vLLM refuses what is not a number; nothing sane is a PiB
         terms.append(("--cpu-offload-gb", int(gib * 2**30)))
     return terms + [("policy.memory_margin", desired.policy.memory_margin)]
 

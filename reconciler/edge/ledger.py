@@ -22,15 +22,16 @@ import re
 
 from reconciler.core.observed import CopyRecord
 from reconciler.edge.probes import Section, node_output
-from reconciler.edge.ssh import Session, quote
+from reconciler.edge.ssh import RemoteError, Session, quote
 
 LEDGER = ".spark-reconciler/copies"  # under the SSH user's home, beside the lease
 MAX_LINES = 5000  # the newest lines the probe reads: years of model changes
 
 _KEY = {"weights": re.compile(r"/[A-Za-z0-9._+@/-]{0,4095}"), "image": re.compile(r"sha256:[0-9a-f]{64}")}
 _DETAIL = {"weights": re.compile(r"[0-9a-f]{64}"), "image": re.compile(r"sha256:[0-9a-f]{64}")}
+_AT = re.compile(r"[0-9]{1,12}")  # the node's clock in seconds (str.isdigit would take "²", which int() refuses)
 _BY = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,300}")
-_ACTIONS = ("copied", "served", "removed")
+_ACTIONS = ("copied", "served", "removed", "released")  # released: kept, and no longer retention's to remove
 _NODE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # spec's NodeName
 
 
@@ -46,7 +47,7 @@ def _line(raw: str, node: str) -> tuple[str, str, str, int, str, str] | None:
     if len(fields) != 7 or fields[1] != node:
         return None
     action, _, kind, key, at, by, detail = fields
-    if action not in _ACTIONS or kind not in _KEY or not _KEY[kind].fullmatch(key) or not at.isdigit() \
+    if action not in _ACTIONS or kind not in _KEY or not _KEY[kind].fullmatch(key) or not _AT.fullmatch(at) \
             or not _BY.fullmatch(by) or ".." in key.split("/"):
         return None
     if action == "copied" and not _DETAIL[kind].fullmatch(detail):
@@ -66,7 +67,7 @@ def parse_copies(sec: Section | None, node: str) -> list[CopyRecord] | None:
             continue
         action, kind, key, at, by, detail = line
         known = records.get((kind, key))
-        if action == "removed":
+        if action in ("removed", "released"):
             records.pop((kind, key), None)
         elif action == "copied":
             records[(kind, key)] = CopyRecord(kind=kind, key=key, detail=detail, by=by,
@@ -81,13 +82,16 @@ def record(session: Session, node: str, action: str, kind: str, key: str, by: st
     """Append one line, stamped with the node's clock (the ledger's times are only ever compared on that node).
     Every value is checked here, the one writer, so nothing that would not parse back is written. None when the
     line is written; otherwise what the node said (the caller decides whether that stops it)."""
-    assert action in _ACTIONS and _NODE.fullmatch(node) and _KEY[kind].fullmatch(key) and _BY.fullmatch(by), \
-        (action, node, kind, key, by)
-    assert action != "copied" or _DETAIL[kind].fullmatch(detail), detail
+    if not (action in _ACTIONS and _NODE.fullmatch(node) and kind in _KEY and _KEY[kind].fullmatch(key)
+            and _BY.fullmatch(by) and (action != "copied" or _DETAIL[kind].fullmatch(detail))):
+        return f"not a ledger line: {action!r} {node!r} {kind!r} {key[:200]!r} {by!r}"
     script = ('umask 077; d="$HOME/.spark-reconciler"; mkdir -p "$d" && '
               'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$2" "$3" "$4" "$(date +%s)" "$5" "$6" >> "$HOME/'
               + LEDGER
               + '"')
     args = quote([action, node, kind, key, by, detail])
-    result = session.run_script(f"set -- {args}\n{script}\n", timeout=timeout)
+    try:
+        result = session.run_script(f"set -- {args}\n{script}\n", timeout=timeout)
+    except RemoteError as exc:
+        return str(exc)
     return None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr.strip()[-200:]}"

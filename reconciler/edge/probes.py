@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -606,6 +607,24 @@ ENGINE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vll
 _ENGINE_LINES = "^(" + "|".join(ENGINE_METRICS) + ")[{ ]"
 
 
+def _sample(line: str) -> tuple[str, float | None]:
+    """A Prometheus text sample line: its name and value (the first field after the name and its labels; an
+    optional timestamp follows). A line cut short by `curl -m` on a busy server, or a value that is no count (NaN,
+    Inf), gives None: skipped, and a metric missing in the end makes the whole answer None."""
+    head, brace, rest = line.partition("{")
+    if brace:
+        labels, closed, after = rest.rpartition("}")
+        fields = after.split() if closed else []
+    else:
+        parts = line.split()
+        head, fields = (parts[0], parts[1:]) if parts else ("", [])
+    try:
+        value = float(fields[0]) if fields else None
+    except ValueError:
+        value = None
+    return head.strip(), value if value is not None and math.isfinite(value) else None
+
+
 @node_output("engine")
 def parse_engine(sec: Section | None) -> EngineLoad | None:
     """vLLM's counters, summed over label sets (one engine per API server here; several with data parallel).
@@ -614,11 +633,8 @@ def parse_engine(sec: Section | None) -> EngineLoad | None:
         return None
     sums: dict[str, float] = {}
     for line in sec.body.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ENGINE_METRICS:
-            value = float(line.rsplit(" ", 1)[1])
-            if value != value or value in (float("inf"), float("-inf")):  # NaN, Inf: not a count
-                return None
+        name, value = _sample(line)
+        if name in ENGINE_METRICS and value is not None:
             sums[name] = sums.get(name, 0.0) + value
     if not all(m in sums for m in ENGINE_METRICS):
         return None

@@ -190,3 +190,16 @@ def test_api_key_with_underscores_is_refused_too(cluster_yaml, flag):
     data["serving"]["extra_args"] = [flag, "sk-x"] if "=" not in flag else [flag]
     with pytest.raises(ValueError, match="VLLM_API_KEY"):
         Desired.model_validate(data)
+
+
+def test_odd_metrics_lines_are_skipped_never_the_heads_probe():
+    """A page cut short by `curl -m` on a busy server, a timestamp after the value, NaN: the counters read are the
+    ones that parse; a metric missing in the end is no answer, never a ProbeError of the whole head."""
+    from reconciler.edge.probes import Section, parse_engine
+
+    lines = ['vllm:num_requests_running{engine="0"} 2.0 1700000000000', "vllm:num_requests_waiting 1",
+             'vllm:prompt_tokens_total{engine="0"} 10', 'vllm:generation_tokens_total{engine="0"} 90',
+             'vllm:generation_tokens_total{engine="1"} NaN', "vllm:generation_tokens_total{model_na"]
+    assert parse_engine(Section("\n".join(lines), 0)) == EngineLoad(running=2, waiting=1, tokens=100)
+    assert parse_engine(Section("\n".join(lines[:2]), 0)) is None, "no token counters: not an answer"
+    assert parse_engine(Section("", 1)) is None and parse_engine(Section("x", 2)) is None

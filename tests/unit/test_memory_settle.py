@@ -40,7 +40,7 @@ class Node:
 
 def _ctx(node: Node) -> StepContext:
     return StepContext(desired=load(), sessions={"worker1": node}, observed=Observed(nodes={}),
-                       deadline=time.monotonic() + 60)
+                       deadline=time.monotonic() + 300)  # the start's own 70 s fit after the wait
 
 
 @pytest.fixture(autouse=True)
@@ -102,3 +102,14 @@ def test_the_controller_holds_nothing_for_a_deferred_start(tmp_path):
     assert controller.backoff.wait_reason(start.id, now=0.0) is None, "and tried again at once"
     controller._record([StepResult(start, "blocked", 0.1, "a foreign container")])
     assert controller.backoff.wait_reason(start.id, now=0.0) is not None, "a real block backs off"
+
+
+def test_a_step_with_no_time_left_for_the_wait_defers_at_once():
+    """The settle never eats the time the start itself needs (`START_RESERVE`): with less left, no wait, and the
+    start is deferred, not failed."""
+    node = Node(0, 7)
+    ctx = StepContext(desired=load(), sessions={"worker1": node}, observed=Observed(nodes={}),
+                      deadline=time.monotonic() + 30)
+    with pytest.raises(StepDeferred):
+        serving.memory_preflight(ctx, "worker1", settle=90)
+    assert node.reads == 1

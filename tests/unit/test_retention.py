@@ -18,7 +18,7 @@ from reconciler.core.retention import removals
 from reconciler.core.simulate import apply_plan
 from reconciler.edge import ledger
 from reconciler.edge.probes import Section
-from reconciler.edge.steps import StepBlocked, StepContext
+from reconciler.edge.steps import StepContext
 from reconciler.edge.steps import retention as prune
 from tests.unit.examples import examples
 from tests.unit.recorded import changed, load
@@ -177,7 +177,9 @@ def test_removals_match_an_oracle_written_from_the_rule(records, previous):
     containers = [c.model_copy(update={"mounts": [mounted]}) if c.name == "vllm_embeddings" else c
                   for c in observed.node("worker1").containers]
     observed = changed(observed, "worker1", containers=containers)
-    got = {key for r in removals(desired, observed, frozenset({BY}), None) for key in (*r.weights, *r.images)}
+    from reconciler.core.ownership import owner
+
+    got = {key for r in removals(desired, observed, owner(desired, observed), None) for key in (*r.weights, *r.images)}
     want = set()
     for kind in ("weights", "image"):
         mine = [r for r in copies.values() if r.kind == kind and r.by == BY]
@@ -216,9 +218,10 @@ def test_the_ledger_folds_to_what_is_copied_and_not_removed_since():
 
 # -- the steps, on real files (a node that is this machine: tests/unit/test_weights_tree.Local) ----------------
 
-def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp_path, nodes):
+def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp_path, nodes, monkeypatch):
     from tests.unit.test_weights_tree import _desired, hf_tree, probe, sync
 
+    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
     repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
     sync(tmp_path, nodes)
     dst = tmp_path / "dst" / "hub" / repo.name
@@ -231,33 +234,57 @@ def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp
     assert ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst") == []
 
 
-def test_a_tree_changed_since_the_copy_is_kept_and_said(tmp_path, nodes):
+def test_a_tree_changed_since_the_copy_is_kept_released_and_said(tmp_path, nodes, monkeypatch):
+    """Kept, never forced: and released (never proposed again), so a person's edit cannot hold the next copy."""
+    from tests.unit.test_weights_tree import _desired, hf_tree, sync
+
+    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
+    sync(tmp_path, nodes)
+    dst = tmp_path / "dst" / "hub" / repo.name
+    (dst / "my-notes.txt").write_text("a person's file")
+    events: list = []
+    ctx = _prune_ctx(tmp_path, nodes, _desired, events)
+    prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
+    assert (dst / "my-notes.txt").read_text() == "a person's file"
+    assert [f["why"] for e, f in events if e == "retention.kept"][0].startswith("unreadable, or changed since")
+    assert ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst") == []
+
+
+def test_a_tree_a_container_mounts_under_another_name_is_kept(tmp_path, nodes, monkeypatch):
+    """The container mounts the tree through a symlinked parent: the same directory, as the node resolves it."""
+    from reconciler.core.observed import Container
     from tests.unit.test_weights_tree import _desired, hf_tree, sync
 
     repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
     sync(tmp_path, nodes)
     dst = tmp_path / "dst" / "hub" / repo.name
-    (dst / "my-notes.txt").write_text("a person's file")
-    ctx = _prune_ctx(tmp_path, nodes, _desired)
-    with pytest.raises(StepBlocked, match="changed since this cluster copied it"):
-        prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
-    assert (dst / "my-notes.txt").read_text() == "a person's file"
+    (tmp_path / "alias").symlink_to(tmp_path / "dst" / "hub")
+    user = Container(name="notebook", id="c1", image="x", state="exited", mounts=[str(tmp_path / "alias" / repo.name)])
+    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [user])
+    events: list = []
+    prune.prune_weights(_prune_ctx(tmp_path, nodes, _desired, events),
+                        Step("prune-weights", "dst", "test", remove=(str(dst),)))
+    assert dst.is_dir() and [f["why"] for e, f in events if e == "retention.kept"] == [
+        "a container on the node mounts it"]
 
 
-def test_a_tree_the_ledger_does_not_name_is_never_removed(tmp_path, nodes):
+def test_a_tree_the_ledger_does_not_name_is_never_removed(tmp_path, nodes, monkeypatch):
     from tests.unit.test_weights_tree import _desired
 
+    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
     mine = tmp_path / "dst" / "hub" / "models--someone--else"
     mine.mkdir(parents=True)
     (mine / "weights.safetensors").write_bytes(b"x" * 100)
     ctx = _prune_ctx(tmp_path, nodes, _desired)
-    with pytest.raises(StepBlocked, match="no longer in the copy ledger"):
-        prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(mine),)))
+    prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(mine),)))
     assert (mine / "weights.safetensors").stat().st_size == 100
 
 
-def _prune_ctx(tmp_path, nodes, make_desired) -> StepContext:
-    """The file now names another model: the copied tree is no longer the current one."""
+def _prune_ctx(tmp_path, nodes, make_desired, events: list | None = None) -> StepContext:
+    """The file now names another model in another hub: the copied tree is no longer the current one."""
     desired = make_desired(tmp_path)
-    desired.weights_root = lambda n: str(tmp_path / n / "hub" / "models--testorg--next")
-    return StepContext(desired=desired, sessions=nodes, observed=Observed(nodes={}), deadline=time.monotonic() + 60)
+    desired.weights_root = lambda n: str(tmp_path / n / "hub2" / "models--testorg--next")
+    desired.model.path_on = lambda n: str(tmp_path / n / "hub2")
+    return StepContext(desired=desired, sessions=nodes, observed=Observed(nodes={}), deadline=time.monotonic() + 60,
+                       progress=lambda e, f: (events if events is not None else []).append((e, f)))

@@ -10,8 +10,6 @@ A container that exits while we wait fails the step at once with its last log li
 
 from __future__ import annotations
 
-import contextlib
-
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step, kind_and_node
 from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed, memory_words, weights_size
@@ -46,6 +44,7 @@ def _memory(ctx: StepContext, node: str) -> Memory:
 #: the next reconcile, not failed.
 MEMORY_SETTLE = 90.0
 SETTLE_POLL = 2.0  # seconds between the reads of MemAvailable meanwhile
+START_RESERVE = 70.0  # what the start needs of its step after the wait: `docker run` and 60 s to see it running
 
 
 def _after_a_stop(step: Step) -> bool:
@@ -84,6 +83,7 @@ def memory_preflight(ctx: StepContext, node: str, settle: float = 0.0) -> None:
     memory = _memory(ctx, node)
     weights = weights_size(ctx.desired, ctx.observed)
     need = memory_needed(ctx.desired, memory.total_bytes, weights)
+    after_stop, settle = settle > 0, min(settle, ctx.remaining() - START_RESERVE)  # the start must fit after it
     if memory.available_bytes < need and settle > 0:
         seen = [memory]
 
@@ -91,14 +91,17 @@ def memory_preflight(ctx: StepContext, node: str, settle: float = 0.0) -> None:
             seen.append(_memory(ctx, node))
             return seen[-1].available_bytes >= need
 
-        with contextlib.suppress(StepFailed):
-            wait_for(returned, timeout=ctx.remaining(settle), interval=SETTLE_POLL, what="memory", cancel=ctx.cancel)
+        try:
+            wait_for(returned, timeout=settle, interval=SETTLE_POLL, what="memory", cancel=ctx.cancel)
+        except StepFailed:
+            if ctx.cancel.is_set():
+                raise  # a shutdown is no deferral
         memory = seen[-1]
     if memory.available_bytes < need:
         short = (f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but "
                  f"{memory_words(ctx.desired, memory.total_bytes, weights)} is needed")
-        if settle > 0:
-            raise StepDeferred(f"{short}, {settle:.0f} s after the stop on {node} (GB10 returns a stopped "
+        if after_stop:
+            raise StepDeferred(f"{short}, {max(settle, 0):.0f} s after the stop on {node} (GB10 returns a stopped "
                                "generation's memory with a lag); tried again at the next reconcile")
         raise StepBlocked(short)
 

@@ -282,7 +282,8 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
         raise first
     after = _check_copy(ctx, expected, source, target, dst_root)
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
-    note_copy(ctx, target, "weights", dst_root, after.digest())
+    if not before.present:  # only a tree this step made is this cluster's copy: one it topped up may be a person's
+        note_copy(ctx, target, "weights", dst_root, after.digest())
 
 
 def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> Weights:
