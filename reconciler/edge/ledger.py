@@ -31,7 +31,9 @@ _KEY = {"weights": re.compile(r"/[A-Za-z0-9._+@/-]{0,4095}"), "image": re.compil
 _DETAIL = {"weights": re.compile(r"[0-9a-f]{64}"), "image": re.compile(r"sha256:[0-9a-f]{64}")}
 _AT = re.compile(r"[0-9]{1,12}")  # the node's clock in seconds (str.isdigit would take "²", which int() refuses)
 _BY = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,300}")
-_ACTIONS = ("copied", "served", "removed", "released")  # released: kept, and no longer retention's to remove
+# started: a copy into a tree that did not exist began (a copy resumed later is still this cluster's);
+# released: kept, and no longer retention's to remove
+_ACTIONS = ("started", "copied", "served", "removed", "released")
 _NODE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # spec's NodeName
 
 
@@ -67,6 +69,8 @@ def parse_copies(sec: Section | None, node: str) -> list[CopyRecord] | None:
             continue
         action, kind, key, at, by, detail = line
         known = records.get((kind, key))
+        if action == "started":
+            continue
         if action in ("removed", "released"):
             records.pop((kind, key), None)
         elif action == "copied":
@@ -75,6 +79,19 @@ def parse_copies(sec: Section | None, node: str) -> list[CopyRecord] | None:
         elif known is not None:
             records[(kind, key)] = known.model_copy(update={"used_at": max(at, known.used_at)})
     return sorted(records.values(), key=lambda r: (r.kind, r.key))
+
+
+def started(sec: Section | None, node: str, by: str) -> set[str]:
+    """The weights trees whose copy `by` began on `node` into a tree that did not exist: a copy interrupted and
+    resumed later (rsync keeps its partial data) is still this cluster's."""
+    if sec is None:
+        return set()
+    out = set()
+    for raw in sec.body.splitlines():
+        line = _line(raw, node)
+        if line is not None and line[0] == "started" and line[1] == "weights" and line[4] == by:
+            out.add(line[2])
+    return out
 
 
 def record(session: Session, node: str, action: str, kind: str, key: str, by: str, detail: str = "-", *,

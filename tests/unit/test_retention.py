@@ -288,3 +288,28 @@ def _prune_ctx(tmp_path, nodes, make_desired, events: list | None = None) -> Ste
     desired.model.path_on = lambda n: str(tmp_path / n / "hub2")
     return StepContext(desired=desired, sessions=nodes, observed=Observed(nodes={}), deadline=time.monotonic() + 60,
                        progress=lambda e, f: (events if events is not None else []).append((e, f)))
+
+
+def test_a_copy_resumed_after_an_interruption_is_still_recorded_and_a_topped_up_tree_is_not(tmp_path, nodes):
+    """The first attempt began the tree (`started`) and died; the second finds it present and completes it: still
+    this cluster's copy. A tree that was there before any copy began (a person's) is topped up, never recorded."""
+    from tests.unit.test_weights_tree import hf_tree, sync
+
+    repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
+    dst = tmp_path / "dst" / "hub" / repo.name
+    ledger_file = nodes["dst"].home / ledger.LEDGER
+
+    dst.mkdir(parents=True)  # a person's partial download, no `started` line
+    (dst / "notes.txt").write_text("mine")
+    sync(tmp_path, nodes)
+    assert not ledger_file.exists() or ledger.parse_copies(Section(ledger_file.read_text(), 0), "dst") == []
+
+    import shutil
+    shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    ledger_file.parent.mkdir(parents=True, exist_ok=True)
+    with ledger_file.open("a") as f:  # what the interrupted first attempt wrote before its first byte
+        f.write(f"started\\tdst\\tweights\\t{dst}\\t100\\thead:22\\t-\\n")
+    sync(tmp_path, nodes)
+    [record] = ledger.parse_copies(Section(ledger_file.read_text(), 0), "dst")
+    assert record.key == str(dst) and record.by == "head:22"

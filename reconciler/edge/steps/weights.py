@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
+from reconciler.edge import ledger
 from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing
 from reconciler.edge.probes import read_sections
 from reconciler.edge.ssh import CommandFailed, Session, quote
@@ -240,6 +241,10 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     before = read_manifest(ctx, target)
     if weights_difference(expected, before) is None:
         return
+    # only a tree this cluster began is its copy (retention may remove it later): one it topped up may be a person's
+    fresh = not before.present
+    if fresh:
+        note_copy(ctx, target, "weights", dst_root, action="started")
     copied = links_to_copy(expected)
     todo = _files_to_copy(expected, before, copied)
     total = sum(size for _, size in todo)
@@ -282,7 +287,16 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
         raise first
     after = _check_copy(ctx, expected, source, target, dst_root)
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
-    if not before.present:  # only a tree this step made is this cluster's copy: one it topped up may be a person's
+    _record_copy(ctx, target, dst_root, after, fresh)
+
+
+def _record_copy(ctx: StepContext, target: str, dst_root: str, after: Weights, fresh: bool) -> None:
+    """The copy into the ledger (retention may remove it later), when this cluster began the tree: in this step,
+    or in one interrupted before it (its `started` line)."""
+    if not fresh:
+        began = read_sections(ctx.sessions[target], ledger.ledger_script(), ctx.command_timeout).get("copies")
+        fresh = dst_root in ledger.started(began, target, ctx.owner.label)
+    if fresh:
         note_copy(ctx, target, "weights", dst_root, after.digest())
 
 
