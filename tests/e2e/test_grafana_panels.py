@@ -220,7 +220,10 @@ def assert_converged_view(panels: dict[str, grafana.Panel], nodes: list[str]) ->
     assert by_type[("", "Ready")].text == "True" and grafana.is_green(by_type[("", "Ready")].colour)
     idle = by_type[("", "Progressing")]  # idle is normal: neutral, never red
     assert idle.text == "False" and not grafana.is_red(idle.colour), idle
-    assert all(grafana.is_green(s.colour) for (_, type_), s in by_type.items() if type_ != "Progressing"), story
+    answering = by_type[(nodes[0], "ServingBusy")]  # the head's vLLM not at capacity: neutral, like idle
+    assert answering.text == "False" and not grafana.is_red(answering.colour), answering
+    assert all(grafana.is_green(s.colour) for (_, type_), s in by_type.items()
+               if type_ not in ("Progressing", "ServingBusy")), story
     for s in panels["Node reachable and fabric link"].series:
         assert s.text == "up" and grafana.is_green(s.colour), s
     for s in panels["Weight-sync progress"].series:
