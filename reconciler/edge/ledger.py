@@ -94,19 +94,26 @@ def started(sec: Section | None, node: str, by: str) -> set[str]:
     return out
 
 
-def record(session: Session, node: str, action: str, kind: str, key: str, by: str, detail: str = "-", *,
-           timeout: float) -> str | None:
-    """Append one line, stamped with the node's clock (the ledger's times are only ever compared on that node).
-    Every value is checked here, the one writer, so nothing that would not parse back is written. None when the
-    line is written; otherwise what the node said (the caller decides whether that stops it)."""
-    if not (action in _ACTIONS and _NODE.fullmatch(node) and kind in _KEY and _KEY[kind].fullmatch(key)
-            and _BY.fullmatch(by) and (action != "copied" or _DETAIL[kind].fullmatch(detail))):
-        return f"not a ledger line: {action!r} {node!r} {kind!r} {key[:200]!r} {by!r}"
-    script = ('umask 077; d="$HOME/.spark-reconciler"; mkdir -p "$d" && '
-              'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$2" "$3" "$4" "$(date +%s)" "$5" "$6" >> "$HOME/'
-              + LEDGER
-              + '"')
-    args = quote([action, node, kind, key, by, detail])
+Entry = tuple[str, str, str, str]  # action, kind, key, detail ("-" unless `copied`)
+
+
+def _valid(node: str, by: str, entry: Entry) -> bool:
+    action, kind, key, detail = entry
+    return (action in _ACTIONS and bool(_NODE.fullmatch(node)) and kind in _KEY and bool(_KEY[kind].fullmatch(key))
+            and bool(_BY.fullmatch(by)) and (action != "copied" or bool(_DETAIL[kind].fullmatch(detail))))
+
+
+def record(session: Session, node: str, by: str, entries: list[Entry], *, timeout: float) -> str | None:
+    """Append lines in one exec, stamped with the node's clock (the ledger's times are only ever compared on that
+    node). Every value is checked here, the one writer, so nothing that would not parse back is written. None when
+    the lines are written; otherwise why not (the caller decides whether that stops it)."""
+    if bad := [e for e in entries if not _valid(node, by, e)]:
+        return f"not a ledger line: {node!r} {by!r} {bad[0][:3]!r}"
+    script = ('umask 077; d="$HOME/.spark-reconciler"; mkdir -p "$d" || exit 70; now=$(date +%s); node=$1 by=$2; '
+              'shift 2; while [ $# -ge 4 ]; do '
+              'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$node" "$2" "$3" "$now" "$by" "$4"; shift 4; '
+              f'done >> "$HOME/{LEDGER}"')
+    args = quote([node, by, *(word for entry in entries for word in entry)])
     try:
         result = session.run_script(f"set -- {args}\n{script}\n", timeout=timeout)
     except RemoteError as exc:

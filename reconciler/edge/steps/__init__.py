@@ -82,15 +82,16 @@ def wait_for(check: Callable[[], Any], *, timeout: float, interval: float = 0.2,
             time.sleep(interval)
 
 
-def note_copy(ctx: StepContext, node: str, kind: str, key: str, detail: str = "-", action: str = "copied") -> None:
-    """Write a copy (or a serving start with one) to the node's copy ledger, which retention reads. A line that
-    cannot be written is reported, never a failure of the copy it records: unrecorded, a copy is only kept
-    longer (retention never removes what the ledger does not name)."""
+def note_copy(ctx: StepContext, node: str, *entries: tuple[str, str, str, str]) -> None:
+    """Write copies (or a serving start's uses) to the node's copy ledger in one exec, which retention reads.
+    Entries are (action, kind, key, detail). Lines that cannot be written are reported, never a failure of the
+    copy they record: unrecorded, a copy is only kept longer (retention never removes what the ledger does not
+    name)."""
     from reconciler.edge import ledger
 
-    if (why := ledger.record(ctx.sessions[node], node, action, kind, key, ctx.owner.label, detail,
+    if (why := ledger.record(ctx.sessions[node], node, ctx.owner.label, list(entries),
                              timeout=ctx.command_timeout)) is not None:
-        ctx.progress("ledger.unwritten", {"node": node, "kind": kind, "key": key, "error": why})
+        ctx.progress("ledger.unwritten", {"node": node, "entries": [e[:3] for e in entries], "error": why})
 
 
 def runner(kind: str) -> Callable[[StepContext, Step], None]:

@@ -124,4 +124,4 @@ def copy_image(ctx: StepContext, step: Step) -> None:
     if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
         raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
     ctx.progress("image.done", {"node": node, "bytes": moved.done, "image_id": got.id, "content": want.content})
-    note_copy(ctx, node, "image", want.content, got.id)
+    note_copy(ctx, node, ("copied", "image", want.content, got.id))

@@ -35,7 +35,7 @@ def _records(ctx: StepContext, node: str, kind: str) -> dict[str, CopyRecord]:
 
 
 def _write(ctx: StepContext, node: str, action: str, kind: str, key: str) -> None:
-    if (why := ledger.record(ctx.sessions[node], node, action, kind, key, ctx.owner.label,
+    if (why := ledger.record(ctx.sessions[node], node, ctx.owner.label, [(action, kind, key, "-")],
                              timeout=ctx.command_timeout)) is not None:
         raise StepFailed(f"{key} on {node}: the ledger could not say `{action}` ({why})")
 
@@ -77,16 +77,19 @@ def _canonical(ctx: StepContext, node: str, paths: list[str]) -> list[str]:
 
 
 def prune_weights(ctx: StepContext, step: Step) -> None:
-    node = step.node
+    """The containers and the canonical paths are read once for the step, right before its removals."""
+    node, roots = step.node, list(step.remove or ())
+    containers = node_containers(ctx, node)
+    sources = sorted({m for c in containers for m in c.mounts or []})
+    unread = [c.name for c in containers if c.mounts is None]
+    current = [ctx.desired.weights_root(node), ctx.desired.model.path_on(node)]
+    canon = _canonical(ctx, node, [*roots, *current, *sources])
+    n = len(roots)
+    where, now, mounted = dict(zip(roots, canon[:n], strict=True)), canon[n:n + 2], canon[n + 2:]
 
     def remove(record: CopyRecord) -> str | None:
         root = record.key
-        containers = node_containers(ctx, node)
-        sources = sorted({m for c in containers for m in c.mounts or []})
-        unread = [c.name for c in containers if c.mounts is None]
-        current = [ctx.desired.weights_root(node), ctx.desired.model.path_on(node)]
-        canon = _canonical(ctx, node, [root, *current, *sources])
-        here, now, mounted = canon[0], canon[1:3], canon[3:]
+        here = where[root]
         if unread:
             return f"the mounts of {', '.join(unread)} could not be read"
         if any(overlaps(here, c) for c in now):

@@ -10,6 +10,7 @@ A container that exits while we wait fails the step at once with its last log li
 
 from __future__ import annotations
 
+from reconciler.core.drift import image_holder
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step, kind_and_node
 from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed, memory_words, weights_size
@@ -17,7 +18,6 @@ from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_m
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, note_copy, wait_for
 from reconciler.edge.steps.containers import inspect, owner_problem
-from reconciler.edge.steps.images import inspect_image
 
 GIB = 2**30
 # Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
@@ -149,16 +149,12 @@ def start_serving(ctx: StepContext, step: Step) -> None:
 
 def _note_use(ctx: StepContext, node: str, spec: LaunchSpec) -> None:
     """The copy ledger's `served` lines, before the start (a crash after it still counts as a use): the last use
-    orders what retention keeps for a rollback (core/retention.py). Bookkeeping only: an engine that cannot say
-    which image it holds fails the start on its own, not here."""
-    note_copy(ctx, node, "weights", spec.weights, action="served")
-    try:
-        image = inspect_image(ctx, node, spec.image)
-    except (StepFailed, RemoteError) as exc:
-        ctx.progress("ledger.unwritten", {"node": node, "kind": "image", "error": str(exc)})
-        return
-    if image is not None:
-        note_copy(ctx, node, "image", image.content, action="served")
+    orders what retention keeps for a rollback (core/retention.py). The image is the plan's reference content: the
+    image step before this one made the node's copy that content, or the start would not run."""
+    holder = image_holder(ctx.desired, ctx.observed)
+    image = ctx.observed.node(holder).images.get(spec.image) if holder else None
+    note_copy(ctx, node, ("served", "weights", spec.weights, "-"),
+              *([("served", "image", image.content, "-")] if image else []))
 
 
 def launch_model(ctx: StepContext, step: Step) -> None:

@@ -244,7 +244,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     # only a tree this cluster began is its copy (retention may remove it later): one it topped up may be a person's
     fresh = not before.present
     if fresh:
-        note_copy(ctx, target, "weights", dst_root, action="started")
+        note_copy(ctx, target, ("started", "weights", dst_root, "-"))
     copied = links_to_copy(expected)
     todo = _files_to_copy(expected, before, copied)
     total = sum(size for _, size in todo)
@@ -297,7 +297,7 @@ def _record_copy(ctx: StepContext, target: str, dst_root: str, after: Weights, f
         began = read_sections(ctx.sessions[target], ledger.ledger_script(), ctx.command_timeout).get("copies")
         fresh = dst_root in ledger.started(began, target, ctx.owner.label)
     if fresh:
-        note_copy(ctx, target, "weights", dst_root, after.digest())
+        note_copy(ctx, target, ("copied", "weights", dst_root, after.digest()))
 
 
 def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> Weights:
