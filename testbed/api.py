@@ -242,8 +242,9 @@ class Serving:
 STANDIN_SERVING = Serving(SERVED_MODEL, MODELS[SERVED_MODEL], "tiny-moe", scenarios.SERVING_IMAGE,
                           "the vLLM stand-in, built locally; on the head only in seed",
                           "0.05      # the stand-in holds no GPU memory; keeps the preflight honest", "2m",
-                          ('  env: {STANDIN_DEVICE_MEMORY_URL: "http://127.0.0.1:9479/"}   # free memory as GB10\'s '
-                           'driver says it (testbed/device_memory.py)',))
+                          ('  env: {STANDIN_DEVICE_MEMORY_URL: "http://127.0.0.1:9479/", STANDIN_RUNTIME_BYTES: '
+                           '"134217728"}   # free memory as GB10\'s driver says it (testbed/device_memory.py); '
+                           'what a rank allocates while serving',))
 
 
 def real_serving() -> Serving:

@@ -16,10 +16,12 @@ the default). SIGUSR1 wedges the engine: /health still answers 200, no token is 
 
 Before it allocates, it asks STANDIN_DEVICE_MEMORY_URL (testbed/device_memory.py) what the GPU has free, as vLLM
 asks the driver, and fails like vLLM's startup check when that is below gpu_memory_utilization x the node: on GB10
-page cache is not free to the GPU (vllm-project/vllm#35313).
+page cache is not free to the GPU (vllm-project/vllm#35313). Serving, each rank asks again every second for
+STANDIN_RUNTIME_BYTES (what a rank allocates beyond its KV cache) and dies like a rank meeting NV_ERR_NO_MEMORY
+when the pool has less free (`runtime_allocations`).
 
 Environment knobs: STANDIN_GPUS_PER_NODE (1), STANDIN_LOAD_DELAY_S (0.5), STANDIN_CRASH=1, STANDIN_STEPS_PER_S (0),
-STANDIN_DEVICE_MEMORY_URL (unset),
+STANDIN_DEVICE_MEMORY_URL (unset), STANDIN_RUNTIME_BYTES (0),
 VLLM_ENGINE_READY_TIMEOUT_S (600), STANDIN_HEARTBEAT_S (1), STANDIN_PEER_TIMEOUT_S (5),
 STANDIN_RAY_PG_TIMEOUT_S (10), RAY_ADDRESS, HF_HUB_CACHE / HF_HOME, HF_HUB_OFFLINE.
 Marker file: `.standin-crash` in the model directory or any of its ancestors.
@@ -255,6 +257,9 @@ class Engine:
         log("INFO", "gpu_model_runner.py:2007", f"Model loading took 0.0 GiB and {delay:.2f} seconds")
         check_device_memory(self.args.gpu_memory_utilization)
         self.kv_cache = hold_memory(self.args.gpu_memory_utilization)
+        need = env_int("STANDIN_RUNTIME_BYTES", 0)
+        if need > 0:
+            threading.Thread(target=runtime_allocations, args=(need,), daemon=True).start()
         log("INFO", "gpu_worker.py:298", f"Available KV cache memory: {sum(map(len, self.kv_cache)) / 2**30:.2f} GiB "
             f"(gpu_memory_utilization {self.args.gpu_memory_utilization:g} of {node_memory() / 2**30:.2f} GiB)")
         log("INFO", "kv_cache_utils.py:1087", f"GPU KV cache size: 65,536 tokens; max_model_len {self.max_len}")
@@ -489,14 +494,13 @@ def node_memory() -> int:
     return total
 
 
-def check_device_memory(gpu_memory_utilization: float) -> None:
-    """vLLM's startup check (vllm/v1/worker/gpu_worker.py: free memory against `gpu_memory_utilization` x total)
-    against the node's device memory as a GB10 driver reports it: page cache is not free
-    (testbed/device_memory.py, asked at STANDIN_DEVICE_MEMORY_URL). Without that URL (the stand-in's own tests on
-    the host) there is nothing to ask and nothing is checked."""
+def device_memory() -> tuple[int, int] | None:
+    """(total, free) of the node's device memory as a GB10 driver reports it: page cache is not free
+    (testbed/device_memory.py, asked at STANDIN_DEVICE_MEMORY_URL). None without that URL (the stand-in's own
+    tests on the host): nothing to ask, nothing is checked."""
     url = os.environ.get("STANDIN_DEVICE_MEMORY_URL")
     if not url:
-        return
+        return None
     import json
     import urllib.request
 
@@ -505,7 +509,16 @@ def check_device_memory(gpu_memory_utilization: float) -> None:
             device = json.loads(r.read())
     except (OSError, ValueError) as exc:
         raise EngineError(f"RuntimeError: cudaMemGetInfo failed: {exc}") from None
-    total, free = int(device["total"]), int(device["free"])
+    return int(device["total"]), int(device["free"])
+
+
+def check_device_memory(gpu_memory_utilization: float) -> None:
+    """vLLM's startup check (vllm/v1/worker/gpu_worker.py: free memory against `gpu_memory_utilization` x total)
+    against the node's device memory."""
+    device = device_memory()
+    if device is None:
+        return
+    total, free = device
     requested = gpu_memory_utilization * node_memory()
     if free < requested:
         gib = 2**30
@@ -513,6 +526,27 @@ def check_device_memory(gpu_memory_utilization: float) -> None:
                           f"startup is less than desired GPU memory utilization ({gpu_memory_utilization}, "
                           f"{requested / gib:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory used "
                           "by other processes.")
+
+
+def runtime_allocations(need: int, every: float = 1.0) -> None:
+    """A serving rank's allocations after the KV cache (activations of a long prefill, sampler tensors, NCCL
+    buffers): `need` bytes the driver must find free, asked for every `every` seconds. On a GB10 page cache is
+    not free to the driver, and a rank that meets a full pool dies with NV_ERR_NO_MEMORY
+    (NVIDIA/dgx-spark-playbooks#97: the head reset during a 128K prefill; vllm-project/vllm#35313), taking the
+    engine with it: its peers see it gone. STANDIN_RUNTIME_BYTES sets `need` (0: never asked)."""
+    while True:
+        time.sleep(every)
+        try:
+            device = device_memory()
+        except EngineError:
+            continue  # the driver did not answer this time: no allocation was refused
+        if device is not None and device[1] < need:
+            log("ERROR", "gpu_model_runner.py:2391",
+                f"CUDA error: out of memory (NV_ERR_NO_MEMORY): tried to allocate {need / 2**20:.0f} MiB with "
+                f"{device[1] / 2**20:.0f} MiB free of {device[0] / 2**30:.2f} GiB")
+            log("ERROR", "multiproc_executor.py:599", "WorkerProc hit an exception; the worker dies.")
+            sys.stdout.flush()
+            os._exit(1)
 
 
 def hold_memory(gpu_memory_utilization: float) -> list[bytearray]:

@@ -337,12 +337,19 @@ class LocalCompanion:
         self.proc = proc
 
     def line(self, timeout):
-        return self.proc.stdout.readline().decode() or None
+        """As `remote.Companion.line`: the line without its newline, None at the end."""
+        raw = self.proc.stdout.readline().decode()
+        return raw.removesuffix("\n") if raw else None
 
     def finish(self, timeout):
         """As `remote.Companion.finish`: wait for it to end by itself, then close its stdin."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout)
+        out, err = self.proc.communicate(timeout=timeout)
+        return Result(out.decode(), err.decode(), self.proc.returncode)
+
+    def end(self, timeout):
+        """As `remote.Companion.end`: close its stdin at once, then wait for it to end."""
         out, err = self.proc.communicate(timeout=timeout)
         return Result(out.decode(), err.decode(), self.proc.returncode)
 
@@ -353,7 +360,7 @@ def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transpo
         paths = {"src": str(tmp_path / "src" / "model"), "dst": str(tmp_path / "dst" / "model")}
     model = SimpleNamespace(id=MODEL, layout=layout, path_on=paths.__getitem__)
     policy = SimpleNamespace(weights=SimpleNamespace(parallel_streams=streams, bandwidth_limit=None,
-                                                     transport=transport),
+                                                     transport=transport, drop_behind=True),
                              timeouts=SimpleNamespace(command=60))
     loopback = SimpleNamespace(fabric=SimpleNamespace(address=SimpleNamespace(ip="127.0.0.1")))
     hub_tree = "models--" + MODEL.replace("/", "--")
@@ -363,8 +370,10 @@ def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transpo
                            instance="head:22")
 
 
-def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon"):
-    ctx = StepContext(desired=_desired(tmp_path, streams=streams, transport=transport), sessions=nodes,
+def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon", drop_behind=True):
+    desired = _desired(tmp_path, streams=streams, transport=transport)
+    desired.policy.weights.drop_behind = drop_behind
+    ctx = StepContext(desired=desired, sessions=nodes,
                       observed=Observed(nodes={}),
                       progress=lambda e, f: (events if events is not None else []).append((e, f)),
                       deadline=time.monotonic() + 120)
@@ -398,6 +407,17 @@ def test_a_hf_cache_with_shared_blobs_arrives_as_real_files(tmp_path, nodes, str
             assert "--safe-links" in argv and not set(listed) & copied
     start = next(f for e, f in events if e == "weights.start")
     assert start["bytes_total"] == sum(f.size for f in src_w.files if f.link_target is None or f.path in copied)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_the_page_cache_bound_runs_on_both_ends_around_the_copy_when_asked(tmp_path, nodes, bound):
+    """On: one helper on each end, over that end's tree; off: none."""
+    hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
+    sync(tmp_path, nodes, drop_behind=bound)
+    helpers = {name: [a[-2] for a in node.argvs if a[:2] == ["python3", "-c"] and "POSIX_FADV_DONTNEED" in a[2]]
+               for name, node in nodes.items()}
+    roots = {name: _desired(tmp_path).weights_root(name) for name in ("src", "dst")}
+    assert helpers == ({name: [root] for name, root in roots.items()} if bound else {"src": [], "dst": []})
 
 
 def test_a_tree_with_a_link_out_of_it_is_refused_naming_the_link(tmp_path, nodes):

@@ -252,6 +252,10 @@ class WeightsPolicy(_Model):
         "docs/weights-transport.md); needs python3 on the target. ssh: rsync over ssh (aes128-gcm), slower, for "
         "a fabric you do not trust or a target without python3.")
     bandwidth_limit: SizeInBytes | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
+    drop_behind: bool = Field(
+        True, description="Keep a copy's page cache small on both ends: the copied files are dropped from the cache "
+        "behind the copy, so a copy beside a serving generation does not fill a GB10's one memory pool "
+        "(docs/weights-transport.md \"Page cache\"); needs python3 on both nodes.")
 
 
 class Retention(_Model):

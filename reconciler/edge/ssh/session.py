@@ -412,11 +412,16 @@ class Companion:
             while self._read(deadline):
                 pass
         except CommandTimeout:
-            self._output.close_stdin()
-            deadline = time.monotonic() + timeout
-            with contextlib.suppress(CommandTimeout):
-                while self._read(deadline):
-                    pass
+            return self.end(timeout)
+        return self._output.result()
+
+    def end(self, timeout: float) -> Result:
+        """Close its stdin (its signal to end) at once, then wait up to `timeout` for it to end."""
+        self._output.close_stdin()
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(CommandTimeout):
+            while self._read(deadline):
+                pass
         return self._output.result()
 
     def _read(self, deadline: float) -> bool:

@@ -18,7 +18,8 @@ options, and these safety properties, each from a failure seen in the field:
   an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
 - only the source gets in: the daemon's secret is made for the step and its door opens only to the source's fabric
   address (`rsyncd`); over SSH, strict host keys on the node-to-node hop too (`reconciler.edge.steps.hop`);
-- on the disk before it is called done (`sync -f`), then the target's manifest must equal the source's.
+- on the disk before it is called done (`sync -f`), then the target's manifest must equal the source's;
+- never a node's memory filled with its cache: both ends drop the tree's pages behind the copy (`drop_behind`).
 Large models go in several parallel rsync streams (files split by size).
 """
 
@@ -38,6 +39,7 @@ from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifes
 from reconciler.edge.probes import read_sections
 from reconciler.edge.ssh import CommandFailed, Session, quote
 from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
+from reconciler.edge.steps.drop_behind import drop_behind
 from reconciler.edge.steps.rsyncd import Door, rsync_daemon
 
 RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
@@ -271,21 +273,22 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                                  timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True,
                                  stdin=f"{door.secret}\n".encode() if door is not None else None)
 
-    if ctx.desired.policy.weights.transport == "rsync-daemon":
-        with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
-            door = daemon.door
+    with drop_behind(ctx, source, src_root), drop_behind(ctx, target, dst_root):
+        if ctx.desired.policy.weights.transport == "rsync-daemon":
+            with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
+                door = daemon.door
+                errors = _run_streams(run, groups)
+                if not errors:
+                    daemon.confirm()
+        else:
+            hop.trust_target_on_source(ctx, source, target)
             errors = _run_streams(run, groups)
-            if not errors:
-                daemon.confirm()
-    else:
-        hop.trust_target_on_source(ctx, source, target)
-        errors = _run_streams(run, groups)
-    if errors:
-        first = errors[0]
-        if isinstance(first, CommandFailed):
-            raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
-        raise first
-    after = _check_copy(ctx, expected, source, target, dst_root)
+        if errors:
+            first = errors[0]
+            if isinstance(first, CommandFailed):
+                raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
+            raise first
+        after = _check_copy(ctx, expected, source, target, dst_root)
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
     _record_copy(ctx, target, dst_root, after, fresh)
 
