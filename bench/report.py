@@ -103,7 +103,12 @@ def _weights(d: dict) -> list[list[str]]:
              f"{d['vs_raw_tcp']:.2f}x raw TCP; CPU {d['cpu_vs_rsync']:.2f}x rsync -a, "
              f"{d['cpu_vs_ssh_cat_aes']:.2f}x ssh cat",
              ">= 0.9x raw TCP; CPU <= 0.33x rsync -a, <= 0.5x ssh cat",
-             f"{ok(d['vs_raw_tcp'] >= 0.9)}; {ok(d['cpu_vs_rsync'] <= 1 / 3)}, {ok(d['cpu_vs_ssh_cat_aes'] <= 0.5)}"]]
+             f"{ok(d['vs_raw_tcp'] >= 0.9)}; {ok(d['cpu_vs_rsync'] <= 1 / 3)}, {ok(d['cpu_vs_ssh_cat_aes'] <= 0.5)}"]
+            ] + ([[f"4 weight sync, its page cache bounded (policy.weights.drop_behind) against not bounded "
+                   f"(median (min-max), n={proj['seconds']['n']})",
+                   f"{_rate(proj)}, {_cpu(proj)}", f"not bounded {_rate(unbounded)}, {_cpu(unbounded)}",
+                   f"{d['bounded_vs_unbounded']:.2f}x", ">= 0.9x", ok(d["bounded_vs_unbounded"] >= 0.9)]]
+                 if (unbounded := rw.get("project, 4 streams, page cache not bounded")) else [])
 
 
 def _image(d: dict) -> list[list[str]]:
@@ -403,11 +408,13 @@ comparable with each other, not with real Sparks (see the end).
    `testbed.weights.generate`) on the head is copied to the worker's fabric address 10.232.0.11 from the head's
    namespace as `spark`: the project's `weights` step (`sync_weights`: the one-time rsync daemon on the worker's
    fabric address, docs/weights-transport.md; manifest check before and after; `policy.weights.parallel_streams`
-   4 and 1; and `transport: ssh`, rsync over ssh with aes128-gcm, 4 streams), against raw TCP (the shards sent
+   4 and 1; 4 streams with `policy.weights.drop_behind: false`, the page cache not bounded, next to the default
+   that drops each end's files from the cache behind the copy, docs/weights-transport.md "Page cache"; and
+   `transport: ssh`, rsync over ssh with aes128-gcm, 4 streams), against raw TCP (the shards sent
    with `sendfile` by one Python process, received into one file by another: no checksum, no cipher), `cat
    SHARDS | ssh worker 'cat > f'` with aes128-gcm and with OpenSSH's default cipher, and plain `rsync -a SRC/
    worker:DST/` (OpenSSH's defaults, as a user would type it). Rounds interleave the methods. The source is in
-   the page cache for every method; the target is removed and `sync`ed between runs (not timed); every method's
+   the page cache for every method (read again, untimed, before each: the bounded copy drops it); the target is removed and `sync`ed between runs (not timed); every method's
    time ends with `sync -f` of the worker's model filesystem (the project's step does the same), so each is
    onto the disk. CPU = every process of the transfer and nothing else: the CPU-accounting cgroup of each node's
    sshd and `testbed exec` commands (cgroup v1 cpuacct, testbed/memory.py), plus the benchmark's own process
