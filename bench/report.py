@@ -414,7 +414,8 @@ comparable with each other, not with real Sparks (see the end).
    with `sendfile` by one Python process, received into one file by another: no checksum, no cipher), `cat
    SHARDS | ssh worker 'cat > f'` with aes128-gcm and with OpenSSH's default cipher, and plain `rsync -a SRC/
    worker:DST/` (OpenSSH's defaults, as a user would type it). Rounds interleave the methods. The source is in
-   the page cache for every method (read again, untimed, before each: the bounded copy drops it); the target is removed and `sync`ed between runs (not timed); every method's
+   the page cache for every method (read again, untimed, before each: the bounded copy drops it); the target
+   is removed and `sync`ed between runs (not timed); every method's
    time ends with `sync -f` of the worker's model filesystem (the project's step does the same), so each is
    onto the disk. CPU = every process of the transfer and nothing else: the CPU-accounting cgroup of each node's
    sshd and `testbed exec` commands (cgroup v1 cpuacct, testbed/memory.py), plus the benchmark's own process
