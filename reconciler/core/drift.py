@@ -7,9 +7,11 @@ step frees, a serving name taken by a container the reconciler did not create).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from reconciler.core.fabric import ports_seen, twin_only_down
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, NodeObservation, Observed, Weights
 from reconciler.core.ownership import owner
 from reconciler.core.platforms import machine_platform, runs_on
@@ -71,8 +73,11 @@ def co_tenant_drift(desired: Desired, name: str, obs: NodeObservation) -> list[D
 
 def link_drift(node: Node, obs: NodeObservation) -> list[Drift]:
     """Every declared port of the node's fabric (the first, and its twin) as declared: present, up, MTU, address,
-    RDMA port active."""
-    return [d for port, link in zip(node.fabric.ports(), (obs.fabric, obs.fabric_twin), strict=False)
+    RDMA port active. A twin whose RDMA port is not ACTIVE while the first port carries blocks nothing: NCCL
+    serves on the first (core/fabric.py); it is said, in the drift and the FabricLinkUp condition."""
+    degraded = twin_only_down(node, obs)
+    return [dataclasses.replace(d, blocking=False) if i == 1 and degraded and d.kind == "rdma" else d
+            for i, (port, link) in enumerate(ports_seen(node, obs))
             for d in _port_drift(node.name, port, node.fabric.mtu, link)]
 
 

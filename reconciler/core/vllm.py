@@ -50,6 +50,9 @@ class LaunchSpec:
     #: plan knows which listeners are this generation's own. Not hashed: the command already says them.
     listens: tuple[tuple[str, int], ...] = ()
     weights: str = ""  # Desired.weights_root on the node, as a label (not hashed: the mount already says it)
+    #: What the start sets over `env` from the node as it is then (`at_start`). Not hashed: the declared launch
+    #: is what the next plan compares, so a twin port coming back restarts nothing.
+    start_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def spec_hash(self) -> str:
@@ -73,9 +76,13 @@ class LaunchSpec:
         if env_file is not None:
             argv += ["--env-file", env_file]
         else:
-            for key, value in sorted(self.env.items()):
+            for key, value in sorted(self.started_env().items()):
                 argv += ["-e", f"{key}={value}"]
         return argv + [self.image, *self.command]
+
+    def started_env(self) -> dict[str, str]:
+        """The environment the container gets: the declared one, with what the start set over it."""
+        return self.env | dict(self.start_env)
 
     def non_carry_over_json(self) -> str:
         """vLLM's `$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json` for the head (a JSON list of names)."""
@@ -84,7 +91,7 @@ class LaunchSpec:
     def env_file_text(self) -> str:
         """`docker run --env-file` content: one KEY=VALUE per line, taken literally (spec forbids control
         characters in values, so a value cannot start another line)."""
-        return "".join(f"{key}={value}\n" for key, value in sorted(self.env.items()))
+        return "".join(f"{key}={value}\n" for key, value in sorted(self.started_env().items()))
 
 
 def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str, str]]:
@@ -147,6 +154,23 @@ def _docker_flags(desired: Desired) -> list[str]:
     return flags
 
 
+def _hca(devices: list[str]) -> str:
+    """NCCL_IB_HCA for these devices. `=`: exact names, as NCCL's docs advise for a list (a bare `mlx5_1` also
+    matches mlx5_10..19); one device stays as it always was (no restart on upgrade)."""
+    return devices[0] if len(devices) == 1 else "=" + ",".join(devices)
+
+
+def at_start(spec: LaunchSpec, carrying: list[str]) -> LaunchSpec:
+    """The launch as the start runs it, given the RDMA devices whose ports carry now (core/fabric.py): with a
+    twin down, NCCL_IB_HCA lists the ports that carry, which is what NCCL would use anyway (it skips a port that
+    is not ACTIVE), so the container's environment says what the fabric is. With none carrying nothing changes:
+    the first port's drift blocks that start."""
+    declared = spec.env.get("NCCL_IB_HCA")
+    if declared is None or not carrying or _hca(carrying) == declared:
+        return spec
+    return dataclasses.replace(spec, start_env=(("NCCL_IB_HCA", _hca(carrying)),))
+
+
 def _env(desired: Desired, node: Node) -> dict[str, str]:
     head_ip = str(desired.head.fabric.address.ip)
     iface = node.fabric.interface
@@ -160,11 +184,9 @@ def _env(desired: Desired, node: Node) -> dict[str, str]:
         "OMPI_MCA_btl_tcp_if_include": iface,
     }
     if devices := [p.rdma_device for p in node.fabric.ports() if p.rdma_device]:
-        # Both twins when declared: each is one PCIe x4 link, ~100 Gb/s (eugr docs/NETWORKING.md). `=`: exact
-        # names, as NCCL's docs advise for a list (a bare `mlx5_1` also matches mlx5_10..19); one device stays
-        # as it always was (no restart on upgrade).
-        hca = devices[0] if len(devices) == 1 else "=" + ",".join(devices)
-        env |= {"NCCL_IB_HCA": hca, "NCCL_IB_DISABLE": "0"}
+        # Both twins when declared: each is one PCIe x4 link, ~100 Gb/s (eugr docs/NETWORKING.md); a start
+        # lists only those that carry then (`at_start`).
+        env |= {"NCCL_IB_HCA": _hca(devices), "NCCL_IB_DISABLE": "0"}
     # Every node, not only the internet-less one: the reconciler has put the exact revision there, and vLLM
     # 0.32 still asks the Hub at start for files a snapshot lacks (hf_quant_config.json in get_config), so a Hub
     # or DNS outage crashed a head that had every file (docs/testbed.md, "What the real vLLM revealed"); and an

@@ -69,7 +69,13 @@ def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
     out.append(_cond(name, "DockerReachable", obs.docker_reachable if probed and obs else None,
                      "DockerOk" if obs and obs.docker_reachable else "DockerUnreachable",
                      (obs.docker_error or "") if obs else ""))
-    out.append(from_drift("FabricLinkUp", ("link", "rdma"), "LinkUp", "LinkDrift"))
+    fabric = from_drift("FabricLinkUp", ("link", "rdma"), "LinkUp", "LinkDrift")
+    said = [d for d in drift if d.kind in ("link", "rdma") and not (d.actionable or d.blocking)]
+    if said and fabric["status"] == "True":  # nothing to do, nothing blocked, and still not the link declared
+        fabric = _cond(name, "FabricLinkUp", False, "PortDegraded", "; ".join(
+            f"{d.resource}: expected {d.expected}, observed {d.observed}" for d in said)
+            + " (not the reconciler's to fix: the peer's port, the cable or the firmware)")
+    out.append(fabric)
     out.append(from_drift("WeightsInSync", ("weights",), "InSync", "WeightsDrift"))
     out.append(from_drift("GpuReady", ("gpu",), "GpuAnswers", "GpuStackFailing"))
     out.append(from_drift("ImageInSync", ("image",), "InSync", "ImageDrift"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reconciler.core.drift import DRIFT_KINDS
+from reconciler.core.fabric import carries, ports_seen
 from reconciler.core.observed import Observed
 from reconciler.core.planning import kind_and_node
 from reconciler.core.spec import Desired
@@ -68,8 +69,12 @@ class StatusPublisher:
             metrics.observe_duration.labels(node=name).observe(seconds)
         for name, obs in observed.nodes.items():
             metrics.node_reachable.labels(node=name).set(1 if obs.reachable else 0)
-            if links := obs.links():  # every declared port: a twin down halves the link
-                metrics.fabric_link_up.labels(node=name).set(1 if all(k.admin_up and k.carrier for k in links) else 0)
+            if obs.links():
+                seen = ports_seen(desired.node(name), obs)
+                metrics.fabric_link_up.labels(node=name).set(1 if carries(*seen[0]) else 0)
+                for port, link in seen:  # a twin down halves the link and stops nothing
+                    metrics.fabric_port_up.labels(node=name, interface=port.interface).set(
+                        1 if carries(port, link) else 0)
             if obs.memory is not None:
                 metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
         source = observed.node(desired.source_node).weights

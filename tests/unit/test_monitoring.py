@@ -232,7 +232,8 @@ def test_every_query_is_valid_promql(tmp_path):
 EXPECTED_ALERTS = {
     "ReconcilerDriftPersists", "ReconcilerNotConverged", "ReconcilerReconcileErrors", "ReconcilerStepHeld",
     "ReconcilerDown", "ReconcilerAbsent", "ReconcilerDesiredStateInvalid", "ReconcilerNodeUnreachable",
-    "ReconcilerFabricLinkDown", "ReconcilerServingUnhealthy", "ReconcilerWeightsOutOfSync",
+    "ReconcilerFabricLinkDown", "ReconcilerFabricPortDegraded", "ReconcilerServingUnhealthy",
+    "ReconcilerWeightsOutOfSync",
     "ReconcilerLowMemory", "ReconcilerLoopStalled", "ReconcilerGpuStackSkew",
 }
 

@@ -68,6 +68,19 @@ class Ssh(_Model):
                                  description="known_hosts file every host key is checked against (strict).")
     identity_file: AbsPath | None = Field(None, description="Private key; default: the SSH agent / ~/.ssh keys.")
     connect_timeout: Annotated[Duration, at_least(1, "no SSH handshake completes in less")] = Duration(10)
+    fallback_hosts: list[HostName] = Field(
+        default_factory=list, description="Other addresses of the same node, tried in order when `host` cannot be "
+        "reached (no TCP path, or the jump host cannot open one), e.g. the twin's fabric address of a worker reached "
+        "over the fabric: the node stays reachable over one half of the port while the reconciler repairs the "
+        "other. Only the path falls back: the host key is always checked under `host`'s known_hosts entry, and "
+        "a refused key or login is never retried elsewhere.")
+
+    @model_validator(mode="after")
+    def _fallbacks_are_other_addresses(self) -> Ssh:
+        hosts = [self.host, *self.fallback_hosts]
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"ssh.fallback_hosts must name addresses other than `host` and each other: {hosts}")
+        return self
 
 
 class FabricPort(_Model):

@@ -88,8 +88,7 @@ class Session:
         host-key policy. paramiko's default would reject unknown keys too, but only RejectPolicy says so outright:
         the product never trusts on first use."""
         ssh = self.ssh
-        sock = (_tcp(ssh.host, ssh.port, ssh.connect_timeout) if self.gateway is None
-                else self._through_gateway(ssh.host, ssh.port, ssh.connect_timeout))
+        sock = self._path()
         client = paramiko.SSHClient()
         try:
             client.load_host_keys(ssh.known_hosts)
@@ -103,6 +102,28 @@ class Session:
                        timeout=ssh.connect_timeout, banner_timeout=ssh.connect_timeout,
                        auth_timeout=ssh.connect_timeout)
         return client
+
+    def _path(self) -> socket.socket | paramiko.Channel:
+        """The byte path to the node: to `host`, else to each of `fallback_hosts` in turn (the worker reached over
+        its fabric while one half of the port is down). The SSH handshake that follows names `host` whatever the
+        path, so its known_hosts entry vouches for the node on every address (OpenSSH's HostKeyAlias)."""
+        ssh = self.ssh
+        if not ssh.fallback_hosts:
+            return self._open_path(ssh.host)
+        failed = []
+        for host in (ssh.host, *ssh.fallback_hosts):
+            try:
+                return self._open_path(host)
+            except Unreachable as exc:
+                failed.append(exc.message)
+            except (TimeoutError, OSError) as exc:
+                failed.append(f"{host}:{ssh.port}: {exc}")
+        raise Unreachable(self.name, "no address answered: " + "; ".join(failed))
+
+    def _open_path(self, host: str) -> socket.socket | paramiko.Channel:
+        ssh = self.ssh
+        return (_tcp(host, ssh.port, ssh.connect_timeout) if self.gateway is None
+                else self._through_gateway(host, ssh.port, ssh.connect_timeout))
 
     def _through_gateway(self, host: str, port: int, timeout: float) -> paramiko.Channel:
         """A direct-tcpip channel through the jump host's session (`ssh -J`), opened under the connect timeout

@@ -11,9 +11,18 @@ A container that exits while we wait fails the step at once with its last log li
 from __future__ import annotations
 
 from reconciler.core.drift import image_holder
+from reconciler.core.fabric import carrying_rdma_devices
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step, kind_and_node
-from reconciler.core.vllm import LaunchSpec, cache_dirs, launch_specs, memory_needed, memory_words, weights_size
+from reconciler.core.vllm import (
+    LaunchSpec,
+    at_start,
+    cache_dirs,
+    launch_specs,
+    memory_needed,
+    memory_words,
+    weights_size,
+)
 from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, note_copy, wait_for
@@ -114,7 +123,7 @@ def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
 
 def start_serving(ctx: StepContext, step: Step) -> None:
     node = step.node
-    spec = spec_for(ctx, node)
+    spec = at_start(spec_for(ctx, node), carrying_rdma_devices(ctx.desired.node(node), ctx.observed.node(node)))
     info = inspect(ctx, node, spec.container_name)
     if info is not None:
         if (problem := owner_problem(ctx, node, spec.container_name, info)) is not None:

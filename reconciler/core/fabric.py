@@ -1,0 +1,36 @@
+"""Which declared fabric ports carry traffic now: the one judgement the drift, the start's NCCL_IB_HCA and the
+metrics share.
+
+A Spark's QSFP port shows up as two netdevs on two PCIe x4 links (the first, `fabric.interface`, and its
+`twin`), each with its RDMA device. The first carries the rendezvous (VLLM_HOST_IP, MASTER_ADDR, the socket
+interfaces), so without it nothing starts. The twin only adds bandwidth: NCCL opens an HCA's port only when it is
+ACTIVE (`ncclIbInit` in NCCL's src/transport/net_ib.cc skips ports whose state is not IBV_PORT_ACTIVE) and serves
+on the other half, so a twin without carrier, or with its RDMA port DOWN, degrades the fabric; it does not stop a
+start (docs/troubleshooting.md, "A twin port down")."""
+
+from __future__ import annotations
+
+from reconciler.core.observed import Link, NodeObservation
+from reconciler.core.spec import FabricPort, Node
+
+
+def carries(want: FabricPort, link: Link | None) -> bool:
+    """The port is there, up with carrier, and its RDMA port (when declared and seen) is ACTIVE."""
+    return (link is not None and link.up
+            and not (want.rdma_device and link.rdma is not None and not link.rdma.active))
+
+
+def ports_seen(node: Node, obs: NodeObservation) -> list[tuple[FabricPort, Link | None]]:
+    """Each declared port with what the probe saw of it, the first port first."""
+    return list(zip(node.fabric.ports(), (obs.fabric, obs.fabric_twin), strict=False))
+
+
+def twin_only_down(node: Node, obs: NodeObservation) -> bool:
+    """The twin is declared and does not carry while the first port does: a degraded fabric, not a stopped one."""
+    seen = ports_seen(node, obs)
+    return len(seen) == 2 and carries(*seen[0]) and not carries(*seen[1])
+
+
+def carrying_rdma_devices(node: Node, obs: NodeObservation) -> list[str]:
+    """The RDMA devices of the ports that carry now, in declared order: what NCCL_IB_HCA lists at a start."""
+    return [port.rdma_device for port, link in ports_seen(node, obs) if port.rdma_device and carries(port, link)]
