@@ -126,10 +126,10 @@ def _fabric_ports(node: Node) -> tuple[tuple[str, str], ...]:
     return ((FABRIC_IFACE, node.fabric_addr), (FABRIC_TWIN_IFACE, node.twin_addr))
 
 
-def fabric_configure(node: Node) -> None:
-    """As the reconciler would leave it: both ports up, mtu 9000, the node's addresses."""
+def fabric_configure(node: Node, twin_only: bool = False) -> None:
+    """As the reconciler would leave it: both ports (or the twin only) up, mtu 9000, the node's addresses."""
     ns = node.netns
-    for dev, addr in _fabric_ports(node):
+    for dev, addr in _fabric_ports(node)[1 if twin_only else 0:]:
         ip("link", "set", "dev", dev, "mtu", str(FABRIC_MTU), ns=ns)
         ip("addr", "replace", addr, "dev", dev, ns=ns)
         ip("link", "set", "dev", dev, "up", ns=ns)

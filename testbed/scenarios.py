@@ -7,6 +7,10 @@
 * ``converged`` — as the reconciler leaves it, minus the serving containers themselves: fabric up with mtu
   9000 and addresses on every node, the served model (hf-cache layout) and the serving image on every node,
   only the allowed co-tenants running.
+* ``seed-fabric`` — the seed as a pair of Sparks has it: a worker has no management port of its own (its testbed
+  cable to the inner switch is cut; a Spark has no such NIC) and is reached through the head over the fabric
+  only. Its first fabric port is DOWN as in ``seed``, its twin is up (mtu 9000, its address): the reconciler
+  reaches it over the twin (`ssh.fallback_hosts`) and repairs the first port from there.
 * ``empty`` — nothing: no containers, no weights, no stand-in images on the workers, every fabric port down
   and unconfigured. (Images on the head are kept: they are the build cache.)
 
@@ -27,7 +31,7 @@ from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node
 from .proc import TestbedError
 from .realvllm.image import IMAGE as REAL_IMAGE
 
-SCENARIOS = ("seed", "converged", "empty")
+SCENARIOS = ("seed", "seed-fabric", "converged", "empty")
 SERVING_IMAGE = "vllm-standin:latest"
 COTENANT_IMAGE = "cotenant-standin:latest"
 FILL_FILE = ".testbed-fill"
@@ -136,6 +140,14 @@ def _seed_node(head: Node, n: Node, weights_size: int) -> None:
         run_cotenant(n, c)
 
 
+def _seed_fabric_node(head: Node, n: Node, weights_size: int) -> None:
+    """As `_seed_node`; a worker reachable over its fabric twin only."""
+    _seed_node(head, n, weights_size)
+    if _role_key(n) == "worker":
+        net.fabric_configure(n, twin_only=True)
+        net.set_mgmt(n, False)
+
+
 def _converged_node(head: Node, n: Node, weights_size: int) -> None:
     """Fabric up, the served model and the serving image in place, only the allowed co-tenants running."""
     role = _role_key(n)
@@ -157,7 +169,8 @@ def _empty_node(head: Node, n: Node, weights_size: int) -> None:
         _remove_image(n, COTENANT_IMAGE)
 
 
-_SET_UP_NODE = {"seed": _seed_node, "converged": _converged_node, "empty": _empty_node}
+_SET_UP_NODE = {"seed": _seed_node, "seed-fabric": _seed_fabric_node, "converged": _converged_node,
+                "empty": _empty_node}
 
 
 def _restore(lay: Layout) -> None:

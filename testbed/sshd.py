@@ -130,7 +130,9 @@ def write_known_hosts(lay: Layout) -> None:
     lines = []
     for n in lay.nodes:
         typ, b64 = (n.state / "ssh_host_ed25519_key.pub").read_text().split()[:2]
-        lines.append(f"{n.ssh_host} {typ} {b64}\n")
+        # a worker also under its fabric addresses: the `seed-fabric` scenario reaches it there, as on Sparks
+        names = [n.ssh_host] + ([n.fabric_ip, n.twin_addr.split("/")[0]] if n.index else [])
+        lines += [f"{name} {typ} {b64}\n" for name in names]
     known_hosts_file().write_text("".join(lines))
 
 

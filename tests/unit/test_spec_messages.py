@@ -39,7 +39,7 @@ def test_the_sample_is_valid():
 
 @pytest.mark.parametrize(("edits", "lines"), [
     pytest.param([(WORKER_TWIN, "")], [
-        "X:37:5: nodes[1].fabric.twin: declare the fabric twin on every node or on none (NCCL pairs the devices "
+        "X:38:5: nodes[1].fabric.twin: declare the fabric twin on every node or on none (NCCL pairs the devices "
         "across nodes)"], id="only-the-head-declares-one"),
     pytest.param([("interface: enP2p1s0f1np1    #", "interface: enp1s0f1np1    #")], [
         "X:23:20: nodes[0].fabric.twin.interface: enp1s0f1np1 is the fabric's first interface already"],
@@ -47,20 +47,20 @@ def test_the_sample_is_valid():
     pytest.param([("address: 192.168.201.12/24", "address: 192.168.200.50/24")], [
         "X:25:18: nodes[0].fabric.twin.address: 192.168.200.50/24 is in the subnet of enp1s0f1np1; the twins need "
         "different subnets",
-        "X:45:18: nodes[1].fabric.twin.address: 192.168.201.13/24 is not in the twins' subnet 192.168.200.0/24"],
+        "X:46:18: nodes[1].fabric.twin.address: 192.168.201.13/24 is not in the twins' subnet 192.168.200.0/24"],
         id="the-first-ports-subnet"),
     pytest.param([("address: 192.168.201.13/24", "address: 192.168.202.13/24")], [
-        "X:45:18: nodes[1].fabric.twin.address: 192.168.202.13/24 is not in the twins' subnet 192.168.201.0/24"],
+        "X:46:18: nodes[1].fabric.twin.address: 192.168.202.13/24 is not in the twins' subnet 192.168.201.0/24"],
         id="another-twins-subnet"),
     pytest.param([("        rdma_device: roceP2p1s0f1\n        address: 192.168.201.13",
                    "        address: 192.168.201.13")], [
-        "X:42:7: nodes[1].fabric.twin.rdma_device: an RDMA device on both twins or on neither"], id="rdma-on-one"),
+        "X:43:7: nodes[1].fabric.twin.rdma_device: an RDMA device on both twins or on neither"], id="rdma-on-one"),
     pytest.param([("        rdma_device: roceP2p1s0f1\n        address: 192.168.201.13",
                    "        rdma_device: rocep1s0f1\n        address: 192.168.201.13")], [
-        "X:44:22: nodes[1].fabric.twin.rdma_device: rocep1s0f1 is the first port's RDMA device already"],
+        "X:45:22: nodes[1].fabric.twin.rdma_device: rocep1s0f1 is the first port's RDMA device already"],
         id="rdma-twice"),
     pytest.param([("address: 192.168.201.13/24", "address: 192.168.201.12/24")], [
-        "X:45:18: nodes[1].fabric.twin.address: 192.168.201.12 is used by 'spark-1a32' already"],
+        "X:46:18: nodes[1].fabric.twin.address: 192.168.201.12 is used by 'spark-1a32' already"],
         id="address-twice"),
 ])
 def test_every_twin_rule_points_at_the_twin_that_breaks_it(edits, lines):
@@ -80,7 +80,7 @@ def test_listen_accepts_every_port_and_both_address_families(listen):
                                     "127.0.0.1", "127.0.0.1:http", "[127.0.0.1]x:9464"])
 def test_listen_refuses_what_cannot_be_bound_and_says_how_to_write_it(listen):
     assert validate((LISTEN, f"listen: '{listen}'")) == [
-        f"X:101:11: policy.listen: {listen!r} is not a valid HOST:PORT (an IP address or localhost, port 1-65535; "
+        f"X:102:11: policy.listen: {listen!r} is not a valid HOST:PORT (an IP address or localhost, port 1-65535; "
         "IPv6 as [::1]:9464)"]
 
 
@@ -89,11 +89,11 @@ def test_listen_refuses_what_cannot_be_bound_and_says_how_to_write_it(listen):
 
 def test_a_number_where_a_name_belongs_says_to_quote_it():
     assert validate(("container_name: vllm_serving", "container_name: 1234")) == [
-        "X:59:19: serving.container_name: must be a string; quote the value (1234 was read as int)"]
+        "X:60:19: serving.container_name: must be a string; quote the value (1234 was read as int)"]
 
 
 def test_a_word_outside_a_choice_lists_the_choices():
-    assert validate(("mode: enforce", "mode: enforced")) == ["X:96:9: policy.mode: must be 'enforce' or 'observe'"]
+    assert validate(("mode: enforce", "mode: enforced")) == ["X:97:9: policy.mode: must be 'enforce' or 'observe'"]
 
 
 # ------------------------------------------------------------------------------------------- trust
@@ -104,10 +104,10 @@ VOLUMES = ("    ipc: host", "    ipc: host\n    volumes: [/data/x:/x:ro, /etc/ss
 
 def test_a_volume_is_refused_under_the_system_in_a_key_directory_or_outside_the_trusted_paths():
     assert validate(VOLUMES) == [
-        "X:82:15: serving.docker.volumes[0]: /data/x is not below a trusted host path: add its directory to "
+        "X:83:15: serving.docker.volumes[0]: /data/x is not below a trusted host path: add its directory to "
         "trust.host_paths",
-        "X:82:30: serving.docker.volumes[1]: /etc/ssl is under /etc: never mounted into a serving container",
-        "X:82:52: serving.docker.volumes[2]: /home/spark/.ssh is a key directory: never mounted into a serving "
+        "X:83:30: serving.docker.volumes[1]: /etc/ssl is under /etc: never mounted into a serving container",
+        "X:83:52: serving.docker.volumes[2]: /home/spark/.ssh is a key directory: never mounted into a serving "
         "container"]
 
 
@@ -118,8 +118,8 @@ def test_a_volume_below_a_trusted_path_is_mounted_with_its_options():
 
 def test_a_trusted_path_is_refused_under_the_system_and_in_a_key_directory():
     assert validate(("  remote_code: true", "  remote_code: true\n  host_paths: [/var/lib/docker/x, /root/.ssh]")) == [
-        "X:86:16: trust.host_paths[0]: /var/lib/docker/x is under /var/lib/docker: never mounted",
-        "X:86:35: trust.host_paths[1]: /root/.ssh is a key directory: never mounted"]
+        "X:87:16: trust.host_paths[0]: /var/lib/docker/x is under /var/lib/docker: never mounted",
+        "X:87:35: trust.host_paths[1]: /root/.ssh is a key directory: never mounted"]
 
 
 # ------------------------------------------------------------------------------------------- several at once
@@ -129,8 +129,8 @@ def test_a_field_error_does_not_hide_the_cross_field_problems_elsewhere():
     assert validate(("port: 8000", "port: 29501"), ("      host: 10.1.230.180", "      host: 10.1.230.180\n"
                                                                            "      port: 0")) == [
         "X:14:13: nodes[0].ssh.port: must be greater than or equal to 1",
-        "X:63:9: serving.port: port 29501 is also serving.master_port",
-        "X:64:16: serving.master_port: port 29501 is also serving.port"]
+        "X:64:9: serving.port: port 29501 is also serving.master_port",
+        "X:65:16: serving.master_port: port 29501 is also serving.port"]
 
 
 def test_no_problem_is_invented_from_the_default_of_a_broken_value():
@@ -139,8 +139,8 @@ def test_no_problem_is_invented_from_the_default_of_a_broken_value():
     # broken value's own section waits: a rule cannot say which values it read.)
     assert validate(("port: 8000", "port: 99999"), ("master_port: 29501", "master_port: 8000"),
                     ("protected: {}", "protected: {spark-1a32: [vllm_*]}")) == [
-        "X:62:9: serving.port: must be less than or equal to 65535",
-        "X:92:28: co_tenants.protected.spark-1a32[0]: 'vllm_*' matches the managed serving container "
+        "X:63:9: serving.port: must be less than or equal to 65535",
+        "X:93:28: co_tenants.protected.spark-1a32[0]: 'vllm_*' matches the managed serving container "
         "'vllm_serving'"]
 
 
@@ -150,9 +150,9 @@ def test_a_broken_list_item_holds_the_cross_field_rules_back_until_it_is_fixed()
     broken = ('extra_args: ["--load-format", "fastsafetensors"]', 'extra_args: ["--load-format", "--port=1"]')
     collision = ("master_port: 29501", "master_port: 8000")
     assert validate(broken, collision) == [
-        "X:68:33: serving.extra_args[1]: --port is set by the reconciler; use serving.port instead"]
-    assert validate(collision) == ["X:62:9: serving.port: port 8000 is also serving.master_port",
-                                   "X:63:16: serving.master_port: port 8000 is also serving.port"]
+        "X:69:33: serving.extra_args[1]: --port is set by the reconciler; use serving.port instead"]
+    assert validate(collision) == ["X:63:9: serving.port: port 8000 is also serving.master_port",
+                                   "X:64:16: serving.master_port: port 8000 is also serving.port"]
 
 
 # ------------------------------------------------------------------------------------------- what YAML allows
@@ -164,25 +164,25 @@ UNENDED = ("the file does not end with the line `...` (YAML's document end marke
 
 @pytest.mark.parametrize(("edits", "lines"), [
     pytest.param([("port: 8000", "port: !!python/object 8000")], [
-        "X:62:9: serving.port: YAML tag 'tag:yaml.org,2002:python/object' is not allowed in a desired state"],
+        "X:63:9: serving.port: YAML tag 'tag:yaml.org,2002:python/object' is not allowed in a desired state"],
         id="tagged-value"),
     pytest.param([("port: 8000", "!!python/name:os.system port: 8000")], [
-        "X:62:3: serving: YAML tag 'tag:yaml.org,2002:python/name:os.system' is not allowed in a desired state"],
+        "X:63:3: serving: YAML tag 'tag:yaml.org,2002:python/name:os.system' is not allowed in a desired state"],
         id="tagged-key"),
     pytest.param([("port: 8000", "? [a, b]\n  : 1\n  port: 8000")], [
-        "X:62:5: serving: mapping keys must be plain scalars"], id="sequence-as-key"),
+        "X:63:5: serving: mapping keys must be plain scalars"], id="sequence-as-key"),
     pytest.param([("  port: 8000", "  <<: {port: 8000}")], [
-        "X:57:3: serving: merge keys (<<) are not supported; write the values out"], id="merge-key"),
+        "X:58:3: serving: merge keys (<<) are not supported; write the values out"], id="merge-key"),
     pytest.param([("env: {}", "env: " + "[" * 70 + "]" * 70)], [
-        "X:72:71: serving.env" + "[0]" * 62 + ": nested deeper than 64 levels (a recursive alias?)"], id="too-deep"),
+        "X:73:71: serving.env" + "[0]" * 62 + ": nested deeper than 64 levels (a recursive alias?)"], id="too-deep"),
     # PyYAML's constructors raise ValueError/KeyError, not a YAMLError, for these: once a traceback, now placed
-    pytest.param([("env: {}", "env: {X: !!int abc}")], ["X:72:12: serving.env.X: invalid value: 'abc' does not "
+    pytest.param([("env: {}", "env: {X: !!int abc}")], ["X:73:12: serving.env.X: invalid value: 'abc' does not "
                                                          "read as !!int"], id="bad-int"),
-    pytest.param([("env: {}", "env: {X: !!bool maybe}")], ["X:72:12: serving.env.X: invalid value: 'maybe' does "
+    pytest.param([("env: {}", "env: {X: !!bool maybe}")], ["X:73:12: serving.env.X: invalid value: 'maybe' does "
                                                             "not read as !!bool"], id="bad-bool"),
-    pytest.param([("env: {}", "env: {!!float x: 1}")], ["X:72:9: serving.env: invalid value: 'x' does not read as "
+    pytest.param([("env: {}", "env: {!!float x: 1}")], ["X:73:9: serving.env: invalid value: 'x' does not read as "
                                                          "!!float"], id="bad-float-key"),
-    pytest.param([("...\n", "")], [f"X:101:1: {UNENDED}"], id="no-end-marker"),
+    pytest.param([("...\n", "")], [f"X:102:1: {UNENDED}"], id="no-end-marker"),
     pytest.param([("...\n", "...\n# a comment after the marker\n\n")], [], id="comments-after-the-marker"),
 ])
 def test_yaml_the_loader_refuses_is_placed_at_its_node(edits, lines):
@@ -217,7 +217,7 @@ VOLUMES_AT = ("    ipc: host", "    ipc: host\n    volumes: ")
 
 @pytest.mark.parametrize(("edits", "lines"), [
     pytest.param([HEAD_JUMPS, ("      jump: spark-1a32 ", "      jump: nosuch     ")], [
-        "X:35:13: nodes[1].ssh.jump: jump host 'nosuch' is not a node (known: spark-1a32, spark-5be3)"],
+        "X:36:13: nodes[1].ssh.jump: jump host 'nosuch' is not a node (known: spark-1a32, spark-5be3)"],
         id="a-chain-ending-nowhere"),
     pytest.param([("      host: 10.1.230.180            #", "      port: 0\n      jump: nosuch\n"
                    "      host: 10.1.230.180            #")], [
@@ -225,42 +225,42 @@ VOLUMES_AT = ("    ipc: host", "    ipc: host\n    volumes: ")
     pytest.param([("      host: 10.1.230.180            #", "      port: 0\n      host: 10.1.230.180            #"),
                   ("    spark-5be3: [vllm_embeddings]", "    spark-5be3: [vllm_embeddings]\n    spark-9999: [x]")], [
         "X:13:13: nodes[0].ssh.port: must be greater than or equal to 1",
-        "X:93:5: co_tenants.allowed.spark-9999: 'spark-9999' is not a node"], id="a-key-elsewhere-despite"),
+        "X:94:5: co_tenants.allowed.spark-9999: 'spark-9999' is not a node"], id="a-key-elsewhere-despite"),
     pytest.param([("path: /home/spark/.cache/huggingface/hub", "path: /etc/models")], [
-        "X:54:9: model.path: /etc/models is under /etc: not a data directory"], id="model-under-the-system"),
+        "X:55:9: model.path: /etc/models is under /etc: not a data directory"], id="model-under-the-system"),
     pytest.param([("path: /home/spark/.cache/huggingface/hub", "path: /home/spark/.ssh/models")], [
-        "X:54:9: model.path: /home/spark/.ssh/models is a key directory: not a data directory"], id="model-in-keys"),
+        "X:55:9: model.path: /home/spark/.ssh/models is a key directory: not a data directory"], id="model-in-keys"),
     pytest.param([("master_port: 29501", "master_port: 8000\n  ray_port: 8000")], [
-        "X:62:9: serving.port: port 8000 is also serving.master_port, serving.ray_port",
-        "X:63:16: serving.master_port: port 8000 is also serving.port, serving.ray_port",
-        "X:64:13: serving.ray_port: port 8000 is also serving.port, serving.master_port"], id="three-ports-one"),
+        "X:63:9: serving.port: port 8000 is also serving.master_port, serving.ray_port",
+        "X:64:16: serving.master_port: port 8000 is also serving.port, serving.ray_port",
+        "X:65:13: serving.ray_port: port 8000 is also serving.port, serving.master_port"], id="three-ports-one"),
     pytest.param([("env: {}", "env: {VLLM_HOST_IP: x, LD_PRELOAD: /x.so}")], [
-        "X:72:9: serving.env.VLLM_HOST_IP: VLLM_HOST_IP is set by the reconciler from nodes[].fabric.address",
-        "X:72:26: serving.env.LD_PRELOAD: LD_PRELOAD loads code into every process of the container; refused "
+        "X:73:9: serving.env.VLLM_HOST_IP: VLLM_HOST_IP is set by the reconciler from nodes[].fabric.address",
+        "X:73:26: serving.env.LD_PRELOAD: LD_PRELOAD loads code into every process of the container; refused "
         "(docs/security.md)"], id="reserved-env"),
     pytest.param([(EXTRA_ARGS, 'extra_args: ["--chat-template={{ x }}", "--port-x=1"]')], [], id="spaces-are-fine"),
     pytest.param([(EXTRA_ARGS, 'extra_args: ["--x=\\x7f", "--port=1=2"]')], [
-        "X:68:16: serving.extra_args[0]: '--x=\\x7f' contains control characters",
-        "X:68:28: serving.extra_args[1]: --port is set by the reconciler; use serving.port instead"],
+        "X:69:16: serving.extra_args[0]: '--x=\\x7f' contains control characters",
+        "X:69:28: serving.extra_args[1]: --port is set by the reconciler; use serving.port instead"],
         id="delete-and-a-reserved-flag"),
     pytest.param([("  health_timeout: 1h", "  health_timeout: 1h\n  image_sources: [spark-1a32, nosuch]")], [
-        "X:83:31: serving.image_sources[1]: 'nosuch' is not a node"], id="image-source-unknown"),
+        "X:84:31: serving.image_sources[1]: 'nosuch' is not a node"], id="image-source-unknown"),
     pytest.param([("tensor_parallel_size: 2", "tensor_parallel_size: 1"), ("source: spark-1a32", "source: spark-5be3"),
                   ("path: /home/spark/.cache/huggingface/hub", "path: {spark-1a32: /home/spark/models}")],
-                 ["X:54:9: model.path: no model path for the source node 'spark-5be3'"], id="no-path-for-the-source"),
+                 ["X:55:9: model.path: no model path for the source node 'spark-5be3'"], id="no-path-for-the-source"),
     pytest.param([("env: {}", "env: {MY_SETTING: '1'}"), ("    VLLM_API_KEY: head", "    VLLM_API_KEY: head\n"
                                                                                "    MY_SETTING: head")], [
-        "X:76:5: serving.secrets.MY_SETTING: MY_SETTING is also in serving.env"], id="a-secret-also-in-env"),
+        "X:77:5: serving.secrets.MY_SETTING: MY_SETTING is also in serving.env"], id="a-secret-also-in-env"),
     pytest.param([(VOLUMES_AT[0], VOLUMES_AT[1] + "['/:/host', /home/spark/.gnupg/x:/g]")], [
-        "X:82:15: serving.docker.volumes[0]: / is under /: never mounted into a serving container",
-        "X:82:26: serving.docker.volumes[1]: /home/spark/.gnupg/x is a key directory: never mounted into a serving "
+        "X:83:15: serving.docker.volumes[0]: / is under /: never mounted into a serving container",
+        "X:83:26: serving.docker.volumes[1]: /home/spark/.gnupg/x is a key directory: never mounted into a serving "
         "container"], id="root-and-gnupg"),
     pytest.param([(VOLUMES_AT[0], VOLUMES_AT[1] + "[/data/x/:/x, /X:/y]"),
                   ("  remote_code: true", "  remote_code: true\n  host_paths: [/data/, /X]")], [],
                  id="trailing-slashes-and-odd-names"),
     pytest.param([(VOLUMES_AT[0], VOLUMES_AT[1] + "[/data/z:/z]"),
                   ("  remote_code: true", "  remote_code: true\n  host_paths: [/X]")], [
-        "X:82:15: serving.docker.volumes[0]: /data/z is not below a trusted host path: add its directory to "
+        "X:83:15: serving.docker.volumes[0]: /data/z is not below a trusted host path: add its directory to "
         "trust.host_paths"], id="a-trusted-path-is-only-itself"),
     pytest.param([("devices: [/dev/infiniband]", "devices: [/dev/infiniband, /dev/foo]"),
                   ("  remote_code: true", "  remote_code: true\n  devices: ['/']")], [], id="every-device-trusted"),
@@ -274,12 +274,12 @@ def test_each_rule_says_where_and_what(edits, lines):
 def test_a_jump_chain_that_enters_a_loop_is_a_cycle_and_validation_ends():
     assert validate(HEAD_JUMPS, ("      jump: spark-1a32 ", "      jump: spark-5be3 ")) == [
         "X:13:13: nodes[0].ssh.jump: jump hosts form a cycle through 'spark-5be3'",
-        "X:35:13: nodes[1].ssh.jump: a node cannot be its own jump host"]
+        "X:36:13: nodes[1].ssh.jump: a node cannot be its own jump host"]
 
 
 def test_the_exception_reads_as_its_lines_and_a_nameless_text_is_called_string():
     with pytest.raises(spec.InvalidDesiredState) as info:
         spec.loads(SAMPLE.replace("mode: enforce", "mode: x").replace("port: 8000", "port: 0"))
     assert str(info.value) == "\n".join(info.value.lines())
-    assert info.value.lines() == ["<string>:62:9: serving.port: must be greater than or equal to 1",
-                                  "<string>:96:9: policy.mode: must be 'enforce' or 'observe'"]
+    assert info.value.lines() == ["<string>:63:9: serving.port: must be greater than or equal to 1",
+                                  "<string>:97:9: policy.mode: must be 'enforce' or 'observe'"]

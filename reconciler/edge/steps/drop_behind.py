@@ -32,4 +32,7 @@ def drop_behind(ctx: StepContext, node: str, root: str) -> Iterator[None]:
                              f"{(said.stderr or first or 'no output').strip()[-400:]}; it needs python3 there "
                              "(or set policy.weights.drop_behind: false)")
         yield
-        helper.end(ctx.command_timeout)
+        said = helper.end(ctx.command_timeout)
+        if said.exit_code != 0:  # the copy is good; only its cache may have grown: said, not failed
+            ctx.progress("weights.drop-behind-ended", {"node": node, "exit": said.exit_code,
+                                                      "stderr": said.stderr.strip()[-300:]})
