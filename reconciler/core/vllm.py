@@ -107,9 +107,12 @@ def _model_mount(desired: Desired, node: Node) -> tuple[list[str], str, dict[str
 
 
 # Inside the container (NGC's and vLLM's images run as root): vLLM's torch.compile cache lives in ~/.cache/vllm,
-# FlashInfer's JIT in ~/.cache/flashinfer, Triton's in ~/.triton; inductor's own defaults to /tmp, so it is moved
-# under the vLLM one (bench/vllm_start.py measures what keeping them saves).
-_CACHES_IN_CONTAINER = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton"}
+# FlashInfer's JIT in ~/.cache/flashinfer, Triton's in ~/.triton, TileLang's in ~/.tilelang (its default
+# TILELANG_CACHE_DIR is ~/.tilelang/cache; the GB10 recipes of the MoE kernels TileLang compiles set exactly that);
+# inductor's own defaults to /tmp, so it is moved under the vLLM one (bench/vllm_start.py measures what keeping
+# them saves). With `compile_cache: home` each is the same path below the SSH user's home on the node.
+_CACHES_IN_CONTAINER = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton",
+                        "tilelang": "/root/.tilelang"}
 
 
 def cache_dirs(desired: Desired, node: Node) -> dict[str, str]:
@@ -120,7 +123,7 @@ def cache_dirs(desired: Desired, node: Node) -> dict[str, str]:
         return {}
     if where == "home":
         home = "/root" if node.ssh.user == "root" else f"/home/{node.ssh.user}"
-        return {"vllm": f"{home}/.cache/vllm", "flashinfer": f"{home}/.cache/flashinfer", "triton": f"{home}/.triton"}
+        return {name: home + inside.removeprefix("/root") for name, inside in _CACHES_IN_CONTAINER.items()}
     return {name: f"{where.rstrip('/')}/{name}" for name in _CACHES_IN_CONTAINER}
 
 

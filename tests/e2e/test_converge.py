@@ -95,8 +95,9 @@ def test_seed_converges_in_one_apply(seed_testbed):
     labels = containers(tb, "worker")["vllm_serving"]["Config"]["Labels"]
     assert labels["spark-reconciler.managed"] == "true" and labels["spark-reconciler.spec-hash"]
     for node in ("head", "worker"):  # compile caches kept per node, made by the SSH user (not by dockerd as root)
-        owners = tb.exec(node, "stat -c %U ~/.cache/vllm ~/.cache/flashinfer ~/.triton", check=True).stdout.split()
-        assert owners == ["spark"] * 3, f"{node}: {owners}"
+        owners = tb.exec(node, "stat -c %U ~/.cache/vllm ~/.cache/flashinfer ~/.triton ~/.tilelang",
+                         check=True).stdout.split()
+        assert owners == ["spark"] * 4, f"{node}: {owners}"
         mounts = {m["Destination"]: m["Source"] for m in containers(tb, node)["vllm_serving"]["Mounts"]}
         assert mounts["/root/.cache/vllm"] == "/home/spark/.cache/vllm"
 

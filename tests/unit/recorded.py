@@ -1,7 +1,7 @@
 """A converged 4-node cluster as the probe really saw it, and the edits the world makes to it.
 
 `fixtures/probe-4-nodes.json` holds what `probe_script` printed on each node of a converged 4-node testbed
-(recorded 2026-12-04 over the daemon's own SSH sessions by `bench.sim.record`; see test_probe_recorded.py). The
+(recorded 2026-12-06 over the daemon's own SSH sessions by `bench.sim.record`; see test_probe_recorded.py). The
 case tests (test_drift_cases.py, test_plan_cases.py) start from it, change one thing the way a probe would see it
 change, and compare the whole result with one written by hand.
 """
@@ -25,6 +25,16 @@ WEIGHTS = "weights/testorg/tiny-moe"
 IMAGE = "image/vllm-standin:latest"
 SERVING = "container/vllm_serving"
 REV = "1111111111111111111111111111111111111111"
+
+
+def _cluster_id() -> str:
+    """The head's cluster id as the recording's probe read it (its `identity` section): the label the recorded
+    serving containers carry (core/ownership.py)."""
+    head = RAW["outputs"]["head"]
+    return head.split("@@identity\n", 1)[1].split("\n", 1)[0]
+
+
+CLUSTER_ID = _cluster_id()
 
 
 def load(*edits: tuple[str, str]) -> spec.Desired:

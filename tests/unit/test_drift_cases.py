@@ -34,6 +34,7 @@ from reconciler.core.observed import (
     Weights,
 )
 from tests.unit.recorded import (
+    CLUSTER_ID,
     IF0,
     IF1,
     IMAGE,
@@ -382,7 +383,7 @@ def test_a_serving_name_held_by_a_stranger_blocks(desired, seen):
     after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={}))
     assert diff(desired, after) == [
         Drift("worker1", "co-tenant", SERVING, "not running (not allowed)", "running (vllm-standin:latest)"),
-        Drift("worker1", "serving", SERVING, "created by this reconciler (10.231.0.2:22)",
+        Drift("worker1", "serving", SERVING, f"created by this reconciler (cluster {CLUSTER_ID})",
               "a container not created by the reconciler holds the name", actionable=False, blocking=True)]
 
 
@@ -390,9 +391,10 @@ def test_a_serving_name_held_by_another_reconciler_blocks_and_names_it(desired, 
     labels = {LABEL_MANAGED: "true", LABEL_INSTANCE: "10.9.9.9:22"}
     after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels=labels))
     assert diff(desired, after) == [
-        Drift("worker1", "serving", SERVING, "created by this reconciler (10.231.0.2:22)",
-              "another reconciler's container (instance 10.9.9.9:22) holds the name", actionable=False,
-              blocking=True)]
+        Drift("worker1", "serving", SERVING, f"created by this reconciler (cluster {CLUSTER_ID})",
+              "another reconciler's container (instance 10.9.9.9:22) holds the name: if that is this head under a "
+              "former address, add the line `10.9.9.9:22` to ~/.spark-reconciler/cluster-id on head and it is "
+              "adopted; otherwise remove or rename that container", actionable=False, blocking=True)]
 
 
 def test_our_container_under_a_former_name_is_stopped_unless_protected():

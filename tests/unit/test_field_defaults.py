@@ -104,7 +104,8 @@ def test_compile_caches_are_kept_per_node_in_the_ssh_users_home(cluster_yaml):
         user = desired.node(spec.node).ssh.user
         volumes = set(_flag_values(spec.docker_flags, "-v"))
         assert {f"/home/{user}/.cache/vllm:/root/.cache/vllm", f"/home/{user}/.triton:/root/.triton",
-                f"/home/{user}/.cache/flashinfer:/root/.cache/flashinfer"} <= volumes
+                f"/home/{user}/.cache/flashinfer:/root/.cache/flashinfer", f"/home/{user}/.tilelang:/root/.tilelang"} \
+            <= volumes
         assert spec.env["TORCHINDUCTOR_CACHE_DIR"] == "/root/.cache/vllm/inductor"  # else /tmp, lost with it
     elsewhere = launch_specs(_desired(cluster_yaml, compile_cache="/data/compile"))
     assert "/data/compile/triton:/root/.triton" in _flag_values(elsewhere[0].docker_flags, "-v")

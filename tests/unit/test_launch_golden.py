@@ -26,7 +26,8 @@ DOCKER = ["--network", "host", "--restart", "no", "--ipc", "host", "--gpus", "al
 MOUNTS = ["-v", "/home/spark/.cache/huggingface/hub:/root/.cache/huggingface/hub:ro",
           "-v", "/home/spark/.cache/vllm:/root/.cache/vllm",
           "-v", "/home/spark/.cache/flashinfer:/root/.cache/flashinfer",
-          "-v", "/home/spark/.triton:/root/.triton"]
+          "-v", "/home/spark/.triton:/root/.triton",
+          "-v", "/home/spark/.tilelang:/root/.tilelang"]
 SERVE = ["vllm", "serve", "Qwen/Qwen3.5-122B-A10B-FP8", "--revision", "main", "--tensor-parallel-size", "2",
          "--pipeline-parallel-size", "1", "--gpu-memory-utilization", "0.8", "--max-model-len", "32768",
          "--served-model-name", "qwen3.5-122b", "--trust-remote-code"]
@@ -131,18 +132,21 @@ def test_a_plain_model_directory_is_mounted_read_only_and_served_by_path():
 
 @pytest.mark.parametrize(("edits", "dirs"), [
     ([], {"vllm": "/home/spark/.cache/vllm", "flashinfer": "/home/spark/.cache/flashinfer",
-          "triton": "/home/spark/.triton"}),
+          "triton": "/home/spark/.triton", "tilelang": "/home/spark/.tilelang"}),
     ([("      user: spark\n      known_hosts", "      user: root\n      known_hosts")],
-     {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton"}),
+     {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton",
+      "tilelang": "/root/.tilelang"}),
     ([("  health_timeout: 1h", "  health_timeout: 1h\n  compile_cache: /data/ccX/")],
-     {"vllm": "/data/ccX/vllm", "flashinfer": "/data/ccX/flashinfer", "triton": "/data/ccX/triton"}),
+     {"vllm": "/data/ccX/vllm", "flashinfer": "/data/ccX/flashinfer", "triton": "/data/ccX/triton",
+      "tilelang": "/data/ccX/tilelang"}),
     ([("  health_timeout: 1h", "  health_timeout: 1h\n  compile_cache: null")], {}),
 ])
 def test_compile_caches_live_in_the_ssh_users_home_or_below_the_declared_directory(edits, dirs):
     d = desired(*edits)
     head = launch_specs(d)[0]
     assert cache_dirs(d, d.nodes[0]) == dirs
-    inner = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton"}
+    inner = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer", "triton": "/root/.triton",
+             "tilelang": "/root/.tilelang"}
     mounts = [a for name, host in dirs.items() for a in ("-v", f"{host}:{inner[name]}")]
     assert list(head.docker_flags[len(DOCKER) + 2:]) == mounts
     assert ("TORCHINDUCTOR_CACHE_DIR" in head.env) == bool(dirs)

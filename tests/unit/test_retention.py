@@ -21,11 +21,11 @@ from reconciler.edge.probes import Section
 from reconciler.edge.steps import StepContext
 from reconciler.edge.steps import retention as prune
 from tests.unit.examples import examples
-from tests.unit.recorded import changed, load
+from tests.unit.recorded import CLUSTER_ID, changed, load
 
 HUB = "/srv/spark-testbed/worker1/models/hub"
 CURRENT = f"{HUB}/models--testorg--tiny-moe"
-CLUSTER = "0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0"
+CLUSTER = CLUSTER_ID  # the recording's head made it; its serving containers carry it
 BY = CLUSTER  # records are written with the cluster's id (core/ownership.py)
 DIGEST = "d" * 64
 

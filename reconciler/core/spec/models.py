@@ -209,9 +209,10 @@ class Serving(_Model):
     docker: DockerOptions = Field(default_factory=DockerOptions)
     compile_cache: Literal["home"] | DataPath | None = Field(
         "home", description="Where each node keeps what vLLM compiles (torch.compile/inductor, Triton, "
-        "FlashInfer), so a restart does not compile again. `home`: the SSH user's ~/.cache/vllm, "
-        "~/.cache/flashinfer and ~/.triton (home = /home/USER, /root for root), as eugr's launcher mounts them; "
-        "an absolute path: vllm/, flashinfer/ and triton/ below it; null: nothing kept. Created as the SSH user.")
+        "FlashInfer, TileLang), so a restart does not compile again. `home`: the SSH user's ~/.cache/vllm, "
+        "~/.cache/flashinfer, ~/.triton and ~/.tilelang (home = /home/USER, /root for root), as eugr's launcher "
+        "mounts them; an absolute path: vllm/, flashinfer/, triton/ and tilelang/ below it; null: nothing kept. "
+        "Created as the SSH user.")
     health_timeout: Annotated[Duration, at_least(10, "a cold start takes longer")] = Field(
         Duration(3600), description="Deadline for /health after a (cold) start.")
     unhealthy_grace: Annotated[Duration, at_least(10, "shorter restarts serving on every hiccup")] = Field(
