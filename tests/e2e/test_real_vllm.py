@@ -6,7 +6,8 @@ Few tests, each earning its minutes, run in this order on one deployment (module
 2. a serving change (max_model_len) restarts in order and answers again;
 3. the worker's fabric link goes down under the running deployment: what vLLM does is recorded (measured on
    2026-12-03: /health kept answering 200 while a completion hung), the reconciler sees the drift (the link, and
-   the failed completion), repairs the link, and the deployment answers again.
+   the failed completion), repairs the link, and the deployment answers again;
+4. under a load that takes every slot, the daemon says Busy and restarts nothing.
 
 Every check reads the nodes directly (testbed exec/docker), not the reconciler's own view.
 """
@@ -14,16 +15,22 @@ Every check reads the nodes directly (testbed exec/docker), not the reconciler's
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import yaml
 
+from testbed.proc import wait_for
 from testbed.realvllm import image
 from tests.e2e.test_converge import containers, content_hashes, reconciler
+from tests.e2e.test_loop import serving_ids
+from tests.e2e.test_reliability import cond, converged, daemon
 
 pytestmark = pytest.mark.e2e
 
 START_TIMEOUT = 900  # an apply that copies a 2 GB image and starts vLLM twice over on 2 busy cores
+GRACE = 20  # unhealthy_grace of the busy test, as in the reproduction
 
 
 def completion(tb, timeout: int = 60) -> tuple[int, dict | None]:
@@ -147,3 +154,47 @@ def test_fabric_link_down_is_seen_by_a_completion_and_repaired(deployed, tmp_pat
     assert "link/worker" in result.stdout
     rc, answer = completion(tb)
     assert rc == 0 and answer and answer["choices"], answer
+
+
+def test_every_slot_taken_on_the_real_vllm_is_busy_and_never_restarted(deployed, tmp_path):
+    """Finding 1 of issue 30 as it was reproduced, on vLLM 0.32 itself: `--max-num-seqs 4` (the testbed's real
+    serving), six clients of long generations for three graces of 20 s. The probe's one-token completion queues
+    behind every slot past its 5 s deadline, while vLLM's own token counters keep moving: the status says Busy,
+    nothing restarts, and every request is answered (before: "serving served, then failed its health", then both
+    ranks stopped at the busiest moment)."""
+    tb, desired, _ = deployed
+    data = yaml.safe_load(desired.read_text())
+    data["serving"].update(max_model_len=2048, unhealthy_grace=f"{GRACE}s")  # 2048: what the tests before left
+    data["policy"]["resync_interval"] = "3s"
+    busy = tmp_path / "busy.yaml"
+    busy.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
+    d = daemon(busy, tmp_path / "state")
+    try:
+        converged(d, 300)
+        before = serving_ids(tb, "head") | serving_ids(tb, "worker")
+        answers: list[int] = []
+        end = time.monotonic() + 3 * GRACE  # bounded: the load stops by itself
+        body = json.dumps({"model": image.SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 1000,
+                           "ignore_eos": True, "temperature": 0})
+
+        def client() -> None:
+            while time.monotonic() < end:
+                out = tb.exec("head", f"curl -s -o /dev/null -m 600 -w '%{{http_code}}' -H 'Content-Type: "
+                                      f"application/json' -d '{body}' http://127.0.0.1:8000/v1/completions",
+                              timeout=660).stdout
+                answers.append(int(out or 0))
+
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(6)]
+        for c in clients:
+            c.start()
+        wait_for(lambda: cond(d, "head", "ServingBusy").get("status") == "True", 3 * GRACE + 60,
+                 "the status saying Busy")
+        busy_seen = cond(d, "head", "ServingBusy")
+        for c in clients:
+            c.join(900)
+        assert answers and all(code == 200 for code in answers), answers
+        assert serving_ids(tb, "head") | serving_ids(tb, "worker") == before, "a busy cluster is never restarted"
+        assert busy_seen["reason"] == "QueueFull", busy_seen
+        print(f"real vLLM under load: {len(answers)} requests of 1000 tokens answered; busy: {busy_seen['message']}")
+    finally:
+        d.close()
