@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -45,6 +46,22 @@ def _ask(tb) -> int:
     return int(out or 0)
 
 
+def load(ask: Callable[[], int], seconds: float, clients: int = 6) -> tuple[list[int], list[threading.Thread]]:
+    """`clients` threads, each asking `ask()` again and again for `seconds` (bounded: the load stops by itself):
+    the HTTP codes they got, and the threads to join."""
+    answers: list[int] = []
+    end = time.monotonic() + seconds
+
+    def client() -> None:
+        while time.monotonic() < end:
+            answers.append(ask())
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return answers, threads
+
+
 def test_a_busy_cluster_is_left_serving_and_a_wedged_one_is_restarted(seed_testbed, tmp_path):
     tb = seed_testbed.reset("converged")
     desired = write_desired(tmp_path / "cluster.yaml", _busy_cluster, resync_interval=f"{RESYNC}s")
@@ -52,16 +69,7 @@ def test_a_busy_cluster_is_left_serving_and_a_wedged_one_is_restarted(seed_testb
     try:
         converged(d, 180)
         before = serving_ids(tb, "head") | serving_ids(tb, "worker")
-        answers: list[int] = []
-        end = time.monotonic() + 3 * GRACE  # bounded: the load stops by itself
-
-        def client():
-            while time.monotonic() < end:
-                answers.append(_ask(tb))
-
-        clients = [threading.Thread(target=client, daemon=True) for _ in range(6)]
-        for c in clients:
-            c.start()
+        answers, clients = load(lambda: _ask(tb), 3 * GRACE)
         wait_for(lambda: (d.condition("head", "ServingBusy") or {}).get("status") == "True", 3 * GRACE,
                  "the status saying Busy")
         busy_seen = d.condition("head", "ServingBusy")

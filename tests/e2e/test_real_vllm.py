@@ -15,14 +15,13 @@ Every check reads the nodes directly (testbed exec/docker), not the reconciler's
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 import yaml
 
 from testbed.proc import wait_for
 from testbed.realvllm import image
+from tests.e2e.test_busy import load
 from tests.e2e.test_converge import containers, content_hashes, reconciler
 from tests.e2e.test_loop import serving_ids
 from tests.e2e.test_reliability import cond, converged, daemon
@@ -172,21 +171,16 @@ def test_every_slot_taken_on_the_real_vllm_is_busy_and_never_restarted(deployed,
     try:
         converged(d, 300)
         before = serving_ids(tb, "head") | serving_ids(tb, "worker")
-        answers: list[int] = []
-        end = time.monotonic() + 3 * GRACE  # bounded: the load stops by itself
         body = json.dumps({"model": image.SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 1000,
                            "ignore_eos": True, "temperature": 0})
 
-        def client() -> None:
-            while time.monotonic() < end:
-                out = tb.exec("head", f"curl -s -o /dev/null -m 600 -w '%{{http_code}}' -H 'Content-Type: "
-                                      f"application/json' -d '{body}' http://127.0.0.1:8000/v1/completions",
-                              timeout=660).stdout
-                answers.append(int(out or 0))
+        def ask() -> int:
+            out = tb.exec("head", f"curl -s -o /dev/null -m 600 -w '%{{http_code}}' -H 'Content-Type: "
+                                  f"application/json' -d '{body}' http://127.0.0.1:8000/v1/completions",
+                          timeout=660).stdout
+            return int(out or 0)
 
-        clients = [threading.Thread(target=client, daemon=True) for _ in range(6)]
-        for c in clients:
-            c.start()
+        answers, clients = load(ask, 3 * GRACE)
         wait_for(lambda: cond(d, "head", "ServingBusy").get("status") == "True", 3 * GRACE + 60,
                  "the status saying Busy")
         busy_seen = cond(d, "head", "ServingBusy")
