@@ -16,7 +16,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def fabric_testbed(testbed):
-    return testbed.reset("seed-fabric")
+    yield testbed.reset("seed-fabric")
+    testbed.reset("seed")  # the worker's management path back, for the tests that take the testbed as they find it
 
 
 def over_the_fabric(data: dict) -> None:
