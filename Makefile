@@ -19,6 +19,7 @@ help:
 
 deps:
 	bash testbed/install-deps.sh
+	bash testbed/rsync-builds.sh
 
 venv: $(VENV)/.installed
 

@@ -17,6 +17,7 @@ PACKAGES=(
     openssh-server openssh-client   # sshd per node, ssh-keygen for host and client keys
     docker.io containerd runc       # one dockerd (+ its containerd) per node
     rsync                           # the reconciler copies weights with it
+    gcc make libpopt-dev zlib1g-dev xz-utils curl   # testbed/rsync-builds.sh: rsync 3.4.1 built for the confinement test
     iproute2 iputils-ping           # netns, veth, link faults
     util-linux e2fsprogs mount      # nsenter, losetup, mkfs.ext4 for the worker's small model disk
     procps psmisc                   # ps/kill, used when tearing down

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.edge.steps import rsyncd, rsyncd_helper
+from reconciler.edge.steps.weights import COPY_OPTIONS
 from testbed.proc import wait_for
 
 HELPER = str(Path(rsyncd_helper.__file__))
@@ -43,7 +44,7 @@ class Helper:
 
 
 def push(src: Path, url: str, secret: str = SECRET, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["rsync", "-a", "--safe-links", "--partial-dir=.rsync-partial", "--timeout=30",
+    return subprocess.run(["rsync", *COPY_OPTIONS, "--partial-dir=.rsync-partial", "--timeout=30",
                            "--password-file=-", *extra, f"{src}/", url], input=f"{secret}\n", capture_output=True,
                           text=True, timeout=60, check=False)
 
@@ -63,7 +64,8 @@ def src(tmp_path) -> Path:
     return d
 
 
-def test_one_stream_arrives_links_kept_and_nothing_is_left(tmp_path, src):
+def test_one_stream_arrives_without_its_links_and_nothing_is_left(tmp_path, src):
+    """The weights step's own options: regular files arrive, a link is skipped (the reconciler makes the links)."""
     dst = tmp_path / "dst"
     dst.mkdir()
     helper = Helper(dst)
@@ -72,7 +74,7 @@ def test_one_stream_arrives_links_kept_and_nothing_is_left(tmp_path, src):
     code, out, err = helper.end()
     assert (code, out.split()) == (0, ["daemon", "0"]), err
     assert (dst / "blobs" / "abc").read_bytes() == (src / "blobs" / "abc").read_bytes()
-    assert os.readlink(dst / "snapshots" / "r" / "model.safetensors") == "../../blobs/abc"
+    assert not os.path.lexists(dst / "snapshots" / "r" / "model.safetensors")
     assert not listening(helper.port)
 
 
@@ -116,7 +118,7 @@ def test_closing_the_lifeline_mid_transfer_ends_every_daemon_and_keeps_the_parti
     dst = tmp_path / "dst"
     dst.mkdir()
     helper = Helper(dst)
-    client = subprocess.Popen(["rsync", "-a", "--partial-dir=.rsync-partial", "--timeout=30", "--bwlimit=2m",
+    client = subprocess.Popen(["rsync", *COPY_OPTIONS, "--partial-dir=.rsync-partial", "--timeout=30", "--bwlimit=2m",
                                "--password-file=-", f"{src}/", helper.url()], stdin=subprocess.PIPE,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert client.stdin is not None
@@ -164,3 +166,28 @@ def test_only_a_port_line_from_the_node_names_a_port():
     for said in (None, "", "port", "port x", "port 0", "port 65536", "port 22 23", "Traceback (most recent", "22"):
         assert rsyncd._port(said) is None, said
     assert rsyncd._port("port 4242") == 4242
+
+
+def test_a_client_asking_for_links_is_refused_and_writes_nothing(tmp_path, src):
+    """`-a` carries -l (and -D, -o, -g): the daemon refuses the whole stream (`rsyncd_helper.REFUSED`)."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    helper = Helper(dst)
+    done = subprocess.run(["rsync", "-a", "--timeout=30", "--password-file=-", f"{src}/", helper.url()],
+                          input=f"{SECRET}\n", capture_output=True, text=True, timeout=60, check=False)
+    helper.end(close=True)
+    assert done.returncode != 0 and "refuse" in done.stderr, done.stderr
+    assert list(dst.iterdir()) == []
+
+
+def test_a_node_whose_rsync_cannot_be_confined_gets_no_daemon(tmp_path):
+    """An rsync older than MIN_VERSION: the helper refuses before it listens (exit 5, says what to do)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "rsync").write_text("#!/bin/sh\necho 'rsync  version 3.0.9  protocol version 30'\n")
+    (fake / "rsync").chmod(0o755)
+    proc = subprocess.run([sys.executable, HELPER, "127.0.0.1", "127.0.0.1", "1", str(tmp_path), "60"],
+                          input=f"{SECRET}\n", capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}, check=False)
+    assert (proc.returncode, proc.stdout) == (5, ""), proc.stderr
+    assert "3.0.9 is older than 3.1.0" in proc.stderr and "transport: ssh" in proc.stderr

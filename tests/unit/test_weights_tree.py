@@ -383,8 +383,8 @@ def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon", drop
 
 @pytest.mark.parametrize("streams,transport", [(1, "rsync-daemon"), (3, "rsync-daemon"), (1, "ssh"), (3, "ssh")])
 def test_a_hf_cache_with_shared_blobs_arrives_as_real_files(tmp_path, nodes, streams, transport):
-    """Over the daemon too: a daemon outside a chroot munges every link by default, and with `--safe-links` the
-    snapshot links would all be dropped (`munge symlinks = no` in rsyncd_helper)."""
+    """Over the daemon too: rsync carries no link (the daemon refuses -l and munges any that arrive); the snapshot
+    links are made on the target by the reconciler from the source's manifest (`make_links`)."""
     repo = hf_tree(tmp_path / "src", shards=3, shard_bytes=30_000, shared=2)
     events: list = []
     sync(tmp_path, nodes, streams, events, transport)
@@ -404,7 +404,9 @@ def test_a_hf_cache_with_shared_blobs_arrives_as_real_files(tmp_path, nodes, str
         if "--copy-links" in argv:
             assert set(listed) <= copied, "a run that follows links lists nothing but checked links"
         else:
-            assert "--safe-links" in argv and not set(listed) & copied
+            assert not set(listed) & copied
+        assert "-a" not in argv.split() and all(f.link_target is None or f.path in copied
+                                                for f in src_w.files if f.path in listed), "rsync lists no link"
     start = next(f for e, f in events if e == "weights.start")
     assert start["bytes_total"] == sum(f.size for f in src_w.files if f.link_target is None or f.path in copied)
 
@@ -458,8 +460,8 @@ def test_a_partial_listing_is_refused(tmp_path, nodes, monkeypatch):
 
 def test_rsync_itself_never_copies_a_link_out_of_the_tree(tmp_path, nodes):
     """Defence in depth: even when the probe is wrong (here: the source's manifest shows the outside link as a
-    harmless link inside), the runs that keep links skip a link whose value leaves the tree. The old
-    `--copy-unsafe-links` copied the key into the worker's model dir."""
+    harmless link inside), rsync never carries or follows that link: the target gets the link the manifest
+    names, made by the reconciler. The old `--copy-unsafe-links` copied the key into the worker's model dir."""
     repo = hf_tree(tmp_path / "src")
     secret = outside_secret(tmp_path)
     sneaky = f"snapshots/{REV}/generation_config.json"
@@ -475,9 +477,9 @@ def test_rsync_itself_never_copies_a_link_out_of_the_tree(tmp_path, nodes):
     nodes["src"].run_script = fooled
     seen = parse_weights(str(repo), split_sections(fooled(manifest_script(str(repo)), timeout=30).stdout)["weights"])
     assert not getattr(seen, "unsafe", []) and {f.path: f.link_target for f in seen.files}[sneaky] == inside
-    with pytest.raises(StepFailed):  # the target then lacks that link: the manifests differ
-        sync(tmp_path, nodes, streams=1)
+    sync(tmp_path, nodes, streams=1)
     assert not holds_secret(tmp_path / "dst")
+    assert os.readlink(tmp_path / "dst" / "hub" / repo.name / sneaky) == inside
 
 
 # -- verify --repair: only inside the tree ----------------------------------------------------------------------
@@ -553,3 +555,18 @@ def test_the_source_hash_cache_keys_are_unchanged(tmp_path):
                          capture_output=True, text=True, check=True, env={**os.environ, "LC_ALL": "C"}).stdout
     was = {p: (int(s), t) for p, s, t in (line.split("\t") for line in old.splitlines())}
     assert listing.resolved == was
+
+
+@pytest.mark.parametrize("transport", ["rsync-daemon", "ssh"])
+def test_a_target_tree_with_a_link_leading_out_gets_no_copy(tmp_path, nodes, transport):
+    """A link already in the target's tree that leads out of it (a directory elsewhere) is a way out for a daemon
+    that follows links on its path (rsync <= 3.4.1) and for the links made after the data: either transport
+    refuses before any rsync runs, and says what to do."""
+    repo = hf_tree(tmp_path / "src")
+    dst = tmp_path / "dst" / "hub" / repo.name
+    dst.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (dst / "snapshots").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StepFailed, match="link.* leading out of it.*remove it.*led out of the tree"):
+        sync(tmp_path, nodes, streams=1, transport=transport)
+    assert not nodes["src"].rsyncs() and list((tmp_path / "elsewhere").iterdir()) == []

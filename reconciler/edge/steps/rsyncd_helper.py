@@ -13,12 +13,20 @@ Why this shape (docs/research/weights-transport.md, from rsync's source):
   this helper writes once that daemon opens it; rsync 3.5 opens its config and secrets files by walking the path
   without following links, so `/proc/self/fd/N` of a memfd is refused (measured on the testbed's rsync 3.5.0). The
   config (no secret in it) and the FIFOs live in a 0700 directory that is removed at the end;
-- `munge symlinks = no` is mandatory: a daemon not in a chroot munges links by default, and with the client's
-  `--safe-links` every Hugging Face snapshot link would then be dropped.
+- confined whatever the daemon's rsync version (issue 31): no link ever crosses the daemon. rsync's own
+  confinement of a daemon without a chroot (a chroot needs root, or a user namespace, which Ubuntu 24.04's AppArmor
+  default denies capabilities in) is path sanitising, and through 3.4.1 its receiver followed a link planted by an
+  earlier stream (`a -> .`, then `a/a/esc -> ../..` passes the depth check, then `-K` or `-R --no-implied-dirs`
+  writes `esc/.ssh/authorized_keys` two levels above the module: measured with upstream 3.4.1; Debian's
+  3.2.7-1+deb12u6 and 3.5.0 refuse the write but keep the escaping link). So the config refuses every option that
+  makes or follows a link or writes outside a plain file's own temp-and-rename (`REFUSED`), munges any link that
+  might still arrive (`/rsyncd-munged/` must not exist: checked), and the links of a Hugging Face tree are made by
+  the reconciler itself from the verified manifest (`links_helper`). Needs rsync >= 3.1.0 (`--dparam`).
 
 It prints `port N` once listening, `daemon EXIT` for each daemon that ended, and exits 0 when all STREAMS
 daemons ended with 0; 2 on bad arguments, 3 when the lifeline closed or LIFETIME passed first, 4 on a stranger at
-the door, 1 when a daemon failed.
+the door, 5 when this node's rsync cannot be confined (too old, or `/rsyncd-munged` exists), 1 when a daemon
+failed.
 """
 
 import os
@@ -37,18 +45,44 @@ USER = "fabric"
 GRACE = 2.0  # seconds between SIGTERM and SIGKILL at teardown
 ACCEPT_WINDOW = 60.0  # seconds the listener waits for all its connections
 LOG_TAIL = 4000  # bytes of the daemons' log shown when one failed
+MIN_VERSION = (3, 1, 0)  # `--dparam` (the secret's FIFO), `munge symlinks`, `refuse options` by long name
+MUNGED = "/rsyncd-munged"  # where a munged link would point: it must not exist, or munged links could be followed
+# What a client may not ask of the daemon: deleting; making, keeping or following links (`links`, `keep-dirlinks`,
+# `no-implied-dirs`, `hard-links`); device and special files; writing into an existing file (`inplace`, `append`);
+# directories it names beside the module (`backup-dir`, `temp-dir`, `*-dest`); owners. Each was a route out of the
+# module on some version, or is a capability the weights never need. Our own client sends none of them.
+REFUSED = ("delete remove-source-files links keep-dirlinks no-implied-dirs hard-links devices specials copy-devices "
+           "inplace append backup backup-dir temp-dir link-dest copy-dest compare-dest owner group")
 
 
 def config(root: str, peer: str, log_path: str) -> str:
     """The daemons' config: the secrets file is each daemon's own FIFO, given by `--dparam`."""
     return "\n".join([
-        "use chroot = no", "munge symlinks = no", "reverse lookup = no", "numeric ids = no",
+        "use chroot = no", "munge symlinks = yes", "reverse lookup = no", "numeric ids = no",
         # as whoever started it (the SSH user; rsync's default for a root daemon is to become `nobody`)
         *([f"uid = {os.getuid()}", f"gid = {os.getgid()}"] if os.getuid() == 0 else []),
         f"log file = {log_path}", "transfer logging = no",
         f"[{MODULE}]", f"path = {root}", "read only = no", "write only = yes", "list = no",
         f"hosts allow = {peer}", f"auth users = {USER}", "strict modes = yes",
-        "timeout = 60", "refuse options = delete remove-source-files", ""])
+        "timeout = 60", f"refuse options = {REFUSED}", ""])
+
+
+def unconfinable() -> str | None:
+    """Why this node's rsync daemon cannot be confined as `config` says, or None."""
+    try:
+        first = subprocess.run(["rsync", "--version"], capture_output=True, text=True, timeout=30,
+                               check=False).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"rsync --version failed: {exc}"
+    words = first.split()
+    found = words[words.index("version") + 1] if "version" in words[:-1] else ""
+    parts = tuple(int(p) for p in found.split(".")[:3] if p.isdigit())
+    if len(parts) < 2 or parts < MIN_VERSION:
+        return (f"rsync {found or '(unknown version)'} is older than "
+                f"{'.'.join(map(str, MIN_VERSION))}: use policy.weights.transport: ssh, or update rsync")
+    if os.path.lexists(MUNGED):
+        return f"{MUNGED} exists: a munged link could be followed through it; remove it, or use transport: ssh"
+    return None
 
 
 def hand_secret(fifo: str, line: bytes) -> None:
@@ -70,6 +104,10 @@ def main(argv: list) -> int:
     except (IndexError, ValueError, OSError) as exc:
         print(f"usage: BIND PEER STREAMS ROOT LIFETIME ({exc})", file=sys.stderr)
         return 2
+    refused = unconfinable()
+    if refused:
+        print(refused, file=sys.stderr)
+        return 5
     secret = sys.stdin.buffer.readline(1024).strip()
     if not secret:
         print("no secret on stdin", file=sys.stderr)

@@ -5,15 +5,18 @@ default to a one-time rsync daemon there, without a cipher (`reconciler.edge.ste
 each stream at ~0.45 GB/s on a Spark), or over SSH with `policy.weights.transport: ssh`. Either way the same rsync
 options, and these safety properties, each from a failure seen in the field:
 - real bytes, not symlinks: the whole `models--ORG--NAME` tree is copied (blobs included); links stay links where
-  rsync keeps them (`snapshots/REV/FILE -> ../../blobs/ETAG`), and a link whose value rsync would not keep
-  (absolute, or climbing out of the tree, like huggingface_hub's shared-store links `blobs/ETAG ->
+  their value stays inside the tree by its text (`snapshots/REV/FILE -> ../../blobs/ETAG`), and a link whose value
+  leaves it (absolute, or climbing out, like huggingface_hub's shared-store links `blobs/ETAG ->
   ../../blobs/XX/HASH`) becomes the file it points to. Afterwards the target's manifest (every path with its
   resolved size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
 - nothing from outside the model: a tree holding a link that leads out of it and out of the hub's blob store
   (to `~/.ssh`, the HF token, `/`) is refused, and so is a partial listing (the walk is bounded:
-  `manifest.manifest_script`). Nor could a run carry such a link: the runs that keep links skip every link whose
-  value leaves the tree (`--safe-links`, on the receiver), and only the links checked to land on a file inside
-  are copied as files, in runs of their own (`--copy-links`, nothing else in their lists);
+  `manifest.manifest_script`). rsync never carries a link: it moves regular files only (`COPY_OPTIONS`; the links
+  checked to land on a file inside are sent as that file, in runs of their own with `--copy-links` and nothing
+  else in their lists), and the links kept as links are made on the target by the reconciler itself, from the
+  source's verified manifest (`make_links`, `links_helper`). So neither a source nor a cable holding the daemon's
+  secret can plant a link for a later stream to write through (issue 31: rsync 3.4.1's daemon could be led out of
+  its module that way), and a target tree that already holds a link leading out is refused for the daemon;
 - never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
   an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
 - only the source gets in: the daemon's secret is made for the step and its door opens only to the source's fabric
@@ -30,6 +33,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Weights
@@ -42,7 +46,12 @@ from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
 from reconciler.edge.steps.drop_behind import drop_behind
 from reconciler.edge.steps.rsyncd import Door, rsync_daemon
 
+_LINKS_HELPER = Path(__file__).with_name("links_helper.py").read_text()
+
 RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
+# Regular files only, with their times and modes: no -l (links are made by `make_links`), no -D, -o, -g (the
+# one-time daemon refuses each: `rsyncd_helper.REFUSED`).
+COPY_OPTIONS = ("--recursive", "--times", "--perms")
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
@@ -57,10 +66,10 @@ def read_manifest(ctx: StepContext, node: str) -> Weights:
 # -- links: which rsync keeps, which are copied as files, which trees are refused ---------------------------------
 
 def rsync_keeps_link(path: str, value: str) -> bool:
-    """Whether rsync with `--links --safe-links` recreates the link `path -> value` (path relative to the top of
-    the transfer) instead of skipping it as unsafe. rsync judges by the value's text alone, never resolving it:
-    this is `unsafe_symlink()` of rsync's util1.c as of 3.4 (CVE-2024-12088), stricter than 3.2's (a `..` after a
-    name, or at the end, is unsafe too), so a link kept here is kept by either. Absolute or empty: never kept."""
+    """Whether the link `path -> value` (path relative to the tree's top) is made as a link on the target: its value
+    stays inside the tree by its text alone, never resolved. The rule is `unsafe_symlink()` of rsync's util1.c as of
+    3.4 (CVE-2024-12088), stricter than 3.2's (a `..` after a name, or at the end, is unsafe too), the one rsync's
+    `--safe-links` applied when rsync still carried links. Absolute or empty: never kept."""
     if not value or value.startswith("/"):
         return False
     rest = value
@@ -85,6 +94,27 @@ def rsync_keeps_link(path: str, value: str) -> bool:
     if last == "..":
         depth -= 1
     return depth >= 0
+
+
+def links_to_make(expected: Weights) -> list[tuple[str, str]]:
+    """(path, value) of the links made as links on the target (`make_links`): every link not copied as a file.
+    `refusal` has already refused a tree holding any other kind."""
+    copied = links_to_copy(expected)
+    return sorted((f.path, f.link_target) for f in expected.files
+                  if f.link_target is not None and f.path not in copied
+                  and inside_tree(f.path) and rsync_keeps_link(f.path, f.link_target))
+
+
+def make_links(ctx: StepContext, target: str, root: str, links: list[tuple[str, str]]) -> None:
+    """Make `links` below `root` on `target`, never through a link on the way (`links_helper`)."""
+    if not links:
+        return
+    said = ctx.sessions[target].run(["python3", "-c", _LINKS_HELPER, root],
+                                    stdin=b"".join(p.encode() + b"\0" + v.encode() + b"\0" for p, v in links),
+                                    timeout=ctx.command_timeout, check=False)
+    if not said.ok:
+        raise StepFailed(f"making the model's links on {target} failed (exit {said.exit_code}): "
+                         f"{said.stderr.strip()[-800:]}")
 
 
 def links_to_copy(expected: Weights) -> set[str]:
@@ -136,11 +166,10 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     ssh`)."""
     # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
     # the resume, instead of holding the step until its 12 h deadline.
-    # Links: a run that keeps links skips any whose value leaves the tree (--safe-links: the receiver judges the
-    # value, so a link the probe never saw cannot carry anything in); only a run of links checked to land on a file
-    # inside copies what they point to (--copy-links: nothing else is in its list). Never --copy-unsafe-links: it
-    # copies whatever an outside link points to (a link to / copies the whole disk).
-    argv = ["rsync", "-a", "--copy-links" if follow else "--safe-links", f"--partial-dir={PARTIAL_DIR}",
+    # Links: only a run of links checked to land on a file inside copies what they point to (--copy-links: nothing
+    # else is in its list); every other run lists no link. Never --copy-unsafe-links: it copies whatever an outside
+    # link points to (a link to / copies the whole disk).
+    argv = ["rsync", *COPY_OPTIONS, *(["--copy-links"] if follow else []), f"--partial-dir={PARTIAL_DIR}",
             "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}"]
     if door is not None:
         argv += ["--password-file=-", f"--address={ctx.desired.node(source).fabric.address.ip}"]
@@ -181,13 +210,15 @@ def _files_to_copy(expected: Weights, before: Weights, copied: set[str] | None =
 def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int,
                    copied: set[str] | None = None) -> list[tuple[list[str], bool]]:
     """The file list of each rsync run, and whether it copies links as files. The bytes to move are split by size
-    into `streams` groups; everything else (links, empty files, files already there) goes with the last group,
-    after the data. The links copied as files (`copied`) get groups of their own, split the same way: every path
-    of the manifest is in exactly one list, and no run that follows links lists anything but checked links."""
+    into `streams` groups; everything else (empty files, files already there) goes with the last group, after the
+    data. The links copied as files (`copied`) get groups of their own, split the same way; the other links are in
+    no list (`make_links` makes them): every regular file and copied link of the manifest is in exactly one list,
+    and no run that follows links lists anything but checked links."""
     copied = copied or set()
     runs: list[tuple[list[str], bool]] = []
     for follow in (False, True):
-        paths = {f.path for f in expected.files if (f.path in copied) == follow}
+        paths = {f.path for f in expected.files
+                 if (f.path in copied if follow else f.link_target is None)}
         if not paths:
             continue
         groups = _groups([(p, s) for p, s in todo if p in paths and s > 0], streams)
@@ -230,6 +261,14 @@ def _run_streams(run: Callable[[int, tuple[list[str], bool]], None],
     return errors
 
 
+def _refuse_target(before: Weights, target: str) -> None:
+    """A link already in the target's tree that leads out is a way out for whatever writes through it: rsync's
+    receiver (a daemon <= 3.4.1 follows links on its path) and `make_links` (which refuses, but after the data)."""
+    blocked = refusal(before, target) if before.present else None
+    if blocked:
+        raise StepFailed(f"{blocked} (a copy into it could be led out of the tree)")
+
+
 def sync_weights(ctx: StepContext, step: Step) -> None:
     target, source = step.node, step.source
     assert source is not None, "the plan sets it for a weights step"
@@ -243,6 +282,8 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     before = read_manifest(ctx, target)
     if weights_difference(expected, before) is None:
         return
+    _refuse_target(before, target)
+    daemon = ctx.desired.policy.weights.transport == "rsync-daemon"
     # only a tree this cluster began is its copy (retention may remove it later): one it topped up may be a person's
     fresh = not before.present
     if fresh:
@@ -274,7 +315,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                                  stdin=f"{door.secret}\n".encode() if door is not None else None)
 
     with drop_behind(ctx, source, src_root), drop_behind(ctx, target, dst_root):
-        if ctx.desired.policy.weights.transport == "rsync-daemon":
+        if daemon:
             with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
                 door = daemon.door
                 errors = _run_streams(run, groups)
@@ -288,6 +329,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
             if isinstance(first, CommandFailed):
                 raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
             raise first
+        make_links(ctx, target, dst_root, links_to_make(expected))
         after = _check_copy(ctx, expected, source, target, dst_root)
     ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
     _record_copy(ctx, target, dst_root, after, fresh)
