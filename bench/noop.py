@@ -77,8 +77,8 @@ def measure_floor(desired_path: Path, cycles: int) -> list[float]:
     scripts = {n.name: probe_script(desired, n) for n in desired.nodes}
 
     def local(node) -> None:
-        p = api.exec_(node.name, "sh -s", input=scripts[node.name], timeout=30)
-        parse_probe(desired, node, p.stdout)
+        p = api.exec_(node.name, "sh -s", input=scripts[node.name].script, timeout=30)
+        parse_probe(desired, node, p.stdout, scripts[node.name].nonce)
 
     out = []
     with ThreadPoolExecutor(max_workers=len(desired.nodes)) as pool:
@@ -99,14 +99,12 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
     from testbed import api
     desired = spec.load(desired_path)
     n = desired.node(node)
-    script = probe_script(desired, n)
+    script = probe_script(desired, n).script
     parts: dict[str, list[str]] = {}
     current = "setup"
     for line in script.splitlines():
         if line.startswith("sec "):
             current = line.split()[1]
-        elif line.startswith("printf '\\n@@weights"):
-            current = "weights"
         parts.setdefault(current, []).append(line)
     setup = "\n".join(parts.pop("setup"))
     costs = {}

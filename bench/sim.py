@@ -24,21 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import PY, ROOT, Options, rss_bytes, save, scratch_dir, summary
+from testbed.recordings import nonce_of, reseal, unseal
 
 RECORDED_NODES = 4  # the testbed the recordings come from: head + worker1..3 (the naming of every size above 2)
 TEMPLATE_WORKER = "worker2"
 
 
 def record(desired_path: Path) -> dict:
-    """The real probe outputs of a converged testbed, over the daemon's own sessions."""
+    """The real probe outputs of a converged testbed, over the daemon's own sessions (kept unsealed)."""
     from reconciler.core import spec
     from reconciler.edge.observe import probe_script
     from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
     try:
-        return {n.name: sessions[n.name].run_script(probe_script(desired, n), timeout=30).stdout
-                for n in desired.nodes}
+        scripts = {n.name: probe_script(desired, n) for n in desired.nodes}
+        return {n.name: unseal(sessions[n.name].run_script(scripts[n.name].script, timeout=30).stdout,
+                               scripts[n.name].nonce) for n in desired.nodes}
     finally:
         sessions.close()
 
@@ -82,13 +84,13 @@ class _Answer:
 
 
 class _Replay:
-    """One node's session, answering every probe with its (rewritten) recording."""
+    """One node's session, answering every probe with its (rewritten) recording, sealed with the probe's nonce."""
 
     def __init__(self, output: str) -> None:
-        self.answer = _Answer(output)
+        self.output = output
 
     def run_script(self, script: str, *, timeout: float, cancel=None) -> _Answer:
-        return self.answer
+        return _Answer(reseal(self.output, nonce_of(script)))
 
 
 AREAS = (("reconciler/edge/observe.py", "parse the probe output"), ("reconciler/core/observed.py", "observed models"),

@@ -318,6 +318,7 @@ def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[floa
     from reconciler.core.drift import weights_difference
     from reconciler.edge.manifest import manifest_script
     from reconciler.edge.observe import observe
+    from reconciler.edge.probes import sealed
     from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
@@ -331,7 +332,8 @@ def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[floa
             if problem is not None:
                 raise RuntimeError(f"weights not in sync: {problem}")
             t = time.perf_counter()
-            sessions["worker"].run_script(manifest_script(desired.weights_root("worker")), timeout=60)
+            sessions["worker"].run_script(sealed([manifest_script(desired.weights_root("worker"))]).script,
+                                          timeout=60)
             if i >= 2:
                 full.append(took)
                 section.append(time.perf_counter() - t)

@@ -60,11 +60,12 @@ def _reachability(name: str, obs: NodeObservation) -> list[Drift]:
 
 
 def co_tenant_drift(desired: Desired, name: str, obs: NodeObservation) -> list[Drift]:
-    """Running containers that are neither allowed, protected nor managed by us."""
+    """Running containers that are neither allowed, protected, managed by us nor one of our questions."""
     out = []
     ct = desired.co_tenants
     for c in obs.containers:
-        if not c.running or c.managed or ct.is_allowed(name, c.name) or ct.is_protected(name, c.name):
+        if (not c.running or c.managed or c.query or ct.is_allowed(name, c.name)
+                or ct.is_protected(name, c.name)):
             continue
         out.append(_on_container(name, "co-tenant", c.name, "not running (not allowed)",
                          f"running ({c.image})", actionable=ct.unlisted == "stop"))
@@ -390,7 +391,10 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
     health = observed.node(head).serving
     if health is not None and health.working(want):
         return []  # busy is serving: every slot taken, the probe's completion queued behind them (issue 30)
-    if health is None or not health.reachable:
+    if health is not None and health.port_holder is not None:
+        seen = (f"port {desired.serving.port} held by uid {health.port_holder}, not by our serving (root): it was "
+                "sent no API key; stop that process")
+    elif health is None or not health.reachable:
         seen = "not answering"
     elif not health.healthy:
         seen = "unhealthy"

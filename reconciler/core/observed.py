@@ -21,6 +21,10 @@ LABEL_MANAGED = "spark-reconciler.managed"
 LABEL_SPEC_HASH = "spark-reconciler.spec-hash"
 LABEL_GENERATION = "spark-reconciler.generation"
 LABEL_ROLE = "spark-reconciler.role"
+# On the reconciler's throw-away containers that answer a question and end by themselves (the serving image's own
+# `vllm serve --help=all`): never a co-tenant to stop. Once unlabelled, the daemon stopped its own question as
+# "running but not allowed" and the flag check failed open (issue 31).
+LABEL_QUERY = "spark-reconciler.query"
 # Which reconciler created the container: the cluster it serves, named by its head's cluster id (ClusterIdentity,
 # `core.ownership`), or by the head's SSH address (Desired.instance) where that id is not known. Without it a
 # container another reconciler made (or a copied `docker run` line) would look like one of ours.
@@ -56,6 +60,11 @@ class Container(_Model):
     @property
     def managed(self) -> bool:
         return self.labels.get(LABEL_MANAGED) == "true"
+
+    @property
+    def query(self) -> bool:
+        """One of the reconciler's throw-away question containers (`LABEL_QUERY`)."""
+        return LABEL_QUERY in self.labels
 
     @property
     def held_ports(self) -> frozenset[int] | None:
@@ -181,10 +190,14 @@ class ServingApi(_Model):
                                       "None: not read")
     busy: bool = Field(False, description="the completion did not answer, but the engine made progress since the "
                        "last probe (its tokens grew), as the daemon watched it: busy, not unhealthy")
+    port_holder: int | None = Field(None, description="the uid of a listener on the serving port that is not "
+                                    "root, which every serving container runs as: not our serving, so the probe "
+                                    "sent it no API key and took nothing it said (issue 31); None: root or nobody")
 
     def serves(self, name: str) -> bool:
         """The one definition of healthy serving: /health 200, `name` listed, and a completion answered."""
-        return self.healthy and name in self.models and self.completion_error is None
+        return (self.healthy and name in self.models and self.completion_error is None
+                and self.port_holder is None)
 
     def working(self, name: str) -> bool:
         """Serving `name`, or busy serving it (the completion queued behind full slots while tokens keep coming):

@@ -9,7 +9,7 @@ an NGC build is not a PyPI one. The question imports torch (seconds to minutes),
 from __future__ import annotations
 
 from reconciler.core.drift import image_holder
-from reconciler.core.observed import Observed, ServeFlags
+from reconciler.core.observed import LABEL_QUERY, Observed, ServeFlags
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import parse_serve_help
 from reconciler.edge.ssh import RemoteError, Sessions
@@ -38,8 +38,8 @@ _ASK_IMAGE = ('if command -v ray >/dev/null 2>&1; then echo "@@ray yes"; else ec
 def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
     """What the serving image's own `vllm serve` accepts (its `--help=all`) and whether it has Ray, from a
     throw-away container (no network) on `holder`. Image ids name one content: callers ask once per id."""
-    argv = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", desired.serving.image, "-c",
-            _ASK_IMAGE]
+    argv = ["docker", "run", "--rm", "--network", "none", "--label", f"{LABEL_QUERY}=serve-flags",
+            "--entrypoint", "sh", desired.serving.image, "-c", _ASK_IMAGE]
     has_ray = None
     try:
         res = sessions[holder].run(argv, timeout=FLAGS_DEADLINE, check=False)

@@ -39,7 +39,7 @@ _NODE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # spec's NodeName
 
 def ledger_script() -> list[str]:
     """The `copies` section: the newest MAX_LINES lines of the ledger (none yet: empty)."""
-    return ["sec copies", f'tail -n {MAX_LINES} "$HOME/{LEDGER}" 2>/dev/null; echo "@@rc 0"']
+    return ["sec copies", f'tail -n {MAX_LINES} "$HOME/{LEDGER}" 2>/dev/null; rc 0']
 
 
 def _line(raw: str, node: str) -> tuple[str, str, str, int, str, str] | None:

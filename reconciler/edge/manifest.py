@@ -56,8 +56,8 @@ def manifest_script(root: str) -> str:
                  f"-mindepth 1 -maxdepth 2 {odd} -prune -o -printf 'S{entry}'; printf 'G\\t%s\\n' \"$?\"; fi")
     # one pipeline, its left side a subshell (the cd stays there); `head` ends the walk past the cap (entries,
     # with room for the canonical paths and the end lines)
-    return (f"printf '\\n@@weights\\n'\nif [ -d {quote_word(root)} ]; then {{ {tree}; }} | head -n {MAX_ENTRIES + 6}; "
-            "echo '@@rc 0'; else echo '@@rc 2'; fi")
+    return (f"sec weights\nif [ -d {quote_word(root)} ]; then {{ {tree}; }} | head -n {MAX_ENTRIES + 6}; "
+            "rc 0; else rc 2; fi")
 
 
 _MAX_HOPS = 40  # links one path resolution follows: Linux's MAXSYMLINKS (ELOOP beyond)

@@ -2,15 +2,18 @@
 `Observed`, all nodes in parallel.
 
 A probe that fails on one node (unreachable, odd output, too much output) is that node's condition; the others
-are observed all the same. The one-shot commands also ask the serving image for its flags here (`image_flags`); the
-daemon asks beside its loop.
+are observed all the same, and none waits for another: each node has its own deadline (`node_deadline`), and a node
+late for it reads Unreachable for that cycle (issue 31: one node's accepted, never answered channel held them all).
+The one-shot commands also ask the serving image for its flags here (`image_flags`); the daemon asks beside its
+loop.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from functools import partial
 
 from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import plan
@@ -19,8 +22,8 @@ from reconciler.edge.image_flags import flags_once, flags_wanted
 from reconciler.edge.ledger import ledger_script, parse_copies
 from reconciler.edge.manifest import manifest_script, parse_weights
 from reconciler.edge.probes import (
-    SECTION_FUNCTION,
     ProbeError,
+    Sealed,
     api_script,
     containers_script,
     disk_script,
@@ -42,15 +45,16 @@ from reconciler.edge.probes import (
     parse_memory,
     parse_serving,
     ray_script,
+    sealed,
     split_sections,
 )
-from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions
+from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, answer_deadline
 
 
-def probe_script(desired: Desired, node: Node) -> str:
+def probe_script(desired: Desired, node: Node) -> Sealed:
     """The script for one node: every fragment of `probes`, the head's cluster id, API and Ray too."""
     head = node.role == "head"
-    lines = ["export LC_ALL=C", SECTION_FUNCTION, *containers_script(),
+    lines = [*containers_script(),
              *(identity_script(desired.instance) if head else []), *image_script(desired.serving.image),
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
@@ -61,12 +65,13 @@ def probe_script(desired: Desired, node: Node) -> str:
         lines += api_script(desired)
         if desired.serving.launcher == "ray":
             lines += ray_script(desired.serving.container_name)
-    return "\n".join(lines) + "\n"
+    return sealed(lines)
 
 
-def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
-    """One node's probe output as its observation; ProbeError (naming the section) when it does not parse."""
-    sections = split_sections(output)
+def parse_probe(desired: Desired, node: Node, output: str, nonce: str) -> NodeObservation:
+    """One node's probe output (sealed with `nonce`) as its observation; ProbeError (naming the section) when it
+    does not parse."""
+    sections = split_sections(output, nonce)
     docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
     image = parse_image(sections.get("image"))
     images = {desired.serving.image: image} if image else {}
@@ -74,7 +79,7 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
     serving = identity = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
-                                sections.get("completion"), sections.get("engine"))
+                                sections.get("completion"), sections.get("engine"), sections.get("port_owner"))
         identity = parse_identity(sections.get("identity"))
     return NodeObservation(
         name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
@@ -92,40 +97,98 @@ def parse_probe(desired: Desired, node: Node, output: str) -> NodeObservation:
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,
                  cancel: threading.Event | None = None) -> NodeObservation:
     try:
-        result = sessions[node.name].run_script(probe_script(desired, node), timeout=timeout, cancel=cancel)
+        script = probe_script(desired, node)
+        result = sessions[node.name].run_script(script.script, timeout=timeout, cancel=cancel)
     except OutputTooLarge as exc:
         return NodeObservation(name=node.name, reachable=True, probe_error=exc.message)
     except RemoteError as exc:
         return NodeObservation(name=node.name, reachable=False, error=exc.message)
     try:
-        return parse_probe(desired, node, result.stdout)
+        return parse_probe(desired, node, result.stdout, script.nonce)
     except ProbeError as exc:
         return NodeObservation(name=node.name, reachable=True, probe_error=str(exc))
 
 
 def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel: threading.Event | None = None,
             ask_flags: bool = True) -> tuple[Observed, dict[str, float]]:
-    """Probe all nodes in parallel (an unreachable node never stalls the others); also return seconds per node.
+    """Probe all nodes in parallel, each under its own deadline (`node_deadline`): a node that is unreachable, or
+    hangs, never stalls the others; also return seconds per node.
     `cancel` (the daemon's shutdown) ends a probe that waits on a hung node within a second, not its timeout.
     `ask_flags`: also ask the serving image for its flags here and now when a serving (re)start is planned (the
     one-shot commands: asking imports torch, tens of seconds); the daemon asks every image id beside its loop
     instead (`reconciler.loop.operations.FlagsQuery`)."""
+    probes = {node.name: _Probe(node.name, partial(observe_node, desired, sessions, node, timeout, cancel))
+              for node in desired.nodes}
+    for probe in probes.values():
+        probe.start()
+    nodes: dict[str, NodeObservation] = {}
     durations: dict[str, float] = {}
-
-    def one(node: Node) -> NodeObservation:
-        start = time.perf_counter()
-        try:
-            return observe_node(desired, sessions, node, timeout, cancel)
-        finally:
-            durations[node.name] = time.perf_counter() - start
-
-    with ThreadPoolExecutor(max_workers=max(1, len(desired.nodes))) as pool:
-        results = list(pool.map(one, desired.nodes))
-    observed = Observed(nodes={r.name: r for r in results})
+    for node in desired.nodes:
+        nodes[node.name], durations[node.name] = probes[node.name].outcome(node_deadline(desired, node, timeout),
+                                                                           cancel)
+    observed = Observed(nodes=nodes)
     if ask_flags and (wanted := flags_wanted(desired, observed)) and _starts_serving(desired, observed):
         holder, image_id = wanted
         observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, holder, image_id)})
     return observed, durations
+
+
+def node_deadline(desired: Desired, node: Node, timeout: float) -> float:
+    """Seconds observe waits for one node's observation: the head's wait for the probe's answer (`answer_deadline`)
+    and the longest (re)connection the node's session allows itself. Every wait inside the session has a deadline
+    already; this one keeps the other nodes' observations from depending on all of them holding."""
+    return answer_deadline(timeout) + _connection_deadline(desired, node)
+
+
+def _connection_deadline(desired: Desired, node: Node) -> float:
+    """`connect_timeout` for the path to each of the node's addresses and for the banner, the key exchange and the
+    login (`Session._connect` gives each that much), plus, through a jump host, that host's own connection."""
+    ssh = node.ssh
+    own = ssh.connect_timeout * (1 + len(ssh.fallback_hosts) + 3)
+    return own + (_connection_deadline(desired, desired.node(ssh.jump)) if ssh.jump else 0.0)
+
+
+class _Probe(threading.Thread):
+    """One node's probe on a thread of its own. A daemon thread: one left behind by its deadline ends at its
+    session's own deadlines and never holds the daemon's exit (a ThreadPoolExecutor's workers are joined at exit,
+    and its `with` waits for every node). It writes only into itself, never into what observe returned."""
+
+    def __init__(self, node: str, work: Callable[[], NodeObservation]):
+        super().__init__(daemon=True, name=f"probe-{node}")
+        self.node, self._work, self._done = node, work, threading.Event()
+        self._start = time.monotonic()
+        self._result: NodeObservation | None = None
+        self._error: BaseException | None = None
+        self._seconds = 0.0
+
+    def run(self) -> None:
+        try:
+            self._result = self._work()
+        except BaseException as exc:  # noqa: BLE001 - raised again in observe's caller, as it was
+            self._error = exc
+        finally:
+            self._seconds = time.monotonic() - self._start
+            self._done.set()
+
+    def outcome(self, seconds: float, cancel: threading.Event | None) -> tuple[NodeObservation, float]:
+        """The observation and its seconds, waited for until `seconds` after the start; past that, or once
+        cancelled, the node reads Unreachable for this cycle."""
+        if not self._ended(self._start + seconds, cancel):
+            why = ("observation cancelled" if cancel is not None and cancel.is_set() else
+                   f"no observation within {seconds:g}s (observe's deadline for this node): read as unreachable "
+                   "for this cycle")
+            return NodeObservation(name=self.node, reachable=False, error=why), time.monotonic() - self._start
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result, self._seconds
+
+    def _ended(self, until: float, cancel: threading.Event | None) -> bool:
+        """Whether the probe ended before `until`, looking a second at a time to leave at once on `cancel`."""
+        while not self._done.wait(min(max(until - time.monotonic(), 0.0), 1.0)):
+            if time.monotonic() >= until or (cancel is not None and cancel.is_set()):
+                return False
+        return True
 
 
 def _starts_serving(desired: Desired, observed: Observed) -> bool:

@@ -6,9 +6,10 @@ again right before acting (a link's state, MemAvailable, the serving API, one co
 through `read_sections` and the same parser. So the probe and the steps can never disagree on what a node said.
 
 Only tools a stock DGX OS has: the docker CLI (or the engine's socket via curl), `ip -j`, cat of /sys and /proc,
-curl. A fragment prints sections (`@@name` ... `@@rc N`); each section fails on its own, so a dead docker engine
-still leaves the link and memory observed. Every interpolated value is validated by spec and quoted by
-`ssh.quote`; every parser goes through `node_output`, so odd bytes are one node's ProbeError, never a crash.
+curl. A fragment prints sections (`sec NAME` ... `rc N`, their markers sealed: `sealed`); each section fails on
+its own, so a dead docker engine still leaves the link and memory observed. Every interpolated value is validated
+by spec and quoted by `ssh.quote`; every parser goes through `node_output`, so odd bytes are one node's
+ProbeError, never a crash.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import json
 import math
 import re
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -71,34 +73,63 @@ class Section:
     rc: int
 
 
-SECTION_FUNCTION = "sec() { printf '\\n@@%s\\n' \"$1\"; }"
+# Sections are sealed: each marker line is `@@NONCE NAME` or `@@NONCE rc N`, the nonce fresh for each script and
+# known only to the head and the shell reading the script on its stdin (in no argv, no file: `printf` is a builtin).
+# Much of a section's body comes from elsewhere: the serving port's HTTP answers (whoever listens there), `ray
+# status`, docker's JSON, file names. With a fixed `@@name`, a local user who bound the serving port while vLLM was
+# down forged the head's containers, weights, links and memory (issue 31); without the nonce no line can close a
+# section or open another.
+SECTION_FUNCTION = ("sec() { printf '\\n%s %s\\n' \"$SEAL\" \"$1\"; }; "
+                    "rc() { printf '\\n%s rc %s\\n' \"$SEAL\" \"$1\"; }")
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A script of fragments and the nonce its section markers carry."""
+
+    script: str
+    nonce: str
+
+    def __repr__(self) -> str:  # the script may carry the API key's header
+        return f"Sealed(nonce={self.nonce[:4]}...)"
+
+
+def sealed(lines: list[str]) -> Sealed:
+    """The fragments as one script for `sh -s`, its markers sealed with a fresh nonce."""
+    nonce = secrets.token_hex(16)
+    return Sealed("\n".join([f"SEAL=@@{nonce}", "export LC_ALL=C", SECTION_FUNCTION, *lines]) + "\n", nonce)
 
 
 @node_output("probe output")
-def split_sections(output: str) -> dict[str, Section]:
+def split_sections(output: str, nonce: str) -> dict[str, Section]:
+    """The sections of a sealed script's output: only a line starting with `@@NONCE ` is a marker."""
+    mark = f"@@{nonce} "
     sections: dict[str, Section] = {}
     name: str | None = None
     body: list[str] = []
     for line in output.splitlines():
-        if line.startswith("@@rc ") and name is not None:
-            sections[name] = Section("\n".join(body).strip("\n"), int(line[5:].strip() or 1))
+        if not line.startswith(mark):
+            if name is not None:
+                body.append(line)
+            continue
+        word = line[len(mark):].strip()
+        if word.startswith("rc ") and name is not None:
+            sections[name] = Section("\n".join(body).strip("\n"), int(word[3:].strip() or 1))
             name, body = None, []
-        elif line.startswith("@@") and not line.startswith("@@rc"):
-            name, body = line[2:].strip(), []
-        elif name is not None:
-            body.append(line)
+        elif not word.startswith("rc "):
+            name, body = word, []
     return sections
 
 
 def read_sections(session: Session, lines: list[str], timeout: float) -> dict[str, Section]:
     """Run fragments on a node outside the probe (a step re-reading one fact right before it acts). Past the
     deadline this is CommandTimeout, as for any command a step runs (the probe instead reads what did arrive)."""
-    script = "\n".join(["export LC_ALL=C", SECTION_FUNCTION, *lines]) + "\n"
-    result = session.run_script(script, timeout=timeout)
+    script = sealed(lines)
+    result = session.run_script(script.script, timeout=timeout)
     if result.exit_code in ENDED_BY_TIMEOUT:
         raise CommandTimeout(session.name, f"reading {', '.join(_section_names(lines))} did not finish within "
                                            f"{timeout:g}s (ended on the node)")
-    return split_sections(result.stdout)
+    return split_sections(result.stdout, script.nonce)
 
 
 def _section_names(lines: list[str]) -> list[str]:
@@ -125,7 +156,7 @@ def containers_script() -> list[str]:
         "ids=$(docker ps -aq --no-trunc 2>&1); rc=$?; "
         f"if [ $rc -eq 0 ] && [ -n \"$ids\" ]; then docker inspect --format {quote_word(_INSPECT)} $ids 2>&1; "
         "elif [ $rc -ne 0 ]; then printf '%s\\n' \"$ids\"; fi; fi",
-        "echo \"@@rc $rc\"",
+        "rc $rc",
     ]
 
 
@@ -182,7 +213,7 @@ def image_script(image: str) -> list[str]:
         "sec image",
         f"if img=$(curl -sf --unix-socket \"$sock\" {quote_word('http://docker/images/' + image + '/json')}"
         " 2>/dev/null); then printf 'API %s\\n' \"$img\"; else "
-        f"docker image inspect {quote_word(image)} 2>/dev/null; fi; echo \"@@rc $?\"",
+        f"docker image inspect {quote_word(image)} 2>/dev/null; fi; rc $?",
     ]
 
 
@@ -240,15 +271,15 @@ def link_script(node: Node) -> list[str]:
     the twin (needs `sec`). The probe and the link step read the ports with these same lines."""
     lines = []
     for port, suffix in zip(node.fabric.ports(), ("", _TWIN), strict=False):
-        lines += [f"sec link{suffix}", f"ip -j addr show dev {quote_word(port.interface)} 2>&1; echo \"@@rc $?\"",
+        lines += [f"sec link{suffix}", f"ip -j addr show dev {quote_word(port.interface)} 2>&1; rc $?",
                   f"sec rdma{suffix}"]
         if port.rdma_device:
             sysfs = f"/sys/class/infiniband/{port.rdma_device}/ports/1"
             lines.append(f"if [ -d {quote_word(sysfs)} ]; then "
                          f"cat {quote_word(sysfs + '/state')} {quote_word(sysfs + '/phys_state')}; "
-                         "echo \"@@rc $?\"; else echo '@@rc 2'; fi")
+                         "rc $?; else rc 2; fi")
         else:
-            lines.append("echo '@@rc 2'")
+            lines.append("rc 2")
     return lines
 
 
@@ -289,7 +320,7 @@ def interfaces_script() -> list[str]:
     (`parse_rdma_devices`). `link_script` reads the declared ports only."""
     return [
         "sec addr",
-        "ip -j addr 2>&1; echo \"@@rc $?\"",
+        "ip -j addr 2>&1; rc $?",
         "sec rdma_sysfs",
         "for d in /sys/class/infiniband/*; do",
         "  [ -d \"$d\" ] || continue",
@@ -297,7 +328,7 @@ def interfaces_script() -> list[str]:
         "  printf 'state %s\\n' \"$(cat \"$d/ports/1/state\" 2>/dev/null)\"",
         "  printf 'phys_state %s\\n' \"$(cat \"$d/ports/1/phys_state\" 2>/dev/null)\"",
         "  for n in \"$d\"/device/net/*; do [ -e \"$n\" ] && printf 'net %s\\n' \"${n##*/}\"; done",
-        "done; echo \"@@rc 0\"",
+        "done; rc 0",
     ]
 
 
@@ -340,7 +371,7 @@ def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
 
 def machine_script() -> list[str]:
     """The `machine` section: `uname -m`, which the serving image's platform must fit (`parse_machine`)."""
-    return ["sec machine", "uname -m; echo \"@@rc $?\""]
+    return ["sec machine", "uname -m; rc $?"]
 
 
 _MACHINE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
@@ -383,7 +414,7 @@ def identity_script(instance: str) -> list[str]:
             "u=$(cat /proc/sys/kernel/random/uuid) && [ -n \"$u\" ] || exit 71; "
             "t=\"$d/.cluster-id.$$\"; printf '%s\\n%s\\n' \"$u\" \"$i\" > \"$t\" || { rm -f -- \"$t\"; exit 72; }; "
             "ln -- \"$t\" \"$f\" 2>/dev/null; rm -f -- \"$t\"; fi; "
-            f"head -c {IDENTITY_MAX_BYTES + 1} -- \"$f\") 2>&1; echo \"@@rc $?\""]
+            f"head -c {IDENTITY_MAX_BYTES + 1} -- \"$f\") 2>&1; rc $?"]
 
 
 @node_output("identity")
@@ -413,12 +444,12 @@ def gpu_script() -> list[str]:
     /etc/dgx-release are read (the file also holds the serial number)."""
     return ["sec gpu",
             "if command -v nvidia-smi >/dev/null 2>&1; then timeout 10 nvidia-smi "
-            "--query-gpu=name,driver_version --format=csv,noheader 2>&1; echo \"@@rc $?\"; "
-            "else echo 'nvidia-smi: command not found'; echo \"@@rc 127\"; fi",
+            "--query-gpu=name,driver_version --format=csv,noheader 2>&1; rc $?; "
+            "else echo 'nvidia-smi: command not found'; rc 127; fi",
             "sec gpu_hook",
-            "command -v nvidia-container-runtime-hook; echo \"@@rc $?\"",
+            "command -v nvidia-container-runtime-hook; rc $?",
             "sec os",
-            "uname -r; grep -E '^DGX_(SWBUILD_VERSION|OTA_VERSION)=' /etc/dgx-release 2>/dev/null; echo \"@@rc 0\""]
+            "uname -r; grep -E '^DGX_(SWBUILD_VERSION|OTA_VERSION)=' /etc/dgx-release 2>/dev/null; rc 0"]
 
 
 _DRIVER = re.compile(r"\d+(\.\d+)+")
@@ -469,7 +500,7 @@ def disk_script(weights_path: str) -> list[str]:
             "grep -o '\"DockerRootDir\":\"[^\"]*\"' | cut -d '\"' -f 4); "
             "[ -n \"$r\" ] || r=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null); "
             "if [ -n \"$r\" ]; then printf 'image '; df -P -B1 -- \"$r\" 2>/dev/null | tail -n 1; fi; "
-            "echo \"@@rc 0\""]
+            "rc 0"]
 
 
 @node_output("disk")
@@ -501,7 +532,7 @@ def listen_script() -> list[str]:
     return ["sec listen",
             "if [ -r /proc/net/tcp ]; then cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | "
             "grep -E '^ *[0-9]+: [0-9A-Fa-f]+:[0-9A-Fa-f]{4} [0-9A-Fa-f]+:[0-9A-Fa-f]{4} 0A '; "
-            "echo \"@@rc 0\"; else echo \"@@rc 2\"; fi"]
+            "rc 0; else rc 2; fi"]
 
 
 def listening_ports(text: str) -> set[int]:
@@ -527,7 +558,7 @@ def parse_listening(sec: Section | None) -> list[int] | None:
 
 def memory_script() -> list[str]:
     """The `meminfo` section: MemTotal and MemAvailable, the unified memory GPU and CPU share (`parse_memory`)."""
-    return ["sec meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; echo \"@@rc $?\""]
+    return ["sec meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; rc $?"]
 
 
 @node_output("meminfo")
@@ -584,19 +615,20 @@ def api_script(desired: Desired) -> list[str]:
     header = auth_header(desired)
     auth = f"printf %s {quote_word(header.decode())} | " if header else ""
     return [
+        *port_owner_script(port),
         "sec health",
         f"code=$(curl -s -o /dev/null -m 2 -w '%{{http_code}}' {quote_word(f'http://127.0.0.1:{port}/health')}); "
-        "rc=$?; printf '%s\\n' \"$code\"; echo \"@@rc $rc\"",
+        "rc=$?; [ \"$owners\" = \"0 \" ] || code=; printf '%s\\n' \"$code\"; rc $rc",
         "sec models",
         f"rc=0; if [ \"$code\" = 200 ]; then {auth}"
         f"{quote(api_argv(desired, '-s', '-m', '2', f'http://127.0.0.1:{port}/v1/models'))}; rc=$?; "
-        "fi; echo; echo \"@@rc $rc\"",
+        "fi; echo; rc $rc",
         "sec completion",
         f"rc=0; if [ \"$code\" = 200 ]; then {auth}{quote(completion_argv(desired))}; rc=$?; fi; echo; "
-        "echo \"@@rc $rc\"",
+        "rc $rc",
         "sec engine",
         f"rc=0; if [ \"$code\" = 200 ]; then curl -s -m 2 {quote_word(f'http://127.0.0.1:{port}/metrics')} | "
-        f"grep -E {quote_word(_ENGINE_LINES)}; rc=$?; fi; echo \"@@rc $rc\"",
+        f"grep -E {quote_word(_ENGINE_LINES)}; rc=$?; fi; rc $rc",
     ]
 
 
@@ -660,8 +692,33 @@ def parse_completion(sec: Section | None) -> str | None:
 
 
 @node_output("serving API")
+def port_owner_script(port: int) -> list[str]:
+    """The `port_owner` section: the uids owning a LISTEN socket on the serving port (/proc/net/tcp{,6}, column 8),
+    as `$owners` ("0 " when only root listens). Serving containers run as root; a squatter does not (a local user
+    who bound the port while vLLM was down, after a crash). Only when root alone listens is /health taken and the
+    API asked, with its key: any other listener gets nothing (`$code` is emptied) and is named (`port_holder`)."""
+    hex_port = f"{port:04X}"
+    return ["sec port_owner",
+            "owners=$(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | "
+            f"awk '$4 == \"0A\" && $2 ~ /:{hex_port}$/ {{print $8}}' | sort -un | tr '\\n' ' '); "
+            "printf '%s\\n' \"$owners\"; rc 0"]
+
+
+@node_output("port_owner")
+def parse_port_holder(sec: Section | None) -> int | None:
+    """The first uid other than root listening on the serving port, or None."""
+    if sec is None:
+        return None
+    others = [int(word) for word in sec.body.split() if word != "0"]
+    return others[0] if others else None
+
+
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
-                  completion: Section | None = None, engine: Section | None = None) -> ServingApi:
+                  completion: Section | None = None, engine: Section | None = None,
+                  port_owner: Section | None = None) -> ServingApi:
+    holder = parse_port_holder(port_owner)
+    if holder is not None:
+        return ServingApi(reachable=True, healthy=False, port_holder=holder)
     code = health.body.strip() if health else ""
     served: list[str] = []
     if models is not None and models.body.strip().startswith("{"):
@@ -682,12 +739,12 @@ def read_api(session: Session, desired: Desired, timeout: float) -> ServingApi:
     """The head's API now: health, the served names and one completion, as the probe reads them."""
     sections = read_sections(session, api_script(desired), timeout)
     return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
-                         sections.get("engine"))
+                         sections.get("engine"), sections.get("port_owner"))
 
 
 def ray_script(container: str) -> list[str]:
     """The `ray` section: `ray status` inside the head's serving container (`count_ray_nodes`)."""
-    return ["sec ray", f"docker exec {quote_word(container)} ray status 2>&1; echo \"@@rc $?\""]
+    return ["sec ray", f"docker exec {quote_word(container)} ray status 2>&1; rc $?"]
 
 
 def count_ray_nodes(status: str) -> int:

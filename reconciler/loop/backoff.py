@@ -4,6 +4,10 @@ A step that fails waits `initial x 2^(failures-1)` (capped, with jitter from ten
 reconcile may run it again; after `hold_after` consecutive failures it is *held*: it runs at most once per
 `backoff_max`, a condition and `reconciler_step_hold` say so, and the node is not hammered. Success forgets the
 step; a new desired-state generation forgets everything (the operator changed something: try again now).
+
+`now` is the loop's monotonic clock (Controller.monotonic), never the wall clock: a step of the wall clock is not
+time passing, and the first version, on `time.time`, held a failed step a day longer after a day's step back and
+let it run again at once after a step forward (issue 31, finding 10).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 from reconciler.loop import conditions, metrics
 from reconciler.loop.backoff import Backoff, vetoes
-from reconciler.loop.generations import GenerationStore
+from reconciler.loop.generations import GenerationStore, observe_only
 from reconciler.loop.health_watch import HealthWatch
 from reconciler.loop.operations import FlagsQuery, Operations, admit
 from reconciler.loop.status import StatusPublisher
@@ -62,11 +62,18 @@ class Result:
 class Controller:
     def __init__(self, path: Path, state_dir: Path, requests: ReconcileRequests, cancel: threading.Event,
                  events: bool = True, observe_fn=observe, sessions_factory=Sessions,
-                 operations: Operations | None = None, clock: Callable[[], float] = time.time) -> None:
+                 operations: Operations | None = None, clock: Callable[[], float] | None = None,
+                 monotonic: Callable[[], float] | None = None) -> None:
         self.path = Path(path)
         self.holder = Holder.of("daemon", self.path)
         self.lease: Lease | None = None
-        self.clock = clock  # unix time; tests pass a fake one
+        self.lease_sessions: Sessions | None = None  # the lease's own connection to the head (edge/lease.py)
+        # Two clocks, never mixed: unix time only for timestamps people and Grafana read (lastConverged, /status),
+        # the monotonic clock for every duration the daemon measures (backoff, health graces, operations), which a
+        # step of the wall clock must not move (issue 31, finding 10). Tests pass fakes of both.
+        self.clock = clock or time.time
+        self.monotonic = monotonic or time.monotonic
+        self.read_only: str | None = None  # the fingerprint observed, not enforced, while no generation is recorded
         self.requests = requests
         self.cancel = cancel
         self.use_events = events
@@ -75,8 +82,9 @@ class Controller:
         if self.store.last_converged > 0:
             metrics.last_converged.set(self.store.last_converged)
         self.publisher = StatusPublisher(self.path)
-        self.operations = operations or Operations(on_end=lambda: requests.request("operation"), clock=clock)
-        self.health = HealthWatch()
+        self.operations = operations or Operations(on_end=lambda: requests.request("operation"),
+                                                   clock=self.monotonic)
+        self.health = HealthWatch(wall=self.clock)
         self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
         self._observe_fn = observe_fn
         self._sessions_factory = sessions_factory
@@ -115,8 +123,17 @@ class Controller:
             return False
         self.file_error = None
         metrics.desired_state_valid.set(1)
-        if not self.store.take(desired.fingerprint()):
-            return False
+        digest = desired.fingerprint()
+        if self.store.take(digest):
+            self.read_only = None
+        elif self.store.pending is None or digest == self.read_only:
+            return False  # the content in force, or the one observed already
+        elif self.desired is not None and self.read_only is None:  # the recorded generation stays in force
+            self.log.warning("desired_state.not_recorded", error=self.store.pending)
+            return False  # and the edit is retried every reconcile
+        else:  # nothing recorded is in force: observe what the file says, change nothing (generations.observe_only)
+            desired, self.read_only = observe_only(desired), digest
+            self.log.warning("state.read_only", error=self.store.pending)
         if self.desired is not None and (cancelled := self.operations.cancel_all()):
             # Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled,
             # they end at their next check; all steps are idempotent and rsync resumes from its partial data.
@@ -124,10 +141,11 @@ class Controller:
         self.desired = desired
         metrics.desired_state_generation.set(self.store.generation)
         self.backoff = Backoff(desired.policy.retries)  # a new generation: try everything again now
-        if self.sessions is None:
-            self.sessions = self._sessions_factory(desired)
+        if self.sessions is None or self.lease_sessions is None:
+            self.sessions, self.lease_sessions = self._sessions_factory(desired), self._sessions_factory(desired)
         else:
             self.sessions.update(desired)
+            self.lease_sessions.update(desired)
         if self.lease is not None and self.lease.desired.instance != desired.instance:
             # Another head address: maybe another cluster now. The sessions were updated above, so the release
             # reaches the head at its new address. A renumbered head (the same machine under a new ssh.host, issue
@@ -135,9 +153,13 @@ class Controller:
             # token names this daemon's machine and file (not the head's address), so the release drops our own
             # lease and the next act takes it back at once (tests/unit/test_lease.py); which containers are ours
             # is the head's cluster id, not the address (core.ownership), so nothing restarts. A really different
-            # head gets a release that finds nothing of ours there; the old head's lease expires by its TTL.
+            # head gets a release that finds nothing of ours there; the old head's lease ended with its connection.
             self.lease.release()
-        self.lease = Lease(desired, self.sessions, self.holder)
+            self.lease = None
+        if self.lease is None:
+            self.lease = Lease(desired, self.lease_sessions, self.holder)
+        else:  # the same head: the lock our companion holds there stays ours across generations
+            self.lease.desired = desired
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
                       paused=desired.policy.paused)
         if self.use_events:
@@ -163,8 +185,8 @@ class Controller:
         start = time.monotonic()
         self.reconciles += 1
         failures = self._record(self.operations.drain())
-        if {"file", "sighup"} & reasons or self.desired is None:
-            self.reload()
+        if {"file", "sighup"} & reasons or self.desired is None or self.store.pending is not None:
+            self.reload()  # an edit whose generation could not be recorded is retried every reconcile
         desired = self.desired
         observed: Observed | None = None
         current: Plan | None = None
@@ -177,7 +199,7 @@ class Controller:
                     return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
                 current = planning.plan(desired, observed)
                 started = self._start(desired, observed, current, reasons)
-                if not current.changes:
+                if not current.changes and self.read_only is None:  # observing only: no generation to reach
                     self.store.converged(self.clock())
                     metrics.last_converged.set(self.store.last_converged)
         except Exception as exc:  # a bug must not freeze the status at its last value
@@ -200,7 +222,7 @@ class Controller:
         assert self.sessions is not None, "a valid desired state opens the sessions"
         observed, durations = self._observe_fn(desired, self.sessions, timeout=desired.policy.timeouts.command,
                                                cancel=self.cancel, ask_flags=False)
-        observed = self.health.annotate(desired, observed, self.clock())
+        observed = self.health.annotate(desired, observed, self.monotonic())
         observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
         self.image_answer = observed.serve_flags  # /status shows the image's vLLM version
         StatusPublisher.observation(desired, observed, durations)
@@ -220,7 +242,8 @@ class Controller:
         if (taken := self.lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
             current.blocked.append(Blocker(desired.head.name, f"nothing starts: {taken}"))
             return 0
-        runnable, waiting = admit(current.steps, self.operations.busy(), vetoes(current, self.backoff, self.clock()))
+        runnable, waiting = admit(current.steps, self.operations.busy(),
+                                  vetoes(current, self.backoff, self.monotonic()))
         if not runnable:
             return 0
         self.log.info("reconcile.plan", generation=self.store.generation, reasons=sorted(reasons),
@@ -239,7 +262,7 @@ class Controller:
             if r.result == "success":
                 self.backoff.succeeded(r.step.id)
             elif r.result in ("failed", "blocked"):
-                self.backoff.failed(r.step.id, r.message, self.clock())
+                self.backoff.failed(r.step.id, r.message, self.monotonic())
                 failures.append(f"{r.step.id}: {r.message}")
             elif r.result == "deferred":  # said, never counted: the next reconcile tries again
                 failures.append(f"{r.step.id}: {r.message}")
@@ -250,7 +273,7 @@ class Controller:
         lease's renewal (a long resync must not let it lapse while our operations run), and after a docker event
         the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
         due = [EVENT_SETTLE] if settle else []
-        now = self.clock()
+        now = self.monotonic()
         if (self.lease is not None and self.lease.holding and self.desired is not None
                 and self.desired.policy.resync_interval > RENEW_AFTER):
             due.append(RENEW_AFTER)
@@ -307,5 +330,6 @@ class Controller:
             step_failures=failures + ([error] if error else []), held=held,
             paused=bool(desired and desired.policy.paused), mode=desired.policy.mode if desired else "enforce",
             in_flight=[s.id for s in in_flight])
-        self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, self.clock())
+        self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, self.clock(),
+                               state_error=self.store.unsaved)
         return str(self.publisher.status["phase"])

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import fcntl
 import os
@@ -46,22 +47,38 @@ class AlreadyRunning(Exception):
     pass
 
 
-def lock(state_dir: Path, path: Path):
-    """flock on a file named after the desired-state path: a second daemon on the same file is refused."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(state_dir / f"reconciler-{path_key(path)}.lock", "a+")  # noqa: SIM115 - held for the process lifetime
+def lock(state_dir: Path, path: Path) -> int | None:
+    """flock on a file named after the desired-state path: a second daemon on the same file is refused. Returns
+    the descriptor, held for the process's life.
+
+    A state dir that cannot be written (a full disk, a read-only mount) must not keep the daemon from starting
+    (issue 31, finding 9: writing the pid on a full disk ended it). flock needs only an open file, read-only if
+    need be; the pid in it is for people, written when it can be. Where not even the file can be had, the daemon
+    runs without this lock (None, logged by the caller): the cluster's lease on the head still lets one actor act,
+    and with a state dir nothing can be recorded in, the daemon only observes (generations.observe_only)."""
+    file = state_dir / f"reconciler-{path_key(path)}.lock"
+    fd = None
+    for make, flags in ((True, os.O_RDWR | os.O_CREAT), (False, os.O_RDONLY)):
+        try:
+            if make:
+                state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(file, flags | os.O_CLOEXEC, 0o600)
+            break
+        except OSError:
+            continue
+    if fd is None:
+        return None
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        other = handle.read().strip() or "another process"
+        other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
         raise AlreadyRunning(f"another reconciler (pid {other}) already runs for {path} "
-                             f"(lock {handle.name}); stop it first") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
+                             f"(lock {file}); stop it first") from None
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def heartbeat_fresh(heartbeat: float, now: float, stale_after: float = STALE_AFTER) -> bool:
@@ -132,7 +149,8 @@ class Daemon:
         self.controller.operations.cancel_all()
 
         def close() -> None:
-            if not self.controller.operations.join(deadline):
+            ended = self.controller.operations.join(deadline)
+            if not ended:
                 self.log.warning("daemon.operations_still_running", seconds=deadline)
             elif self.controller.lease is not None:  # nothing of ours runs any more: another actor may act now
                 self.controller.lease.release()
@@ -140,6 +158,8 @@ class Daemon:
             server.server_close()
             if self.controller.sessions:
                 self.controller.sessions.close()
+            if ended and self.controller.lease_sessions:  # else the lease ends with the process, after its threads
+                self.controller.lease_sessions.close()
 
         closer = threading.Thread(target=close, name="shutdown", daemon=True)
         closer.start()
@@ -156,6 +176,9 @@ class Daemon:
 
     def run(self) -> int:
         handle = lock(self.state_dir, self.path)
+        if handle is None:
+            self.log.warning("daemon.unlocked", state_dir=str(self.state_dir),
+                             reason="the state dir cannot hold the lock file; the lease on the head still applies")
         try:
             self.controller.reload()
             listen = self._listen_address()
@@ -173,7 +196,8 @@ class Daemon:
             return 0
         finally:
             self.stopped.set()
-            handle.close()
+            if handle is not None:
+                os.close(handle)
 
     def _loop(self) -> None:
         self.requests.request("start")

@@ -10,13 +10,21 @@ wedged vLLM is not granted another hour.
 
 Backoff: a restart for health that did not hold (the new container also served, then failed again) doubles the
 grace, up to 16x; serving well for 16 graces forgets the count.
+
+Clocks: every duration here (failing since, serving since, the container's age) runs on the monotonic clock the
+caller passes (`now`). They ran on the wall clock, and a clock step is not time passing: 2 h forward restarted a
+model in the middle of its cold start (its age and its failure both jumped past their limits), and a day back
+delayed a wedged restart by a day (issue 31, finding 10). The wall clock is read once per container, when it is
+first seen, for the only age a watch without history has: docker's StartedAt (the head's clock) against now.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import datetime
 
-from reconciler.core.observed import Observed, ServingApi
+from reconciler.core.observed import Container, Observed, ServingApi
 from reconciler.core.planning import MAX_GRACE_DOUBLINGS
 from reconciler.core.spec import Desired
 
@@ -37,8 +45,10 @@ def _age(started_at: str | None, now: float) -> float:
 
 
 class HealthWatch:
-    def __init__(self) -> None:
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall  # unix time: read only when a container is first seen (its StartedAt)
         self.container_id: str | None = None
+        self._start: tuple[tuple[str, str | None], float, float] | None = None  # (start, first seen, age then)
         self.served = False
         self.unhealthy_since: float | None = None
         self.serving_since: float | None = None
@@ -47,6 +57,7 @@ class HealthWatch:
         self._wedged = False  # the current container served and now fails: its replacement is a restart for health
 
     def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
+        """`now`: the monotonic clock's reading for this observation."""
         head = desired.head.name
         node = observed.node(head)
         serving = node.serving
@@ -69,7 +80,7 @@ class HealthWatch:
         else:
             self.serving_since = None
             self.unhealthy_since = self.unhealthy_since if self.unhealthy_since is not None else now
-        served_before = self.served or _age(container.started_at, now) > desired.serving.health_timeout
+        served_before = self.served or self._age(container, now) > desired.serving.health_timeout
         self._wedged = served_before and self.unhealthy_since is not None
         annotated = serving.model_copy(update={
             "unhealthy_for": None if self.unhealthy_since is None else now - self.unhealthy_since,
@@ -77,6 +88,16 @@ class HealthWatch:
         nodes = dict(observed.nodes)
         nodes[head] = node.model_copy(update={"serving": annotated})
         return observed.model_copy(update={"nodes": nodes})
+
+    def _age(self, container: Container, now: float) -> float:
+        """The container's age, on the monotonic clock: its StartedAt read against the wall clock once, when that
+        start (container id and StartedAt) is first seen, the only age a watch without history has; then the
+        monotonic time since."""
+        start = (container.id, container.started_at)
+        if self._start is None or self._start[0] != start:
+            self._start = (start, now, _age(container.started_at, self.wall()))
+        _, seen, age = self._start
+        return age + (now - seen)
 
     def _busy(self, desired: Desired, serving: ServingApi) -> bool:
         """The completion did not answer, but the engine's tokens grew since the last probe read them: vLLM

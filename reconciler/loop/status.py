@@ -3,6 +3,8 @@
 /status (JSON), the Prometheus metrics, systemd's status line: all are written here from one `conditions.Snapshot`,
 at the end of every reconcile, crashed or not, so none of them can keep saying Converged after a reconcile that
 could not tell. `reconciler_last_reconcile_timestamp_seconds` moves every time; an alert fires when it stops.
+A state dir that cannot be written is said the same way (`stateError`, `lastError`, the status line): the
+generation shown is then the one recorded and in force, never one that a restart would not know again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ class StatusPublisher:
                              "lastPlan": None, "lastError": None}
         self._held: set[tuple[str, str]] = set()  # (kind, node) shown as 1 on the step_hold gauge
 
-    def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float) -> None:
+    def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float,
+                state_error: str | None = None) -> None:
+        """`now`: unix time (the timestamps people read); `state_error`: why the state dir could not be written
+        (generations.GenerationStore.unsaved)."""
         conds = conditions.conditions(snap, nodes, self.status.get("conditions", []), now)
         phase = conditions.phase_of(snap)
         drift = snap.plan.drift if snap.plan else []
@@ -36,8 +41,8 @@ class StatusPublisher:
             "file": str(self.path), "conditions": conds,
             "drift": [d.as_dict() for d in drift],
             "lastPlan": snap.plan.as_dict() if snap.plan else None,
-            "lastError": error or (snap.step_failures[-1] if snap.step_failures else snap.file_error),
-            "held": snap.held, "time": now,
+            "lastError": error or (snap.step_failures[-1] if snap.step_failures else snap.file_error) or state_error,
+            "held": snap.held, "time": now, "stateSaved": state_error is None, "stateError": state_error,
         })
         metrics.set_phase(phase)
         metrics.set_conditions(conds)
@@ -49,7 +54,8 @@ class StatusPublisher:
         metrics.converged.set(1 if snap.plan is not None and not snap.plan.changes and error is None else 0)
         metrics.observed_generation.set(snap.observed_generation)
         metrics.last_reconcile.set(now)
-        systemd.status(f"{phase}; generation {snap.generation}, {sum(counts.values())} drifted")
+        systemd.status(f"{phase}; generation {snap.generation}, {sum(counts.values())} drifted"
+                       + ("; state dir not writable" if state_error else ""))
 
     def holds(self, held: dict[str, str]) -> None:
         """The step_hold gauge: 1 while held, back to 0 once no longer held — also when the hold ended by a success

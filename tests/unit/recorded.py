@@ -15,6 +15,8 @@ from reconciler.core import spec
 from reconciler.core.observed import Container, Link, Observed
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.observe import parse_probe
+from reconciler.edge.probes import split_sections
+from testbed.recordings import reseal
 from tests.unit.edits import edited
 
 FIXTURE = Path(__file__).with_name("fixtures") / "probe-4-nodes.json"
@@ -42,8 +44,23 @@ def load(*edits: tuple[str, str]) -> spec.Desired:
     return spec.loads(edited(RAW["desired"], *edits), "testbed.yaml")
 
 
+NONCE = "0123456789abcdef0123456789abcdef"  # the recording's markers sealed with this (testbed/recordings.py)
+
+
+def parsed(desired: spec.Desired, node: str, output: str | None = None) -> object:
+    """One node's recorded output (or `output`, kept unsealed like it) parsed as the probe would."""
+    return parse_probe(desired, desired.node(node), reseal(RAW["outputs"][node] if output is None else output, NONCE),
+                       NONCE)
+
+
+def sections_of(kept: str) -> dict:
+    """Output kept with plain `@@NAME`/`@@rc N` markers (a recording, or one written in a test) split as the probe
+    splits its sealed output."""
+    return split_sections(reseal(kept, NONCE), NONCE)
+
+
 def observe(desired: spec.Desired) -> Observed:
-    return Observed(nodes={n.name: parse_probe(desired, n, RAW["outputs"][n.name]) for n in desired.nodes})
+    return Observed(nodes={n.name: parsed(desired, n.name) for n in desired.nodes})
 
 
 def changed(observed: Observed, node: str, **fields: object) -> Observed:

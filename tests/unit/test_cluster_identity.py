@@ -30,21 +30,23 @@ from reconciler.core.observed import (
 from reconciler.core.ownership import CLUSTER_ID_FILE, owner
 from reconciler.core.planning import Step, plan
 from reconciler.core.spec import Desired, load, loads
-from reconciler.edge.observe import observe_node, parse_probe, probe_script
+from reconciler.edge.observe import observe_node, probe_script
 from reconciler.edge.probes import (
     IDENTITY_MAX_BYTES,
-    SECTION_FUNCTION,
     ProbeError,
     Section,
     identity_script,
     parse_identity,
+    sealed,
     split_sections,
 )
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps import StepContext, StepFailed
 from reconciler.edge.steps.containers import stop_serving
 from reconciler.edge.steps.serving import start_serving
+from testbed.recordings import answer
 from tests.unit.conftest import converged_in_simulator
+from tests.unit.recorded import parsed
 from tests.unit.test_ownership import FakeDocker
 
 ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -58,10 +60,10 @@ OLD_HOST, NEW_HOST = "10.1.230.180", "spark-1a32.local"
 
 def _run_fragment(home: Path, instance: str) -> tuple[Section | None, subprocess.CompletedProcess]:
     """The fragment as the probe runs it (`sec` function, LC_ALL=C), by a real sh with HOME set to `home`."""
-    script = "\n".join(["export LC_ALL=C", SECTION_FUNCTION, *identity_script(instance)]) + "\n"
-    done = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=30,
+    script = sealed(identity_script(instance))
+    done = subprocess.run(["sh", "-s"], input=script.script, capture_output=True, text=True, timeout=30,
                           env={"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}, check=False)
-    return split_sections(done.stdout).get("identity"), done
+    return split_sections(done.stdout, script.nonce).get("identity"), done
 
 
 def test_a_missing_id_is_made_once_and_kept(tmp_path):
@@ -137,17 +139,17 @@ def test_a_good_file_reads_and_a_missing_section_is_not_read():
 
 def test_only_the_head_is_asked_and_odd_output_is_its_probe_condition(desired_sample):
     head, worker = desired_sample.node(HEAD), desired_sample.node(WORKER)
-    assert "sec identity" in probe_script(desired_sample, head)
-    assert "sec identity" not in probe_script(desired_sample, worker)
-    assert "cluster-id" not in probe_script(desired_sample, worker)
+    assert "sec identity" in probe_script(desired_sample, head).script
+    assert "sec identity" not in probe_script(desired_sample, worker).script
+    assert "cluster-id" not in probe_script(desired_sample, worker).script
     good = f"@@identity\n{ID}\n{desired_sample.instance}\n@@rc 0\n"
-    assert parse_probe(desired_sample, head, good).identity == ClusterIdentity(id=ID,
+    assert parsed(desired_sample, HEAD, good).identity == ClusterIdentity(id=ID,
                                                                                known_as=[desired_sample.instance])
-    assert parse_probe(desired_sample, worker, good).identity is None, "only the head's file names the cluster"
+    assert parsed(desired_sample, WORKER, good).identity is None, "only the head's file names the cluster"
 
     class Session:
         def run_script(self, script, timeout, cancel=None):
-            return Result("@@identity\nnot-an-id\n@@rc 0\n", "", 0)
+            return Result(answer(script, "@@identity\nnot-an-id\n@@rc 0\n"), "", 0)
 
     seen = observe_node(desired_sample, {HEAD: Session()}, head)  # type: ignore[dict-item]
     assert seen.reachable and seen.identity is None
@@ -319,5 +321,6 @@ class _StartingDocker:
         if ".spark-reconciler/copies" in script:  # the copy ledger's `served` lines (edge/ledger.py)
             return SimpleNamespace(stdout="", stderr="", exit_code=0)
         assert "/proc/meminfo" in script
-        return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {128 << 20} kB\nMemAvailable: {127 << 20} kB\n@@rc 0\n",
+        return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {128 << 20} kB\n"
+                                                     f"MemAvailable: {127 << 20} kB\n@@rc 0\n"),
                                exit_code=0)

@@ -8,6 +8,7 @@ did with the worker's fabric link down (/health 200, the completion never answer
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -15,7 +16,7 @@ from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
 from reconciler.core.observed import EngineLoad, Observed, ServingApi
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import COMPLETION_DEADLINE, SECTION_FUNCTION, Section, completion_argv, parse_completion
+from reconciler.edge.probes import COMPLETION_DEADLINE, Section, completion_argv, parse_completion, sealed
 
 REAL_ANSWER = (
     '{"id":"cmpl-aa28977b610327c4","object":"text_completion","created":1796277722,"model":"tiny","choices":'
@@ -73,11 +74,10 @@ def test_health_200_without_a_completion_is_drift(cluster_yaml, seed_snapshot):
                 if d.kind == "health"]
 
 
-def _serving_part_of_the_probe(desired: Desired) -> str:
-    from reconciler.edge.observe import probe_script
+def _serving_part_of_the_probe(desired: Desired):
+    from reconciler.edge.probes import api_script
 
-    script = probe_script(desired, desired.head)
-    return SECTION_FUNCTION + "\n" + script[script.index("sec health"):]
+    return sealed(api_script(desired))
 
 
 STUB_CURL = """#!/bin/sh
@@ -101,8 +101,17 @@ esac
 """
 
 
+@pytest.fixture
+def root_port():
+    """A port this test's own process listens on: the probe asks the API only where root alone listens (serving
+    containers run as root; the tests run as root, as CI does: docs/testing.md)."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        yield held.getsockname()[1]
+
+
 @pytest.mark.parametrize("health", ["200", "000"])
-def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cluster_yaml, tmp_path, health):
+def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cluster_yaml, tmp_path, health,
+                                                                              root_port):
     """The shell the probe really runs, with a stand-in curl: a hung completion reports curl's own exit code (the
     probe once reported `echo`'s 0, so "no answer" read as an HTTP error); an API whose /health does not answer is
     not also asked for models and a completion (2 s + 5 s more per probe of a frozen API)."""
@@ -111,7 +120,9 @@ def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cl
 
     from reconciler.edge.probes import parse_serving, split_sections
 
-    desired = Desired.model_validate(load_file(cluster_yaml).data)
+    data = load_file(cluster_yaml).data
+    data["serving"]["port"] = root_port
+    desired = Desired.model_validate(data)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "curl").write_text(STUB_CURL)
@@ -119,9 +130,10 @@ def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cl
     calls = tmp_path / "calls"
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "HEALTH": health,
            "SERVED": desired.serving.served_model_name or desired.model.id}
-    out = subprocess.run(["sh", "-s"], input=_serving_part_of_the_probe(desired), capture_output=True, text=True,
+    script = _serving_part_of_the_probe(desired)
+    out = subprocess.run(["sh", "-s"], input=script.script, capture_output=True, text=True,
                          env=env, timeout=30, check=True).stdout
-    sections = split_sections(out)
+    sections = split_sections(out, script.nonce)
     asked = [w for w in calls.read_text().split() if w.startswith("http://")]
     serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
                             sections.get("engine"))
@@ -145,7 +157,7 @@ esac
 """
 
 
-def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_path):
+def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_path, root_port):
     """vLLM with VLLM_API_KEY answers 401 on every /v1 path without `Authorization: Bearer KEY` (/health stays
     open): serving looked unhealthy forever. The key goes to curl as `-H @-` on its stdin."""
     import os
@@ -154,6 +166,7 @@ def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_
     from reconciler.edge.probes import parse_serving, split_sections
 
     data = load_file(cluster_yaml).data
+    data["serving"]["port"] = root_port
     key = "sk-test-0123456789"
     data["serving"]["secrets"] = {"VLLM_API_KEY": "head"}
     desired = Desired.model_validate(data).with_secrets({"VLLM_API_KEY": key})
@@ -164,14 +177,15 @@ def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_
     calls = tmp_path / "calls"
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls),
            "SERVED": desired.serving.served_model_name or desired.model.id}
-    out = subprocess.run(["sh", "-s"], input=_serving_part_of_the_probe(desired), capture_output=True, text=True,
+    script = _serving_part_of_the_probe(desired)
+    out = subprocess.run(["sh", "-s"], input=script.script, capture_output=True, text=True,
                          env=env, timeout=30, check=True).stdout
     lines = calls.read_text().splitlines()
     argvs = [line for line in lines if line.startswith("ARGV ")]
     assert not [a for a in argvs if key in a], "the key is in an argv"
     assert lines.count(f"STDIN Authorization: Bearer {key}") == 2, lines  # /v1/models and /v1/completions
     assert "-H @-" not in next(a for a in argvs if "/health" in a)
-    sections = split_sections(out)
+    sections = split_sections(out, script.nonce)
     serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"))
     assert serving.serves(desired.serving.served_model_name or desired.model.id)
 

@@ -9,6 +9,7 @@ by the trigger its own end fires.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -51,8 +52,8 @@ class Gate:
 
 
 class FakeSessions:
-    """No SSH: only the head's lease script is answered (always granted here; tests/unit/test_lease.py runs the
-    real script)."""
+    """No SSH: only the head's lease companion is answered (always granted, and held until the end; tests/unit/
+    test_lease.py runs the real one)."""
 
     def __init__(self, desired):
         pass
@@ -60,16 +61,35 @@ class FakeSessions:
     def __getitem__(self, node):
         return self
 
-    def run_script(self, script, timeout, cancel=None):
-        from reconciler.edge.ssh import Result
-
-        return Result("ok\t600\n", "", 0)
+    @contextlib.contextmanager
+    def companion(self, argv, *, timeout, stdin, open_timeout):
+        yield GrantedLease()
 
     def update(self, desired):
         pass
 
     def close(self):
         pass
+
+
+class GrantedLease:
+    """The companion that took the lock: says `ok`, then runs (nothing more to read) until ended."""
+
+    def __init__(self):
+        self.said = False
+
+    def line(self, timeout):
+        from reconciler.edge.ssh import CommandTimeout
+
+        if not self.said:
+            self.said = True
+            return "ok"
+        raise CommandTimeout("head", "still holding")
+
+    def end(self, timeout):
+        from reconciler.edge.ssh import Result
+
+        return Result("", "", 0)
 
 
 class Script:
@@ -264,7 +284,8 @@ def test_a_docker_event_is_looked_at_again_once_its_state_can_show(desired_path,
 
 
 def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_path, converged):
-    """resync_interval: 1h with nothing else happening: the lease (TTL 10 min) must not lapse under the daemon."""
+    """resync_interval: 1h with nothing else happening: the daemon still looks at its lease every minute (a lease
+    lost is seen, and taken back before anything starts, within a minute)."""
     from reconciler.edge.lease import RENEW_AFTER
 
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 1h"))

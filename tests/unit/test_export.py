@@ -18,6 +18,7 @@ from reconciler.core import spec
 from reconciler.core.export import lws_manifest, lws_yaml
 from reconciler.edge import discover as disc
 from reconciler.edge.probes import Section, parse_containers
+from tests.unit.recorded import sections_of
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = Path(__file__).parent / "fixtures"
@@ -223,7 +224,7 @@ def facts_from(addr_json: str, rdma: str = "", ibdev: str | None = None, host: s
                 "@@meminfo", "MemTotal:       127600748 kB", "MemAvailable:   110000000 kB", "@@rc 0"]
     if ibdev is not None:
         sections += ["@@ibdev2netdev", ibdev, "@@rc 0"]
-    return disc.parse_facts(host, "\n".join(sections) + "\n")
+    return disc.facts_from_sections(host, sections_of("\n".join(sections) + "\n"))
 
 
 def test_fabric_prefers_the_active_roce_netdev_with_ipv4_and_notes_twins():

@@ -14,7 +14,8 @@ from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
-from reconciler.edge.probes import link_script, parse_links, split_sections
+from reconciler.edge.probes import link_script, parse_links
+from tests.unit.recorded import sections_of
 
 TWIN = "enP2p1s0f1np1"
 
@@ -55,7 +56,7 @@ def test_the_probe_reads_both_ports(cluster_yaml):
              "addr_info": [{"family": "inet", "local": "192.168.201.12", "prefixlen": 24}]}]
     out = (f"@@link\n{json.dumps([dict(link[0], addr_info=[])])}\n@@rc 0\n@@rdma\n@@rc 2\n"
            f"@@link-twin\n{json.dumps(link)}\n@@rc 0\n@@rdma-twin\n4: ACTIVE\n5: LinkUp\n@@rc 0\n")
-    first, twin = parse_links(node, split_sections(out))
+    first, twin = parse_links(node, sections_of(out))
     assert first.name == "enp1s0f1np1" and first.addresses == []
     assert twin is not None and twin.name == TWIN and twin.addresses == ["192.168.201.12/24"] and twin.rdma.active
 

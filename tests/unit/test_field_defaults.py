@@ -10,6 +10,7 @@ from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.steps import serving
+from testbed.recordings import answer
 
 
 def _desired(cluster_yaml, **serving_fields) -> Desired:
@@ -87,8 +88,8 @@ def test_dirty_pages_are_written_and_the_cache_dropped_before_every_start(cluste
 
         def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
             assert "/proc/meminfo" in script
-            return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n", exit_code=0)
+            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
+                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n"), exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
                           observed=Observed(nodes={}))
@@ -140,8 +141,8 @@ def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
             return SimpleNamespace(stdout="", exit_code=0)
 
         def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
-            return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n", exit_code=0)
+            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
+                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n"), exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
                           progress=lambda event, fields: events.append(event), observed=Observed(nodes={}))
@@ -163,8 +164,8 @@ def test_a_node_whose_sudoers_refuses_the_drop_is_said_and_starts(cluster_yaml):
             return SimpleNamespace(stdout="", exit_code=0)
 
         def run_script(self, script, timeout):
-            return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\nMemAvailable: {100 << 20} kB\n"
-                                          "@@rc 0\n", exit_code=0)
+            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
+                                                                f"MemAvailable: {100 << 20} kB\n@@rc 0\n"), exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
                           progress=lambda event, fields: events.append(event), observed=Observed(nodes={}))
@@ -182,8 +183,8 @@ def test_without_drop_caches_nothing_is_dropped(cluster_yaml):
             raise AssertionError(f"nothing but meminfo is run: {argv}")
 
         def run_script(self, script, timeout):
-            return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {120 << 20} kB\nMemAvailable: {100 << 20} kB\n"
-                                          "@@rc 0\n", exit_code=0)
+            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
+                                                                f"MemAvailable: {100 << 20} kB\n@@rc 0\n"), exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
                           observed=Observed(nodes={}))

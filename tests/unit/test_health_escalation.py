@@ -120,7 +120,7 @@ def test_a_container_older_than_the_cold_start_allowance_counts_as_having_served
     observed = deployed.model_copy(update={"nodes": {**deployed.nodes, head: node.model_copy(
         update={"containers": old, "serving": WEDGED})}})
     now = datetime(2026, 11, 30, 10, 0, tzinfo=UTC).timestamp()  # 2 h after the start, 1 h past health_timeout
-    watch = HealthWatch()
+    watch = HealthWatch(wall=lambda: now)  # the wall clock gives the age at first sight; durations then run on `now`
     first = watch.annotate(desired, observed, now=now)
     assert first.node(head).serving.served_before
     assert plan(desired, first).steps == []
@@ -195,7 +195,7 @@ def test_the_docker_api_path_gives_the_age_too():
     frozen = state.model_copy(update={"nodes": {**state.nodes, "head": state.node("head").model_copy(
         update={"serving": WEDGED})}})
     late = created + recorded.serving.health_timeout + 1
-    watch = HealthWatch()
+    watch = HealthWatch(wall=lambda: late)
     assert watch.annotate(recorded, frozen, now=late).node("head").serving.served_before
     after = watch.annotate(recorded, frozen, now=late + recorded.serving.unhealthy_grace)
     assert _restarts_in_order(recorded, plan(recorded, after))

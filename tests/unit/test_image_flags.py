@@ -161,7 +161,25 @@ def test_one_throwaway_container_answers_flags_and_ray(cluster_yaml, seed_snapsh
     answer = ask_serve_flags(desired, {desired.head.name: Session()}, desired.head.name, "sha256:" + "1" * 64)
     assert answer.has_ray is has_ray and "--tensor-parallel-size" in answer.flags and answer.error is None
     assert answer.version == "0.32.0"
-    assert seen[0][:6] == ["docker", "run", "--rm", "--network", "none", "--entrypoint"]
+    assert seen[0][:8] == ["docker", "run", "--rm", "--network", "none", "--label",
+                           "spark-reconciler.query=serve-flags", "--entrypoint"]
+
+
+def test_the_question_container_is_never_a_co_tenant_to_stop(cluster_yaml, seed_snapshot):
+    """The daemon stopped its own `vllm serve --help=all` as "running but not allowed" (issue 31, item 6): the
+    label it now carries (the one `ask_serve_flags` gives it) keeps it off the co-tenant list; any other unlisted
+    container is still one."""
+    from reconciler.core.drift import co_tenant_drift
+    from reconciler.core.observed import Container
+
+    desired, observed = _deployed(cluster_yaml, seed_snapshot)
+    head = observed.node(desired.head.name)
+    question = Container(id="q", name="kind_ptolemy", image=desired.serving.image, state="running",
+                         labels={"spark-reconciler.query": "serve-flags"})
+    stranger = Container(id="s", name="kind_turing", image=desired.serving.image, state="running")
+    seen = co_tenant_drift(desired, desired.head.name,
+                           head.model_copy(update={"containers": [*head.containers, question, stranger]}))
+    assert [d.container for d in seen if d.container in ("kind_ptolemy", "kind_turing")] == ["kind_turing"]
 
 
 def test_a_failed_question_is_not_kept_by_the_one_shot_commands(cluster_yaml, seed_snapshot):

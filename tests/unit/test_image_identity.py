@@ -22,7 +22,8 @@ from reconciler.core.loader import load_file
 from reconciler.core.observed import Image, Observed
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import image_from_inspect, parse_image, split_sections
+from reconciler.edge.probes import image_from_inspect, parse_image
+from tests.unit.recorded import sections_of
 from tests.unit.test_image_flags import _deployed
 
 CLASSIC = json.loads((Path(__file__).with_name("fixtures") / "docker-20.10-overlay2-image-inspect.json").read_text())[0]
@@ -59,9 +60,9 @@ def test_another_image_has_another_content(change):
 
 
 def test_the_probe_reads_the_api_object_and_the_cli_array_alike():
-    api = parse_image(split_sections("@@image\nAPI " + json.dumps(CLASSIC) + "\n@@rc 0\n")["image"])
-    cli = parse_image(split_sections("@@image\n" + json.dumps([CLASSIC], indent=1) + "\n@@rc 0\n")["image"])
-    absent = parse_image(split_sections("@@image\n[]\n@@rc 1\n")["image"])
+    api = parse_image(sections_of("@@image\nAPI " + json.dumps(CLASSIC) + "\n@@rc 0\n")["image"])
+    cli = parse_image(sections_of("@@image\n" + json.dumps([CLASSIC], indent=1) + "\n@@rc 0\n")["image"])
+    absent = parse_image(sections_of("@@image\n[]\n@@rc 1\n")["image"])
     assert api == cli == image_from_inspect(CLASSIC) and absent is None
 
 

@@ -15,6 +15,7 @@ from reconciler.core.observed import Observed
 from reconciler.core.planning import Step
 from reconciler.edge import execute
 from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, serving
+from testbed.recordings import answer
 from tests.unit.recorded import load
 
 GIB_KB = 1 << 20
@@ -34,8 +35,8 @@ class Node:
         assert "/proc/meminfo" in script
         value = self.available[min(self.reads, len(self.available) - 1)]
         self.reads += 1
-        return SimpleNamespace(stdout=f"@@meminfo\nMemTotal: {8 * GIB_KB} kB\nMemAvailable: {value * GIB_KB} kB\n"
-                                      "@@rc 0\n", exit_code=0)
+        return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {8 * GIB_KB} kB\n"
+                                                     f"MemAvailable: {value * GIB_KB} kB\n@@rc 0\n"), exit_code=0)
 
 
 def _ctx(node: Node) -> StepContext:

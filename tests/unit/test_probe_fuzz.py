@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from reconciler.core.spec import load
 from reconciler.core.vllm import parse_serve_help
 from reconciler.edge import manifest, probes
-from reconciler.edge.observe import parse_probe
 from reconciler.edge.probes import ProbeError, Section
 from tests.unit.examples import examples
+from tests.unit.recorded import parsed
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
@@ -77,7 +77,7 @@ SECTION_NAMES = ["containers", "image", "link", "rdma", "meminfo", "weights", "h
 def test_a_whole_probe_output_yields_an_observation_or_a_probe_error(desired, parts, garbage):
     output = garbage + "".join(f"\n@@{name}\n{body}\n@@rc {rc}\n" for name, body, rc in parts)
     for node in desired.nodes:
-        only_probe_errors(lambda node=node: parse_probe(desired, node, output))
+        only_probe_errors(lambda node=node: parsed(desired, node.name, output))
 
 
 @settings(**examples(200), deadline=None, suppress_health_check=list(HealthCheck))

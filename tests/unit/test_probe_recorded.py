@@ -19,7 +19,7 @@ from reconciler.core.observed import Observed
 from reconciler.core.ownership import owner
 from reconciler.core.planning import plan
 from reconciler.core.vllm import launch_specs
-from reconciler.edge.observe import parse_probe
+from tests.unit.recorded import parsed
 
 FIXTURE = Path(__file__).with_name("fixtures") / "probe-4-nodes.json"
 
@@ -30,7 +30,7 @@ def recorded(tmp_path_factory):
     path = tmp_path_factory.mktemp("probe") / "testbed.yaml"
     path.write_text(raw["desired"])
     desired = spec.load(path)
-    observed = Observed(nodes={n.name: parse_probe(desired, n, raw["outputs"][n.name]) for n in desired.nodes})
+    observed = Observed(nodes={n.name: parsed(desired, n.name, raw["outputs"][n.name]) for n in desired.nodes})
     return desired, observed
 
 

@@ -14,6 +14,7 @@ from reconciler.core.ownership import owner
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.steps import serving
+from testbed.recordings import answer
 
 
 def _asymmetric(cluster_yaml, launcher: str) -> Desired:
@@ -51,7 +52,7 @@ def test_the_list_is_written_in_the_head_container_before_vllm_serve(cluster_yam
 
         def run_script(self, script, timeout):  # the probe's `ray` fragment (reconciler.edge.probes.ray_script)
             assert "ray status" in script
-            return SimpleNamespace(stdout="@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n", exit_code=0)
+            return SimpleNamespace(stdout=answer(script, "@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n"), exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
                           remaining=lambda t=None: 60, observed=Observed(nodes={}),
@@ -75,7 +76,7 @@ def test_vllm_serve_is_exec_d_under_the_images_entrypoint_wrapper(cluster_yaml):
             return SimpleNamespace(stdout="0\n", exit_code=0)
 
         def run_script(self, script, timeout):
-            return SimpleNamespace(stdout="@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n", exit_code=0)
+            return SimpleNamespace(stdout=answer(script, "@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n"), exit_code=0)
 
     ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
                           remaining=lambda t=None: 60, observed=Observed(nodes={}),

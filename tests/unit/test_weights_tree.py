@@ -25,12 +25,14 @@ from reconciler.core.observed import Observed
 from reconciler.core.planning import Step
 from reconciler.edge import manifest
 from reconciler.edge.manifest import manifest_script, parse_weights
-from reconciler.edge.probes import split_sections
+from reconciler.edge.probes import sealed, split_sections
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps import StepContext, StepFailed
 from reconciler.edge.steps import weights as step
+from testbed.recordings import unseal
 from testbed.weights import generate
 from tests.unit.examples import examples
+from tests.unit.recorded import sections_of
 
 MODEL = "testorg/tiny-dense"
 REV = "3" * 40
@@ -40,13 +42,14 @@ OUTPUT_CAP = 20_000_000  # bytes of probe output read: a walk of `/` is cut here
 
 def run_probe(root: str | Path, shell: str = "sh") -> str:
     """The real `weights` section's output, run here by `shell`."""
-    return subprocess.run([shell, "-c", f"{shell} -s | head -c {OUTPUT_CAP}"], input=manifest_script(str(root)),
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "LC_ALL": "C"},
-                          check=False).stdout
+    script = sealed([manifest_script(str(root))])
+    return unseal(subprocess.run([shell, "-c", f"{shell} -s | head -c {OUTPUT_CAP}"], input=script.script,
+                                 capture_output=True, text=True, timeout=120, env={**os.environ, "LC_ALL": "C"},
+                                 check=False).stdout, script.nonce)
 
 
 def probe(root: str | Path, shell: str = "sh"):
-    return parse_weights(str(root), split_sections(run_probe(root, shell)).get("weights"))
+    return parse_weights(str(root), sections_of(run_probe(root, shell)).get("weights"))
 
 
 def hf_tree(base: Path, shards: int = 2, shard_bytes: int = 20_000, shared: int = 1) -> Path:
@@ -99,7 +102,7 @@ def test_the_probe_resolves_links_on_its_listing_and_follows_none(tmp_path, shel
     (snap / "up").symlink_to("../../../../outside")
     out = run_probe(repo, shell)
     assert len(out) < 20_000, f"{len(out)} bytes of probe output: a link was followed"
-    w = parse_weights(str(repo), split_sections(out).get("weights"))
+    w = parse_weights(str(repo), sections_of(out).get("weights"))
     assert w.present and w.truncated is None
     files = {f.path: f for f in w.files}
     shards = sorted(p for p in files if p.startswith(f"snapshots/{REV}/model-"))
@@ -127,7 +130,7 @@ def test_the_walk_is_bounded_in_entries_and_depth(tmp_path, monkeypatch):
         (wide / f"f{i:02d}").write_bytes(b"x")
     out = run_probe(wide)
     assert out.count("\nE\t") <= 20 + 6, "the walk stops at the cap (head ends find)"
-    w = parse_weights(str(wide), split_sections(out).get("weights"))
+    w = parse_weights(str(wide), sections_of(out).get("weights"))
     assert w.truncated == "more than 20 entries"
     for i in range(10, 30):
         (wide / f"f{i:02d}").unlink()
@@ -319,7 +322,7 @@ class Local:
     def run_script(self, script, *, timeout, cancel=None):
         p = subprocess.run(["sh", "-s"], input=script.encode(), capture_output=True, timeout=timeout, env=self.env,
                            cwd=self.home, check=False)
-        if "@@weights" in script:
+        if "sec weights" in script:
             self._listed()
         return Result(p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace"), p.returncode)
 
@@ -475,7 +478,8 @@ def test_rsync_itself_never_copies_a_link_out_of_the_tree(tmp_path, nodes):
         return Result(res.stdout.replace(f"\t{secret}\n", f"\t{inside}\n"), res.stderr, res.exit_code)
 
     nodes["src"].run_script = fooled
-    seen = parse_weights(str(repo), split_sections(fooled(manifest_script(str(repo)), timeout=30).stdout)["weights"])
+    script = sealed([manifest_script(str(repo))])
+    seen = parse_weights(str(repo), split_sections(fooled(script.script, timeout=30).stdout, script.nonce)["weights"])
     assert not getattr(seen, "unsafe", []) and {f.path: f.link_target for f in seen.files}[sneaky] == inside
     sync(tmp_path, nodes, streams=1)
     assert not holds_secret(tmp_path / "dst")

@@ -32,7 +32,6 @@ from reconciler.edge.discover.facts import (
     RunningContainer,
     facts_from_sections,
     parse_commands,
-    parse_facts,
     parse_ibdev2netdev,
     parse_images,
     parse_ip_addr,
@@ -47,7 +46,7 @@ from reconciler.edge.probes import read_sections
 from reconciler.edge.ssh import Session
 
 __all__ = ["FabricGuess", "Iface", "ModelDir", "NodeFacts", "RdmaLink", "RunningContainer", "guess_fabric",
-           "holds_serving_port", "next_free_address", "parse_commands", "parse_facts", "parse_ibdev2netdev",
+           "holds_serving_port", "next_free_address", "parse_commands", "parse_ibdev2netdev",
            "parse_images", "parse_ip_addr", "parse_meminfo", "parse_models",
            "parse_rdma_sysfs", "probe", "render", "running_containers", "sessions_for"]
 

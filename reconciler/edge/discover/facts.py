@@ -38,7 +38,6 @@ from reconciler.edge.probes import (
     parse_listening,
     parse_memory,
     parse_rdma_devices,
-    split_sections,
 )
 
 T = TypeVar("T")
@@ -50,25 +49,25 @@ T = TypeVar("T")
 _COMMANDS_FORMAT = '{"name":{{json .Name}},"entrypoint":{{json .Config.Entrypoint}},"args":{{json .Args}}}'
 
 _DISCOVER_ONLY = r"""sec hostname
-hostname; echo "@@rc $?"
+hostname; rc $?
 sec ssh
-printf '%s\n' "${SSH_CONNECTION:-}"; echo "@@rc 0"
+printf '%s\n' "${SSH_CONNECTION:-}"; rc 0
 sec ibdev2netdev
-if command -v ibdev2netdev >/dev/null 2>&1; then ibdev2netdev 2>&1; echo "@@rc $?"; else echo "@@rc 127"; fi
+if command -v ibdev2netdev >/dev/null 2>&1; then ibdev2netdev 2>&1; rc $?; else rc 127; fi
 sec route
-ip route get 1.1.1.1 2>&1; echo "@@rc $?"
+ip route get 1.1.1.1 2>&1; rc $?
 sec commands
 ids=$(docker ps -q --no-trunc 2>/dev/null); rc=$?
 if [ $rc -eq 0 ] && [ -n "$ids" ]; then docker inspect --format '""" + _COMMANDS_FORMAT + r"""' $ids 2>/dev/null; fi
-echo "@@rc $rc"
+rc $rc
 sec images
-docker images --format '{{json .}}' 2>&1; echo "@@rc $?"
+docker images --format '{{json .}}' 2>&1; rc $?
 sec runtimes
-docker info --format '{{json .Runtimes}}' 2>&1; echo "@@rc $?"
+docker info --format '{{json .Runtimes}}' 2>&1; rc $?
 sec ulimit
-ulimit -Hn; ulimit -Hl; echo "@@rc 0"
+ulimit -Hn; ulimit -Hl; rc 0
 sec hf_home
-printf '%s\n' "${HF_HOME:-}"; echo "@@rc 0"
+printf '%s\n' "${HF_HOME:-}"; rc 0
 sec models
 for h in /srv/*/models /srv/*/*/models; do [ -d "$h" ] && printf 'home\t%s\n' "$h"; done
 for r in "${HF_HOME:+$HF_HOME/hub}" "$HOME/.cache/huggingface/hub" \
@@ -85,11 +84,11 @@ for r in "${HF_HOME:+$HF_HOME/hub}" "$HOME/.cache/huggingface/hub" \
     p=${c%/config.json}
     printf 'plain\t%s\t%s\n' "$p" "$(du -skL "$p" 2>/dev/null | cut -f1)"
   done
-done; echo "@@rc 0"
+done; rc 0
 """
 
 #: The script, run by `probes.read_sections` (which puts `export LC_ALL=C` and `sec` first). Read-only, no
-#: interpolated value (nothing to quote). Sections as everywhere: `@@name` ... `@@rc N`.
+#: interpolated value (nothing to quote). Sections as everywhere: `sec NAME` ... `rc N`.
 SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(), *listen_script(),
                            *gpu_script(),
                            *_DISCOVER_ONLY.splitlines()]
@@ -278,11 +277,6 @@ def _listed_containers(section: Section) -> tuple[list[Container], str | None]:
 
 
 # --------------------------------------------------------------------------------------------------- the whole
-
-def parse_facts(host: str, output: str) -> NodeFacts:
-    """The whole script's output (as recorded) -> NodeFacts."""
-    return facts_from_sections(host, split_sections(output))
-
 
 def facts_from_sections(host: str, sections: dict[str, Section]) -> NodeFacts:
     """The script's sections -> NodeFacts. Pure; a missing or failed section leaves its default, one that does

@@ -41,10 +41,11 @@ from reconciler.edge.ssh.session import (
     Result,
     Session,
     Sessions,
+    answer_deadline,
 )
 
 __all__ = ["ENDED_BY_TIMEOUT", "KEEPALIVE", "KEEPALIVE_MISSES", "KILL_AFTER", "MAX_CHANNELS", "MAX_OUTPUT",
            "REFUSAL_GAP", "REFUSAL_RETRIES", "AuthFailed", "Cancelled", "ChannelRefused", "CommandFailed",
            "CommandTimeout", "Companion", "HostKeyRejected", "OutputTooLarge", "RemoteError", "Result", "Session",
-           "Sessions", "Unreachable", "bounded", "quote", "quote_word", "sudo_allowed", "sudo_argv", "sudo_commands",
-           "sudoers_snippet"]
+           "Sessions", "Unreachable", "answer_deadline", "bounded", "quote", "quote_word", "sudo_allowed", "sudo_argv",
+           "sudo_commands", "sudoers_snippet"]

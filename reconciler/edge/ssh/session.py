@@ -11,6 +11,18 @@ Nodes with a jump host are reached through that node's session (a direct-tcpip c
 are checked strictly against the known_hosts file the desired state names: an unknown or changed key is refused with
 a clear error, never accepted. A channel's output is read by one loop (`_ChannelOutput`), for a whole command and
 for a companion's lines alike.
+
+Every wait on a node has a deadline, and a peer that stops answering is found and dropped (issue 31: a channel
+accepted but never answered held every node's reconcile, and the watchdog's restart wedged again). paramiko 5.1
+leaves three waits without one, read in its source: `Channel.exec_command` waits for the answer to its "exec"
+request on `Channel._wait_for_event`, an `Event.wait()` with no timeout (paramiko#2599, #319); `Transport.
+global_request(wait=True)` polls while the transport is active, with no timeout either (#989); and
+`Transport.set_keepalive` sends `keepalive@lag.net` with want-reply false, which the peer ignores, and counts
+nothing (no ServerAliveCountMax: #918, #2463), so it never finds a peer dead. `open_session`/`open_channel` take a
+timeout (an hour by default), reads here poll under their deadline, and a channel's `settimeout` bounds each wait
+for the peer's window in `send`. So: the open gets the command's deadline, the exec request gets what remains of it
+(`_Expiry` closes the channel, which wakes paramiko's wait), stdin gets it too (`_send_by`), and `_keep_alive` asks
+the peer for an answer as OpenSSH's ServerAliveInterval does and closes the connection when none comes.
 """
 
 from __future__ import annotations
@@ -41,8 +53,9 @@ from reconciler.edge.ssh.errors import (
     Unreachable,
 )
 
-#: SSH keepalive every KEEPALIVE seconds; a peer that answers none of KEEPALIVE_MISSES in a row is dead (the same
-#: numbers go to the ssh of rsync's hop as ServerAliveInterval/ServerAliveCountMax).
+#: SSH keepalive every KEEPALIVE seconds, one that asks for an answer (`_keep_alive`); a peer that answers none
+#: within KEEPALIVE * KEEPALIVE_MISSES is dead and its connection closed (the same numbers go to the ssh of rsync's
+#: hop as ServerAliveInterval/ServerAliveCountMax).
 KEEPALIVE = 15
 KEEPALIVE_MISSES = 3
 #: Channels open at once per node, below OpenSSH's default MaxSessions (10): an eleventh waits for a free one
@@ -54,6 +67,14 @@ REFUSAL_GAP = 0.25  # seconds between those retries
 #: callers (rsync progress) keep the tail.
 MAX_OUTPUT = 32 * 2**20
 _SSH_ERRORS = (SSHException, OSError, EOFError)
+#: What OpenSSH's ServerAliveInterval sends. sshd refuses it (an unknown global request), and a refusal is an answer.
+KEEPALIVE_REQUEST = "keepalive@openssh.com"
+
+
+def answer_deadline(timeout: float) -> float:
+    """How long the head waits for the answer to a command bounded on the node at `timeout` (`bounded`): the node's
+    deadline, its kill grace, and a second for the answer to travel."""
+    return timeout + KILL_AFTER + 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,9 @@ class Session:
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
         self._channels = threading.BoundedSemaphore(MAX_CHANNELS)
+        self._dropped: str | None = None  # why the keepalive closed the connection, for the errors that follow
+        #: The SSH keepalive's interval and the answers missed in a row that close the connection (`_keep_alive`).
+        self.keepalive = (KEEPALIVE, KEEPALIVE_MISSES)
 
     # -- connection -------------------------------------------------------------------------------------------
 
@@ -143,11 +167,40 @@ class Session:
             if (transport := self._live_transport()) is not None:
                 return transport
             self._close_locked()
-            self._client = self._connect_typed()
-            transport = self._client.get_transport()
+            client = self._client = self._connect_typed()
+            self._dropped = None
+            transport = client.get_transport()
             assert transport is not None
-            transport.set_keepalive(KEEPALIVE)
+            threading.Thread(target=self._keep_alive, args=(client, transport), name=f"keepalive-{self.name}",
+                             daemon=True).start()
             return transport
+
+    def _keep_alive(self, client: paramiko.SSHClient, transport: paramiko.Transport) -> None:
+        """Ask the peer for an answer every `interval` seconds while the connection lives; close it when none came
+        within `misses` intervals. A sshd that hangs while its kernel still acknowledges every segment is found
+        dead by nothing else: not by TCP keepalive, not by TCP_USER_TIMEOUT, not by paramiko's `set_keepalive`
+        (want-reply false). Closing the transport ends every channel on it: their waiters read the session lost
+        and the node Unreachable, and the next command connects afresh."""
+        interval, misses = self.keepalive
+        patience = interval * misses
+
+        def drop() -> None:  # the reason first: the waiters the close wakes read it
+            if self._client is client:
+                self._dropped = f"the node answered no keepalive within {patience:g}s"
+            _close_quietly(client)
+
+        while True:
+            transport.join(interval)  # returns at once when the connection ends
+            if not transport.is_active():
+                return  # closed by the session, or lost: nothing left to watch
+            if not _answers(transport, patience, drop):
+                drop()
+                return
+
+    def _lost_because(self, exc: BaseException) -> str:
+        """What to say of a lost session: the keepalive's finding when it closed the connection, which the
+        paramiko error that follows ("Channel closed.") does not tell."""
+        return self._dropped or str(exc)
 
     def _connect_typed(self) -> paramiko.SSHClient:
         name, ssh = self.name, self.ssh
@@ -212,18 +265,23 @@ class Session:
             self._channels.release()
 
     def _open(self, command: str, timeout: float) -> paramiko.Channel:
-        """Open an exec channel within `timeout`. sshd frees a session's MaxSessions slot a moment after the
+        """An exec channel running `command`: the channel opened and the exec request answered, both within the
+        one `timeout`."""
+        deadline = time.monotonic() + timeout
+        channel = self._open_session(command, deadline)
+        self._exec(channel, command, deadline)
+        return channel
+
+    def _open_session(self, command: str, deadline: float) -> paramiko.Channel:
+        """Open a session channel before `deadline`. sshd frees a session's MaxSessions slot a moment after the
         channel's close, so a channel opened right after another closed can be refused although fewer than
         MAX_CHANNELS are open: a refusal is retried briefly (REFUSAL_RETRIES, REFUSAL_GAP apart), but only inside
         the one deadline: a node that does not answer at all (a cut cable, whose transport still looks alive)
         must not hold the caller for several timeouts."""
-        deadline = time.monotonic() + timeout
         for attempt in range(REFUSAL_RETRIES + 1):
             transport = self.transport()
             try:
-                channel = transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
-                channel.exec_command(command)
-                return channel
+                return transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
             except _SSH_ERRORS as exc:
                 # A refusal (sshd's MaxSessions) is a ChannelException only for the thread that reads it first:
                 # paramiko keeps one saved exception per transport, so concurrent openers see a bare
@@ -231,11 +289,32 @@ class Session:
                 # the transport still lives (measured against the testbed's sshd, tests/e2e/test_remote_deadlines).
                 if not (isinstance(exc, paramiko.ChannelException) or self._alive()):
                     self.close()
-                    raise Unreachable(self.name, f"session lost: {exc}") from None
+                    raise Unreachable(self.name, f"session lost: {self._lost_because(exc)}") from None
                 if attempt == REFUSAL_RETRIES or deadline - time.monotonic() < REFUSAL_GAP:
                     raise ChannelRefused(self.name, f"sshd refused a channel ({exc}): `{command[:80]}`") from None
                 time.sleep(REFUSAL_GAP)
         raise AssertionError("unreachable")
+
+    def _exec(self, channel: paramiko.Channel, command: str, deadline: float) -> None:
+        """Send the exec request and wait for its answer until `deadline`. paramiko waits for that answer with no
+        timeout (`Channel._wait_for_event`), so a peer that accepts the channel and never answers would hold this
+        thread forever: past the deadline the channel is closed, which wakes that wait. Only the channel: whether
+        the whole connection is dead is the keepalive's to say (sibling channels may live on a slow one)."""
+        budget = deadline - time.monotonic()
+        expiry = _Expiry(budget, lambda: channel.close())
+        try:
+            with expiry:
+                channel.exec_command(command)
+        except _SSH_ERRORS as exc:
+            channel.close()
+            if not expiry.expired:
+                if not self._alive():
+                    self.close()
+                    raise Unreachable(self.name, f"session lost: {self._lost_because(exc)}") from None
+                raise ChannelRefused(self.name, f"sshd refused to run `{command[:80]}`: {exc}") from None
+        if expiry.expired:
+            raise Unreachable(self.name, f"the node accepted a channel but answered no exec request within "
+                                         f"{budget:.3g}s: `{command[:80]}`")
 
     def _close_if_dead(self) -> None:
         """After a channel error: drop the connection only when it is really gone (sibling channels, e.g. the
@@ -299,7 +378,7 @@ class Session:
                                          "(cat <&3 >/dev/null 2>&1; kill -TERM $pid 2>/dev/null) >/dev/null 2>&1 & "
                                          "w=$!; exec 3<&-; wait $pid; rc=$?; kill $w 2>/dev/null; exit $rc"])
         start = time.monotonic()
-        result = self.run_command(command, timeout=timeout + KILL_AFTER + 1, stdin=stdin, on_output=on_output,
+        result = self.run_command(command, timeout=answer_deadline(timeout), stdin=stdin, on_output=on_output,
                                   cancel=cancel, keep_stdin=supervised)
         if result.exit_code in ENDED_BY_TIMEOUT and time.monotonic() - start >= timeout - 0.5:
             raise CommandTimeout(self.name, f"`{shlex.join(argv)[:200]}` did not finish within {timeout:g}s "
@@ -314,15 +393,16 @@ class Session:
         """A command that serves the caller's work on another node (the fabric rsync daemon): it gets `stdin`,
         then its stdin stays open as its lifeline, and leaving the block closes it (and the channel), which is
         its signal to end. Bounded on the node at `timeout`, like `run`."""
+        deadline = time.monotonic() + open_timeout
         with self.channel(quote(bounded(argv, timeout)), open_timeout) as channel:
             output = _ChannelOutput(self, channel, argv[0])
-            output.send(stdin, close=False, when="starting")
+            output.send(stdin, close=False, deadline=deadline, when="starting")
             yield Companion(output, argv[0])
 
     def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> Result:
         """Feed a POSIX sh script on stdin: one round trip, no temp files, nothing left on the node; bounded on
         the node like `run`."""
-        return self.run_command(quote(bounded(["sh", "-s"], timeout)), timeout=timeout + KILL_AFTER + 1,
+        return self.run_command(quote(bounded(["sh", "-s"], timeout)), timeout=answer_deadline(timeout),
                                 stdin=script.encode(), cancel=cancel)
 
     def run_command(self, command: str, *, timeout: float, stdin: bytes | None = None,
@@ -331,7 +411,7 @@ class Session:
         deadline = time.monotonic() + timeout
         with self.channel(command, timeout) as channel:
             output = _ChannelOutput(self, channel, command, on_output=on_output)
-            output.send(stdin, close=not keep_stdin)
+            output.send(stdin, close=not keep_stdin, deadline=deadline)
             while output.read(deadline, cancel=cancel,
                               timeout_message=f"`{command[:200]}` did not finish within {timeout:g}s"):
                 pass
@@ -349,13 +429,17 @@ class _ChannelOutput:
         self._session, self._channel, self._label, self._on_output = session, channel, label, on_output
         self.out, self.err = bytearray(), bytearray()
 
-    def send(self, data: bytes | None, *, close: bool, when: str = "during") -> None:
-        """Write the command's stdin (and close it unless the command keeps it as a lifeline)."""
+    def send(self, data: bytes | None, *, close: bool, deadline: float, when: str = "during") -> None:
+        """Write the command's stdin (and close it unless the command keeps it as a lifeline) before `deadline`."""
         with self._lost_as_unreachable(when):
-            if data is not None:
-                self._channel.sendall(data)
-            if close:
-                self._channel.shutdown_write()
+            try:
+                if data is not None:
+                    _send_by(self._channel, data, deadline)
+                if close:
+                    self._channel.shutdown_write()
+            except TimeoutError:
+                raise CommandTimeout(self._session.name, f"`{self._label[:80]}` took not all of its input by its "
+                                                         "deadline (the node opened no window for it)") from None
 
     def close_stdin(self) -> None:
         """The command's signal to end (a companion's lifeline); a channel already gone needs none."""
@@ -379,7 +463,11 @@ class _ChannelOutput:
                 if channel.recv_stderr_ready():
                     self._keep(self.err, channel.recv_stderr(1 << 16), streaming=True)
                     continue
-                if (channel.exit_status_ready() and channel.eof_received) or channel.closed:
+                if channel.exit_status_ready() and channel.eof_received:
+                    return False
+                if channel.closed:
+                    if not self._session._alive():  # its connection ended (lost, or the keepalive's verdict)
+                        raise EOFError("the connection closed")
                     return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -397,7 +485,8 @@ class _ChannelOutput:
             yield
         except _SSH_ERRORS as exc:
             self._session._close_if_dead()
-            raise Unreachable(self._session.name, f"session lost {when} `{self._label[:80]}`: {exc}") from None
+            raise Unreachable(self._session.name, f"session lost {when} `{self._label[:80]}`: "
+                                                  f"{self._session._lost_because(exc)}") from None
 
     def _keep(self, buffer: bytearray, chunk: bytes, *, streaming: bool) -> None:
         """Append up to MAX_OUTPUT: a streamed output keeps its tail, anything else over the cap is an error."""
@@ -447,6 +536,62 @@ class Companion:
 
     def _read(self, deadline: float) -> bool:
         return self._output.read(deadline, timeout_message=f"`{self._name}` said nothing within the deadline")
+
+
+class _Expiry:
+    """A deadline for a paramiko wait that has none of its own: when the block has not been left within `seconds`,
+    `end` runs (closing what the wait is on: the channel, the transport), which wakes it. `expired`, read once the
+    block is left, says whether `end` ran; a lock decides it, so a wait that returned as time ran out is reported
+    expired (what it waited on is closed) rather than answered."""
+
+    def __init__(self, seconds: float, end: Callable[[], None]):
+        self.expired = False
+        self._end, self._lock, self._left = end, threading.Lock(), False
+        self._timer = threading.Timer(max(seconds, 0.0), self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Expiry:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._left = True
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._left:
+                return
+            self.expired = True
+        with contextlib.suppress(Exception):  # closing a dead channel or transport may fail; it is closed
+            self._end()
+
+
+def _send_by(channel: paramiko.Channel, data: bytes, deadline: float) -> None:
+    """`Channel.sendall` under one deadline for the whole (TimeoutError past it). paramiko waits for the peer's
+    window with no timeout unless the channel has one (`Channel._wait_for_send_window`), and with one that timeout
+    is per wait: a peer that opened no window, or a byte of it at a time, would hold `sendall` without end."""
+    offset = 0
+    while offset < len(data):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        channel.settimeout(remaining)
+        offset += channel.send(data[offset:offset + (1 << 16)])
+
+
+def _answers(transport: paramiko.Transport, patience: float, drop: Callable[[], None]) -> bool:
+    """Whether the peer answered one keepalive within `patience` (any answer: a refusal is one).
+    `global_request(wait=True)` waits while the transport is active with no timeout of its own: at `patience`
+    `drop` closes the connection, which ends that wait."""
+    expiry = _Expiry(patience, drop)
+    try:
+        with expiry:
+            transport.global_request(KEEPALIVE_REQUEST, wait=True)
+    except _SSH_ERRORS:
+        return False
+    return not expiry.expired and transport.is_active()
 
 
 def _tcp(host: str, port: int, timeout: float) -> socket.socket:

@@ -23,10 +23,9 @@ Why this shape (docs/research/weights-transport.md, from rsync's source):
   might still arrive (`/rsyncd-munged/` must not exist: checked), and the links of a Hugging Face tree are made by
   the reconciler itself from the verified manifest (`links_helper`). Needs rsync >= 3.1.0 (`--dparam`).
 
-It prints `port N` once listening, `daemon EXIT` for each daemon that ended, and exits 0 when all STREAMS
-daemons ended with 0; 2 on bad arguments, 3 when the lifeline closed or LIFETIME passed first, 4 on a stranger at
-the door, 5 when this node's rsync cannot be confined (too old, or `/rsyncd-munged` exists), 1 when a daemon
-failed.
+It prints `port N` once listening, `daemon EXIT` for each daemon that ended, and exits 0 when STREAMS daemons
+ended with 0; 2 on bad arguments, 3 when the lifeline closed or LIFETIME passed first, 5 when this node's rsync
+cannot be confined (too old, or `/rsyncd-munged` exists). A stranger at the door is refused and counted on stderr.
 """
 
 import os
@@ -133,6 +132,7 @@ def main(argv: list) -> int:
                        accept_end)
         return status
     finally:
+        listener.close()
         end_all(children)
         if status and os.path.exists(log_path):
             with open(log_path, "rb") as f:
@@ -142,54 +142,63 @@ def main(argv: list) -> int:
 
 def serve(listener, stdin: int, peer: str, streams: int, rundir: str, config_path: str, line: bytes,
           children: list, stopping: list, end: float, accept_end: float) -> int:
-    """Accept `streams` connections from `peer`, one daemon each; wait for them all. Returns the exit status."""
-    ended = 0
-    status = 0
-    while ended < streams:
+    """Serve connections from `peer`, one daemon each, until `streams` daemons ended well. Returns the exit status.
+
+    Neither a stranger nor a failed daemon ends the step (issue 31): a connection from any other address (a local
+    user on the target, the management LAN through Linux's weak host model) is closed and counted, and a daemon
+    that ends badly (a wrong secret: whoever on the source connected first) frees its slot for the next
+    connection. A real stream that fails makes its own client fail, which ends the step from the other side."""
+    good = strangers = 0
+    while good < streams:
         if stopping:
             print(f"stopped by {stopping[0]}", file=sys.stderr)
             return 3
         now = time.monotonic()
-        if now > end or (listener is not None and now > accept_end):
+        live = sum(1 for c in children if c.returncode is None)
+        waiting = good + live < streams
+        if now > end or (waiting and now > accept_end):
             print("lifetime over" if now > end else "not all streams connected in time", file=sys.stderr)
             return 3
-        ready, _, _ = select.select([stdin] + ([listener] if listener is not None else []), [], [], 0.2)
+        # while every slot has a live daemon, a connection waits in the backlog: a slot may free up
+        ready, _, _ = select.select([stdin, listener] if waiting else [stdin], [], [], 0.2)
         if stdin in ready and not os.read(stdin, 4096):
-            ended, status = reap(children, ended, status)
-            if ended == streams:
+            good += reap(children)
+            if good >= streams:
                 break
             print("lifeline closed", file=sys.stderr)
             return 3
-        if listener is not None and listener in ready:
+        if listener in ready:
             conn, (addr, _port) = listener.accept()
             if addr != peer:
                 conn.close()
-                print(f"refused a connection from {addr}", file=sys.stderr)
-                return 4
-            fifo = os.path.join(rundir, f"secret-{len(children)}")
-            os.mkfifo(fifo, 0o600)
-            threading.Thread(target=hand_secret, args=(fifo, line), daemon=True).start()
-            children.append(subprocess.Popen(
-                ["rsync", "--daemon", f"--config={config_path}", f"--dparam=secretsfile={fifo}"],
-                stdin=conn, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-            conn.close()
-            if len(children) == streams:
-                listener.close()
-                listener = None
-        ended, status = reap(children, ended, status)
-    if listener is not None:
-        listener.close()
-    return status
+                strangers += 1
+                print(f"refused a connection from {addr} ({strangers} refused)", file=sys.stderr, flush=True)
+            else:
+                children.append(start_daemon(conn, rundir, config_path, line, len(children)))
+        good += reap(children)
+    return 0
 
 
-def reap(children: list, ended: int, status: int) -> tuple:
-    """Count the daemons that ended since the last look, each reported as `daemon EXIT`."""
+def start_daemon(conn, rundir: str, config_path: str, line: bytes, index: int) -> subprocess.Popen:
+    """An `rsync --daemon` serving `conn`, its secret handed through a FIFO of its own."""
+    fifo = os.path.join(rundir, f"secret-{index}")
+    os.mkfifo(fifo, 0o600)
+    threading.Thread(target=hand_secret, args=(fifo, line), daemon=True).start()
+    child = subprocess.Popen(["rsync", "--daemon", f"--config={config_path}", f"--dparam=secretsfile={fifo}"],
+                             stdin=conn, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    conn.close()
+    return child
+
+
+def reap(children: list) -> int:
+    """The daemons that ended well since the last look; each that ended is reported as `daemon EXIT`."""
+    good = 0
     for child in children:
         if child.returncode is None and child.poll() is not None:
-            ended += 1
-            status = status or (1 if child.returncode else 0)
+            good += child.returncode == 0
             print(f"daemon {child.returncode}", flush=True)
-    return ended, status
+    return good
 
 
 def end_all(children: list) -> None:

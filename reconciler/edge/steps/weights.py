@@ -283,7 +283,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     if weights_difference(expected, before) is None:
         return
     _refuse_target(before, target)
-    daemon = ctx.desired.policy.weights.transport == "rsync-daemon"
+    over_daemon = ctx.desired.policy.weights.transport == "rsync-daemon"
     # only a tree this cluster began is its copy (retention may remove it later): one it topped up may be a person's
     fresh = not before.present
     if fresh:
@@ -315,7 +315,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
                                  stdin=f"{door.secret}\n".encode() if door is not None else None)
 
     with drop_behind(ctx, source, src_root), drop_behind(ctx, target, dst_root):
-        if daemon:
+        if over_daemon:
             with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
                 door = daemon.door
                 errors = _run_streams(run, groups)
