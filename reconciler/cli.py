@@ -219,21 +219,70 @@ def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_fo
 @click.option("--url", default="http://127.0.0.1:9464", show_default=True, envvar="RECONCILER_URL",
               help="The daemon's listener (policy.listen).")
 @click.option("--json", "as_json", is_flag=True, help="The raw /status document.")
-def status(url: str, as_json: bool) -> None:
-    """Ask the running daemon for its phase and conditions. Exit 0 converged, 1 not (or unreachable)."""
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/spark-reconciler",
+              show_default=True, help="The daemon's state directory: its status key proves who answered.")
+def status(url: str, as_json: bool, state_dir: Path) -> None:
+    """Ask the running daemon for its phase and conditions. Exit 0 converged, 1 not (or unreachable, or the
+    answer is not provably from the daemon that keeps --state-dir)."""
+    import secrets
     import urllib.error
     import urllib.request
 
-    from reconciler.core.render import status_text
+    from reconciler.loop.server import STATUS_KEY
 
+    challenge = secrets.token_hex(16)
+    where = f"{url.rstrip('/')}/status"
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=5) as response:
+        with urllib.request.urlopen(f"{where}?challenge={challenge}", timeout=5) as response:
             doc = json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:
         click.echo(printable(f"cannot reach the daemon at {url}: {exc}"), err=True)
         sys.exit(1)
-    click.echo(json.dumps(doc, indent=2) if as_json else status_text(doc))
+    try:
+        key: bytes | None = (state_dir / STATUS_KEY).read_bytes().strip()
+    except OSError as exc:
+        key = None
+        click.echo(printable(f"not verified that the daemon of {state_dir} answered ({exc.strerror}: run as its "
+                             "user or root)"), err=True)
+    if key is not None:
+        _proven_or_exit(where, doc, key, challenge, state_dir)
+    text = _status_text_or_exit(where, doc)
+    click.echo(json.dumps(doc, indent=2) if as_json else text)
     sys.exit(0 if doc.get("phase") == "Converged" else 1)
+
+
+def _proven_or_exit(where: str, doc: object, key: bytes, challenge: str, state_dir: Path) -> None:
+    """Exit 1 unless the answer carries the proof only the daemon keeping `state_dir` can make (`status_proof`):
+    a local user who bound the port first (while the daemon restarted) once served a fake Converged."""
+    import hmac
+
+    from reconciler.loop.server import status_proof
+
+    proof = doc.get("proof") if isinstance(doc, dict) else None
+    if not (isinstance(proof, str) and hmac.compare_digest(proof, status_proof(key, challenge))):
+        click.echo(printable(f"{where} answered without the proof of the daemon that keeps {state_dir}: another "
+                             "process may hold the listener's port (run the daemon under spark-reconciler.socket, "
+                             "docs/operations.md)"), err=True)
+        sys.exit(1)
+
+
+def _status_text_or_exit(where: str, doc: object) -> str:
+    """The status as text, or exit 1 saying the answer is not a status document: whatever listens there (an
+    older or newer daemon, another program on the port) may answer any JSON, and a KeyError's traceback told the
+    operator nothing. The renderer is the one reader of the document's shape, so a document it cannot read is
+    not one; `--json` is judged the same way before it prints."""
+    from reconciler.core.render import status_text
+
+    if not (isinstance(doc, dict) and isinstance(doc.get("phase"), str)):
+        why = "no phase"
+    else:
+        try:
+            return status_text(doc)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+    click.echo(printable(f"{where} did not answer a reconciler status document ({why}); is it this cluster's "
+                         "daemon (policy.listen)? docs/cli.md shows the document"), err=True)
+    sys.exit(1)
 
 
 @main.command()

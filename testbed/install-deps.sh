@@ -22,6 +22,7 @@ PACKAGES=(
     util-linux e2fsprogs mount      # nsenter, losetup, mkfs.ext4 for the worker's small model disk
     procps psmisc                   # ps/kill, used when tearing down
     sudo                            # the spark user's few NOPASSWD commands
+    systemd                         # systemd-analyze verify, systemd-socket-activate (tests/unit/test_listener.py)
     prometheus                      # scrapes the daemon; promtool tests alert rules
     busybox-static                  # tiny static tools inside the stand-in images
     lxcfs                           # each node's /proc/meminfo from its memory cgroup (testbed/memory.py)

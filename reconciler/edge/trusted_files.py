@@ -5,26 +5,47 @@ whoever can write an identity file or a known_hosts file can impersonate the rec
 StrictModes does for authorized_keys, each such file and every directory above it must be owned by root or by the
 user the reconciler runs as, and writable by nobody else. A world-writable directory with the sticky bit that
 root owns (/tmp) is accepted: nobody else can rename or remove the entries in it that are not theirs.
+
+An identity file is a private key besides: whoever can read it is the reconciler on every node. So it must be
+accessible by its owner alone, as ssh demands of every key it loads (OpenSSH `sshkey_perm_ok`: any of the 077
+bits and the key "will be ignored"). paramiko, which loads it here, checks no mode at all.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.core.spec import Desired
 
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_NOT_THE_OWNER = stat.S_IRWXG | stat.S_IRWXO  # ssh's 077
 
 
-def trusted_paths(desired: Desired, desired_path: str | Path) -> list[Path]:
-    """The desired-state file, and every node's identity file and known_hosts file (deduplicated, in order)."""
-    out = [Path(desired_path)]
+@dataclass(frozen=True)
+class Trusted:
+    """A file the reconciler trusts; `private`: a private key, which its owner alone may even read."""
+
+    path: Path
+    private: bool = False
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def trusted_paths(desired: Desired, desired_path: str | Path) -> list[Trusted]:
+    """The desired-state file, and every node's known_hosts file and identity file (deduplicated, in order; a
+    path named as a key anywhere is checked as a key)."""
+    out = [Trusted(Path(desired_path))]
     for node in desired.nodes:
-        out += [Path(node.ssh.known_hosts), *([Path(node.ssh.identity_file)] if node.ssh.identity_file else [])]
-    return list(dict.fromkeys(p.absolute() for p in out))
+        out.append(Trusted(Path(node.ssh.known_hosts)))
+        if node.ssh.identity_file:
+            out.append(Trusted(Path(node.ssh.identity_file), private=True))
+    private = {t.path.absolute() for t in out if t.private}
+    return [Trusted(p, p in private) for p in dict.fromkeys(t.path.absolute() for t in out)]
 
 
 def _problem(path: Path, st: os.stat_result, uid: int, what: str) -> str | None:
@@ -38,18 +59,28 @@ def _problem(path: Path, st: os.stat_result, uid: int, what: str) -> str | None:
     return None
 
 
-def problems(paths: list[Path], uid: int | None = None,
+def _key_problem(path: Path, st: os.stat_result) -> str | None:
+    """A private key anyone but its owner may read (or write, or run): ssh would ignore it; here it is refused."""
+    if not st.st_mode & _NOT_THE_OWNER:
+        return None
+    who = "others" if st.st_mode & stat.S_IRWXO else "its group"
+    return (f"{path}: the private key is accessible by {who} (mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 "
+            "(ssh ignores such a key: \"UNPROTECTED PRIVATE KEY FILE\")")
+
+
+def problems(paths: Sequence[Path | Trusted], uid: int | None = None,
              lstat: Callable[[Path], os.stat_result] = os.stat) -> list[str]:
-    """Why each path (or a directory above it) can be changed by someone other than root and `uid`. A missing
-    file is not reported here: loading it says so."""
+    """Why each path (or a directory above it) can be changed by someone other than root and `uid`, and why a
+    private key among them can be read by anyone else. A missing file is not reported here: loading it says so."""
     uid = os.geteuid() if uid is None else uid
     out: list[str] = []
-    for path in paths:
+    for entry in paths:
+        path, private = (entry.path, entry.private) if isinstance(entry, Trusted) else (entry, False)
         try:
             st = lstat(path)
         except OSError:
             continue
-        if (p := _problem(path, st, uid, "the file")) is not None:
+        if (p := _problem(path, st, uid, "the file") or (_key_problem(path, st) if private else None)) is not None:
             out.append(p)
         for parent in path.parents:
             try:

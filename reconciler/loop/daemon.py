@@ -28,7 +28,7 @@ from reconciler.edge import log
 from reconciler.loop import metrics, systemd
 from reconciler.loop.controller import Controller
 from reconciler.loop.generations import path_key
-from reconciler.loop.server import serve
+from reconciler.loop.server import ListenMismatch, make_status_key, serve
 from reconciler.loop.triggers import ReconcileRequests, watch_file
 
 # From SIGTERM to the process's end, whatever a thread is stuck in (docs/reliability.md). systemd's TimeoutStopSec
@@ -182,7 +182,13 @@ class Daemon:
         try:
             self.controller.reload()
             listen = self._listen_address()
-            server = serve(listen, lambda: self.controller.status)
+            try:
+                server = serve(listen, lambda: self.controller.status,
+                               "--listen" if self.listen_override else "policy.listen",
+                               make_status_key(self.state_dir))
+            except ListenMismatch as exc:
+                self.log.error("daemon.listen", error=str(exc))
+                return 2
             self.log.info("daemon.start", listen=listen, generation=self.controller.store.generation,
                           pid=os.getpid())
             watch_file(self.path, self.requests, self.stop)

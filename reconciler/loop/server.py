@@ -9,12 +9,25 @@ many journal lines. The app is served by waitress instead of being written here:
 and reads request heads without blocking, a fixed pool of WORKERS threads answers complete requests, an idle
 connection holds a file descriptor and never a thread, and is closed after TIMEOUT (waitress's channel_timeout).
 An error while answering is one JSON log line and a 500; waitress's own messages go to the same log, one line each.
+
+Two more bounds (issue 31, item 4). A request's line and headers get HEAD_TIME in all, however they trickle:
+waitress's timeout is an idle one, and 512 connections sending one header byte every 2 s kept /metrics and /status
+from answering. And the socket can be owned from boot: under systemd socket activation (`ListenStream=`,
+systemd/reconciler.socket) the daemon serves the socket systemd bound and passed (sd_listen_fds(3): fd 3,
+LISTEN_PID, LISTEN_FDS), so no local user can bind `policy.listen` first while the daemon restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import os
+import re
+import secrets
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Iterable
@@ -34,6 +47,8 @@ TIMEOUT = 5         # seconds an idle or half-sent connection is kept
 CONNECTIONS = 512   # open connections before waitress stops accepting more (each costs a descriptor, no thread)
 BACKLOG = 64        # connections the kernel queues before they are accepted
 MAX_HEAD = 8192     # bytes of request line and headers (a scrape sends about 200)
+HEAD_TIME = 10      # seconds a request's line and headers may take in all (a scrape sends them in one packet)
+LISTEN_FDS_START = 3  # sd_listen_fds(3): the first passed descriptor
 
 _log = log.get("reconciler.loop.server")
 
@@ -57,7 +72,37 @@ def _route_waitress_log() -> None:
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)   # "Task queue depth": requests wait, as meant
 
 
-def _app(status: Callable[[], dict]) -> Callable[..., Iterable[bytes]]:
+STATUS_KEY = "status.key"  # in the state dir, 0600: what proves a /status answer comes from this daemon
+CHALLENGE = re.compile(r"challenge=([0-9a-f]{32,128})(?:&|$)")
+
+
+def status_proof(key: bytes, challenge: str) -> str:
+    """HMAC-SHA256 of the caller's fresh `challenge` under the daemon's status key: whoever else answers on the
+    port (a local user who bound it first) cannot make it without reading the state dir (`reconciler status`)."""
+    return hmac.new(key, challenge.encode(), hashlib.sha256).hexdigest()
+
+
+def make_status_key(state_dir: Path) -> bytes | None:
+    """A fresh status key for this daemon's life, written 0600 into the state dir; None when it cannot be (a
+    read-only state dir: `status` then says it could not check whom it asked)."""
+    key = secrets.token_hex(32).encode()
+    path, temp = state_dir / STATUS_KEY, state_dir / f".{STATUS_KEY}.{os.getpid()}"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        return None
+    return key
+
+
+def _app(status: Callable[[], dict], key: bytes | None = None) -> Callable[..., Iterable[bytes]]:
     metrics = make_wsgi_app(REGISTRY)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -66,7 +111,11 @@ def _app(status: Callable[[], dict]) -> Callable[..., Iterable[bytes]]:
             if path == "/metrics":
                 return metrics(environ, start_response)
             if path == "/status":
-                body, kind = json.dumps(status(), indent=1).encode(), "application/json"
+                doc = status()
+                asked = CHALLENGE.search(environ.get("QUERY_STRING", ""))
+                if asked and key is not None:
+                    doc = {**doc, "proof": status_proof(key, asked.group(1))}
+                body, kind = json.dumps(doc, indent=1).encode(), "application/json"
             elif path == "/healthz":
                 body, kind = b"ok\n", "text/plain"
             else:
@@ -84,15 +133,71 @@ def _app(status: Callable[[], dict]) -> Callable[..., Iterable[bytes]]:
     return app
 
 
+class ListenMismatch(RuntimeError):
+    """systemd passed a socket on another address than `policy.listen`."""
+
+
+def passed_socket(listen: str, named: str = "policy.listen") -> socket.socket | None:
+    """The socket systemd bound for this process (socket activation), or None when none was passed. It must be on
+    `listen` (what `named` says): two places naming the address must agree, or the operator is told which to
+    change."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or not os.environ.get("LISTEN_FDS", "").isdigit():
+        return None
+    if int(os.environ["LISTEN_FDS"]) < 1:
+        return None
+    sock = socket.socket(fileno=LISTEN_FDS_START)
+    host, port = sock.getsockname()[:2]
+    want_host, _, want_port = listen.rpartition(":")
+    if (host, str(port)) != (want_host.strip("[]"), want_port):
+        raise ListenMismatch(f"systemd passed a socket on {host}:{port} but {named} is {listen}: make "
+                             f"ListenStream= in spark-reconciler.socket and {named} name the same address")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)  # not for the children (sd_listen_fds' unset_environment)
+    return sock
+
+
+def _bound_head_time(server: Any) -> None:
+    """Close a connection whose request line and headers are still coming HEAD_TIME after they began: waitress's
+    `channel_timeout` is reset by every byte, so a trickle of one byte a second never ends it. Runs in waitress's
+    own maintenance (every `cleanup_interval` s, in its event loop's thread): the first time a channel is seen
+    with a half-read head starts its clock; a completed head (or a new request) ends it."""
+    heads: dict[Any, tuple[Any, float]] = {}
+    idle_timeout = server.maintenance
+
+    def maintenance(now: float) -> None:
+        idle_timeout(now)
+        active = server.active_channels
+        for channel in list(heads):
+            if channel not in active.values():
+                del heads[channel]
+        for channel in list(active.values()):
+            request = channel.request
+            if request is None or request.headers_finished:
+                heads.pop(channel, None)
+                continue
+            seen = heads.get(channel)
+            if seen is None or seen[0] is not request:
+                heads[channel] = (request, now)
+            elif now - seen[1] > HEAD_TIME:
+                channel.will_close = True
+
+    server.maintenance = maintenance
+
+
 class Listener:
     """The running server: `server_address`, then `.shutdown()` and `.server_close()` as with socketserver."""
 
-    def __init__(self, listen: str, status: Callable[[], dict]):
+    def __init__(self, listen: str, status: Callable[[], dict], named: str = "policy.listen",
+                 key: bytes | None = None):
         _route_waitress_log()
+        passed = passed_socket(listen, named)
+        where: dict[str, Any] = {"sockets": [passed]} if passed is not None else {"listen": listen}
         self._server = create_server(
-            _app(status), listen=listen, threads=WORKERS, channel_timeout=TIMEOUT, cleanup_interval=1,
+            _app(status, key), **where, threads=WORKERS, channel_timeout=TIMEOUT, cleanup_interval=1,
             connection_limit=CONNECTIONS, backlog=BACKLOG, max_request_header_size=MAX_HEAD,
             max_request_body_size=MAX_HEAD, ident="spark-reconciler", expose_tracebacks=False)
+        self.passed = passed is not None
+        _bound_head_time(self._server)
         self._thread = threading.Thread(target=self._server.run, name="http", daemon=True)
         self._thread.start()
 
@@ -110,6 +215,8 @@ class Listener:
         pass  # shutdown() closed the socket already
 
 
-def serve(listen: str, status: Callable[[], dict]) -> Listener:
-    """Listen on `listen` (HOST:PORT, IPv6 as [::1]:PORT) in a thread of its own."""
-    return Listener(listen, status)
+def serve(listen: str, status: Callable[[], dict], named: str = "policy.listen",
+          key: bytes | None = None) -> Listener:
+    """Listen on `listen` (HOST:PORT, IPv6 as [::1]:PORT; `named`: where it was given) in a thread of its own;
+    `key` proves its /status answers (`status_proof`)."""
+    return Listener(listen, status, named, key)

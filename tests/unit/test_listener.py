@@ -11,6 +11,8 @@ import contextlib
 import io
 import json
 import socket
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -103,3 +105,86 @@ def test_a_half_request_is_closed_after_the_timeout_without_a_traceback(listener
         conn.sendall(b"GET /status HT")
         assert conn.recv(100) == b"", "the listener closed the connection unanswered"
     assert "Traceback" not in err.getvalue()
+
+
+def test_a_request_head_that_trickles_is_cut_at_head_time_and_scrapes_still_answer(listener, monkeypatch):
+    """Issue 31, item 4: one header byte every half second resets waitress's idle timeout forever; the whole head
+    now gets HEAD_TIME (here 2 s). The trickle is the attack's own pace, not a wait: the test ends when the
+    listener closes the connection, or fails at DEADLINE with the head still being accepted."""
+    import time
+
+    monkeypatch.setattr(server, "HEAD_TIME", 2)
+    _, port = listener()
+    head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200 + b"\r\n\r\n"
+    cut = None
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as slow:
+        slow.settimeout(0.5)
+        end = time.monotonic() + DEADLINE
+        for i, byte in enumerate(head):
+            if time.monotonic() > end:
+                break
+            try:
+                slow.sendall(bytes([byte]))
+                if slow.recv(1) == b"":
+                    cut = i
+                    break
+            except TimeoutError:
+                continue  # nothing to read yet: the pace of the trickle
+            except OSError:
+                cut = i
+                break
+            if i == 3:  # a scrape beside the trickle answers
+                assert _get(port, "/healthz") == b"ok\n"
+    assert cut is not None and cut < len(head) - 1, "the listener never cut the trickling head"
+
+
+def _activated(listen: str, port: int) -> subprocess.Popen:
+    """The real listener behind systemd-socket-activate(1), which binds 127.0.0.1:PORT, passes it as fd 3 with
+    LISTEN_PID/LISTEN_FDS (sd_listen_fds(3)) and starts the program on the first connection."""
+    program = ("import sys, time\nfrom reconciler.loop.server import serve\n"
+               f"s = serve({listen!r}, lambda: {{'phase': 'Converged'}})\n"
+               "print('passed' if s.passed else 'bound', flush=True)\ntime.sleep(60)\n")
+    return subprocess.Popen(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-c", program],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_socket_activation_the_daemon_serves_the_socket_systemd_bound():
+    """The address is owned from boot (systemd/reconciler.socket): the daemon serves the passed socket instead of
+    binding `policy.listen` itself, which a local user could have bound first."""
+    from testbed.proc import wait_for
+
+    port = _free_port()
+    proc = _activated(f"127.0.0.1:{port}", port)
+    try:
+        wait_for(lambda: _connects(port), timeout=DEADLINE, what="systemd-socket-activate's socket")
+        assert _get(port, "/healthz") == b"ok\n"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "passed"
+    finally:
+        proc.kill()
+        proc.wait(timeout=DEADLINE)
+
+
+def test_a_passed_socket_on_another_address_than_policy_listen_is_a_clear_error():
+    port = _free_port()
+    proc = _activated("127.0.0.1:9", port)
+    try:
+        from testbed.proc import wait_for
+
+        wait_for(lambda: _connects(port), timeout=DEADLINE, what="systemd-socket-activate's socket")
+        with contextlib.suppress(OSError):
+            _get(port, "/healthz")
+        _, err = proc.communicate(timeout=DEADLINE)
+    finally:
+        proc.kill()
+    assert f"systemd passed a socket on 127.0.0.1:{port} but policy.listen is 127.0.0.1:9" in err
+
+
+def _connects(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

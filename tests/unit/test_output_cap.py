@@ -25,3 +25,33 @@ def test_a_streamed_output_keeps_its_last_bytes(monkeypatch):
     for chunk in (b"0123456789", b"abc", b"defgh"):
         output._keep(buffer, chunk, streaming=True)
     assert bytes(buffer) == b"89abcdefgh"
+
+
+def test_a_buffered_output_of_too_many_lines_is_an_error_under_the_byte_cap():
+    """32 MiB of bare newlines fits MAX_OUTPUT, yet parsing it made the daemon peak at 628 MiB (issue 31): past
+    MAX_LINES the command is an error before anything parses it."""
+    output = ssh_session._ChannelOutput(Session("worker", None), None, "sh -s")  # type: ignore[arg-type]
+    buffer = bytearray()
+    chunk = b"\n" * (1 << 16)
+    with pytest.raises(OutputTooLarge, match=f"more than {ssh_session.MAX_LINES} lines"):
+        for _ in range(ssh_session.MAX_LINES // len(chunk) + 2):
+            output._keep(buffer, chunk, streaming=False)
+    assert len(buffer) < ssh_session.MAX_OUTPUT
+
+
+def test_parsing_an_output_at_the_line_cap_stays_far_below_the_unit_s_memory():
+    """What the cap buys, measured: a probe output of MAX_LINES bare newlines, decoded and split as the probe does,
+    allocates well under the unit's MemoryMax=512M (tracemalloc's peak, Python's own allocations)."""
+    import tracemalloc
+
+    from reconciler.edge.probes import split_sections
+
+    raw = b"@@n containers\n" + b"\n" * (ssh_session.MAX_LINES - 2) + b"@@n rc 0\n"
+    tracemalloc.start()
+    try:
+        sections = split_sections(raw.decode(), "n")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sections["containers"].body == ""
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"  # 18 MiB measured; 32 MiB of newlines: 616 MiB

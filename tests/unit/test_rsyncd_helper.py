@@ -200,3 +200,10 @@ def test_a_node_whose_rsync_cannot_be_confined_gets_no_daemon(tmp_path):
                           env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}, check=False)
     assert (proc.returncode, proc.stdout) == (5, ""), proc.stderr
     assert "3.0.9 is older than 3.1.0" in proc.stderr and "transport: ssh" in proc.stderr
+
+
+def test_the_refused_addresses_are_read_from_the_helper_s_own_lines_only():
+    said = ("refused a connection from 127.0.0.2 (1 refused)\nrefused a connection from 10.0.0.9 (2 refused)\n"
+            "refused a connection from 127.0.0.2 (3 refused)\nrefused a connection from $(reboot) (4 refused)\n"
+            "2026/12/06 [81] auth failed on module models\n")
+    assert rsyncd.refused_from(said) == ["127.0.0.2", "10.0.0.9", "127.0.0.2"]

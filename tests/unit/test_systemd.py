@@ -64,11 +64,19 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     exe = Path(shutil.which("reconciler") or Path(os.sys.executable).with_name("reconciler"))
     unit = tmp_path / "spark-reconciler.service"
     unit.write_text(text.replace("/opt/spark-reconciler/bin/reconciler", str(exe)))
-    result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, check=False)
+    socket_unit = tmp_path / "spark-reconciler.socket"
+    socket_unit.write_text((REPO / "systemd" / "reconciler.socket").read_text())
+    result = subprocess.run([analyze, "verify", str(socket_unit), str(unit)], capture_output=True, text=True,
+                            check=False)
     assert result.returncode == 0, result.stderr
     for directive in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "EnvironmentFile=", "NoNewPrivileges=yes",
-                      "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "TimeoutStopSec="):
+                      "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes", "TimeoutStopSec=",
+                      "Requires=spark-reconciler.socket"):
         assert directive in text
+    listen = next(line.split("=", 1)[1] for line in socket_unit.read_text().splitlines()
+                  if line.startswith("ListenStream="))
+    from reconciler.core.spec.models import Policy
+    assert listen == Policy().listen, "the socket unit binds the address policy.listen defaults to"
 
 
 def test_the_weekly_verify_units_pass_systemd_analyze_verify(tmp_path):

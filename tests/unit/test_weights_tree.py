@@ -267,6 +267,17 @@ def test_a_link_kept_by_the_model_is_kept_by_rsync(links):
 
 # -- the weights step, this machine as both nodes --------------------------------------------------------------
 
+class LocalBulk:
+    """`Local.bulk()`: runs on the same machine, recording which argvs went over the bulk connection."""
+
+    def __init__(self, node: Local):
+        self.node = node
+
+    def run(self, argv, **kw):
+        self.node.bulk_argvs.append(list(argv))
+        return self.node.run(argv, **kw)
+
+
 class Local:
     """A node that is this machine: argv and scripts run here, in $HOME = `home`. Over the daemon transport, all
     of it is real: the helper listens on loopback (both nodes' fabric address here), the real rsync clients get the
@@ -278,8 +289,13 @@ class Local:
         home.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "HOME": str(home), "LC_ALL": "C"}
         self.argvs: list[list[str]] = []
+        self.bulk_argvs: list[list[str]] = []
         self.lists: dict[str, list[str]] = {}
         self.after_listing = after_listing
+
+    def bulk(self) -> Local:
+        """The bulk connection (`Session.bulk`): a second view of the same node, which counts what runs on it."""
+        return LocalBulk(self)
 
     def run(self, argv, *, timeout, stdin=None, check=True, on_output=None, cancel=None, supervised=False,
             sudo=False):
@@ -574,3 +590,42 @@ def test_a_target_tree_with_a_link_leading_out_gets_no_copy(tmp_path, nodes, tra
     with pytest.raises(StepFailed, match="link.* leading out of it.*remove it.*led out of the tree"):
         sync(tmp_path, nodes, streams=1, transport=transport)
     assert not nodes["src"].rsyncs() and list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_a_sync_of_many_streams_keeps_the_node_s_own_connection_free(tmp_path, nodes):
+    """`parallel_streams: 9` on a tree mixing regular files and copied links once asked for 18 long channels of
+    the source's one connection (9): the accept window ended every stream, or the probe starved (issue 31). Every
+    rsync runs on the bulk connection now, and no more runs than its budget holds."""
+    from reconciler.edge.ssh import MAX_CHANNELS
+
+    repo = hf_tree(tmp_path / "src", shards=12, shard_bytes=5_000, shared=6)
+    sync(tmp_path, nodes, streams=9)
+    rsyncs = [a for a in nodes["src"].argvs if a[0] == "rsync"]
+    assert rsyncs and all(a in nodes["src"].bulk_argvs for a in rsyncs)
+    assert len(rsyncs) <= 2 * step.BULK_STREAMS < MAX_CHANNELS
+    assert [(f.path, f.size) for f in probe(tmp_path / "dst" / "hub" / repo.name).files] == \
+        [(f.path, f.size) for f in probe(repo).files]
+
+
+def test_repair_never_removes_through_a_linked_model_root(tmp_path):
+    """Issue 31, item 12. The target's model directory is a link to its user's home, and the source's tree holds
+    a file by the name of one in that home (a hostile repository's `.docker/config.json`): the listing and the
+    hashes follow the link (`cd -P`), the file differs, and `verify --repair` removed the home's own registry
+    credentials through the link."""
+    src = tmp_path / "src" / "model"
+    (src / ".docker").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / ".docker" / "config.json").write_text('{"auths": {}}')
+    home = tmp_path / "home-dst"
+    (home / ".docker").mkdir(parents=True)
+    (home / "config.json").write_text("{}")
+    credentials = home / ".docker" / "config.json"
+    credentials.write_text('{"auths": {"registry.example": {"auth": "c2VjcmV0"}}}')
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "model").symlink_to(home)
+    sessions = {"src": Local(tmp_path / "home-src"), "dst": Local(home)}
+    found = step.verify_weights(_desired(tmp_path, layout="plain"), sessions, "dst", repair=True, timeout=60)
+    assert ".docker/config.json" in found.mismatched
+    assert credentials.read_text() == '{"auths": {"registry.example": {"auth": "c2VjcmV0"}}}', (
+        "verify --repair removed a file through a linked model root")
+    assert found.repaired == () and "goes through a link: nothing removed" in (found.problem or "")

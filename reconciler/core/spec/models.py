@@ -49,6 +49,7 @@ from reconciler.core.spec.values import (
     UlimitName,
     UlimitValue,
     at_least,
+    has_control_characters,
 )
 
 
@@ -259,12 +260,14 @@ class Retries(_Model):
 
 
 class WeightsPolicy(_Model):
-    parallel_streams: int = Field(4, ge=1, le=32)
+    parallel_streams: int = Field(4, ge=1, le=32, description="rsync streams per kind of run (the regular files; "
+                                  "the links copied as files). At most 4 run: the source's bulk SSH connection "
+                                  "has 9 channels, and both kinds may run at once (docs/weights-transport.md).")
     transport: Literal["rsync-daemon", "ssh"] = Field(
         "rsync-daemon", description="rsync-daemon: a one-time rsync daemon on the target's fabric address, with a "
         "one-time secret (no cipher: the fabric is a dedicated cable, the bytes are public weights; "
-        "docs/weights-transport.md); needs python3 on the target. ssh: rsync over ssh (aes128-gcm), slower, for "
-        "a fabric you do not trust or a target without python3.")
+        "docs/weights-transport.md). ssh: rsync over ssh (aes128-gcm), slower, for a fabric you do not trust. "
+        "Either way the target needs python3 (the reconciler makes the tree's links there).")
     bandwidth_limit: SizeInBytes | None = Field(None, description="Per stream, bytes/s (e.g. 500MB); none: unlimited.")
     drop_behind: bool = Field(
         True, description="Keep a copy's page cache small on both ends: the copied files are dropped from the cache "
@@ -311,7 +314,8 @@ class Trust(_Model):
                                    "/dev/infiniband), each with what lies below it.")
     host_paths: list[AbsPath] = Field(default_factory=list, description="Host directories serving.docker.volumes "
                                       "may mount (the model and the compile caches are mounted by the reconciler "
-                                      "itself). System paths stay refused.")
+                                      "itself). System paths, key directories and the directories holding "
+                                      "either (/var, /home/USER) stay refused.")
     remote_code: bool = Field(False, description="Pass --trust-remote-code: vLLM then runs Python from the model "
                               "repository, as root in the container.")
 
@@ -343,10 +347,13 @@ class Desired(_Model):
 
     def with_secrets(self, environ: Mapping[str, str]) -> Desired:
         """This desired state with the values of serving.secrets taken from `environ` (the edge passes the
-        process environment). Raises MissingSecrets naming each declared one that is absent or empty."""
+        process environment). Raises MissingSecrets naming each declared one that is absent or empty, or whose
+        value holds a control character (the values reach docker as `--env-file` lines)."""
         missing = [name for name in self.serving.secrets if not environ.get(name)]
-        if missing:
-            raise MissingSecrets(missing)
+        unusable = [name for name in self.serving.secrets
+                    if name not in missing and has_control_characters(environ[name])]
+        if missing or unusable:
+            raise MissingSecrets(missing, unusable)
         out = self.model_copy()
         out._secret_values = {name: environ[name] for name in self.serving.secrets}
         return out

@@ -154,10 +154,18 @@ def parse(doc: loader.Document, filename: str) -> Desired:
     return desired
 
 
-def _missing_secrets(doc: loader.Document, names: list[str]) -> list[loader.Problem]:
+_UNSET = "is not set in the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)"
+_UNUSABLE = ("has a control character (a newline, tab, ...) in its value in the reconciler's environment: the "
+             "values reach docker as the lines of --env-file, where a newline would start another variable; "
+             "remove it from the value (the value is not shown)")
+
+
+def _missing_secrets(doc: loader.Document, exc: MissingSecrets) -> list[loader.Problem]:
+    """Each secret the environment cannot give, placed at its name in serving.secrets; names only, never a
+    value."""
     return [loader.Problem(doc.key_positions.get(("serving", "secrets", name), loader.Position(1, 1)),
-                           f"serving.secrets.{name}", f"{name} is not set in the reconciler's environment (systemd: "
-                           "EnvironmentFile=, see docs/security.md)") for name in names]
+                           f"serving.secrets.{name}", f"{name} {why}")
+            for names, why in ((exc.names, _UNSET), (exc.unusable, _UNUSABLE)) for name in names]
 
 
 def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Desired:
@@ -174,7 +182,7 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Desired:
     try:
         return desired.with_secrets(environ)
     except MissingSecrets as exc:
-        raise InvalidDesiredState(filename, _missing_secrets(doc, exc.names)) from None
+        raise InvalidDesiredState(filename, _missing_secrets(doc, exc)) from None
 
 
 def loads(text: str | bytes, filename: str = "<string>") -> Desired:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from reconciler.core import loader
 from reconciler.core.loader import Loc
-from reconciler.core.spec.values import _is_under, system_path
+from reconciler.core.spec.values import _is_under, mount_refusal
 
 if TYPE_CHECKING:
     from reconciler.core.spec.models import Desired, FabricPort, Node, Serving
@@ -26,12 +26,14 @@ KEY = "[key]"  # last element of a problem's path when the mapping key itself is
 
 
 class MissingSecrets(ValueError):
-    """Declared serving.secrets that the reconciler's environment lacks: a rule between the file and the
-    environment, checked when `Desired.with_secrets` takes the values, never when the file is read."""
+    """Declared serving.secrets the reconciler's environment cannot give: absent or empty (`names`), or holding a
+    control character (`unusable`; a newline would start a variable of its own in docker's `--env-file`). A rule
+    between the file and the environment, checked when `Desired.with_secrets` takes the values, never when the
+    file is read. It carries names only: a value is never in a message."""
 
-    def __init__(self, names: list[str]):
-        super().__init__(", ".join(names))
-        self.names = names
+    def __init__(self, names: list[str], unusable: list[str] | None = None):
+        self.names, self.unusable = names, unusable or []
+        super().__init__(", ".join(self.names + self.unusable))
 
 
 class ConsistencyError(ValueError):
@@ -283,9 +285,8 @@ def _volumes_are_trusted(f: _Facts) -> list[_Problem]:
     out: list[_Problem] = []
     for j, volume in enumerate(f.d.serving.docker.volumes):
         host = volume.split(":", 1)[0]
-        if (system := system_path(host)) is not None:
-            out.append(((*_DOCKER, "volumes", j), f"{host} is {'' if system.startswith('a ') else 'under '}"
-                        f"{system}: never mounted into a serving container"))
+        if (refusal := mount_refusal(host)) is not None:
+            out.append(((*_DOCKER, "volumes", j), f"{refusal}: never mounted into a serving container"))
         elif not any(_is_under(host, p) for p in f.d.trust.host_paths):
             out.append(((*_DOCKER, "volumes", j), f"{host} is not below a trusted host path: add its directory to "
                         "trust.host_paths"))
@@ -293,8 +294,10 @@ def _volumes_are_trusted(f: _Facts) -> list[_Problem]:
 
 
 def _trusted_host_paths_are_not_system(f: _Facts) -> list[_Problem]:
-    return [(("trust", "host_paths", j), f"{p} is {'' if s.startswith('a ') else 'under '}{s}: never mounted")
-            for j, p in enumerate(f.d.trust.host_paths) if (s := system_path(p)) is not None]
+    """A trusted path may not hold a refused one either: trusting `/var` would let a volume mount /var itself,
+    and /var/lib/docker with it."""
+    return [(("trust", "host_paths", j), f"{refusal}: never mounted")
+            for j, p in enumerate(f.d.trust.host_paths) if (refusal := mount_refusal(p)) is not None]
 
 
 def _trusted(f: _Facts) -> list[_Problem]:

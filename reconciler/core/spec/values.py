@@ -210,10 +210,18 @@ def _plain_env_name(value: str) -> str:
     return value
 
 
+def has_control_characters(value: str) -> bool:
+    """Whether `value` holds a C0 control character or DEL. Environment values reach the node as the lines of
+    docker's `--env-file` (`LaunchSpec.env_file_text`), which docker reads line by line: a newline inside a value
+    would start a variable of its own there (`LD_PRELOAD=...`), past every check of the names. The one test of it
+    for serving.env, serving.extra_args and the values of serving.secrets."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in value)
+
+
 def _extra_arg(value: str) -> str:
     if not isinstance(value, str):
         raise ValueError("must be a string")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if has_control_characters(value):
         raise ValueError(f"{value!r} contains control characters")
     flag = value.split("=", 1)[0]
     canonical = flag if flag in _RESERVED_SERVE_FLAGS else flag.replace("_", "-")  # vLLM reads --a_b as --a-b
@@ -229,7 +237,7 @@ def _env_value(value: Any) -> str:
         return str(value)
     if not isinstance(value, str):
         raise ValueError("must be a string")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if has_control_characters(value):
         raise ValueError("contains control characters (newlines are not allowed in environment values)")
     return value
 
@@ -283,14 +291,38 @@ def system_path(path: str) -> str | None:
     return next((p for p in SYSTEM_PATHS if _is_under(path, p)), None)
 
 
+def _held_system_path(path: str) -> str | None:
+    """What `path` holds of the refused: a system path strictly below it (`/var` holds /var/lib/docker and
+    /var/run, so mounting it mounts them), or a home's key directories (`/home`, `/home/USER` hold `.ssh` and
+    `.gnupg`). A path refused as itself is `system_path`'s; `/` is both."""
+    below = next((p for p in SYSTEM_PATHS if _is_under(p, path) and p.rstrip("/") != path.rstrip("/")), None)
+    if below is not None:
+        return below
+    parts = path.strip("/").split("/")
+    return "a home's key directories (.ssh, .gnupg)" if parts[0] == "home" and len(parts) <= 2 else None
+
+
+def mount_refusal(path: str) -> str | None:
+    """Why a host path may never be mounted into a serving container, whatever `trust` says, or None: it is a
+    system path or below one, it passes through a key directory, or it holds one of those (a mount gives the
+    container everything below its path). The one judgement for serving.docker.volumes, trust.host_paths and
+    the model and cache directories."""
+    if (where := system_path(path)) is not None:
+        return f"{path} is {'' if where.startswith('a ') else 'under '}{where}"
+    if (held := _held_system_path(path)) is not None:
+        return f"{path} holds {held}"
+    return None
+
+
 def _data_path(value: str) -> str:
     """A model or cache path: a dedicated directory, never the system, `/`, a top-level dir or a home itself
-    (`verify --repair` deletes what does not belong below it)."""
+    (`verify --repair` deletes what does not belong below it), nor a directory holding what is refused (the
+    model is mounted into every serving container)."""
     parts = value.strip("/").split("/")
-    if (where := system_path(value)) is not None:
-        raise ValueError(f"{value} is {'' if where.startswith('a ') else 'under '}{where}: not a data directory")
-    if len(parts) < 2 or (parts[0] == "home" and len(parts) == 2):
+    if system_path(value) is None and (len(parts) < 2 or (parts[0] == "home" and len(parts) == 2)):
         raise ValueError(f"{value} is too shallow: name the model's own directory (at least /dir/sub, not a home)")
+    if (refusal := mount_refusal(value)) is not None:
+        raise ValueError(f"{refusal}: not a data directory")
     return value
 
 

@@ -66,6 +66,11 @@ REFUSAL_GAP = 0.25  # seconds between those retries
 #: Output kept from one command: a probe of a huge or hostile node must not eat the daemon's memory. Streaming
 #: callers (rsync progress) keep the tail.
 MAX_OUTPUT = 32 * 2**20
+# Lines of a whole (not streamed) output. Parsing costs per line, not per byte: each is a Python str (~50 bytes
+# before its text) in `splitlines` and the section lists, so 32 MiB of bare newlines, under MAX_OUTPUT, made the
+# daemon peak at 628 MiB, above its unit's MemoryMax=512M (issue 31). The largest honest output, a model tree's
+# manifest at its cap (`manifest.MAX_ENTRIES`) beside the blob store's, is ~200,000 lines.
+MAX_LINES = 1_000_000
 _SSH_ERRORS = (SSHException, OSError, EOFError)
 #: What OpenSSH's ServerAliveInterval sends. sshd refuses it (an unknown global request), and a refusal is an answer.
 KEEPALIVE_REQUEST = "keepalive@openssh.com"
@@ -104,6 +109,17 @@ class Session:
         self._dropped: str | None = None  # why the keepalive closed the connection, for the errors that follow
         #: The SSH keepalive's interval and the answers missed in a row that close the connection (`_keep_alive`).
         self.keepalive = (KEEPALIVE, KEEPALIVE_MISSES)
+        self._bulk: Session | None = None
+
+    def bulk(self) -> Session:
+        """A second connection to the same node for long transfers (the weights' rsync streams, each holding a
+        channel for hours), with a channel budget of its own: a sync of 2 x `parallel_streams` runs once took
+        every channel of the node's one connection, and the probe and the lease renewals starved, or the rsync
+        daemon's accept window ended every stream (issue 31). Made on first use, closed with this one."""
+        with self._lock:
+            if self._bulk is None:
+                self._bulk = Session(self.name, self.ssh, self.gateway, self.sudo)
+            return self._bulk
 
     # -- connection -------------------------------------------------------------------------------------------
 
@@ -235,7 +251,9 @@ class Session:
             self._client = None
 
     def close(self) -> None:
-        """Close the session; never waits long behind a (re)connect that holds the lock."""
+        """Close the session (and its bulk sibling); never waits long behind a (re)connect that holds the lock."""
+        if self._bulk is not None:
+            self._bulk.close()
         if self._lock.acquire(timeout=1.0):
             try:
                 self._close_locked()
@@ -428,6 +446,7 @@ class _ChannelOutput:
                  on_output: Callable[[bytes], None] | None = None):
         self._session, self._channel, self._label, self._on_output = session, channel, label, on_output
         self.out, self.err = bytearray(), bytearray()
+        self._lines = 0  # newlines kept in a whole output (MAX_LINES)
 
     def send(self, data: bytes | None, *, close: bool, deadline: float, when: str = "during") -> None:
         """Write the command's stdin (and close it unless the command keeps it as a lifeline) before `deadline`."""
@@ -489,8 +508,13 @@ class _ChannelOutput:
                                                   f"{self._session._lost_because(exc)}") from None
 
     def _keep(self, buffer: bytearray, chunk: bytes, *, streaming: bool) -> None:
-        """Append up to MAX_OUTPUT: a streamed output keeps its tail, anything else over the cap is an error."""
+        """Append up to MAX_OUTPUT (and MAX_LINES): a streamed output keeps its tail, anything else over either cap
+        is an error."""
         buffer += chunk
+        if not streaming:
+            self._lines += chunk.count(b"\n")
+            if self._lines > MAX_LINES:
+                raise OutputTooLarge(self._session.name, f"`{self._label[:80]}` wrote more than {MAX_LINES} lines")
         if len(buffer) > MAX_OUTPUT:
             if not streaming:
                 raise OutputTooLarge(self._session.name,

@@ -39,10 +39,21 @@ def trust_target_on_source(ctx: StepContext, source: str, target: str) -> None:
                              stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
 
 
+# Only what this hop says counts: no config file (`-F /dev/null`: neither the source's ~/.ssh/config, where a
+# `Host` block could add a ProxyCommand, a LocalCommand or another host name, nor /etc/ssh/ssh_config, ignored
+# once a file is given; ssh(1) -F), no host key beyond the verified one written for this target (the global
+# known_hosts files, /etc/ssh/ssh_known_hosts[2], would accept any key listed there), and no identity beyond
+# the default files: with no IdentityFile, ssh still offers ~/.ssh/id_rsa, id_ecdsa, id_ecdsa_sk, id_ed25519,
+# id_ed25519_sk (readconf.c `fill_default_options`), which is the node key the README authorizes; IdentitiesOnly
+# keeps an agent's other keys out (ssh_config(5): "either the default files, or those explicitly configured").
+ISOLATION = ("-F", "/dev/null", "-o", "GlobalKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes")
+
+
 def ssh_options(ctx: StepContext, target: str) -> list[str]:
-    """`ssh` and its options for the hop to `target` (batch, strict keys, keepalive: a dead link ends it)."""
+    """`ssh` and its options for the hop to `target` (no configuration but these, batch, strict keys, keepalive:
+    a dead link ends it)."""
     t = ctx.desired.node(target)
-    return ["ssh", "-p", str(t.ssh.port), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+    return ["ssh", *ISOLATION, "-p", str(t.ssh.port), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", f"UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)}",
             "-o", f"ConnectTimeout={int(t.ssh.connect_timeout)}", "-o", f"ServerAliveInterval={KEEPALIVE}",
             "-o", f"ServerAliveCountMax={KEEPALIVE_MISSES}", "-o", "Compression=no", "-c", "aes128-gcm@openssh.com"]

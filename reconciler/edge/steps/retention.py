@@ -8,6 +8,11 @@ node's canonical paths (`realpath`: a symlinked parent or a `/./` is the same di
 `docker image rm` without `--force`, which the engine itself refuses for an image a container uses or one tagged
 more than once (moby: "conflict: unable to delete ... (must be forced)").
 
+Nothing is ever removed through a link, anywhere on the path: the removal runs in the tree's parent directory only
+once the node has confirmed that no component of the parent's path is a link (`IN_UNLINKED_DIR`), and never when
+the tree itself has become a link. A link on the way (a home's `models` pointing at the home itself, a parent
+swapped since the copy) keeps the tree, released and said.
+
 What is kept is *released*: a `released` line in the ledger, so retention never proposes it again, and a
 `retention.kept` event saying why and what to do. The step itself succeeds: a tree a person changed must not hold
 the next model's copy to this node, which waits for this step.
@@ -15,6 +20,7 @@ the next model's copy to this node, which waits for this step.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 
 from reconciler.core.observed import Container, CopyRecord
@@ -25,6 +31,33 @@ from reconciler.edge.manifest import manifest_script, read_listing
 from reconciler.edge.probes import containers_script, parse_containers, read_sections
 from reconciler.edge.ssh import RemoteError
 from reconciler.edge.steps import StepContext, StepFailed
+
+LINK_ON_THE_WAY = 3  # the exit status of IN_UNLINKED_DIR (and of _REMOVE_TREE) for a link on the path
+# `sh -c` words that enter the directory "$1" (absolute, normalized) only when no component of that path is a link,
+# else exit LINK_ON_THE_WAY (2: no such directory). `cd -P` resolves every link on the way and `pwd -P` prints where
+# it arrived: the two agree only when nothing was followed. The working directory then *is* that directory,
+# whatever is renamed or relinked above it afterwards, so a removal relative to it stays inside it. The one check of
+# "no link on the way" for whatever deletes files on a node.
+IN_UNLINKED_DIR = f'cd -P -- "$1" 2>/dev/null || exit 2; [ "$(pwd -P)" = "$1" ] || exit {LINK_ON_THE_WAY}'
+
+# Remove the tree "$2" of the directory "$1": not when "$1" is reached through a link, not when "$2" is one.
+_REMOVE_TREE = (f'{IN_UNLINKED_DIR}; if [ -L "$2" ]; then exit {LINK_ON_THE_WAY}; fi; [ -e "$2" ] || exit 0; '
+                'exec rm -rf --one-file-system -- "$2"')
+
+
+def remove_tree(ctx: StepContext, node: str, root: str) -> bool:
+    """Remove the directory `root` on `node`, links inside it removed, never followed, and other mounts below it
+    left alone (`rm --one-file-system`); False, and nothing removed, when `root` or a directory above it is a
+    link. A root already gone counts as removed."""
+    parent, name = posixpath.split(posixpath.normpath(root))
+    result = ctx.sessions[node].run(["sh", "-c", _REMOVE_TREE, "sh", parent, name], timeout=ctx.command_timeout,
+                                    check=False)
+    if result.exit_code == LINK_ON_THE_WAY:
+        return False
+    if result.exit_code not in (0, 2):  # 2: the parent is gone, and the tree with it
+        raise StepFailed(f"removing {root} on {node} failed (exit {result.exit_code}): "
+                         f"{result.stderr.strip()[-200:]}")
+    return True
 
 
 def _records(ctx: StepContext, node: str, kind: str) -> dict[str, CopyRecord]:
@@ -103,9 +136,10 @@ def prune_weights(ctx: StepContext, step: Step) -> None:
         if not tree.present or tree.truncated or tree.unsafe_count or tree.digest() != record.detail:
             return ("unreadable, or changed since this cluster copied it (files added, removed or resized, links "
                     "that leave it): released, remove it yourself if it is not needed")
+        if not remove_tree(ctx, node, root):
+            return ("it, or a directory above it, is a link now: never removed through a link; released, remove "
+                    "it yourself by its real path if it is not needed")
         ctx.progress("retention.remove", {"node": node, "weights": root, "bytes": tree.total_bytes})
-        # rm removes links, never what they lead to; --one-file-system stays off other mounts below the tree
-        ctx.sessions[node].run(["rm", "-rf", "--one-file-system", "--", root], timeout=ctx.command_timeout)
         return None
 
     _prune(ctx, step, "weights", remove)

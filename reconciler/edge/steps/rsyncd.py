@@ -5,10 +5,11 @@ per GB against the daemon's 0.4: docs/benchmarks.md). The fabric is a dedicated 
 bytes are public weights, so confidentiality is not needed there; authentication is, and integrity: rsync's
 challenge-response with a secret made for this step alone (never sent, sha512 of it and a fresh challenge), its
 whole-file checksum of every file, then the manifest check of the step. What listens, and for how long:
-`rsyncd_helper` (run on the target) binds the target's fabric address only, on a port the kernel picks, accepts
-exactly one connection per stream from the source's fabric address, and hands each to an `rsync --daemon` that
-serves it and exits; it ends them all when the step closes its SSH channel (done, failed, cancelled) or at the
-step's deadline. docs/research/weights-transport.md has the reasons, from rsync's source.
+`rsyncd_helper` (run on the target) binds the target's fabric address only, on a port the kernel picks, hands
+each connection from the source's fabric address to an `rsync --daemon` that serves it and exits, until one daemon
+per stream ended well (a stranger's connection is refused and counted; a daemon that failed frees its slot); it
+ends them all when the step closes its SSH channel (done, failed, cancelled) or at the step's deadline.
+docs/research/weights-transport.md has the reasons, from rsync's source.
 """
 
 from __future__ import annotations
@@ -61,6 +62,23 @@ class Daemon:
         if said.exit_code != 0:
             raise StepFailed(f"the rsync daemon on {self._target} ended with exit {said.exit_code}: "
                              f"{said.stderr.strip()[-800:]}")
+        strangers = refused_from(said.stderr)
+        if strangers:  # the step went on; the operator still hears that someone knocked (one log line)
+            self._ctx.progress("weights.refused", {"node": self._target, "connections": len(strangers),
+                                                   "from": sorted(set(strangers))[:10]})
+
+
+def refused_from(stderr: str) -> list[str]:
+    """The addresses the helper refused (`refused a connection from ADDR (N refused)`), one per connection; only
+    dotted IPv4 addresses are taken from a node's text."""
+    out = []
+    for line in stderr.splitlines():
+        words = line.split()
+        if line.startswith("refused a connection from ") and len(words) > 4:
+            addr = words[4]
+            if len(addr) <= 15 and addr.count(".") == 3 and all(p.isdigit() for p in addr.split(".")):
+                out.append(addr)
+    return out
 
 
 @contextlib.contextmanager

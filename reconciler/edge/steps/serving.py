@@ -61,6 +61,13 @@ def _after_a_stop(step: Step) -> bool:
     return any(kind_and_node(a) in (("stop-serving", step.node), ("stop-container", step.node)) for a in step.after)
 
 
+def make_cache_dirs(session, dirs: list[str], timeout: float) -> None:
+    """The kept compile caches' host directories, made by the SSH user (`docker run` would make them as root) and
+    0700: the serving container's root writes into them, and Docker offers no `nosuid` for a bind mount, so a
+    setuid file it left there must be out of every other local user's reach (issue 31, item 18)."""
+    session.run(["sh", "-c", 'mkdir -p -- "$@" && chmod 0700 -- "$@"', "sh", *dirs], timeout=timeout)
+
+
 def _drop_caches(ctx: StepContext, node: str) -> None:
     """Write the weights' filesystem back, then drop the clean page cache: before every start, not only when
     MemAvailable is short. On GB10 MemAvailable counts the clean cache as free while the GPU driver does not
@@ -138,7 +145,7 @@ def start_serving(ctx: StepContext, step: Step) -> None:
     _note_use(ctx, node, spec)
     session = ctx.sessions[node]
     if dirs := cache_dirs(ctx.desired, ctx.desired.node(node)):
-        session.run(["mkdir", "-p", *dirs.values()], timeout=ctx.command_timeout)  # ours, not root's
+        make_cache_dirs(session, list(dirs.values()), ctx.command_timeout)
     # The environment reaches the docker CLI on its stdin: `--env-file /dev/stdin` (the CLI opens the path like
     # any file, and sshd hands a command's stdin over as a pipe). So no value is on a command line (`ps`, error
     # messages) and none is ever on a node's disk, where a daemon killed between writing and removing a temp file

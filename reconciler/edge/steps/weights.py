@@ -29,6 +29,7 @@ Large models go in several parallel rsync streams (files split by size).
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import re
 import threading
 from collections.abc import Callable
@@ -41,9 +42,10 @@ from reconciler.core.planning import Step
 from reconciler.edge import ledger
 from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing
 from reconciler.edge.probes import read_sections
-from reconciler.edge.ssh import CommandFailed, Session, quote
+from reconciler.edge.ssh import MAX_CHANNELS, CommandFailed, Session, quote
 from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
 from reconciler.edge.steps.drop_behind import drop_behind
+from reconciler.edge.steps.retention import IN_UNLINKED_DIR, LINK_ON_THE_WAY
 from reconciler.edge.steps.rsyncd import Door, rsync_daemon
 
 _LINKS_HELPER = Path(__file__).with_name("links_helper.py").read_text()
@@ -52,6 +54,10 @@ RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync 
 # Regular files only, with their times and modes: no -l (links are made by `make_links`), no -D, -o, -g (the
 # one-time daemon refuses each: `rsyncd_helper.REFUSED`).
 COPY_OPTIONS = ("--recursive", "--times", "--perms")
+# Streams per kind of run: the regular files' and the checked links' runs (`_stream_groups`) each get at most this
+# many, all on the source's bulk connection (`Session.bulk`), whose channel budget (MAX_CHANNELS = 9) then holds
+# both kinds at once with one to spare; a larger `parallel_streams` is held to it (its field says so).
+BULK_STREAMS = MAX_CHANNELS // 2
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
@@ -292,7 +298,7 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
     todo = _files_to_copy(expected, before, copied)
     total = sum(size for _, size in todo)
     ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
-    groups = _stream_groups(expected, todo, ctx.desired.policy.weights.parallel_streams, copied)
+    groups = _stream_groups(expected, todo, min(ctx.desired.policy.weights.parallel_streams, BULK_STREAMS), copied)
     done = [0] * len(groups)
     door: Door | None = None
     lock = threading.Lock()
@@ -310,7 +316,8 @@ def sync_weights(ctx: StepContext, step: Step) -> None:
 
         files, follow = group
         listing = _upload_file_list(ctx, source, target, index, files)
-        ctx.sessions[source].run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow, door),
+        ctx.sessions[source].bulk().run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow,
+                                                    door),
                                  timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True,
                                  stdin=f"{door.secret}\n".encode() if door is not None else None)
 
@@ -460,21 +467,28 @@ def inside_tree(path: str) -> bool:
 
 
 # Remove regular files below the root ($1), each given relative to it (the other arguments, all passing
-# `inside_tree`): only where no directory on the way is a link (nor the file itself), so a path can never lead
-# out of the tree; prints each path removed.
-_REMOVE = ('cd -P -- "$1" || exit 2; shift; for p; do d=; rest=$p; ok=1; '
+# `inside_tree`): never when the root's own path goes through a link (`retention.IN_UNLINKED_DIR`: a model
+# directory linked to a home would put the home's files in the tree), and only where no directory on the way is a
+# link (nor the file itself), so a path can never lead out of the tree; prints each path removed.
+_REMOVE = (f'{IN_UNLINKED_DIR}; shift; for p; do d=; rest=$p; ok=1; '
            'while [ "${rest#*/}" != "$rest" ]; do d=${d:+$d/}${rest%%/*}; rest=${rest#*/}; '
            'if [ -L "$d" ] || [ ! -d "$d" ]; then ok=0; break; fi; done; '
            'if [ $ok = 1 ] && [ -f "$p" ] && [ ! -L "$p" ] && rm -f -- "$p"; then printf \'%s\\n\' "$p"; fi; done')
 
 
-def remove_files(session, root: str, paths: list[str], timeout: float) -> tuple[str, ...]:
+def remove_files(session, root: str, paths: list[str], timeout: float) -> tuple[str, ...] | None:
     """Remove the regular files `paths` (relative to `root`) on a node, never anything outside the tree: a path
-    failing `inside_tree`, or reaching its file through a link, is left alone. Returns the paths removed."""
+    failing `inside_tree`, or reaching its file through a link, is left alone. Returns the paths removed; None
+    when nothing was, because `root` or a directory above it is a link."""
     wanted = [p for p in paths if inside_tree(p)]
     if not wanted:
         return ()
-    out = session.run(["sh", "-c", _REMOVE, "sh", root, *wanted], timeout=timeout).stdout
+    try:
+        out = session.run(["sh", "-c", _REMOVE, "sh", posixpath.normpath(root), *wanted], timeout=timeout).stdout
+    except CommandFailed as exc:
+        if exc.exit_code == LINK_ON_THE_WAY:
+            return None
+        raise
     removed = set(out.splitlines())
     return tuple(p for p in wanted if p in removed)
 
@@ -500,5 +514,8 @@ def verify_weights(desired, sessions, node: str, *, repair: bool = False, timeou
     problems += [f"{name}: links leading out of the tree: {_unsafe(w)}"
                  for name, w in ((node, mine_listing.weights), (source, theirs_listing.weights)) if w.unsafe_count]
     repaired = remove_files(target, dst_root, list(mismatched), timeout) if repair and mismatched else ()
+    if repaired is None:
+        problems.append(f"{node}: {dst_root} goes through a link: nothing removed (name its real path in "
+                        "model.path to repair)")
     return Verification(node=node, source=source, checked=len(mine), mismatched=mismatched, extra=extra,
-                        hashed_on_source=hashed, repaired=repaired, problem="; ".join(problems) or None)
+                        hashed_on_source=hashed, repaired=repaired or (), problem="; ".join(problems) or None)
