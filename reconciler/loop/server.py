@@ -19,7 +19,6 @@ LISTEN_PID, LISTEN_FDS), so no local user can bind `policy.listen` first while t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
@@ -40,6 +39,7 @@ from waitress.server import create_server
 
 from reconciler.core.text import printable
 from reconciler.edge import log
+from reconciler.loop.generations import write_durably
 from reconciler.loop.metrics import REGISTRY
 
 WORKERS = 4         # threads answering requests: a scrape takes milliseconds
@@ -86,18 +86,9 @@ def make_status_key(state_dir: Path) -> bytes | None:
     """A fresh status key for this daemon's life, written 0600 into the state dir; None when it cannot be (a
     read-only state dir: `status` then says it could not check whom it asked)."""
     key = secrets.token_hex(32).encode()
-    path, temp = state_dir / STATUS_KEY, state_dir / f".{STATUS_KEY}.{os.getpid()}"
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, key)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
+        write_durably(state_dir / STATUS_KEY, key.decode())
     except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
         return None
     return key
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -197,3 +198,20 @@ def nodes(tmp_path, monkeypatch):
     monkeypatch.setattr(hop, "ssh_options", lambda ctx, target: ["ssh"])
     monkeypatch.setattr(hop, "address", lambda ctx, target: "spark@192.0.2.1")
     return {"src": Local(tmp_path / "home-src"), "dst": Local(tmp_path / "home-dst")}
+
+
+@pytest.fixture
+def desired_path(cluster_yaml, tmp_path):
+    """The sample desired state as a file of the test's own (a controller reads and watches its path)."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(cluster_yaml.read_text())
+    return path
+
+
+@pytest.fixture
+def converged(desired_path, seed_snapshot):
+    """The seed converged in the simulator under the sample file, with the sample's secrets (a test module may
+    define its own)."""
+    from reconciler.core.spec import load
+
+    return converged_in_simulator(load(desired_path, os.environ), seed_snapshot)

@@ -103,3 +103,11 @@ class LocalCompanion:
 
     def wait_ended(self, timeout: float = 10) -> int:
         return self.proc.wait(timeout)
+
+
+def hang_up(*heads: LocalHead) -> None:
+    """End every companion the heads started (a test's teardown: no flock holder outlives its test)."""
+    for head in heads:
+        for companion in head.companions:
+            companion.hang_up()
+            companion.wait_ended()

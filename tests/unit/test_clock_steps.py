@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -26,8 +25,7 @@ from reconciler.loop import controller as controller_module
 from reconciler.loop.controller import Controller
 from reconciler.loop.operations import Operations
 from reconciler.loop.triggers import ReconcileRequests
-from tests.unit.conftest import converged_in_simulator
-from tests.unit.local_head import LocalHead
+from tests.unit.local_head import LocalHead, hang_up
 from tests.unit.test_controller_loop import HEAD, WORKER, FakeSessions, Gate, Script, _with
 
 DAY = 86400.0
@@ -52,10 +50,7 @@ def heads(home):
         return made[-1]
 
     yield head
-    for h in made:
-        for companion in h.companions:
-            companion.hang_up()
-            companion.wait_ended()
+    hang_up(*made)
 
 
 @pytest.fixture
@@ -128,20 +123,6 @@ def clocks(monkeypatch) -> Clocks:
     fake = Clocks()
     monkeypatch.setattr(controller_module, "time", fake)
     return fake
-
-
-@pytest.fixture
-def desired_path(cluster_yaml, tmp_path):
-    path = tmp_path / "cluster.yaml"
-    path.write_text(cluster_yaml.read_text())
-    return path
-
-
-@pytest.fixture
-def converged(desired_path, seed_snapshot):
-    from reconciler.core.spec import load
-
-    return converged_in_simulator(load(desired_path, os.environ), seed_snapshot)
 
 
 def _controller(desired_path, tmp_path, clocks, script, gate):

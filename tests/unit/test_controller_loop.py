@@ -106,13 +106,6 @@ class Script:
 
 
 @pytest.fixture
-def desired_path(cluster_yaml, tmp_path):
-    path = tmp_path / "cluster.yaml"
-    path.write_text(cluster_yaml.read_text())
-    return path
-
-
-@pytest.fixture
 def converged(desired_path, seed_snapshot) -> Observed:
     desired = load(desired_path, os.environ)  # the values the controller takes (conftest._sample_secrets)
     after = Observed.model_validate(json.loads(seed_snapshot.read_text()))

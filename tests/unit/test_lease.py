@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from reconciler.edge import lease
 from reconciler.edge.lease import Holder, Lease, LeaseHeld, held
-from tests.unit.local_head import LocalHead
+from tests.unit.local_head import LocalHead, hang_up
 
 
 @pytest.fixture
@@ -22,9 +22,7 @@ def head(tmp_path):
     home.mkdir()
     local = LocalHead(home)
     yield local
-    for companion in local.companions:
-        companion.hang_up()
-        companion.wait_ended()
+    hang_up(local)
 
 
 @pytest.fixture

@@ -70,18 +70,19 @@ def probe(desired: Desired) -> dict:
     return split_sections(out, script.nonce)
 
 
-def requests_seen(proc: subprocess.Popen) -> list[str]:
-    proc.terminate()
-    out, _ = proc.communicate(timeout=30)
-    return out.splitlines()
-
-
-def test_a_squatter_on_the_serving_port_gets_no_key_and_is_named(desired):
-    squatter = serve(desired.serving.port, NOBODY)
+def probe_beside(desired: Desired, user: int | None) -> tuple[dict, list[str]]:
+    """The probe's API sections with a server run as `user` on the serving port, and the requests it saw."""
+    server = serve(desired.serving.port, user)
     try:
         sections = probe(desired)
     finally:
-        seen = requests_seen(squatter)
+        server.terminate()
+        out, _ = server.communicate(timeout=30)
+    return sections, out.splitlines()
+
+
+def test_a_squatter_on_the_serving_port_gets_no_key_and_is_named(desired):
+    sections, seen = probe_beside(desired, NOBODY)
     assert not [line for line in seen if KEY in line], seen
     assert not [line for line in seen if "/v1/" in line], "the squatter was asked for models or a completion"
     serving = parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
@@ -95,11 +96,7 @@ def test_a_squatter_on_the_serving_port_gets_no_key_and_is_named(desired):
 
 def test_a_body_cannot_open_or_close_a_section(desired):
     """Our own serving (root) answering with marker lines in its bodies: they stay body lines."""
-    server = serve(desired.serving.port, None)
-    try:
-        sections = probe(desired)
-    finally:
-        seen = requests_seen(server)
+    sections, seen = probe_beside(desired, None)
     assert any(KEY in line for line in seen), "our own serving is asked, with its key"
     assert "containers" not in sections and "meminfo" not in sections
     assert "@@containers" in sections["models"].body

@@ -22,7 +22,6 @@ from reconciler.loop.daemon import AlreadyRunning, lock
 from reconciler.loop.generations import GenerationStore, path_key
 from reconciler.loop.operations import Operations
 from reconciler.loop.triggers import ReconcileRequests
-from tests.unit.conftest import converged_in_simulator
 from tests.unit.test_controller_loop import WORKER, FakeSessions, Gate, Script, _with
 
 
@@ -59,20 +58,6 @@ def disk(tmp_path):
         yield SmallDisk(path)
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-@pytest.fixture
-def desired_path(cluster_yaml, tmp_path):
-    path = tmp_path / "cluster.yaml"
-    path.write_text(cluster_yaml.read_text())
-    return path
-
-
-@pytest.fixture
-def converged(desired_path, seed_snapshot):
-    from reconciler.core.spec import load
-
-    return converged_in_simulator(load(desired_path, os.environ), seed_snapshot)
 
 
 def _controller(desired_path, disk, script, gate):
