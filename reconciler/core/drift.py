@@ -392,9 +392,11 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
     if health is not None and health.working(want):
         return []  # busy is serving: every slot taken, the probe's completion queued behind them (issue 30)
     if health is not None and health.port_holder is not None:
-        seen = (f"port {desired.serving.port} held by uid {health.port_holder}, not by our serving (root): it was "
-                "sent no API key; stop that process")
-    elif health is None or not health.reachable:
+        # blocking, not actionable: a restart would stop our containers and then find the port taken
+        return [Drift(head, "health", f"api/:{desired.serving.port}", f"healthy, serving {want}, completing",
+                      f"port {desired.serving.port} held by uid {health.port_holder}, not by our serving (root): it "
+                      "was sent no API key; stop that process", actionable=False, blocking=True)]
+    if health is None or not health.reachable:
         seen = "not answering"
     elif not health.healthy:
         seen = "unhealthy"

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from reconciler.core.drift import diff
+from reconciler.core.planning import plan
 from reconciler.core.loader import load_file
 from reconciler.core.spec import Desired
 from reconciler.edge.probes import api_script, parse_serving, sealed, split_sections
@@ -92,6 +93,9 @@ def test_a_squatter_on_the_serving_port_gets_no_key_and_is_named(desired):
     observed = recorded.changed(recorded.observe(cluster), cluster.head.name, serving=serving)
     health = [d for d in diff(cluster, observed) if d.kind == "health"]
     assert health and f"held by uid {NOBODY}" in health[0].observed and "no API key" in health[0].observed
+    assert health[0].blocking and not health[0].actionable
+    assert not [s for s in plan(cluster, observed).steps if s.kind in ("stop-serving", "start-serving")], \
+        "nothing of ours is stopped for a port someone else holds"
 
 
 def test_a_body_cannot_open_or_close_a_section(desired):
