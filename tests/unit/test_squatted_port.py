@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from reconciler.core.drift import diff
-from reconciler.core.planning import plan
 from reconciler.core.loader import load_file
+from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
 from reconciler.edge.probes import api_script, parse_serving, sealed, split_sections
 from testbed.proc import wait_for
