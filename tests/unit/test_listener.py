@@ -140,12 +140,13 @@ def test_a_request_head_that_trickles_is_cut_at_head_time_and_scrapes_still_answ
 
 def _activated(listen: str, port: int) -> subprocess.Popen:
     """The real listener behind systemd-socket-activate(1), which binds 127.0.0.1:PORT, passes it as fd 3 with
-    LISTEN_PID/LISTEN_FDS (sd_listen_fds(3)) and starts the program on the first connection."""
-    program = ("import sys, time\nfrom reconciler.loop.server import serve\n"
+    LISTEN_PID/LISTEN_FDS (sd_listen_fds(3)) and starts the program on the first connection. It serves until
+    its stdin closes (the test's end)."""
+    program = ("import sys\nfrom reconciler.loop.server import serve\n"
                f"s = serve({listen!r}, lambda: {{'phase': 'Converged'}})\n"
-               "print('passed' if s.passed else 'bound', flush=True)\ntime.sleep(60)\n")
+               "print('passed' if s.passed else 'bound', flush=True)\nsys.stdin.read()\n")
     return subprocess.Popen(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-c", program],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _free_port() -> int:
