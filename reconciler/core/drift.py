@@ -197,6 +197,13 @@ def image_holder(desired: Desired, observed: Observed) -> str | None:
                  and observed.node(name).images.get(desired.serving.image)), None)
 
 
+def image_puller(desired: Desired, observed: Observed) -> str | None:
+    """The image source that pulls the serving image when no image source holds it: the first usable one with
+    `internet: true`. None when none can (the file says the sources are offline, or none answers)."""
+    return next((name for name in desired.image_sources
+                 if desired.node(name).internet and _usable(observed.node(name))), None)
+
+
 def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict[str, bool]]:
     """Per node: reachability, the fabric link, co-tenants. Also which nodes are usable (SSH and docker answer)."""
     out: list[Drift] = []
@@ -220,10 +227,16 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
     image = desired.serving.image
     res = f"image/{image}"
     if holder is None:
-        sources = ", ".join(desired.image_sources)
-        return [Drift(name, "image", res, f"present on an image source ({sources})", "on no reachable image "
-                      f"source: pull it on {desired.image_sources[0]}", actionable=False, blocking=True)
-                for name in ready]
+        if puller := image_puller(desired, observed):
+            # staged on the internet node first; the copies and the start follow on the next pass
+            return [Drift(puller, "image", res, f"present on {puller}", f"missing: pulled there first (`docker "
+                          f"pull {image}`), while what runs keeps serving")]
+        sources, first = ", ".join(desired.image_sources), desired.image_sources[0]
+        how = (f"{first} pulls it once it answers" if desired.node(first).internet else
+               f"pull it on {first} (`docker pull {image}`): the file gives it no internet, so the reconciler does "
+               "not")
+        return [Drift(name, "image", res, f"present on an image source ({sources})",
+                      f"on no reachable image source: {how}", actionable=False, blocking=True) for name in ready]
     reference = observed.node(holder).images[image]
     pin = desired.serving.image_id
     if pin and not reference.matches_pin(pin):
@@ -243,9 +256,9 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
                              "stopped or started", actionable=False, blocking=True))
         elif got is None or got.content != reference.content:
             seen = f"content {got.content[:19]}" if got else "missing"
-            short = _short_of(observed.node(name).disk_free, "image", reference.size or 0)
+            short = short_of(observed.node(name).disk_free, "image", reference.size or 0)
             out.append(Drift(name, "image", res, f"content {reference.content[:19]}", seen) if short is None else
-                       Drift(name, "image", res, f"{_gib((reference.size or 0) + DISK_MARGIN)} free in docker's "
+                       Drift(name, "image", res, f"{gib((reference.size or 0) + DISK_MARGIN)} free in docker's "
                              "data root for the copy", f"{seen}; {short}", actionable=False, blocking=True))
     return out
 
@@ -291,11 +304,9 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
     source = desired.source_node
     src_obs = observed.node(source)
     res = f"weights/{desired.model.id}"
-    present = src_obs.reachable and src_obs.weights is not None and src_obs.weights.present
-    if present and src_obs.weights and (unresolved := _unresolved_revision(desired, src_obs.weights)):
-        # once, and also when the source serves alone: nothing can load a revision its cache does not resolve
-        return [Drift(source, "weights", res, f"revision {desired.model.revision} in the cache", unresolved,
-                      actionable=False, blocking=True)]
+    if src_obs.reachable and src_obs.probe_error is None and (staging := _source_drift(desired, src_obs, res)):
+        # once, and also when the source serves alone: nothing can serve (or be copied) what the source lacks
+        return [staging]
     for name in ready:
         if name == source:
             continue
@@ -303,17 +314,16 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
             out.append(Drift(name, "weights", res, f"copy of {source}", f"source {source} unreachable",
                              actionable=False, blocking=True))
         elif src_obs.weights is None or not src_obs.weights.present:
-            out.append(Drift(source, "weights", res, "present on the source node", "missing",
-                             actionable=False, blocking=True))
+            continue  # a source that answered but could not be read: its own drift says why (probe)
         else:
             target = observed.node(name)
             problem = weights_difference(src_obs.weights, target.weights)
             if problem:
-                missing = _missing_bytes(src_obs.weights, target.weights)
-                short = _short_of(target.disk_free, "weights", missing)
+                missing = missing_bytes(src_obs.weights, target.weights)
+                short = short_of(target.disk_free, "weights", missing)
                 out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
                                  f"{src_obs.weights.total_bytes} bytes", problem) if short is None else
-                           Drift(name, "weights", res, f"{_gib(missing + DISK_MARGIN)} free on "
+                           Drift(name, "weights", res, f"{gib(missing + DISK_MARGIN)} free on "
                                  f"{desired.model.path_on(name)} for the copy", f"{problem}; {short}",
                                  actionable=False, blocking=True))
     return out
@@ -323,23 +333,45 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
 DISK_MARGIN = 1 << 30
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _missing_bytes(source: Weights, target: Weights | None) -> int:
+def missing_bytes(source: Weights, target: Weights | None) -> int:
     """Bytes of the source's files the target lacks or holds at another size: what the copy writes."""
     have = {f.path: f.size for f in target.files} if target is not None else {}
     return sum(f.size or 0 for f in source.files if f.link_target is None and have.get(f.path) != f.size)
 
 
-def _short_of(free: dict[str, int] | None, where: str, needed: int) -> str | None:
+def short_of(free: dict[str, int] | None, where: str, needed: int) -> str | None:
     """Why `needed` bytes (plus the margin) do not fit in what the probe read free for `where`; None when they do
     or the probe did not say (an older snapshot)."""
     if free is None or where not in free or free[where] >= needed + DISK_MARGIN:
         return None
-    return (f"only {_gib(free[where])} free: the copy would fill the disk; free "
-            f"{_gib(needed + DISK_MARGIN - free[where])} there (nothing is copied, stopped or started)")
+    return (f"only {gib(free[where])} free: the copy would fill the disk; free "
+            f"{gib(needed + DISK_MARGIN - free[where])} there (nothing is copied, stopped or started)")
+
+
+def _source_drift(desired: Desired, src_obs: NodeObservation, res: str) -> Drift | None:
+    """The source lacks the weights (or the declared revision): with `internet: true` it downloads them first
+    (the `download` step: `hf download` there, while what runs keeps serving); offline, someone must put them
+    there, and the drift says how (blocking). Either way nothing is copied or started before they are there: the
+    plan's restart waits for the download step (planning._serving_steps)."""
+    source, model = desired.source_node, desired.model
+    weights = src_obs.weights
+    if weights is None or not weights.present:
+        problem = f"missing in {model.path_on(source)}"
+    elif (unresolved := _unresolved_revision(desired, weights)) is not None:
+        problem = unresolved
+    else:
+        return None
+    fetch = f"`hf download {model.id} --revision {model.revision}`"
+    if desired.node(source).internet:
+        return Drift(source, "weights", res, f"{model.id} at revision {model.revision} on the source",
+                     f"{problem}: downloaded there first ({fetch}), while what runs keeps serving")
+    return Drift(source, "weights", res, f"{model.id} at revision {model.revision} on the source",
+                 f"{problem}: {source} has no internet in the file, so put them there ({fetch} where the Hub is "
+                 f"reachable, then copy the tree to {model.path_on(source)})", actionable=False, blocking=True)
 
 
 def _unresolved_revision(desired: Desired, weights: Weights) -> str | None:
@@ -352,8 +384,7 @@ def _unresolved_revision(desired: Desired, weights: Weights) -> str | None:
         return None
     if any(f.path == f"refs/{rev}" or f.path.startswith(f"snapshots/{rev}/") for f in weights.files):
         return None
-    return (f"neither refs/{rev} nor snapshots/{rev}/ in {weights.root}: download that revision on "
-            f"{desired.source_node} (`hf download {desired.model.id} --revision {rev}`), better pinned to a commit")
+    return f"neither refs/{rev} nor snapshots/{rev}/ in {weights.root} (better pinned to a commit)"
 
 
 def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) -> set[str]:

@@ -8,6 +8,7 @@ then waits for /health. Steps carry stable ids so logs, metrics and holds can na
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,7 +19,8 @@ from reconciler.core.retention import removals
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
 
-StepKind = Literal["stop-container", "link", "prune-weights", "prune-images", "image", "weights", "stop-serving",
+StepKind = Literal["stop-container", "link", "prune-weights", "prune-images", "download", "pull-image", "image",
+                   "weights", "stop-serving",
                    "start-serving", "launch-model", "await-health"]
 STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
 
@@ -114,10 +116,9 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     blocked: list[Blocker] = []
     down = {d.node for d in drift if d.kind in ("unreachable", "probe", "docker")}
 
-    for d in drift:
-        if d.kind == "co-tenant" and d.actionable:
-            steps.append(Step("stop-container", d.node, f"{d.container} is running but not allowed",
-                              container=d.container))
+    stops = [Step("stop-container", d.node, f"{d.container} is running but not allowed", container=d.container)
+             for d in drift if d.kind == "co-tenant" and d.actionable]
+    steps += stops
 
     link_ids: dict[str, str] = {}
     for name in dict.fromkeys(d.node for d in drift if d.kind in ("link", "rdma") and d.actionable):
@@ -130,6 +131,8 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     reference = observed.node(holder).images[image].content if holder else None
     prune_ids = _prune_steps(desired, observed, reference, steps)
     for d in drift:
+        if d.kind == "image" and d.actionable and holder is None:  # no source holds it: the internet node pulls
+            steps.append(Step("pull-image", d.node, _explain(d), image=image))
         if d.kind != "image" or not d.actionable or holder is None:
             continue
         after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
@@ -142,13 +145,42 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     for d in drift:
         if d.kind != "weights" or not d.actionable:
             continue
+        if d.node == source:  # the source lacks them: it downloads them from the Hub first
+            steps.append(Step("download", source, _explain(d), prune_ids.get(source, ()),
+                              path=desired.model.path_on(source)))
+            continue
         after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids) + prune_ids.get(d.node, ())
         steps.append(Step("weights", d.node, _explain(d), after,
                           source=source, path=desired.model.path_on(d.node)))
 
-    steps += _serving_steps(desired, observed, drift, steps, blocked, down)
+    serving, held = _serving_steps(desired, observed, drift, steps, blocked, down)
+    steps = _hold_or_order_stops(steps, stops, serving, held, blocked)
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
     return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits)
+
+
+#: Steps that put the weights and the image where the start needs them: long, and harmless to what runs.
+STAGING = ("download", "pull-image", "image", "weights")
+
+
+def _hold_or_order_stops(steps: list[Step], stops: list[Step], serving: list[Step], held: str | None,
+                         blocked: list[Blocker]) -> list[Step]:
+    """The co-tenant stops, judged against the start they make room for. A start that is blocked keeps them
+    running (a plan never stops a working model for a start that cannot happen: the seed's GLM kept serving
+    while nothing could replace it); a start that goes ahead stops them only once the staging is done, so
+    they serve through the downloads and copies. With no start planned, a stop is the file's allow-list at
+    work and goes ahead at once."""
+    rest = [s for s in steps if s not in stops]
+    if held is not None:
+        blocked.extend(Blocker(s.node, f"{s.container} keeps running, though not allowed: the serving start that "
+                                       f"stopping it makes room for is blocked ({held})") for s in stops)
+        return rest + serving
+    if not any(s.kind in ("start-serving", "launch-model") for s in serving):
+        return steps + serving
+    staging = tuple(s.id for s in rest if s.kind in STAGING)
+    if not staging:
+        return steps + serving
+    return rest + [dataclasses.replace(s, after=staging) for s in stops] + serving
 
 
 def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
@@ -173,7 +205,9 @@ def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
 
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
-                   blocked: list[Blocker], down: set[str]) -> list[Step]:
+                   blocked: list[Blocker], down: set[str]) -> tuple[list[Step], str | None]:
+    """The ordered (re)start of serving and the stops it needs; with, when a restart is wanted but cannot
+    happen (the image refuses it, or it must wait for other drift), why: the co-tenant stops are held then."""
     serving = [n.name for n in desired.serving_nodes]
     head = serving[0]
     name = desired.serving.container_name
@@ -197,18 +231,22 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
 
     why = _why_restart(desired, observed, drift, restart, down, steps, blocked)
     if why is None:
-        return steps
+        return steps, None
     if alien := _image_refuses(desired, observed):
         blocked.append(Blocker(head, alien))
-        return steps
-    hurdles = _restart_hurdles(drift, serving)
-    if hurdles:
+        return steps, f"the image refuses the start: see the blocker on {head}"
+    hurdles = list(dict.fromkeys(_restart_hurdles(drift, serving)))
+    staging = [s for s in before if s.kind in ("download", "pull-image")]  # their result is planned next pass
+    if hurdles or staging:
         blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
-                       for d in dict.fromkeys(hurdles))
-        return steps
+                       for d in hurdles)
+        blocked.extend(Blocker(s.node, f"serving restart waits for {s.id}: the copies and the start are planned "
+                                       "once it is done") for s in staging)
+        waits = [f"{d.kind} on {d.node}" for d in hurdles] + [s.id for s in staging]
+        return steps, f"it waits for {', '.join(dict.fromkeys(waits))}"
     if taken := _ports_taken(desired, observed, before):
         blocked.extend(taken)
-        return steps
+        return steps, None  # a co-tenant this plan stops may be what holds the port: the stop goes ahead
     prereq = tuple(s.id for s in before)
     ours = owner(desired, observed)
     for node in serving:
@@ -218,7 +256,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     image = observed.node(head).images.get(desired.serving.image)
     wrapper = serve_wrapper(image.entrypoint) if image else ()
     steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps), wrapper)
-    return steps
+    return steps, None
 
 
 def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], restart: list[Drift], down: set[str],

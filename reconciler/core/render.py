@@ -12,7 +12,7 @@ from reconciler.core.planning import Plan
 from reconciler.core.text import printable
 
 _SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "prune-weights": "-", "prune-images": "-",
-         "image": "+", "weights": "+",
+         "download": "+", "pull-image": "+", "image": "+", "weights": "+",
          "start-serving": "+", "launch-model": "+", "await-health": "?"}
 
 

@@ -1,24 +1,58 @@
 """What each step promises to change, applied to an observed state. Pure.
 
 It is the written-down contract of every step: the property tests apply a plan's effects and check that the plan
-of the result is empty (convergence), and `apply --dry-run` shows the state a plan would leave behind. A step
+of the result is empty (convergence; a plan that stages, downloading the weights or pulling the image, leaves the
+copies and the start to the next pass, as `apply` and the daemon do: `settle`). A step
 whose real effect differs from its promise here fails verification, because verification re-observes and diffs.
 """
 
 from __future__ import annotations
 
-from reconciler.core.observed import Container, Link, NodeObservation, Observed, RdmaPort, ServingApi
+from reconciler.core.observed import (
+    Container,
+    Image,
+    Link,
+    NodeObservation,
+    Observed,
+    RdmaPort,
+    ServingApi,
+    WeightFile,
+    Weights,
+)
 from reconciler.core.ownership import owner
-from reconciler.core.planning import Plan, Step
+from reconciler.core.planning import Plan, Step, plan
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
+
+#: Steps whose result only the next observation can plan from (the tree the Hub sent, the image pulled).
+STAGING = ("download", "pull-image")
 
 
 def _node(obs: Observed, name: str) -> NodeObservation:
     return obs.node(name)
 
 
+def _staged(desired: Desired, obs: Observed, step: Step) -> Observed:
+    """What a download or a pull leaves on the internet node: the Hub's revision (one shard and the ref, as this
+    simulation has it), the registry's image (whose `vllm serve` flags the daemon asks as for any image id)."""
+    node = _node(obs, step.node)
+    if step.kind == "download":
+        rev, root = desired.model.revision, desired.weights_root(step.node)
+        shard = "model.safetensors" if desired.model.layout == "plain" else f"snapshots/{rev}/model.safetensors"
+        files = [WeightFile(path=shard, size=1 << 20)] + (
+            [WeightFile(path=f"refs/{rev}", size=40)] if desired.model.layout == "hf-cache" else [])
+        return obs.model_copy(update={"nodes": {**obs.nodes, step.node: node.model_copy(
+            update={"weights": Weights(root=root, present=True, files=files)})}})
+    assert step.image is not None
+    pulled = Image(id="sha256:" + "e" * 64, content="sha256:" + "f" * 64)
+    flags = obs.serve_flags.model_copy(update={"image_id": pulled.id}) if obs.serve_flags is not None else None
+    return obs.model_copy(update={"serve_flags": flags, "nodes": {**obs.nodes, step.node: node.model_copy(
+        update={"images": dict(node.images) | {step.image: pulled}})}})
+
+
 def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
+    if step.kind in STAGING:
+        return _staged(desired, obs, step)
     nodes = dict(obs.nodes)
     node = _node(obs, step.node)
     if step.kind == "stop-container":
@@ -74,4 +108,15 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
 def apply_plan(desired: Desired, observed: Observed, plan: Plan) -> Observed:
     for step in plan.steps:
         observed = _effect(desired, observed, step)
+    return observed
+
+
+def settle(desired: Desired, observed: Observed) -> Observed:
+    """The state after a plan's effects, and after the passes a staging plan leaves for later (at most one per
+    staging step kind: the download, then the pull, then everything else)."""
+    for _ in range(len(STAGING) + 1):
+        planned = plan(desired, observed)
+        observed = apply_plan(desired, observed, planned)
+        if not any(s.kind in STAGING for s in planned.steps):
+            break
     return observed

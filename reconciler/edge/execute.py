@@ -20,7 +20,7 @@ from reconciler.edge import log
 from reconciler.edge.ssh import RemoteError
 from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, runner
 
-LONG_STEPS = {"weights": "weights_sync", "image": "image_sync"}
+LONG_STEPS = {"weights": "weights_sync", "image": "image_sync", "download": "weights_sync", "pull-image": "image_sync"}
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,8 @@ class Controller:
             self.operations.progress("weights", node, 0, fields.get("bytes_total"))
         elif event == "image.progress":
             self.operations.progress("image", node, fields["bytes"])
+        elif event in ("download.start", "download.progress"):
+            self.operations.progress("download", node, fields.get("bytes_done", 0), fields["bytes_total"])
         level = self.log.debug if event.endswith(".progress") else self.log.info
         level(event, **{k: v for k, v in fields.items() if k != "step"})
 

@@ -132,10 +132,16 @@ def _netdev_fine(node: str, want: FabricPort, mtu: int, link: Link | None) -> bo
     return not [v for v in _port_violations(node, want, mtu, link) if v.what != "rdma"]
 
 
+def _can_fetch(desired: Desired, before: Observed, node: str) -> bool:
+    """The file says `node` has internet and it answers: it downloads the weights or pulls the image itself
+    (docs/architecture.md, "Staging")."""
+    return desired.node(node).internet and usable(before.node(node))
+
+
 def _image_unavailable(desired: Desired, before: Observed) -> bool:
     ref = reference_image(desired, before)
     if ref is None:
-        return True
+        return not any(_can_fetch(desired, before, n) for n in desired.image_sources)
     pin = desired.serving.image_id
     return bool(pin) and not before.node(ref[0]).images[desired.serving.image].matches_pin(pin)
 
@@ -145,8 +151,13 @@ def _weights_unavailable(desired: Desired, before: Observed) -> str | None:
     another serving node needs a copy), or its hub cache does not resolve model.revision (nothing can load it)."""
     src = before.node(desired.source_node)
     needed = any(n.name != desired.source_node for n in desired.serving_nodes)
-    if not src.reachable or src.probe_error is not None or src.weights is None or not src.weights.present:
-        return "the weights' source cannot be read or lacks them" if needed else None
+    if not src.reachable or src.probe_error is not None:
+        return "the weights' source cannot be read" if needed else None
+    online = desired.node(desired.source_node).internet
+    if src.weights is None or not src.weights.present:
+        return None if online else "the weights' source lacks them and has no internet"
+    if online:
+        return None  # a revision its cache does not resolve is downloaded too
     rev = desired.model.revision
     if desired.model.layout == "hf-cache" and not any(
             f.path == f"refs/{rev}" or f.path.startswith(f"snapshots/{rev}/") for f in src.weights.files):
@@ -228,7 +239,12 @@ def excuse(desired: Desired, before: Observed, v: Violation) -> str | None:
             return "cabling or firmware: the netdev was fine"
         return None
     if v.what == "co-tenant":
-        return "unlisted: report" if desired.co_tenants.unlisted == "report" else None
+        if desired.co_tenants.unlisted == "report":
+            return "unlisted: report"
+        wanted = any(w.what in ("serving", "health") for w in violations(desired, before))
+        if wanted and (why := serving_cannot_restart(desired, before)):
+            return f"kept running: the start it makes room for is blocked ({why})"
+        return None
     if v.what == "image":
         return "no usable image source" if _image_unavailable(desired, before) else None
     if v.what == "weights":

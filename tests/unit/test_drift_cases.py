@@ -90,8 +90,8 @@ def test_the_source_unreachable_blocks_every_copy_and_the_image(desired, seen):
     workers = ["worker1", "worker2", "worker3"]
     assert diff(desired, after) == [
         unreachable("head", "connection refused"),
-        *[Drift(w, "image", IMAGE, "present on an image source (head)", "on no reachable image source: pull it "
-                "on head", actionable=False, blocking=True) for w in workers],
+        *[Drift(w, "image", IMAGE, "present on an image source (head)", "on no reachable image source: head "
+                "pulls it once it answers", actionable=False, blocking=True) for w in workers],
         *[Drift(w, "weights", WEIGHTS, "copy of head", "source head unreachable", actionable=False, blocking=True)
           for w in workers]]
 
@@ -228,20 +228,42 @@ def test_a_short_shard_and_a_lost_one_are_counted(desired, seen):
         Drift("worker3", "weights", WEIGHTS, _expected_weights(seen), f"1 missing, 1 different of {len(files)} files")]
 
 
-def test_weights_missing_on_the_source_block_every_copy(desired, seen):
+HUB_PATH = "/srv/spark-testbed/head/models/hub"
+FETCH = f"`hf download testorg/tiny-moe --revision {REV}`"
+OFFLINE_HEAD = ("    internet: true             # declared only", "    internet: false            # declared only")
+
+
+def test_weights_missing_on_an_internet_source_are_downloaded_there_once(desired, seen):
     after = changed(seen, "head", weights=Weights(root="/srv/x", present=False))
-    assert diff(desired, after) == [Drift("head", "weights", WEIGHTS, "present on the source node", "missing",
-                                          actionable=False, blocking=True)] * 3
+    assert diff(desired, after) == [Drift(
+        "head", "weights", WEIGHTS, f"testorg/tiny-moe at revision {REV} on the source",
+        f"missing in {HUB_PATH}: downloaded there first ({FETCH}), while what runs keeps serving")]
 
 
-def test_a_revision_the_source_cache_cannot_resolve_offline_blocks_once(desired, seen):
+def test_weights_missing_on_an_offline_source_say_how_to_put_them_there():
+    desired = load(OFFLINE_HEAD)
+    after = changed(observe(desired), "head", weights=Weights(root="/srv/x", present=False))
+    assert diff(desired, after) == [Drift(
+        "head", "weights", WEIGHTS, f"testorg/tiny-moe at revision {REV} on the source",
+        f"missing in {HUB_PATH}: head has no internet in the file, so put them there ({FETCH} where the Hub is "
+        f"reachable, then copy the tree to {HUB_PATH})", actionable=False, blocking=True)]
+
+
+def test_weights_missing_on_a_source_that_serves_alone_are_drift_too():
+    desired = load(("tensor_parallel_size: 4", "tensor_parallel_size: 1\n  nodes: [head]"))
+    after = changed(observe(desired), "head", weights=Weights(root="/srv/x", present=False))
+    assert [(d.node, d.kind, d.actionable) for d in diff(desired, after) if d.kind == "weights"] == [
+        ("head", "weights", True)]
+
+
+def test_a_revision_the_source_cache_cannot_resolve_offline_is_downloaded_once(desired, seen):
     w = seen.node("head").weights
     assert w is not None
     unresolved = w.model_copy(update={"files": [f for f in w.files if not f.path.startswith(("refs/", "snapshots/"))]})
     assert diff(desired, changed(seen, "head", weights=unresolved)) == [
-        Drift("head", "weights", WEIGHTS, f"revision {REV} in the cache",
-              f"neither refs/{REV} nor snapshots/{REV}/ in {w.root}: download that revision on head (`hf download "
-              f"testorg/tiny-moe --revision {REV}`), better pinned to a commit", actionable=False, blocking=True)]
+        Drift("head", "weights", WEIGHTS, f"testorg/tiny-moe at revision {REV} on the source",
+              f"neither refs/{REV} nor snapshots/{REV}/ in {w.root} (better pinned to a commit): downloaded there "
+              f"first ({FETCH}), while what runs keeps serving")]
 
 
 def test_a_resolvable_revision_by_snapshot_alone_is_enough(desired, seen):
@@ -284,19 +306,27 @@ def _reference(seen: Observed) -> Image:
     return seen.node("head").images["vllm-standin:latest"]
 
 
-def test_the_image_missing_on_every_source_cannot_be_copied_from_anywhere(desired, seen):
-    assert diff(desired, changed(seen, "head", images={})) == [
+PULLED = Drift("head", "image", IMAGE, "present on head", "missing: pulled there first (`docker pull "
+               "vllm-standin:latest`), while what runs keeps serving")
+
+
+def test_the_image_missing_on_every_source_is_pulled_on_the_internet_one(desired, seen):
+    assert diff(desired, changed(seen, "head", images={})) == [PULLED]
+
+
+def test_the_image_missing_on_every_offline_source_cannot_be_copied_from_anywhere():
+    desired = load(OFFLINE_HEAD)
+    assert diff(desired, changed(observe(desired), "head", images={})) == [
         Drift(n, "image", IMAGE, "present on an image source (head)", "on no reachable image source: pull it on "
-              "head", actionable=False, blocking=True) for n in ("head", "worker1", "worker2", "worker3")]
+              "head (`docker pull vllm-standin:latest`): the file gives it no internet, so the reconciler does not",
+              actionable=False, blocking=True) for n in ("head", "worker1", "worker2", "worker3")]
 
 
-def test_several_image_sources_are_all_named():
-    desired = load(("  health_timeout: 2m\n", "  health_timeout: 2m\n  image_sources: [head, worker1]\n"))
+def test_several_image_sources_the_first_with_internet_pulls():
+    desired = load(("  health_timeout: 2m\n", "  health_timeout: 2m\n  image_sources: [worker1, head]\n"))
     seen = observe(desired)
     after = changed(changed(seen, "head", images={}), "worker1", images={})
-    assert diff(desired, after)[:2] == [
-        Drift(n, "image", IMAGE, "present on an image source (head, worker1)", "on no reachable image source: "
-              "pull it on head", actionable=False, blocking=True) for n in ("head", "worker1")]
+    assert [d for d in diff(desired, after) if d.kind == "image"] == [PULLED]
 
 
 def test_a_worker_on_other_image_content_gets_the_reference_and_its_rank_restarts(desired, seen):

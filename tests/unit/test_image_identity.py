@@ -193,13 +193,13 @@ def _without_image(observed: Observed, node: str, ref: str) -> Observed:
 
 def test_a_worker_that_claims_the_image_never_becomes_the_source(cluster_yaml, seed_snapshot):
     """The head lacks the tag, the worker reports it: the worker used to become the source whose `docker save`
-    the head loaded. Now nothing is copied, and the drift says to pull on the head."""
+    the head loaded. Now nothing is copied: the head (it has internet) pulls it, from the registry."""
     desired, observed = _cluster(cluster_yaml, seed_snapshot)
     observed = _without_image(observed, desired.head.name, desired.serving.image)
     result = plan(desired, observed)
     assert [s for s in result.steps if s.kind == "image"] == []
-    assert any(d.kind == "image" and d.blocking and f"pull it on {desired.head.name}" in d.observed
-               for d in result.drift)
+    assert [(s.kind, s.node) for s in result.steps if s.kind == "pull-image"] == [("pull-image", desired.head.name)]
+    assert any(d.kind == "image" and d.actionable and "docker pull" in d.observed for d in result.drift)
 
 
 def test_a_listed_image_source_may_feed_the_others(cluster_yaml, seed_snapshot):

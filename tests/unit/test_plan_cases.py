@@ -19,7 +19,7 @@ from reconciler.core import spec
 from reconciler.core.observed import LABEL_SPEC_HASH, Container, Observed, RdmaPort, ServeFlags, ServingApi
 from reconciler.core.planning import Blocker, Step, plan
 from reconciler.core.vllm import parse_serve_help
-from tests.unit.recorded import WORKERS, changed, hashes, link, load, observe, serving_with, without
+from tests.unit.recorded import REV, WORKERS, changed, hashes, link, load, observe, serving_with, without
 
 STOPS = tuple(f"stop-serving/{n}/vllm_serving" for n in ("head", *WORKERS))
 
@@ -131,17 +131,20 @@ def test_a_worker_with_everything_wrong_is_repaired_in_order_then_serving_restar
     head_weights = seen.node("head").weights
     assert head_weights is not None
     repairs = [
-        step("stop-container/worker2/vllm_node", "vllm_node is running but not allowed", container="vllm_node"),
         step("link/worker2", "link/enp1s0f1np1: expected up, observed admin-down; link/enp1s0f1np1/mtu: expected "
              "9000, observed 1500"),
         step("image/worker2", f"image/vllm-standin:latest: expected content {reference[:19]}, observed missing",
              ("link/worker2",), source="head", image="vllm-standin:latest", content=reference),
         step("weights/worker2", f"weights/testorg/tiny-moe: expected {len(head_weights.files)} files, "
              f"{head_weights.total_bytes} bytes, observed missing", ("link/worker2",), source="head",
-             path="/srv/spark-testbed/worker2/models/hub")]
+             path="/srv/spark-testbed/worker2/models/hub"),
+        # the co-tenant serves on through the copies: stopped once the staging is done
+        step("stop-container/worker2/vllm_node", "vllm_node is running but not allowed",
+             ("image/worker2", "weights/worker2"), container="vllm_node")]
     why = (f"worker2: container/vllm_serving: expected image content {reference[:19]}, observed image content "
            "missing")
-    assert steps_and_blockers(desired, after) == (repairs + ordered_restart(why, tuple(s.id for s in repairs)), [])
+    prereq = (repairs[-1].id, *(s.id for s in repairs[:-1]))  # every step before the starts
+    assert steps_and_blockers(desired, after) == (repairs + ordered_restart(why, prereq), [])
 
 
 def test_the_link_of_the_image_source_orders_the_copy_too(desired, seen):
@@ -170,12 +173,16 @@ def test_a_restart_waits_for_weights_no_step_brings(desired, seen):
     assert c is not None
     after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={**c.labels,
                                                                                         LABEL_SPEC_HASH: "0"}))
+    desired = load(("    internet: true             # declared only", "    internet: false            # offline"))
     after = changed(after, "head", weights=seen.node("head").weights.model_copy(  # type: ignore[union-attr]
         update={"present": False}))
     steps, blocked = steps_and_blockers(desired, after)
     assert steps == []
     assert blocked == [Blocker("head", "serving restart waits for weights on head: weights/testorg/tiny-moe: "
-                                       "expected present on the source node, observed missing")]
+                                       f"expected testorg/tiny-moe at revision {REV} on the source, observed missing "
+                                       "in /srv/spark-testbed/head/models/hub: head has no internet in the file, so "
+                                       f"put them there (`hf download testorg/tiny-moe --revision {REV}` where the "
+                                       "Hub is reachable, then copy the tree to /srv/spark-testbed/head/models/hub)")]
 
 
 def test_no_link_step_on_a_node_docker_cannot_be_asked_on_but_its_link_is_repaired(desired, seen):
@@ -324,8 +331,10 @@ def test_a_restart_waits_for_weights_missing_on_a_source_that_does_not_serve():
     after = changed(_serving_three(desired, seen, "worker1"), "worker3",
                     weights=weights.model_copy(update={"present": False}))
     assert steps_and_blockers(desired, after)[1] == [Blocker(
-        "worker3", "serving restart waits for weights on worker3: weights/testorg/tiny-moe: expected present on the "
-        "source node, observed missing")]
+        "worker3", "serving restart waits for weights on worker3: weights/testorg/tiny-moe: expected "
+        f"testorg/tiny-moe at revision {REV} on the source, observed missing in /srv/spark-testbed/worker3/models/hub: "
+        f"worker3 has no internet in the file, so put them there (`hf download testorg/tiny-moe --revision {REV}` "
+        "where the Hub is reachable, then copy the tree to /srv/spark-testbed/worker3/models/hub)")]
 
 
 def test_an_rdma_port_down_with_its_netdev_is_in_the_link_steps_reason():

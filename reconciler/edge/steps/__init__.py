@@ -1,4 +1,4 @@
-"""The actuators: one module per family (containers, link, images, weights, serving).
+"""The actuators: one module per family (containers, link, staging, images, weights, serving).
 
 Each step is a plain function `run(ctx, step)`: it re-checks its precondition on the node (the world may have
 moved since the observation), acts through `ssh` only, and verifies its own effect by re-reading what it
@@ -96,7 +96,7 @@ def note_copy(ctx: StepContext, node: str, *entries: tuple[str, str, str, str]) 
 
 def runner(kind: str) -> Callable[[StepContext, Step], None]:
     """The function that performs a step kind (imported lazily: each family is its own module)."""
-    from reconciler.edge.steps import containers, images, link, retention, serving, weights
+    from reconciler.edge.steps import containers, images, link, retention, serving, staging, weights
 
     table: dict[str, Callable[[StepContext, Step], None]] = {
         "stop-container": containers.stop_container,
@@ -104,6 +104,8 @@ def runner(kind: str) -> Callable[[StepContext, Step], None]:
         "link": link.converge_link,
         "prune-weights": retention.prune_weights,
         "prune-images": retention.prune_images,
+        "download": staging.download,
+        "pull-image": staging.pull_image,
         "image": images.copy_image,
         "weights": weights.sync_weights,
         "start-serving": serving.start_serving,
