@@ -15,7 +15,7 @@ from pathlib import Path
 
 from reconciler.core.spec import parse_size
 
-from . import dockerd, faults, gpu, memory, net, scenarios, sshd, storage
+from . import dockerd, faults, gpu, hub, memory, net, scenarios, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
 from .proc import TestbedError, alive, load_pids, run, stop_pid
 
@@ -93,7 +93,7 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
         dockerd.start(n)
         memory.start_device_memory(n)
     scenarios.apply(lay, scenario, wsize)
-    (st / "testbed.yaml").write_text(desired_state(lay))
+    write_desired_states(lay)
     return Testbed(lay)
 
 
@@ -104,6 +104,7 @@ def reset(scenario: str = "seed") -> Testbed:
         raise TestbedError("the testbed is not up")
     lay = layout(cfg["nodes"])
     scenarios.apply(lay, scenario, cfg["weights_size"])
+    write_desired_states(lay)
     cfg["scenario"] = scenario
     _config_file().write_text(json.dumps(cfg, indent=1))
     return Testbed(lay)
@@ -196,7 +197,7 @@ def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool 
     if isinstance(cmd, list):
         cmd = " ".join(cmd)                  # like ssh: the words are joined and run by the login shell
     env = ["env", "-i", f"HOME=/home/{user}", f"USER={user}", f"LOGNAME={user}", "SHELL=/bin/sh",
-           f"PATH={sshd.node_path(n)}", f"DOCKER_HOST={n.docker_host}"]
+           *(f"{k}={v}" for k, v in sshd.node_env(n).items())]
     if user == "root":
         as_user = []
     else:
@@ -245,6 +246,22 @@ STANDIN_SERVING = Serving(SERVED_MODEL, MODELS[SERVED_MODEL], "tiny-moe", scenar
                           ('  env: {STANDIN_DEVICE_MEMORY_URL: "http://127.0.0.1:9479/", STANDIN_RUNTIME_BYTES: '
                            '"134217728"}   # free memory as GB10\'s driver says it (testbed/device_memory.py); '
                            'what a rank allocates while serving',))
+
+
+def fresh_serving() -> Serving:
+    """The `fresh-head` scenario's desired state: the stand-in, named as the head's registry has it
+    (testbed/registry.py); no node holds it under that name, so the head has to pull it."""
+    from .registry import IMAGE
+    return Serving(**{**STANDIN_SERVING.__dict__, "image": IMAGE,
+                      "image_note": "in the head's registry (testbed/registry.py): on no node in fresh-head"})
+
+
+def write_desired_states(lay: Layout) -> None:
+    """STATE/testbed.yaml (the seed story's) and STATE/testbed-fresh.yaml (`fresh-head`: the image from the head's
+    registry; the model, missing on the head, from the Hub stand-in)."""
+    st = state_dir()
+    (st / "testbed.yaml").write_text(desired_state(lay))
+    (st / "testbed-fresh.yaml").write_text(desired_state(lay, serving=fresh_serving()))
 
 
 def real_serving() -> Serving:
@@ -342,8 +359,9 @@ def real_vllm() -> Path:
     from .realvllm import image
     lay = current_layout()
     image.build(lay.head.docker_host)
-    snapshot = weights.install_snapshot(lay.head.model_root, image.MODEL_ID, image.MODEL_REVISION,
-                                        image.ensure_model())
+    files = image.ensure_model()
+    snapshot = weights.install_snapshot(lay.head.model_root, image.MODEL_ID, image.MODEL_REVISION, files)
+    hub.publish(image.MODEL_ID, image.MODEL_REVISION, files)     # and on the head's Hub stand-in
     uid, gid = scenarios.spark_ids()
     for dirpath, dirnames, filenames in os.walk(snapshot.parent.parent):
         for name in [*dirnames, *filenames]:
@@ -389,6 +407,11 @@ class Testbed:
     @property
     def desired_state(self) -> Path:
         return self.state / "testbed.yaml"
+
+    @property
+    def desired_state_fresh(self) -> Path:
+        """The `fresh-head` scenario's desired state: the serving image from the head's registry."""
+        return self.state / "testbed-fresh.yaml"
 
     def node(self, name: str) -> Node:
         return self.layout.node(name)

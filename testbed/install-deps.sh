@@ -28,6 +28,7 @@ PACKAGES=(
     lxcfs                           # each node's /proc/meminfo from its memory cgroup (testbed/memory.py)
     python3 python3.11-venv         # the real vLLM image's venv is made with Debian's python3.11
     g++-12 libpython3.11-dev openssl   # copied into the real vLLM image: torch's inductor compiles C++ at run time
+    docker-registry                 # distribution 2.8: the head's "internet" registry (testbed/registry.py); never its unit
 )
 NAMES=("${PACKAGES[@]}")
 
@@ -40,7 +41,7 @@ for p in "${NAMES[@]}"; do
 done
 
 DISTRO_UNITS=(ssh.service ssh.socket docker.service docker.socket containerd.service
-              prometheus.service prometheus-node-exporter.service lxcfs.service)
+              prometheus.service prometheus-node-exporter.service lxcfs.service docker-registry.service)
 
 stop_distro_services() {
     if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then
@@ -51,7 +52,7 @@ stop_distro_services() {
         done
     else
         # No systemd: the sysvinit scripts (if apt ran them) keep pidfiles we can stop by.
-        for s in ssh docker containerd prometheus prometheus-node-exporter lxcfs; do
+        for s in ssh docker containerd prometheus prometheus-node-exporter lxcfs docker-registry; do
             if [ -x "/etc/init.d/$s" ]; then
                 "/etc/init.d/$s" stop >/dev/null 2>&1 || true
                 update-rc.d "$s" disable >/dev/null 2>&1 || true
@@ -60,9 +61,28 @@ stop_distro_services() {
     fi
 }
 
+# The `hf` CLI for the head node only (testbed/hub.py is its Hub): huggingface_hub pinned in its own venv, made with
+# Debian's python3 so the `spark` user can run it; the head's sshd puts its bin/ on the head's PATH (testbed/sshd.py).
+HF_VENV=/opt/spark-testbed/hf
+HF_REQS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/hf-requirements.txt"
+install_hf_cli() {
+    local want
+    want=$(sha256sum "$HF_REQS" | cut -d' ' -f1)
+    if [ -x "$HF_VENV/bin/hf" ] && [ "$(cat "$HF_VENV/.installed" 2>/dev/null)" = "$want" ]; then
+        return 0
+    fi
+    echo "install-deps.sh: the hf CLI into $HF_VENV"
+    rm -rf "$HF_VENV"
+    /usr/bin/python3 -m venv "$HF_VENV"
+    PIP_DISABLE_PIP_VERSION_CHECK=1 "$HF_VENV/bin/pip" install -q --no-deps -r "$HF_REQS"
+    chmod -R a+rX "$HF_VENV"
+    echo "$want" > "$HF_VENV/.installed"
+}
+
 if [ "${#missing[@]}" -eq 0 ]; then
     echo "install-deps.sh: all ${#NAMES[@]} packages already installed"
     stop_distro_services
+    install_hf_cli
     exit 0
 fi
 echo "install-deps.sh: installing: ${missing[*]}"
@@ -100,4 +120,5 @@ if ! apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 \
 fi
 
 stop_distro_services
+install_hf_cli
 echo "install-deps.sh: done"

@@ -13,6 +13,14 @@
   reaches it over the twin (`ssh.fallback_hosts`) and repairs the first port from there.
 * ``empty`` — nothing: no containers, no weights, no stand-in images on the workers, every fabric port down
   and unconfigured. (Images on the head are kept: they are the build cache.)
+* ``fresh-head`` — the seed, but the head has to stage from "the internet": it holds neither the served model
+  (``testorg/tiny-moe``: the Hub stand-in has it, testbed/hub.py) nor the serving image the desired state
+  STATE/testbed-fresh.yaml asks for (``127.0.0.1:5000/testorg/vllm-standin:latest``: the head's registry has it,
+  testbed/registry.py). The head keeps ``testorg/tiny-dense`` in the plain layout only (a model of its own, not
+  the desired one) and its stand-in build cache (``vllm-standin:latest``, the same image id).
+
+Every scenario has "the internet" on the head: the Hub stand-in and the registry run on the head's loopback, the
+Hub's runtime config (gating, throttle) is back to its defaults, and the registry holds the serving stand-in.
 
 ``apply()`` is idempotent and is what ``up`` and ``reset`` both call: it removes every container, restores
 links, sshd and dockerd, frees filled disks, and rewrites weights only where they differ from what the
@@ -26,12 +34,12 @@ import pwd
 import shutil
 from pathlib import Path
 
-from . import dockerd, gpu, memory, net, sshd, storage
+from . import dockerd, gpu, hub, memory, net, registry, sshd, storage
 from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node
 from .proc import TestbedError
 from .realvllm.image import IMAGE as REAL_IMAGE
 
-SCENARIOS = ("seed", "seed-fabric", "converged", "empty")
+SCENARIOS = ("seed", "seed-fabric", "converged", "empty", "fresh-head")
 SERVING_IMAGE = "vllm-standin:latest"
 COTENANT_IMAGE = "cotenant-standin:latest"
 FILL_FILE = ".testbed-fill"
@@ -169,8 +177,19 @@ def _empty_node(head: Node, n: Node, weights_size: int) -> None:
         _remove_image(n, COTENANT_IMAGE)
 
 
+FRESH_HEAD_MODELS = [(m, "plain") for m in MODELS if m != SERVED_MODEL]
+
+
+def _fresh_head_node(head: Node, n: Node, weights_size: int) -> None:
+    """As `_seed_node`, but the head holds no weights of the served model (and no hf-cache at all) and no serving
+    image under the registry's name: both are to be fetched from the head's "internet"."""
+    _seed_node(head, n, weights_size)
+    if _role_key(n) == "head":
+        ensure_weights(n, FRESH_HEAD_MODELS, weights_size)
+
+
 _SET_UP_NODE = {"seed": _seed_node, "seed-fabric": _seed_fabric_node, "converged": _converged_node,
-                "empty": _empty_node}
+                "empty": _empty_node, "fresh-head": _fresh_head_node}
 
 
 def _restore(lay: Layout) -> None:
@@ -198,10 +217,16 @@ def apply(lay: Layout, scenario: str, weights_size: int) -> None:
         raise ValueError(f"scenario must be one of {SCENARIOS}, not {scenario!r}")
     head = lay.head
     _restore(lay)
-    for n in lay.nodes:  # the real vLLM's image is not part of any scenario (`real-vllm` loads it when asked)
-        _remove_image(n, REAL_IMAGE)
+    hub.start(head, weights_size)       # the head's "internet" (kept running; the store is rebuilt only on change)
+    hub.reset_config()
+    registry.start(head)
+    for n in lay.nodes:  # the real vLLM's image is not part of any scenario (`real-vllm` loads it when asked); the
+        _remove_image(n, REAL_IMAGE)    # registry's name for the stand-in is on a node only once it was pulled
+        _remove_image(n, registry.IMAGE)
     if scenario != "empty" or dockerd.image_id(head, COTENANT_IMAGE) is None:
         build_images(lay)
+    if dockerd.image_id(head, SERVING_IMAGE) is not None:
+        registry.publish(head)          # skipped when the registry already holds this image id
     for n in lay.nodes:
         _SET_UP_NODE[scenario](head, n, weights_size)
     # dangling layers of removed images are not "holding the image"; prune so `docker images` is exact

@@ -2,8 +2,9 @@
 
 Each sshd runs in the node's network namespace (``ip netns exec``, so ``/sys/class/net`` shows the node's own
 links) and its own UTS namespace (hostname ``spark-NODE``), listens on every address of the node (management and fabric)
-and sets ``DOCKER_HOST`` to the node's own dockerd. The head's sshd allows TCP forwarding: it is the jump host
-for the workers, exactly as on the real pair of Sparks.
+and sets ``DOCKER_HOST`` to the node's own dockerd (the head also ``HF_ENDPOINT`` and the `hf` CLI on its PATH:
+`node_env`). The head's sshd allows TCP forwarding: it is the jump host for the workers, exactly as on the real
+pair of Sparks.
 
 The login shell is ``/bin/sh`` (dash) with no rc files and ``UsePAM no``: every ``ssh node cmd`` the reconciler
 runs pays only for the key exchange, not for a login environment (docs/testbed.md has the measurement).
@@ -23,10 +24,26 @@ SUDO_RULES = ("/usr/sbin/ip link set dev *", "/usr/sbin/ip addr add *", "/usr/sb
 NODE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+HF_BIN = "/opt/spark-testbed/hf/bin"   # the pinned `hf` CLI (testbed/install-deps.sh); on the head's PATH only
+
+
 def node_path(node: Node) -> str:
-    """The PATH of the node's SSH sessions: its GPU stand-ins (testbed/gpu.py) first, as /usr/bin on a Spark."""
+    """The PATH of the node's SSH sessions: its GPU stand-ins (testbed/gpu.py) first, as /usr/bin on a Spark; on the
+    head (the node with internet) also the `hf` CLI, which a worker does not have."""
     from .gpu import bin_dir
-    return f"{bin_dir(node)}:{NODE_PATH}"
+    return f"{bin_dir(node)}:{NODE_PATH}" + (f":{HF_BIN}" if node.index == 0 else "")
+
+
+def node_env(node: Node) -> dict[str, str]:
+    """What the node's sshd sets in every session (SetEnv), and `exec` too. The head's "internet" is the Hub
+    stand-in on its loopback (testbed/hub.py): HF_ENDPOINT points there, and the CLI's own calls elsewhere
+    (telemetry, PyPI's update check: huggingface_hub constants.py HF_HUB_DISABLE_TELEMETRY,
+    HF_HUB_DISABLE_UPDATE_CHECK) are off."""
+    env = {"DOCKER_HOST": node.docker_host, "PATH": node_path(node)}
+    if node.index == 0:
+        from .hub import HF_ENDPOINT
+        env.update({"HF_ENDPOINT": HF_ENDPOINT, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"})
+    return env
 
 
 def identity_file() -> Path:
@@ -120,7 +137,7 @@ PrintMotd no
 PrintLastLog no
 MaxStartups 100:30:200
 MaxSessions 10
-SetEnv DOCKER_HOST={node.docker_host} PATH={node_path(node)}
+SetEnv {' '.join(f'{k}={v}' for k, v in node_env(node).items())}
 Subsystem sftp internal-sftp
 """)
     return conf
