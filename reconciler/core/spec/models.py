@@ -113,9 +113,12 @@ class Node(_Model):
     role: Literal["head", "worker"]
     ssh: Ssh
     fabric: Fabric
-    internet: bool = Field(True, description="False for a node that must never reach the internet. Informative: "
-                                             "serving gets HF_HUB_OFFLINE=1 on every node, as the weights "
-                                             "come from the reconciler, never from the Hub.")
+    internet: bool = Field(True, description="False for a node that must never reach the internet. A model "
+                                             "source with internet downloads missing weights (`hf download`), "
+                                             "an image source pulls a missing image (`docker pull`); an offline "
+                                             "one never does, and never holds a secret scoped `internet`. "
+                                             "Serving gets HF_HUB_OFFLINE=1 on every node either way: the "
+                                             "weights come from the reconciler, never from the Hub.")
     gpus: int = Field(1, ge=1, le=16, description="GPUs on this node (a Spark has one GB10).")
 
 

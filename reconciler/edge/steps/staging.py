@@ -36,7 +36,8 @@ _SIZE = ('curl -fsS --max-time "$1" -H @- "${HF_ENDPOINT:-https://huggingface.co
 # bars off: stderr keeps only what went wrong. Supervised: the channel's close stops it (and `timeout` signals
 # the whole process group, the background `hf` included).
 _FETCH = ('IFS= read -r HF_TOKEN; if [ -n "$HF_TOKEN" ]; then export HF_TOKEN; else unset HF_TOKEN; fi; '
-          'PATH="$PATH:$HOME/.local/bin"; export HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_TELEMETRY=1; '
+          'PATH="$PATH:$HOME/.local/bin"; export HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_TELEMETRY=1 '
+          'HF_HUB_DISABLE_UPDATE_CHECK=1; '
           'command -v hf >/dev/null 2>&1 || { echo "hf: command not found" >&2; exit 127; }; '
           'd=$1; shift; mkdir -p -- "$d" || exit 1; hf download "$@" >/dev/null & pid=$!; '
           'while kill -0 "$pid" 2>/dev/null; do echo "bytes $(du -sb -- "$d" 2>/dev/null | cut -f1)"; sleep 2; done; '
@@ -49,10 +50,9 @@ HF_FIX = ("install the Hub's CLI for the SSH user there: `pipx install huggingfa
 
 
 def _token(ctx: StepContext) -> str | None:
-    """HF_TOKEN's value when the file scopes it to `internet` (or `serving`, which includes the internet node):
-    never one scoped to the head's API server alone."""
-    scope = ctx.desired.serving.secrets.get(TOKEN)
-    return ctx.desired.secret(TOKEN) if scope in ("internet", "serving") else None
+    """HF_TOKEN's value only when the file scopes it to `internet`: the scope that says which nodes may hold it
+    (docs/security.md, "Secrets"); a token scoped otherwise is not the download's to use."""
+    return ctx.desired.secret(TOKEN) if ctx.desired.serving.secrets.get(TOKEN) == "internet" else None
 
 
 def _headers(token: str | None) -> bytes:
