@@ -33,7 +33,10 @@ from reconciler.edge.steps import StepContext
 
 
 class _ProgressView:
-    """A weight-sync progress bar per node in a terminal; silent otherwise (the JSON log has the numbers)."""
+    """A progress bar per weight sync and download in a terminal; silent otherwise (the JSON log has the numbers).
+    Both report `bytes_done` of `bytes_total` (the download's total is the Hub's size of the revision)."""
+
+    LABEL = {"weights": "weights -> {node}", "download": "download on {node}"}
 
     def __init__(self, console: Console):
         self.console = console
@@ -42,18 +45,20 @@ class _ProgressView:
         self.lock = threading.Lock()
 
     def __call__(self, event: str, fields: dict) -> None:
-        if not self.console.is_terminal or not event.startswith("weights."):
+        kind, _, what = event.partition(".")
+        if not self.console.is_terminal or kind not in self.LABEL:
             return
         with self.lock:
             if self.bars is None:
                 self.bars = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.console)
                 self.bars.start()
-            node = fields["node"]
-            if node not in self.tasks:
-                self.tasks[node] = self.bars.add_task(f"weights -> {node}", total=fields.get("bytes_total") or 1)
-            done = fields.get("bytes_done", fields.get("bytes_total") if event == "weights.done" else 0)
-            self.bars.update(self.tasks[node], completed=done)
+            key = f"{kind}/{fields['node']}"
+            if key not in self.tasks:
+                self.tasks[key] = self.bars.add_task(self.LABEL[kind].format(node=fields["node"]),
+                                                     total=fields.get("bytes_total") or 1)
+            done = fields.get("bytes_done", fields.get("bytes_total") if what == "done" else 0)
+            self.bars.update(self.tasks[key], completed=done)
 
     def stop(self) -> None:
         if self.bars is not None:

@@ -94,3 +94,21 @@ def test_the_hubs_size_is_the_sum_of_its_files(payload, total):
 def test_an_answer_without_every_size_downloads_nothing(payload):
     with pytest.raises(ValueError):
         hub_size(json.dumps(payload))
+
+
+def test_apply_shows_the_download_as_a_bar_of_the_hubs_size():
+    import io
+
+    from rich.console import Console
+
+    from reconciler.loop.apply import _ProgressView
+
+    out = io.StringIO()
+    view = _ProgressView(Console(file=out, force_terminal=True, width=100))
+    view("download.start", {"node": "spark-1a32", "bytes_total": 4 << 20, "model": "m", "revision": "r"})
+    view("download.progress", {"node": "spark-1a32", "bytes_done": 2 << 20, "bytes_total": 4 << 20})
+    view("pull.progress", {"node": "spark-1a32", "layers_done": 1, "layers_seen": 3})  # no bar: no byte total
+    assert view.bars is not None
+    (task,) = view.bars.tasks
+    view.stop()
+    assert task.description == "download on spark-1a32" and task.completed == 2 << 20 and task.total == 4 << 20
