@@ -112,3 +112,82 @@ def test_apply_shows_the_download_as_a_bar_of_the_hubs_size():
     (task,) = view.bars.tasks
     view.stop()
     assert task.description == "download on spark-1a32" and task.completed == 2 << 20 and task.total == 4 << 20
+
+
+# ------------------------------------------------------------------------------------ the steps' commands
+
+
+class FakeHead:
+    """The source's SSH session: answers the Hub size query with `hub`, runs nothing else; records what was sent."""
+
+    def __init__(self, hub: dict, hf_exit: int = 0):
+        self.hub, self.hf_exit = hub, hf_exit
+        self.calls: list[tuple[list[str], bytes | None]] = []
+
+    def run(self, argv, *, timeout, stdin=None, check=True, on_output=None, cancel=None, supervised=False):
+        from reconciler.edge.ssh import CommandFailed, Result
+
+        self.calls.append((list(argv), stdin))
+        if "api/models" in argv[2]:
+            return Result(json.dumps(self.hub), "", 0)
+        if on_output is not None:
+            on_output(b"bytes 1024\nbytes 4096\n")
+        if self.hf_exit:
+            raise CommandFailed("head", argv, self.hf_exit, "", "hf: command not found")
+        return Result("", "", 0)
+
+
+def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_exit: int = 0):
+    from reconciler.edge.steps import StepContext
+    from reconciler.edge.steps.staging import download
+
+    desired, observed = seed
+    data = desired.model_dump(mode="json")
+    data["serving"]["secrets"] = {**data["serving"]["secrets"], "HF_TOKEN": token_scope}
+    desired = spec.Desired.model_validate(data).with_secrets({"VLLM_API_KEY": "k", "HF_TOKEN": "hf_secret"})
+    fresh = _fresh_head(desired, observed)
+    node = fresh.node(HEAD).model_copy(update={"disk_free": {"weights": free, "image": free}})
+    fresh = fresh.model_copy(update={"nodes": {**fresh.nodes, HEAD: node}})
+    head, events = FakeHead(hub, hf_exit), []
+    ctx = StepContext(desired=desired, sessions={HEAD: head}, observed=fresh,  # type: ignore[arg-type]
+                      progress=lambda e, f: events.append((e, f)))
+    step = next(s for s in plan(desired, fresh).steps if s.kind == "download")
+    return head, events, lambda: download(ctx, step)
+
+
+HUB = {"sha": "1" * 40, "siblings": [{"rfilename": "model.safetensors", "size": 3 << 30}]}
+
+
+def test_the_download_refuses_before_fetching_when_the_disk_cannot_hold_it(seed):
+    from reconciler.edge.steps import StepBlocked
+
+    head, _, run = _download(seed, free=(3 << 30) + (512 << 20), hub=HUB)  # the tree fits, not with the margin
+    with pytest.raises(StepBlocked, match=r"needs 4\.0 GiB free .* only 3\.5 GiB"):
+        run()
+    assert len(head.calls) == 1, "only the Hub was asked: nothing was downloaded"
+
+
+def test_the_download_runs_hf_with_the_token_on_stdin_only(seed):
+    head, events, run = _download(seed, free=8 << 30, hub=HUB)
+    run()
+    (size_argv, size_stdin), (fetch_argv, fetch_stdin) = head.calls
+    assert size_stdin == b"Authorization: Bearer hf_secret\n" and fetch_stdin == b"hf_secret\n"
+    assert not any("hf_secret" in a for a in size_argv + fetch_argv)
+    desired, _ = seed
+    assert fetch_argv[-5:] == [desired.model.id, "--revision", desired.model.revision, "--cache-dir",
+                               desired.model.path_on(HEAD)]
+    assert ("download.progress", {"node": HEAD, "bytes_done": 4096, "bytes_total": 3 << 30}) in events
+
+
+def test_a_token_scoped_to_the_head_is_not_the_downloads(seed):
+    head, _, run = _download(seed, free=8 << 30, hub=HUB, token_scope="head")
+    run()
+    assert [stdin for _, stdin in head.calls] == [b"Accept: application/json\n", b"\n"]
+
+
+def test_no_hf_on_the_source_says_how_to_install_it(seed):
+    from reconciler.edge.steps import StepFailed
+
+    _, _, run = _download(seed, free=8 << 30, hub=HUB, hf_exit=127)
+    with pytest.raises(StepFailed, match="pipx install huggingface_hub"):
+        run()

@@ -135,9 +135,16 @@ _LAYER = re.compile(r"^([0-9a-f]{12}): ", re.M)
 
 def pull_image(ctx: StepContext, step: Step) -> None:
     """`docker pull IMAGE` on the image source, with the user's registry logins (the CLI reads ~/.docker); the
-    layers reported as they land. The next observation sees the image and plans the copies from it."""
+    layers reported as they land. The next observation sees the image and plans the copies from it. Its disk
+    preflight is a floor only (the margin free in docker's data root): the image's size is not known before the
+    pull without a registry client of our own (`docker manifest` is not in Debian's or Ubuntu's docker.io), and a
+    pull that meets a full disk fails without harm to what runs."""
     node, ref = step.node, step.image
     assert ref is not None, "the plan names the image of a pull"
+    free = (ctx.observed.node(node).disk_free or {}).get("image")
+    if free is not None and free < DISK_MARGIN:
+        raise StepBlocked(f"only {gib(free)} free in docker's data root on {node}: the pull of {ref} would fill "
+                          f"it; free at least {gib(DISK_MARGIN)} plus the image there; nothing was pulled")
     layers: set[str] = set()
     done: set[str] = set()
 
