@@ -43,8 +43,26 @@ def _load_or_exit(path: str, connects: bool = False) -> spec.Desired:
     return desired
 
 
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`reconciler --version`: `reconciler, version 0.1.0 (git 6a88048)` (click's words, which scripts already
+    match, and the revision as reconciler._revision finds it)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from reconciler._revision import revision
+
+    try:
+        number = version("spark-reconciler")
+    except PackageNotFoundError:
+        number = "unknown"
+    click.echo(f"reconciler, version {number} (git {revision()})")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="spark-reconciler", prog_name="reconciler")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show the version and the git revision it was built from, and exit.")
 def main() -> None:
     """Keep a multi-node vLLM deployment on DGX Sparks exactly as declared in a desired-state file."""
 
@@ -67,6 +85,23 @@ def schema(markdown: bool) -> None:
         click.echo(render(), nl=False)
         return
     click.echo(json.dumps(spec.Desired.model_json_schema(mode="validation"), indent=2))
+
+
+@main.command(name="print")
+@click.argument("name", required=False)
+def print_file(name: str | None) -> None:
+    """Print a shipped file (systemd unit, alert rules, dashboard, sample, ...) to stdout, e.g.
+    `reconciler print unit | sudo tee /etc/systemd/system/spark-reconciler.service`. Without NAME: the names."""
+    from reconciler import files
+
+    if name is None:
+        for key, (_path, what) in files.SHIPPED.items():
+            click.echo(f"{key:<20} {what}")
+        return
+    if name not in files.SHIPPED:
+        click.echo(printable(f"print: no file named {name!r}; one of: {', '.join(files.SHIPPED)}"), err=True)
+        sys.exit(EXIT_INVALID)
+    click.echo(files.read(name), nl=False)
 
 
 @main.command()
@@ -297,12 +332,23 @@ def _status_text_or_exit(where: str, doc: object) -> str:
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the desired state here (default: stdout).")
 @click.option("--port", default=22, show_default=True, help="SSH port.")
+@click.option("--model", default=None, metavar="ORG/NAME",
+              help="The model to serve (default: the largest in a node's Hugging Face cache). Need not be on the "
+                   "head yet: `apply` downloads it there.")
+@click.option("--revision", default=None, help="The model's revision, a commit hash to pin (default: the cache's "
+                                                 "refs/main, else main).")
+@click.option("--image", default=None, help="The serving image (default: the largest *vllm* image on the head). "
+                                            "Need not be on the head yet: `apply` pulls it there.")
+@click.option("--api-key-secret", is_flag=True,
+              help="Declare serving.secrets VLLM_API_KEY (value from the daemon's environment, never the file).")
 def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, identity: str | None,
-             jump_through_head: bool, output: Path | None, port: int) -> None:
+             jump_through_head: bool, output: Path | None, port: int, model: str | None, revision: str | None,
+             image: str | None, api_key_secret: bool) -> None:
     """Read the nodes (one read-only script each) and write a commented starter desired state.
 
-    Every inferred value is marked `# GUESS:`. Exit 0 when the result validates, 2 when it does not (it is
-    written anyway, with the problems printed), 3 when a node cannot be reached."""
+    Every inferred value is marked `# GUESS:`; what --model, --revision, --image and --api-key-secret name is
+    written as given. Exit 0 when the result validates, 2 when it does not (it is written anyway, with the
+    problems printed), 3 when a node cannot be reached."""
     from reconciler.edge import discover as disc
     from reconciler.edge.ssh import RemoteError
 
@@ -322,7 +368,8 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
     finally:
         for s in reversed(sessions):
             s.close()
-    text = disc.render(facts, user=user, known_hosts=known_hosts, identity=identity, jump=jump_through_head)
+    text = disc.render(facts, user=user, known_hosts=known_hosts, identity=identity, jump=jump_through_head,
+                       asked=disc.ModelChoice(model, revision, image, api_key_secret))
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -347,3 +394,31 @@ def export(file: str, fmt: str, name: str | None) -> None:
 
     desired = _load_or_exit(file)
     click.echo(lws_yaml(desired, name=name), nl=False)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable checks (docs/cli.md).")
+@click.option("--env-file", type=click.Path(dir_okay=False, path_type=Path),
+              default="/etc/spark-reconciler/environment", show_default=True,
+              help="The environment file systemd gives the daemon (EnvironmentFile=): serving.secrets' names.")
+@click.option("--daemon-user", default=None,
+              help="The user the daemon runs as (systemd User=), whose files are judged. [default: this user; as "
+                   "root, spark, the shipped unit's]")
+def doctor(file: str, as_json: bool, env_file: Path, daemon_user: str | None) -> None:
+    """Check every node's prerequisites over the daemon's own SSH (kubeadm preflight): each check ok, warn or
+    fail with what it saw and the exact fix. Changes nothing. Exit 0 all ok or warn, 1 a check failed, 2 invalid."""
+    from reconciler.core.preflight import exit_code, report_json, report_text
+    from reconciler.edge.doctor import doctor as run_checks
+
+    desired = _load_or_exit(file)  # secrets come from --env-file, and loose file modes are checks, not refusals
+    try:
+        found = run_checks(desired, file, env_file, daemon_user)
+    except KeyError:
+        click.echo(printable(f"doctor: no user {daemon_user!r} on this host (--daemon-user)"), err=True)
+        sys.exit(EXIT_INVALID)
+    if as_json:
+        click.echo(json.dumps(report_json(found), indent=2))
+    else:
+        click.echo(report_text(found), nl=False)
+    sys.exit(exit_code(found))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import dockerd, gpu, net, scenarios, sshd, storage
-from .layout import FABRIC_IFACE, MODELS, SERVED_MODEL, Layout
+from .layout import FABRIC_IFACE, MODELS, SERVED_MODEL, SSH_USER, SUDOERS, Layout
 from .proc import TestbedError
 
 
@@ -215,13 +215,107 @@ def probe_restore(lay: Layout, node: str) -> str:
     while str(bad) in Path(f"/proc/{pid}/mountinfo").read_text():
         subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "umount", "/proc/meminfo"], check=True,
                        capture_output=True, timeout=20)
+    _restore_session_faults(lay, node)
     return f"{node}: /proc/meminfo is the node's own again"
+
+
+def _restore_session_faults(lay: Layout, node: str) -> None:
+    """Undo the faults doctor's tests put in the node's SSH sessions (`hide-binary`, `sudo-rule`, `docker-group`,
+    `clock-skew`), so `reset` leaves none behind whatever a test did."""
+    for hidden in lay.node(node).state.glob("hidden-*"):
+        hide_binary(lay, node, hidden.name.removeprefix("hidden-"), clear=True)
+    sudo_rule(lay, node, clear=True)
+    docker_group(lay, node, clear=True)
+    clock_skew(lay, node, clear=True)
 
 
 def gpu_fault(lay: Layout, node: str, state: str = "mismatch", driver: str = gpu.DRIVER) -> str:
     """The node's GPU stack as after a driver update without a reboot (`mismatch`), with no driver loaded
     (`no-driver`), hung (`hung`), or back (`ok`; another `driver` makes the nodes' drivers differ)."""
     return gpu.set_state(lay.node(node), state, driver)
+
+
+def _bind_in_sessions(lay: Layout, node: str, source: Path, target: str, clear: bool) -> bool:
+    """Bind `source` over `target` in the node's sshd mount namespace (what every SSH session there sees; the
+    machine's own file is untouched), or take every such bind off again (`clear`). False: nothing to do."""
+    pid = _sshd_pid(lay, node)
+
+    def bound() -> bool:  # by mount point (mountinfo's 5th field): the source's path there is its filesystem's
+        return any(line.split(" ")[4] == target for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
+    if clear:
+        changed = False
+        while bound():
+            subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "umount", target], check=True,
+                           capture_output=True, timeout=20)
+            changed = True
+        return changed
+    if bound():
+        return False
+    subprocess.run(["nsenter", "-t", str(pid), "--mount", "--", "mount", "--bind", str(source), target],
+                   check=True, capture_output=True, timeout=20)
+    return True
+
+
+def hide_binary(lay: Layout, node: str, name: str = "rsync", clear: bool = False) -> str:
+    """The binary `name` is not installed, as the node's SSH sessions see it: an empty, non-executable file bound
+    over it (`command -v` skips it); `--clear` puts it back. The machine's own file is untouched."""
+    import shutil
+    path = shutil.which(name, path=sshd.NODE_PATH)
+    if path is None:
+        raise TestbedError(f"{name} is not installed on this machine")
+    empty = lay.node(node).state / f"hidden-{name}"
+    empty.write_bytes(b"")
+    empty.chmod(0o644)
+    changed = _bind_in_sessions(lay, node, empty, path, clear)
+    return f"{node}: {name} {'back' if clear else 'hidden'} ({path}){'' if changed else ', already'}"
+
+
+#: What a node's sudoers holds after `sudo-rule`: only the drop_caches rule, none of the link step's.
+NARROW_SUDOERS = f"{SSH_USER} ALL=(root) NOPASSWD: /usr/sbin/sysctl -w vm.drop_caches=3\n"
+
+
+def sudo_rule(lay: Layout, node: str, clear: bool = False) -> str:
+    """The node's sudoers loses the link step's rules (`ip link set`, `ip addr add`): a narrower file bound over
+    the testbed's in the node's SSH sessions; `--clear` gives them back."""
+    narrow = lay.node(node).state / "sudoers-narrow"
+    narrow.write_text(NARROW_SUDOERS)
+    os.chown(narrow, 0, 0)
+    narrow.chmod(0o440)
+    changed = _bind_in_sessions(lay, node, narrow, str(SUDOERS), clear)
+    return f"{node}: sudo rules for ip {'back' if clear else 'removed'}{'' if changed else ' already'}"
+
+
+def docker_group(lay: Layout, node: str, clear: bool = False) -> str:
+    """`spark` out of the `docker` group in the node's SSH sessions (a new login reads /etc/group there); the
+    engine's socket is root:docker 0660, so docker then answers `permission denied`. `--clear` puts it back."""
+    import grp
+    group = grp.getgrnam("docker")
+    lines = []
+    for line in Path("/etc/group").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name == "docker":
+            members = ",".join(m for m in group.gr_mem if m != SSH_USER)
+            line = f"docker:x:{group.gr_gid}:{members}"
+        lines.append(line)
+    narrow = lay.node(node).state / "group-without-docker"
+    narrow.write_text("\n".join(lines) + "\n")
+    narrow.chmod(0o644)
+    changed = _bind_in_sessions(lay, node, narrow, "/etc/group", clear)
+    return f"{node}: {SSH_USER} {'back in' if clear else 'out of'} the docker group{'' if changed else ' already'}"
+
+
+def clock_skew(lay: Layout, node: str, value: int = 90, clear: bool = False) -> str:
+    """The node's `date`, as its SSH sessions find it on the PATH, answers `value` seconds off: a shadow first on
+    the PATH (the GPU stand-ins' directory), not the kernel's clock, which all nodes share. `--clear` removes it."""
+    shadow = gpu.bin_dir(lay.node(node)) / "date"
+    if clear:
+        shadow.unlink(missing_ok=True)
+        return f"{node}: date is the machine's again"
+    real = "/usr/bin/date" if Path("/usr/bin/date").exists() else "/bin/date"
+    shadow.write_text(f'#!/bin/sh\n# testbed clock-skew: {value:+d} s\n'
+                      f'exec {real} -d "@$(( $({real} +%s) + ({value}) ))" "$@"\n')
+    shadow.chmod(0o755)
+    return f"{node}: date answers {value:+d} s off"
 
 
 FAULTS: dict[str, Callable[..., str]] = {
@@ -231,5 +325,6 @@ FAULTS: dict[str, Callable[..., str]] = {
     "dockerd-start": dockerd_start, "mgmt-cut": mgmt_cut, "mgmt-restore": mgmt_restore,
     "fill-disk": fill_disk, "free-disk": free_disk, "corrupt-shard": corrupt_shard,
     "delete-shard": delete_shard, "crash-serving": crash_serving, "hostile-probe": hostile_probe,
-    "probe-restore": probe_restore, "gpu": gpu_fault,
+    "probe-restore": probe_restore, "gpu": gpu_fault, "hide-binary": hide_binary, "sudo-rule": sudo_rule,
+    "docker-group": docker_group, "clock-skew": clock_skew,
 }

@@ -361,7 +361,7 @@ def _source_drift(desired: Desired, src_obs: NodeObservation, res: str) -> Drift
     weights = src_obs.weights
     if weights is None or not weights.present:
         problem = f"missing in {model.path_on(source)}"
-    elif (unresolved := _unresolved_revision(desired, weights)) is not None:
+    elif (unresolved := unresolved_revision(desired, weights)) is not None:
         problem = unresolved
     else:
         return None
@@ -374,7 +374,7 @@ def _source_drift(desired: Desired, src_obs: NodeObservation, res: str) -> Drift
                  f"reachable, then copy the tree to {model.path_on(source)})", actionable=False, blocking=True)
 
 
-def _unresolved_revision(desired: Desired, weights: Weights) -> str | None:
+def unresolved_revision(desired: Desired, weights: Weights) -> str | None:
     """Why model.revision cannot be served offline from the source's HF cache, or None. Every serving node runs
     with HF_HUB_OFFLINE=1, where huggingface_hub resolves a branch or tag only by `refs/<revision>` and a commit
     only by `snapshots/<commit>/` (file_download.py); online, the head would re-resolve `main` at every start

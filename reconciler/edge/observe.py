@@ -48,7 +48,7 @@ from reconciler.edge.probes import (
     sealed,
     split_sections,
 )
-from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, answer_deadline
+from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, node_deadline
 
 
 def probe_script(desired: Desired, node: Node) -> Sealed:
@@ -131,21 +131,6 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel:
         holder, image_id = wanted
         observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, holder, image_id)})
     return observed, durations
-
-
-def node_deadline(desired: Desired, node: Node, timeout: float) -> float:
-    """Seconds observe waits for one node's observation: the head's wait for the probe's answer (`answer_deadline`)
-    and the longest (re)connection the node's session allows itself. Every wait inside the session has a deadline
-    already; this one keeps the other nodes' observations from depending on all of them holding."""
-    return answer_deadline(timeout) + _connection_deadline(desired, node)
-
-
-def _connection_deadline(desired: Desired, node: Node) -> float:
-    """`connect_timeout` for the path to each of the node's addresses and for the banner, the key exchange and the
-    login (`Session._connect` gives each that much), plus, through a jump host, that host's own connection."""
-    ssh = node.ssh
-    own = ssh.connect_timeout * (1 + len(ssh.fallback_hosts) + 3)
-    return own + (_connection_deadline(desired, desired.node(ssh.jump)) if ssh.jump else 0.0)
 
 
 class _Probe(threading.Thread):

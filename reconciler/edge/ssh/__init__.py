@@ -17,6 +17,7 @@ from reconciler.edge.ssh.commands import (
     sudo_allowed,
     sudo_argv,
     sudo_commands,
+    sudoers_line,
     sudoers_snippet,
 )
 from reconciler.edge.ssh.errors import (
@@ -30,6 +31,7 @@ from reconciler.edge.ssh.errors import (
     RemoteError,
     Unreachable,
 )
+from reconciler.edge.ssh.hop import ISOLATION, fabric_host_keys, hop_address, hop_options
 from reconciler.edge.ssh.session import (
     KEEPALIVE,
     KEEPALIVE_MISSES,
@@ -42,10 +44,12 @@ from reconciler.edge.ssh.session import (
     Session,
     Sessions,
     answer_deadline,
+    node_deadline,
 )
 
-__all__ = ["ENDED_BY_TIMEOUT", "KEEPALIVE", "KEEPALIVE_MISSES", "KILL_AFTER", "MAX_CHANNELS", "MAX_OUTPUT",
-           "REFUSAL_GAP", "REFUSAL_RETRIES", "AuthFailed", "Cancelled", "ChannelRefused", "CommandFailed",
-           "CommandTimeout", "Companion", "HostKeyRejected", "OutputTooLarge", "RemoteError", "Result", "Session",
-           "Sessions", "Unreachable", "answer_deadline", "bounded", "quote", "quote_word", "sudo_allowed", "sudo_argv",
-           "sudo_commands", "sudoers_snippet"]
+__all__ = ["ENDED_BY_TIMEOUT", "ISOLATION", "KEEPALIVE", "KEEPALIVE_MISSES", "KILL_AFTER", "MAX_CHANNELS",
+           "MAX_OUTPUT", "REFUSAL_GAP", "REFUSAL_RETRIES", "AuthFailed", "Cancelled", "ChannelRefused",
+           "CommandFailed", "CommandTimeout", "Companion", "HostKeyRejected", "OutputTooLarge", "RemoteError",
+           "Result", "Session", "Sessions", "Unreachable", "answer_deadline", "bounded", "fabric_host_keys",
+           "hop_address", "hop_options", "node_deadline", "quote", "quote_word", "sudo_allowed", "sudo_argv",
+           "sudo_commands", "sudoers_line", "sudoers_snippet"]

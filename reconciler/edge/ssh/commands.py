@@ -62,9 +62,13 @@ def sudoers_snippet(desired: Desired) -> str:
            "# the reconciler refuses to send any other. Regenerate after changing a fabric section.", ""]
     for node in desired.nodes:
         out.append(f"# on {node.name}")
-        out.append(f"{node.ssh.user} ALL=(root) NOPASSWD: " + ", ".join(" ".join(c) for c in sudo_commands(desired,
-                                                                                                       node)))
+        out.append(sudoers_line(desired, node))
     return "\n".join(out) + "\n"
+
+
+def sudoers_line(desired: Desired, node: Node) -> str:
+    """The one sudoers line `node` needs (`sudoers_snippet` prints it; `doctor` names it as the fix)."""
+    return f"{node.ssh.user} ALL=(root) NOPASSWD: " + ", ".join(" ".join(c) for c in sudo_commands(desired, node))
 
 
 def sudo_argv(argv: Sequence[str], allowed: Sequence[tuple[str, ...]]) -> list[str]:

@@ -82,6 +82,22 @@ def answer_deadline(timeout: float) -> float:
     return timeout + KILL_AFTER + 1
 
 
+def node_deadline(desired: Desired, node: Node, timeout: float) -> float:
+    """Seconds a caller waits for one node's whole answer to a script bounded at `timeout` (the probe, doctor): the
+    wait for the answer (`answer_deadline`) and the longest (re)connection the node's session allows itself. Every
+    wait inside the session has a deadline already; this one keeps the other nodes' answers from depending on all
+    of them holding."""
+    return answer_deadline(timeout) + _connection_deadline(desired, node)
+
+
+def _connection_deadline(desired: Desired, node: Node) -> float:
+    """`connect_timeout` for the path to each of the node's addresses and for the banner, the key exchange and the
+    login (`Session._connect` gives each that much), plus, through a jump host, that host's own connection."""
+    ssh = node.ssh
+    own = ssh.connect_timeout * (1 + len(ssh.fallback_hosts) + 3)
+    return own + (_connection_deadline(desired, desired.node(ssh.jump)) if ssh.jump else 0.0)
+
+
 @dataclass(frozen=True)
 class Result:
     stdout: str

@@ -10,9 +10,7 @@ fabric address, with StrictHostKeyChecking=yes.
 
 from __future__ import annotations
 
-import paramiko
-
-from reconciler.edge.ssh import KEEPALIVE, KEEPALIVE_MISSES
+from reconciler.edge.ssh import fabric_host_keys, hop_address, hop_options
 from reconciler.edge.steps import StepContext, StepFailed
 
 # One file per target: copies to several workers run in parallel and must not overwrite each other's key.
@@ -21,15 +19,12 @@ FABRIC_KNOWN_HOSTS = "~/.ssh/spark-reconciler_fabric_known_hosts_{node}"
 
 def _host_key_line(ctx: StepContext, target: str) -> str:
     """The target's verified host key, re-keyed to its fabric address for the source node's ssh."""
-    node = ctx.desired.node(target)
-    keys = paramiko.HostKeys(node.ssh.known_hosts)
-    name = node.ssh.host if node.ssh.port == 22 else f"[{node.ssh.host}]:{node.ssh.port}"
-    entry = keys.lookup(name)
-    if not entry:
+    lines = fabric_host_keys(ctx.desired, target)
+    if lines is None:
+        node = ctx.desired.node(target)
+        name = node.ssh.host if node.ssh.port == 22 else f"[{node.ssh.host}]:{node.ssh.port}"
         raise StepFailed(f"no host key for {name} in {node.ssh.known_hosts}")
-    fabric = str(node.fabric.address.ip)
-    fabric_name = fabric if node.ssh.port == 22 else f"[{fabric}]:{node.ssh.port}"
-    return "".join(f"{fabric_name} {kind} {key.get_base64()}\n" for kind, key in entry.items())
+    return lines
 
 
 def trust_target_on_source(ctx: StepContext, source: str, target: str) -> None:
@@ -39,27 +34,12 @@ def trust_target_on_source(ctx: StepContext, source: str, target: str) -> None:
                              stdin=_host_key_line(ctx, target).encode(), timeout=ctx.command_timeout)
 
 
-# Only what this hop says counts: no config file (`-F /dev/null`: neither the source's ~/.ssh/config, where a
-# `Host` block could add a ProxyCommand, a LocalCommand or another host name, nor /etc/ssh/ssh_config, ignored
-# once a file is given; ssh(1) -F), no host key beyond the verified one written for this target (the global
-# known_hosts files, /etc/ssh/ssh_known_hosts[2], would accept any key listed there), and no identity beyond
-# the default files: with no IdentityFile, ssh still offers ~/.ssh/id_rsa, id_ecdsa, id_ecdsa_sk, id_ed25519,
-# id_ed25519_sk (readconf.c `fill_default_options`), which is the node key the README authorizes; IdentitiesOnly
-# keeps an agent's other keys out (ssh_config(5): "either the default files, or those explicitly configured").
-ISOLATION = ("-F", "/dev/null", "-o", "GlobalKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes")
-
-
 def ssh_options(ctx: StepContext, target: str) -> list[str]:
-    """`ssh` and its options for the hop to `target` (no configuration but these, batch, strict keys, keepalive:
-    a dead link ends it)."""
-    t = ctx.desired.node(target)
-    return ["ssh", *ISOLATION, "-p", str(t.ssh.port), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={FABRIC_KNOWN_HOSTS.format(node=target)}",
-            "-o", f"ConnectTimeout={int(t.ssh.connect_timeout)}", "-o", f"ServerAliveInterval={KEEPALIVE}",
-            "-o", f"ServerAliveCountMax={KEEPALIVE_MISSES}", "-o", "Compression=no", "-c", "aes128-gcm@openssh.com"]
+    """`ssh` and its options for the hop to `target` (`ssh.hop_options`: no configuration but these, batch, strict
+    keys against the target's own known_hosts file, keepalive: a dead link ends it)."""
+    return hop_options(ctx.desired, target, FABRIC_KNOWN_HOSTS.format(node=target))
 
 
 def address(ctx: StepContext, target: str) -> str:
     """`user@fabric-ip` of the target."""
-    t = ctx.desired.node(target)
-    return f"{t.ssh.user}@{t.fabric.address.ip}"
+    return hop_address(ctx.desired, target)

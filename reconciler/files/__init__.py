@@ -1,0 +1,43 @@
+"""The operator's files, shipped in the wheel: the systemd units, the environment file template, the Prometheus
+alert rules, the Grafana dashboard and its provisioning, the sample desired state.
+
+This package is their one place; the top-level systemd/, monitoring/ and desired-state/ of the source tree are
+relative symlinks into it. `reconciler print NAME` writes one to stdout (docs/cli.md), e.g.
+`reconciler print unit | sudo tee /etc/systemd/system/spark-reconciler.service`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+# name for `reconciler print` -> (path inside this package, what it is and where it goes)
+SHIPPED: dict[str, tuple[str, str]] = {
+    "unit": ("systemd/reconciler.service",
+             "the daemon's systemd unit: /etc/systemd/system/spark-reconciler.service"),
+    "socket": ("systemd/reconciler.socket",
+               "its listener socket: /etc/systemd/system/spark-reconciler.socket"),
+    "verify-service": ("systemd/reconciler-verify.service",
+                       "the weekly verification: /etc/systemd/system/spark-reconciler-verify.service"),
+    "verify-timer": ("systemd/reconciler-verify.timer",
+                     "its timer: /etc/systemd/system/spark-reconciler-verify.timer"),
+    "environment": ("systemd/environment.example",
+                    "the secrets' environment file: /etc/spark-reconciler/environment (root, 0600)"),
+    "example": ("examples/cluster.yaml",
+                "a sample desired state to edit: /etc/spark-reconciler/cluster.yaml"),
+    "alerts": ("monitoring/alerts.yaml",
+               "the Prometheus alert rules (rule_files:)"),
+    "dashboard": ("monitoring/grafana/dashboard.json",
+                  "the Grafana dashboard"),
+    "grafana-datasource": ("monitoring/grafana/provisioning/datasources/prometheus.yaml",
+                           "Grafana provisioning: the Prometheus data source"),
+    "grafana-dashboards": ("monitoring/grafana/provisioning/dashboards/spark-reconciler.yaml",
+                           "Grafana provisioning: the dashboard provider"),
+    "grafana-alerting": ("monitoring/grafana/provisioning/alerting/spark-reconciler.yaml",
+                         "Grafana provisioning: the alert rules for Grafana's own alerting"),
+}
+
+
+def read(name: str) -> str:
+    """The text of the shipped file `name` (a key of SHIPPED)."""
+    path = SHIPPED[name][0]
+    return resources.files(__name__).joinpath(path).read_text(encoding="utf-8")
