@@ -82,8 +82,8 @@ def _running_old_generation(desired: spec.Desired, observed: Observed) -> Observ
 
 
 def test_a_restart_waits_when_no_node_can_give_the_image_and_nothing_is_stopped():
-    """The workers lack the image and no image source holds it (removed from the head): no step can bring it, so
-    the running generation must keep serving; the plan says what the restart waits for."""
+    """The workers lack the image and no image source holds it (removed from the head): no copy can bring it, so
+    the running generation must keep serving while the head pulls it; the plan says what the restart waits for."""
     desired = spec.Desired.model_validate(desired_dict(n_nodes=3, tp=3))
     cluster = fresh_cluster(desired)
     ready = {n: o.model_copy(update={"weights": cluster.node(desired.head.name).weights.model_copy(
@@ -93,7 +93,10 @@ def test_a_restart_waits_when_no_node_can_give_the_image_and_nothing_is_stopped(
     observed = _running_old_generation(desired, Observed(nodes=ready))
     result = plan(desired, observed)
     assert not [s.id for s in result.steps if s.kind in ("stop-serving", "start-serving")], result.steps
-    assert any("serving restart waits for image" in b.reason for b in result.blocked), result.blocked
+    # the head has internet: it pulls the image first; the restart waits for that pull
+    assert [s.id for s in result.steps if s.kind == "pull-image"] == [f"pull-image/{desired.head.name}"]
+    assert any(f"serving restart waits for pull-image/{desired.head.name}" in b.reason for b in result.blocked), \
+        result.blocked
 
 
 def test_a_restart_that_needs_new_weights_is_ordered_after_the_sync_not_blocked():

@@ -32,14 +32,27 @@ def test_a_revision_the_source_cache_resolves_is_copied(cluster_yaml, seed_snaps
 
 
 @pytest.mark.parametrize("revision", ["v2.0", "1" * 40, REV[:7]])
-def test_a_revision_the_source_cache_lacks_blocks_copy_and_start(cluster_yaml, seed_snapshot, revision):
+def test_a_revision_the_source_cache_lacks_is_downloaded_before_any_copy_or_start(cluster_yaml, seed_snapshot,
+                                                                                   revision):
     desired, observed = _setup(cluster_yaml, seed_snapshot, revision=revision)
-    blocking = [d for d in diff(desired, observed) if d.kind == "weights" and d.blocking]
-    assert len(blocking) == 1 and blocking[0].node == desired.source_node
-    assert f"neither refs/{revision} nor snapshots/{revision}/" in blocking[0].observed
-    assert f"--revision {revision}" in blocking[0].observed
+    weights = [d for d in diff(desired, observed) if d.kind == "weights"]
+    assert len(weights) == 1 and weights[0].node == desired.source_node and weights[0].actionable
+    assert f"neither refs/{revision} nor snapshots/{revision}/" in weights[0].observed
+    assert f"--revision {revision}" in weights[0].observed
     steps = plan(desired, observed).steps
+    assert [s.id for s in steps if s.kind == "download"] == [f"download/{desired.source_node}"]
     assert not [s for s in steps if s.kind in ("weights", "start-serving")]
+
+
+def test_a_revision_an_offline_source_lacks_blocks_copy_and_start(cluster_yaml, seed_snapshot):
+    desired, observed = _setup(cluster_yaml, seed_snapshot, revision="v2.0")
+    data = desired.model_dump(mode="json")
+    data["nodes"] = [{**n, "internet": False} for n in data["nodes"]]
+    desired = Desired.model_validate(data)
+    blocking = [d for d in diff(desired, observed) if d.kind == "weights" and d.blocking]
+    assert len(blocking) == 1 and blocking[0].node == desired.source_node and not blocking[0].actionable
+    assert "--revision v2.0" in blocking[0].observed and "no internet" in blocking[0].observed
+    assert not [s for s in plan(desired, observed).steps if s.kind in ("download", "weights", "start-serving")]
 
 
 def test_hf_hub_offline_only_where_the_cache_is_served(cluster_yaml, seed_snapshot):
@@ -56,6 +69,7 @@ def test_a_source_serving_alone_is_checked_too_and_reported_once(cluster_yaml, s
     data["serving"] |= {"nodes": [data["nodes"][0]["name"]], "tensor_parallel_size": 1}
     desired = Desired.model_validate(data)
     observed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
-    blocking = [d for d in diff(desired, observed) if d.kind == "weights" and d.blocking]
-    assert len(blocking) == 1 and blocking[0].node == desired.source_node
-    assert not [s for s in plan(desired, observed).steps if s.kind == "start-serving"]
+    weights = [d for d in diff(desired, observed) if d.kind == "weights"]
+    assert len(weights) == 1 and weights[0].node == desired.source_node
+    steps = plan(desired, observed).steps
+    assert [s.kind for s in steps if s.kind in ("download", "start-serving")] == ["download"]
