@@ -123,7 +123,7 @@ def write_config(node: Node) -> Path:
     conf.write_text(f"""# spark-testbed sshd for node {node.name} (netns {node.netns})
 {listen}HostKey {key}
 PidFile {node.state / 'sshd.pid'}
-AuthorizedKeysFile {identity_file().with_suffix('.pub')} {node_key().with_suffix('.pub')}
+AuthorizedKeysFile {identity_file().with_suffix('.pub')} {node_key().with_suffix('.pub')} .ssh/authorized_keys
 AllowUsers {SSH_USER}
 PermitRootLogin no
 PubkeyAuthentication yes

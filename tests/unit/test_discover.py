@@ -43,3 +43,37 @@ def test_a_head_that_cannot_lock_memory_gets_a_starter_without_memlock():
     limited = effective(nofile_hard=20000, memlock_unlimited=False)
     assert "memlock" not in limited and limited["nofile"] == "20000:20000"
     assert effective(nofile_hard=None, memlock_unlimited=True)["memlock"] == "-1"
+
+
+def test_what_the_command_line_names_is_written_as_given_and_validates():
+    """`discover --model --revision --image --api-key-secret` on a fresh head (neither the model nor the image
+    there yet: `apply` fetches both): the file names them without a GUESS and validates, so the runbook needs no
+    hand edit for them."""
+    import ipaddress
+
+    from reconciler.core import spec
+    from reconciler.edge.discover import ModelChoice, render
+    from reconciler.edge.discover.facts import Iface, NodeFacts
+
+    def node(host: str, name: str, fabric: str | None) -> NodeFacts:
+        mgmt = Iface("enP7s7", True, 1500, (ipaddress.IPv4Interface(f"{host}/24"),))
+        port = Iface("enp1s0f1np1", fabric is not None, 9000,
+                     (ipaddress.IPv4Interface(fabric),) if fabric else ())
+        return NodeFacts(host=host, hostname=name, ifaces=[mgmt, port], mem_total=128 * 2**30,
+                         mem_available=120 * 2**30, nofile_hard=1048576, memlock_unlimited=True)
+
+    asked = ModelChoice("Qwen/Qwen3.5-122B-A10B-FP8", "0" * 40, "nvcr.io/nvidia/vllm:26.05-py3", True)
+    text = render([node("10.1.230.180", "spark-1a32", "192.168.200.12/24"), node("10.1.230.181", "spark-5be3", None)],
+                  user="spark", known_hosts="/etc/spark-reconciler/known_hosts",
+                  identity="/etc/spark-reconciler/id_ed25519", jump=True, asked=asked)
+    desired = spec.loads(text)
+    assert desired.model.id == "Qwen/Qwen3.5-122B-A10B-FP8" and desired.model.revision == "0" * 40
+    assert desired.model.source == "spark-1a32"
+    assert desired.model.path == "/home/spark/.cache/huggingface/hub"
+    assert desired.serving.image == "nvcr.io/nvidia/vllm:26.05-py3"
+    assert desired.serving.served_model_name == "Qwen3.5-122B-A10B-FP8"
+    assert dict(desired.serving.secrets) == {"VLLM_API_KEY": "head"}
+    for marker in ("id: \"Qwen/", "revision:", "image:"):
+        line = next(line for line in text.splitlines() if marker in line)
+        assert "GUESS" not in line, line
+    assert "`reconciler apply` downloads it there" in text and "`reconciler apply` pulls it there" in text

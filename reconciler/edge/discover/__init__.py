@@ -41,12 +41,12 @@ from reconciler.edge.discover.facts import (
     running_containers,
 )
 from reconciler.edge.discover.guess import FabricGuess, guess_fabric, holds_serving_port, next_free_address
-from reconciler.edge.discover.render import render
+from reconciler.edge.discover.render import ModelChoice, render
 from reconciler.edge.probes import read_sections
 from reconciler.edge.ssh import Session
 
-__all__ = ["FabricGuess", "Iface", "ModelDir", "NodeFacts", "RdmaLink", "RunningContainer", "guess_fabric",
-           "holds_serving_port", "next_free_address", "parse_commands", "parse_ibdev2netdev",
+__all__ = ["FabricGuess", "Iface", "ModelChoice", "ModelDir", "NodeFacts", "RdmaLink", "RunningContainer",
+           "guess_fabric", "holds_serving_port", "next_free_address", "parse_commands", "parse_ibdev2netdev",
            "parse_images", "parse_ip_addr", "parse_meminfo", "parse_models",
            "parse_rdma_sysfs", "probe", "render", "running_containers", "sessions_for"]
 

@@ -182,16 +182,25 @@ def _placeholder_model(document: CommentedMap, user: str) -> None:
                                "id, revision and path here."], indent=0, blank=True)
 
 
-def _found_model(document: CommentedMap, nodes: list[NodeDraft], found: ModelDir, source_index: int) -> None:
-    """The model found on node `source_index`; its path as one value when every node would use the same, else
-    per node."""
+def _found_model(document: CommentedMap, nodes: list[NodeDraft], found: ModelDir, source_index: int,
+                 asked: ModelChoice | None = None) -> None:
+    """The model found on node `source_index` (or the one `--model` asked for, which the source may not hold yet:
+    `apply` downloads it there); its path as one value when every node would use the same, else per node."""
     paths = [model_root_for(n.facts, n.name, found, found.root) for n in nodes]
     source = nodes[source_index]
-    model = CommentedMap([("id", quoted(found.model_id)), ("revision", quoted(found.revision or "main")),
+    revision = (asked.revision if asked and asked.revision else None) or found.revision or "main"
+    model = CommentedMap([("id", quoted(found.model_id)), ("revision", quoted(revision)),
                           ("layout", "hf-cache"), ("source", quoted(source.name))])
-    _eol(model, "id", f"GUESS: the largest Hugging Face cache directory on {source.name}")
-    _eol(model, "revision", "refs/main of the cache" if found.revision else "GUESS: no refs/main")
-    _eol(model, "source", "the node that holds the weights")
+    if asked is None:
+        _eol(model, "id", f"GUESS: the largest Hugging Face cache directory on {source.name}")
+        _eol(model, "revision", "refs/main of the cache" if found.revision else "GUESS: no refs/main")
+    else:
+        _eol(model, "id", "--model" + (f"; in the cache on {source.name}" if found.size_kib else
+                                       f"; not on {source.name} yet: `reconciler apply` downloads it there"))
+        _eol(model, "revision", "--revision" if asked.revision else
+             "refs/main of the cache" if found.revision else "GUESS: no --revision: pin a commit hash")
+    _eol(model, "source", "the node that holds the weights" if found.size_kib else
+         "the node that downloads the weights (the head: it has the internet)")
     if len({path for path, _ in paths}) == 1:
         model["path"] = quoted(paths[0][0])
         _eol(model, "path", f"GUESS: {comment_text(paths[0][1])}")
@@ -202,23 +211,58 @@ def _found_model(document: CommentedMap, nodes: list[NodeDraft], found: ModelDir
             _eol(per_node, quoted(node.name), f"GUESS: {comment_text(why)}")
     document["model"] = model
     seen = ", ".join(f"{m.model_id} ({m.size_kib / 2**20:.1f} GiB, {m.layout})" for m in source.facts.models)
-    _above(document, "model", [f"models on {source.name}: {comment_text(seen)}"], indent=0, blank=True)
+    _above(document, "model", [f"models on {source.name}: {comment_text(seen or 'none')}"], indent=0, blank=True)
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What the operator named on discover's command line (`--model`, `--revision`, `--image`,
+    `--api-key-secret`): written as given, without a GUESS, so the file needs no hand edit for them."""
+
+    model: str | None = None
+    revision: str | None = None
+    image: str | None = None
+    api_key_secret: bool = False
+
+
+def _asked_model(all_facts: list[NodeFacts], asked: ModelChoice, user: str) -> tuple[ModelDir, int]:
+    """The model `--model` names: where a node's cache holds it (the head first), else on the head, to be
+    downloaded there by `apply`, in the head's Hugging Face cache (the default one when it has none yet)."""
+    assert asked.model is not None
+    for i, facts in enumerate(all_facts):
+        held = [m for m in facts.models if m.layout == "hf-cache" and m.model_id == asked.model]
+        if held:
+            return max(held, key=lambda m: m.size_kib), i
+    return ModelDir("hf-cache", f"/home/{user}/.cache/huggingface/hub", asked.model, 0, ""), 0
 
 
 # --------------------------------------------------------------------------------------------------- serving
 
-def _serving(all_facts: list[NodeFacts], model: ModelDir | None, port: int, margin: int) -> CommentedMap:
-    image, image_why = pick_image(all_facts[0])
+def _serving(all_facts: list[NodeFacts], model: ModelDir | None, port: int, margin: int,
+             asked: ModelChoice) -> CommentedMap:
+    if asked.image:
+        image, image_why = asked.image, ""
+    else:
+        image, image_why = pick_image(all_facts[0])
     gmu, gmu_why = guess_gmu(all_facts, margin)
     serving = CommentedMap([("image", quoted(image)), ("launcher", "native"), ("container_name", "vllm_serving"),
                             ("tensor_parallel_size", len(all_facts)), ("pipeline_parallel_size", 1), ("port", port),
                             ("master_port", 29501), ("gpu_memory_utilization", gmu)])
-    _eol(serving, "image", f"GUESS: {comment_text(image_why)}")
+    if asked.image:
+        present = any(ref == asked.image for ref, _ in all_facts[0].images)
+        _eol(serving, "image", "--image" + ("" if present else
+                                            "; not on the head yet: `reconciler apply` pulls it there"))
+    else:
+        _eol(serving, "image", f"GUESS: {comment_text(image_why)}")
     _eol(serving, "tensor_parallel_size", "GUESS: one GPU per node, every node serves")
     _eol(serving, "gpu_memory_utilization", f"GUESS: {comment_text(gmu_why)}")
     if model is not None:
         serving["served_model_name"] = quoted(model.model_id.split("/", 1)[1])
         _eol(serving, "served_model_name", "GUESS: the model's name")
+    if asked.api_key_secret:
+        serving["secrets"] = CommentedMap([("VLLM_API_KEY", "head")])
+        _eol(serving["secrets"], "VLLM_API_KEY", "--api-key-secret: the API's key, its value in the "
+                                                 "daemon's environment (/etc/spark-reconciler/environment)")
     serving["docker"] = _docker(all_facts[0])
     return serving
 
@@ -285,20 +329,27 @@ def _policy() -> CommentedMap:
 # --------------------------------------------------------------------------------------------------- the file
 
 def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, identity: str | None,
-           jump: bool, port: int = 8000, margin: int = 4 * 2**30) -> str:
-    """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`."""
+           jump: bool, port: int = 8000, margin: int = 4 * 2**30, asked: ModelChoice | None = None) -> str:
+    """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`; what `asked`
+    names (discover's `--model`, `--revision`, `--image`, `--api-key-secret`) is written as given."""
     all_facts = heads_and_workers
+    asked = asked or ModelChoice()
     nodes = draft_nodes(all_facts)
     choice = SshChoice(user, known_hosts, identity, jump)
     document = CommentedMap()
     document.yaml_set_start_comment(HEADER)
     document["nodes"] = CommentedSeq(_node(node, i == 0, nodes[0].name, choice) for i, node in enumerate(nodes))
-    model, source_index = pick_model(all_facts)
-    if model is None:
-        _placeholder_model(document, user)
+    if asked.model:
+        model: ModelDir | None
+        model, source_index = _asked_model(all_facts, asked, user)
+        _found_model(document, nodes, model, source_index, asked)
     else:
-        _found_model(document, nodes, model, source_index)
-    document["serving"] = _serving(all_facts, model, port, margin)
+        model, source_index = pick_model(all_facts)
+        if model is None:
+            _placeholder_model(document, user)
+        else:
+            _found_model(document, nodes, model, source_index)
+    document["serving"] = _serving(all_facts, model, port, margin, asked)
     document["co_tenants"] = _co_tenants(nodes, port)
     document["policy"] = _policy()
     for section in ("serving", "co_tenants", "policy"):
