@@ -9,8 +9,8 @@ from a tree without `.git` (and not from such an sdist), the wheel has no such f
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -23,17 +23,13 @@ TARGET = Path("reconciler") / "_revision_build.py"
 
 
 def git_revision() -> str | None:
-    """The same answer as reconciler._revision.from_git for this tree (setup.py cannot import the package)."""
-    if not (HERE / ".git").exists():
-        return None
-    try:
-        head = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (f"{head}-dirty" if dirty else head) or None
+    """reconciler._revision.from_git for this tree, loaded by path: setup.py cannot import the package (its
+    dependencies are not installed at build time), and that module imports none of them."""
+    spec = importlib.util.spec_from_file_location("_revision", HERE / "reconciler" / "_revision.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.from_git(HERE)
 
 
 def write_revision(root: Path) -> None:
