@@ -154,7 +154,7 @@ def plan(desired: Desired, observed: Observed) -> Plan:
                           source=source, path=desired.model.path_on(d.node)))
 
     serving, held = _serving_steps(desired, observed, drift, steps, blocked, down)
-    steps = _hold_or_order_stops(steps, stops, serving, held, blocked)
+    steps = _hold_or_order_stops(steps, stops, serving, held, blocked, _running_ours(desired, observed))
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
     return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits)
 
@@ -163,19 +163,28 @@ def plan(desired: Desired, observed: Observed) -> Plan:
 STAGING = ("download", "pull-image", "image", "weights")
 
 
+def _running_ours(desired: Desired, observed: Observed) -> bool:
+    """Some serving container of this cluster runs now (a generation that serves, or is starting)."""
+    cluster = owner(desired, observed)
+    return any(c.running and c.owned_by(cluster) for n in desired.serving_nodes
+               for c in observed.node(n.name).containers)
+
+
 def _hold_or_order_stops(steps: list[Step], stops: list[Step], serving: list[Step], held: str | None,
-                         blocked: list[Blocker]) -> list[Step]:
+                         blocked: list[Blocker], ours_running: bool) -> list[Step]:
     """The co-tenant stops, judged against the start they make room for. A start that is blocked keeps them
     running (a plan never stops a working model for a start that cannot happen: the seed's GLM kept serving
-    while nothing could replace it); a start that goes ahead stops them only once the staging is done, so
-    they serve through the downloads and copies. With no start planned, a stop is the file's allow-list at
-    work and goes ahead at once."""
+    while nothing could replace it). A start from nothing of ours stops them only once the staging is done,
+    so they serve through the downloads and copies (hours, for a 122B model). With a generation of ours
+    running, or no start planned, a stop goes ahead at once: the co-tenant competes with what serves for
+    unified memory (a GB10 rank dies with NV_ERR_NO_MEMORY when the pool runs short), and the file's
+    allow-list is at work."""
     rest = [s for s in steps if s not in stops]
     if held is not None:
         blocked.extend(Blocker(s.node, f"{s.container} keeps running, though not allowed: the serving start that "
                                        f"stopping it makes room for is blocked ({held})") for s in stops)
         return rest + serving
-    if not any(s.kind in ("start-serving", "launch-model") for s in serving):
+    if ours_running or not any(s.kind in ("start-serving", "launch-model") for s in serving):
         return steps + serving
     staging = tuple(s.id for s in rest if s.kind in STAGING)
     if not staging:
@@ -372,7 +381,7 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
     cluster = owner(desired, observed)
     running = {n.name: [c for c in observed.node(n.name).containers if c.running and c.owned_by(cluster)]
                for n in desired.serving_nodes}
-    serving_now = any(running.values())
+    serving_now = _running_ours(desired, observed)
     out = []
     for spec in launch_specs(desired):
         listening = observed.node(spec.node).listening

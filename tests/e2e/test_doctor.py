@@ -27,6 +27,15 @@ def doctor(file, env_file=None) -> tuple[int, list[dict]]:
     return result.exit_code, json.loads(result.stdout)["checks"]
 
 
+def doctor_with(tb, kind: str, node: str, **kw) -> tuple[int, list[dict]]:
+    """doctor on the seed's file with one testbed fault in place; the fault cleared whatever happens."""
+    tb.fault(kind, node, **kw)
+    try:
+        return doctor(tb.desired_state)
+    finally:
+        tb.fault(kind, node, **kw, clear=True)
+
+
 def one(checks: list[dict], name: str, node: str) -> dict:
     found = [c for c in checks if c["name"] == name and c["node"] == node]
     assert len(found) == 1, (name, node, checks)
@@ -80,11 +89,7 @@ def test_the_seed_is_named_with_its_expected_warnings(seed):
 
 
 def test_a_missing_binary_is_named_with_its_package(seed):
-    seed.fault("hide-binary", "worker", name="rsync")
-    try:
-        code, checks = doctor(seed.desired_state)
-    finally:
-        seed.fault("hide-binary", "worker", name="rsync", clear=True)
+    code, checks = doctor_with(seed, "hide-binary", "worker", name="rsync")
     assert code == 1
     c = one(checks, "binaries", "worker")
     assert c["status"] == "fail" and "rsync (the weights' copy (the receiving end))" in c["message"]
@@ -94,11 +99,7 @@ def test_a_missing_binary_is_named_with_its_package(seed):
 
 
 def test_a_removed_sudo_rule_is_named_with_the_sudoers_line(seed):
-    seed.fault("sudo-rule", "worker")
-    try:
-        code, checks = doctor(seed.desired_state)
-    finally:
-        seed.fault("sudo-rule", "worker", clear=True)
+    code, checks = doctor_with(seed, "sudo-rule", "worker")
     assert code == 1
     c = one(checks, "sudo", "worker")
     assert c["status"] == "fail"
@@ -114,11 +115,7 @@ def test_a_removed_sudo_rule_is_named_with_the_sudoers_line(seed):
 
 
 def test_a_user_out_of_the_docker_group_is_named(seed):
-    seed.fault("docker-group", "worker")
-    try:
-        code, checks = doctor(seed.desired_state)
-    finally:
-        seed.fault("docker-group", "worker", clear=True)
+    code, checks = doctor_with(seed, "docker-group", "worker")
     assert code == 1
     c = one(checks, "docker", "worker")
     assert c["status"] == "fail" and "spark is not in the docker group" in c["message"]

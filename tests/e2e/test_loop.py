@@ -1,7 +1,9 @@
 """A loop that never blocks and never lies, on the testbed (issue 14's "done when").
 
 - A throttled 64 MiB weight sync is in flight; a co-tenant starts on the worker and the head's fabric link drops:
-  both are repaired while the sync still runs, and /status shows the sync's progress moving meanwhile.
+  the link is repaired while the sync still runs, and /status shows the sync's progress moving meanwhile. The
+  co-tenant, with nothing of ours running yet, serves on through the copy and is stopped before the start it
+  makes room for (issue 32: nothing that works is stopped before it must be).
 - A serving whose API stops answering (its process frozen with SIGSTOP: alive, holding its memory, answering
   nothing, which is what a wedged engine looks like) is restarted in order after `serving.unhealthy_grace`, not
   before.
@@ -68,12 +70,12 @@ def test_repairs_and_progress_during_a_throttled_weight_sync(seed_testbed, tmp_p
         tb.fault("rogue-container", "worker", name="intruder")
         tb.fault("link-down", "head")
         faulted = time.monotonic()
-        wait_for(lambda: not running(tb, "worker", "intruder") and link_up(tb, "head"), 60,
-                   "the co-tenant stopped and the head's link up again")
+        wait_for(lambda: link_up(tb, "head"), 60, "the head's link up again")
         repaired = time.monotonic() - faulted
         later = operation(d, "weights/worker")
-        assert later is not None, "both were repaired while the sync was still in flight"
-        print(f"FIGURE sync-repairs: both repaired {repaired:.1f}s after the faults, sync at "
+        assert later is not None, "the link was repaired while the sync was still in flight"
+        assert running(tb, "worker", "intruder"), "the co-tenant serves on through the copy"
+        print(f"FIGURE sync-repairs: link repaired {repaired:.1f}s after the faults, sync at "
               f"{later['bytesDone'] / 2**20:.1f} of {later['bytesTotal'] / 2**20:.1f} MiB")
         def moving():
             now = operation(d, "weights/worker")

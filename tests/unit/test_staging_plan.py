@@ -48,7 +48,7 @@ def test_a_fresh_head_stages_and_keeps_glm_serving(seed):
     assert download.path == desired.model.path_on(HEAD)
 
 
-def test_once_staged_the_copies_run_before_glm_stops_and_the_start_after(seed):
+def test_once_staged_from_nothing_of_ours_the_copies_run_before_glm_stops_and_the_start_after(seed):
     desired, observed = seed
     fresh = _fresh_head(desired, observed)
     staged = apply_plan(desired, observed, plan(desired, fresh))  # the head as the seed had it: both there
@@ -191,3 +191,18 @@ def test_no_hf_on_the_source_says_how_to_install_it(seed):
     _, _, run = _download(seed, free=8 << 30, hub=HUB, hf_exit=127)
     with pytest.raises(StepFailed, match="pipx install huggingface_hub"):
         run()
+
+
+def test_with_our_generation_running_a_cotenant_stops_at_once(seed):
+    """A co-tenant beside a generation of ours competes with it for unified memory: it goes at once, copies or
+    not (a serving change that needs the worker's copy refreshed)."""
+    from reconciler.core.observed import Container
+
+    desired, observed = seed
+    ours = apply_plan(desired, observed, plan(desired, observed))  # converged: our generation runs
+    ours = ours.model_copy(update={"nodes": {**ours.nodes, WORKER: ours.node(WORKER).model_copy(update={
+        "weights": None, "containers": [*ours.node(WORKER).containers,
+                                        Container(name="intruder", id="i", image="x", state="running")]})}})
+    steps = plan(desired, ours).steps
+    stop = next(s for s in steps if s.id == f"stop-container/{WORKER}/intruder")
+    assert stop.after == () and f"weights/{WORKER}" in {s.id for s in steps}
