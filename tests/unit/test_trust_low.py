@@ -259,7 +259,8 @@ def _evaluated(argv: list[str], home: Path) -> dict[str, list[str]]:
 def test_the_fabric_hop_reads_no_configuration_of_the_source_and_still_offers_its_node_key(tmp_path):
     """A `Host *` block in the source's ~/.ssh/config gave the hop a ProxyCommand, another key and known_hosts
     files that accept any host key; now only the hop's own options count. With IdentitiesOnly and no IdentityFile,
-    ssh still offers the default identities, ~/.ssh/id_ed25519 among them: the node key the README authorizes."""
+    ssh still offers the default identities, ~/.ssh/id_ed25519 among them: the node key the runbook authorizes
+    (docs/operations.md, step 4)."""
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True, mode=0o700)
     (home / ".ssh" / "config").write_text(HOSTILE_SSH_CONFIG)
