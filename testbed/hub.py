@@ -218,6 +218,8 @@ class Hub:
         self.db_path = Path(db)
         self.config_path = Path(config) if config else None
         self.log_path = Path(log) if log else None
+        if self.log_path is not None:  # the first request's line needs it: nothing else may have made it yet
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._db: dict[str, dict] = {}
         self._db_stamp: tuple | None = None
         self._config: dict[str, Any] = {}
