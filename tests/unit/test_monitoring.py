@@ -470,11 +470,17 @@ def test_every_grafana_rule_queries_the_provisioned_datasource():
     assert queries == len(grafana_rules())
 
 
+def shipped(name: str) -> Path:
+    """The tree's file that `reconciler print NAME` prints (reconciler/files.SHIPPED), as its monitoring/ link."""
+    from reconciler import files
+
+    return MON / Path(files.SHIPPED[name][0]).relative_to("monitoring")
+
+
 def documented_sed() -> re.Match:
     text = OPERATIONS.read_text()
-    m = re.search(r"sed '(s/([^/']+)/([^/']+)/)' (monitoring/grafana/provisioning/alerting/spark-reconciler\.yaml)",
-                  text)
-    assert m, "docs/operations.md shows no `sed 's/UID/YOUR_UID/' ...alerting/spark-reconciler.yaml`"
+    m = re.search(r"reconciler print (grafana-alerting) \| sed '(s/([^/']+)/([^/']+)/)'", text)
+    assert m, "docs/operations.md shows no `reconciler print grafana-alerting | sed 's/UID/YOUR_UID/'`"
     return m
 
 
@@ -483,11 +489,11 @@ def test_the_datasource_uid_is_written_once_and_the_documented_sed_retargets_eve
     text = GRAFANA_ALERTS.read_text()
     assert text.count(uid) == 1, "the uid is written once (a YAML anchor the other rules refer to)"
     m = documented_sed()
-    assert m.group(2) == uid, f"the documented sed replaces {m.group(2)!r}, the datasource uid is {uid!r}"
-    assert m.group(4) == str(GRAFANA_ALERTS.relative_to(ROOT))
+    assert m.group(3) == uid, f"the documented sed replaces {m.group(3)!r}, the datasource uid is {uid!r}"
+    assert shipped(m.group(1)).resolve() == GRAFANA_ALERTS.resolve()
     sed = shutil.which("sed")
     assert sed
-    result = subprocess.run([sed, m.group(1).replace(m.group(3), "my-own-prometheus"), str(GRAFANA_ALERTS)],
+    result = subprocess.run([sed, m.group(2).replace(m.group(4), "my-own-prometheus"), str(GRAFANA_ALERTS)],
                             capture_output=True, text=True, timeout=30, check=True)
     retargeted = yaml.safe_load(result.stdout)
     original = load_yaml(GRAFANA_ALERTS)
@@ -537,19 +543,25 @@ def operations_text() -> str:
     return re.sub(r"\\\n\s*", " ", OPERATIONS.read_text())  # shell line continuations joined
 
 
+def installed(text: str) -> list[tuple[Path, str]]:
+    """(the tree's file, where it goes) for every `reconciler print NAME | sudo install -D -m 0644 /dev/stdin DEST`."""
+    return [(shipped(name).resolve(), dest) for name, dest in
+            re.findall(r"\breconciler print ([\w-]+) \| sudo install -D -m 0644 /dev/stdin (\S+)", text)]
+
+
 def test_docs_install_every_provisioning_file_where_grafana_reads_it():
-    text = operations_text()
+    done = installed(operations_text())
     for src, kind in ((DATASOURCES, "datasources"), (DASHBOARD_PROVIDERS, "dashboards"),
                       (GRAFANA_ALERTS, "alerting")):
-        rel = re.escape(str(src.relative_to(ROOT)))
-        assert re.search(rf"\binstall -D -m 0644 {rel} /etc/grafana/provisioning/{kind}/[\w.-]+\.yaml\b", text), \
+        assert any(path == src.resolve() and re.fullmatch(rf"/etc/grafana/provisioning/{kind}/[\w.-]+\.yaml", dest)
+                   for path, dest in done), \
             f"docs/operations.md does not install {src.relative_to(ROOT)} into /etc/grafana/provisioning/{kind}/"
 
 
 def test_the_dashboard_provider_path_is_where_the_docs_copy_the_dashboard():
     [provider] = load_yaml(DASHBOARD_PROVIDERS)["providers"]
     path = provider["options"]["path"]
-    copies = re.findall(r"\binstall -D -m 0644 monitoring/grafana/dashboard\.json (\S+)", operations_text())
+    copies = [dest for src, dest in installed(operations_text()) if src == DASHBOARD.resolve()]
     assert copies, "docs/operations.md does not say where dashboard.json goes"
     for dest in copies:
         assert str(Path(dest).parent) == path and dest.endswith(".json"), (dest, path)
