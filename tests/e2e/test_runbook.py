@@ -58,6 +58,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed.proc import TestbedError, wait_for
 from tests.e2e import runbook
 
 pytestmark = pytest.mark.e2e
@@ -83,10 +84,8 @@ class Node:
         self.holder = subprocess.Popen(["unshare", "--mount", "--propagation", "slave", "sleep", "infinity"],
                                        start_new_session=True)
         ours = os.readlink("/proc/self/ns/mnt")
-        deadline = time.monotonic() + 10
-        while os.readlink(f"/proc/{self.holder.pid}/ns/mnt") == ours:
-            assert time.monotonic() < deadline, "unshare did not make a mount namespace"
-            time.sleep(0.01)
+        wait_for(lambda: os.readlink(f"/proc/{self.holder.pid}/ns/mnt") != ours, 10,
+                 "unshare to make a mount namespace", interval=0.01)
         script = [f"mount -t tmpfs -o mode=0700 runbook {shlex.quote(str(stage))}"]
         for i, d in enumerate(OVERLAID):
             up, work = stage / f"up{i}", stage / f"work{i}"
@@ -161,19 +160,20 @@ def start_unit(head: Node, log: Path) -> subprocess.Popen:
 
 
 def wait_converged(head: Node, daemon: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
+    last = [""]
+
+    def converged() -> bool:
         assert daemon.poll() is None, f"the daemon exited {daemon.returncode}:\n{log.read_text()[-4000:]}"
         result = subprocess.run(head.argv("root", "curl -s -m 2 http://127.0.0.1:9464/status", {}),
                                 capture_output=True, text=True, timeout=30, check=False)
         with contextlib.suppress(ValueError):
-            last = json.loads(result.stdout).get("phase", "")
-            if last == "Converged":
-                return
-        time.sleep(2)
-    # not fatal here: the runbook's `reconciler status` block says what is wrong, with its line
-    print(f"the daemon's phase after {timeout:.0f}s: {last or 'no answer'}")
+            last[0] = json.loads(result.stdout).get("phase", "")
+        return last[0] == "Converged"
+
+    try:
+        wait_for(converged, timeout, "the daemon's phase Converged", interval=1)
+    except TestbedError:  # not fatal here: the runbook's `reconciler status` block says what is wrong, with its line
+        print(f"the daemon's phase after {timeout:.0f}s: {last[0] or 'no answer'}")
 
 
 @contextlib.contextmanager
