@@ -1,43 +1,83 @@
 """The `reconciler` command. Names and exit codes are a contract (docs/cli.md); keep them stable.
 
-validate 0 valid / 2 invalid; plan 0 no changes / 1 changes pending / 2 invalid (like terraform -detailed-exitcode);
-apply 0 converged / 1 not / 2 invalid; observe 0 / 3 a node unreachable; status 0 converged / 1 not.
+Exit codes, the same in every command (reconciler.core.exits): 0 nothing to do / converged / valid, 1 an error of
+any kind, 2 changes pending or differences (plan, apply --dry-run, verify, status: like terraform
+-detailed-exitcode), 3 the file or its secrets invalid, 4 held by another actor, 5 a node (status: the daemon)
+unreachable.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 from pydantic import ValidationError
 
 from reconciler.core import planning, spec
+from reconciler.core.exits import Exit
 from reconciler.core.observed import Observed
 from reconciler.core.render import plan_text
 from reconciler.core.text import printable
 
-EXIT_INVALID = 2
+if TYPE_CHECKING:
+    from reconciler.edge.trusted_files import Secrets
+
+ENVIRONMENT_FILE = "/etc/spark-reconciler/environment"  # the shipped unit's EnvironmentFile= (trusted_files too)
 
 
-def _load_or_exit(path: str, connects: bool = False) -> spec.Desired:
-    """The desired state, or exit 2 with every problem placed. `connects`: for the commands that connect to the
-    nodes: take serving.secrets from this process's environment (the spec hash covers the values), and refuse
-    files that someone other than root or this user may change (reconciler.edge.trusted_files)."""
+class _Commands(click.Group):
+    """click exits 2 on a bad option, which a script reading Terraform's codes takes for "changes pending":
+    every click error exits 1 here, as Terraform's do; what a command exits with itself passes through."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False  # exceptions come here, and the codes below are ours
+        try:
+            return super().main(*args, **kwargs)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(Exit.ERROR)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(Exit.ERROR)
+
+
+def _env_file_option(command: Callable[..., None]) -> Callable[..., None]:
+    """`--env-file`: where the values of serving.secrets come from, for every command that reads them: systemd's
+    file for the daemon (EnvironmentFile=), read as systemd reads it, over this process's environment."""
+    return click.option("--env-file", type=click.Path(dir_okay=False, path_type=Path), default=ENVIRONMENT_FILE,
+                        show_default=True, envvar="RECONCILER_ENV_FILE",
+                        help="The values of serving.secrets (the unit's EnvironmentFile=; they win over this "
+                             "shell's). The default may be absent; a file named here must exist.")(command)
+
+
+def _secrets(env_file: Path) -> Secrets:
+    from reconciler.edge import trusted_files
+
+    explicit = click.get_current_context().get_parameter_source("env_file") != ParameterSource.DEFAULT
+    try:
+        return trusted_files.secrets_environment(env_file, explicit, os.environ)
+    except trusted_files.EnvironmentFileError as exc:
+        click.echo(printable(str(exc)), err=True)
+        sys.exit(Exit.INVALID)
+
+
+def _load_or_exit(path: str, env_file: Path | None = None) -> spec.Desired:
+    """The desired state, or exit 3 with every problem placed. With `env_file` (the commands that connect, and
+    validate): the secrets must all be there (`--env-file`, then this process's environment), and every trusted
+    file must be changeable by root or this user only (reconciler.edge.trusted_files): what the daemon demands."""
     from reconciler.edge import log, trusted_files
 
-    try:
-        desired = spec.load(path, os.environ if connects else None)
-        unsafe = trusted_files.problems(trusted_files.trusted_paths(desired, path)) if connects else []
-    except spec.InvalidDesiredState as exc:
-        unsafe = exc.lines()
-    for line in unsafe:
+    desired, problems = trusted_files.load(path, None if env_file is None else _secrets(env_file))
+    for line in problems:
         click.echo(printable(line), err=True)
-    if unsafe:
-        sys.exit(EXIT_INVALID)
+    if desired is None:
+        sys.exit(Exit.INVALID)
     for value in desired.secret_values():
         log.register_secret(value)
     return desired
@@ -60,7 +100,7 @@ def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
               help="Show the version and the git revision it was built from, and exit.")
 def main() -> None:
@@ -69,9 +109,15 @@ def main() -> None:
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
-def validate(file: str) -> None:
-    """Parse and validate FILE; print every error as FILE:LINE:COL: field.path: message."""
-    _load_or_exit(file)
+@_env_file_option
+@click.option("--skip-secrets", is_flag=True,
+              help="Judge the file alone: not its secrets nor the modes of the files it trusts (a file checked "
+                   "away from the head, in CI).")
+def validate(file: str, env_file: Path, skip_secrets: bool) -> None:
+    """Check FILE as the daemon would take it: the file (every error as FILE:LINE:COL: field.path: message),
+    every secret it names (--env-file, then the environment; never a value shown) and the modes of the files it
+    trusts. Exit 0 valid, 3 not: `validate && systemctl reload` never feeds the daemon what it would refuse."""
+    _load_or_exit(file, None if skip_secrets else env_file)
     click.echo(f"{file}: valid")
 
 
@@ -100,7 +146,7 @@ def print_file(name: str | None) -> None:
         return
     if name not in files.SHIPPED:
         click.echo(printable(f"print: no file named {name!r}; one of: {', '.join(files.SHIPPED)}"), err=True)
-        sys.exit(EXIT_INVALID)
+        sys.exit(Exit.ERROR)
     click.echo(files.read(name), nl=False)
 
 
@@ -109,9 +155,11 @@ def print_file(name: str | None) -> None:
 @click.option("--observed", "snapshot", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Plan offline from a saved `observe --json` snapshot.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (docs/cli.md).")
-def plan(file: str, snapshot: Path | None, as_json: bool) -> None:
-    """Show the drift and the ordered steps. Exit 0 no changes, 1 changes pending, 2 invalid."""
-    desired = _load_or_exit(file, connects=True)
+@_env_file_option
+def plan(file: str, snapshot: Path | None, as_json: bool, env_file: Path) -> None:
+    """Show what changes (field by field) and the ordered steps; change nothing. Exit 0 no changes, 2 changes
+    pending, 1 error, 3 invalid file or secrets, 5 a node unreachable (the plan is shown, but it cannot be whole)."""
+    desired = _load_or_exit(file, env_file)
     if snapshot is None:
         observed = _observe(desired)
     else:
@@ -120,13 +168,17 @@ def plan(file: str, snapshot: Path | None, as_json: bool) -> None:
         except ValidationError as exc:
             click.echo(f"{snapshot}: not an observed-state snapshot: {exc.error_count()} errors, first: "
                        f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)
-            sys.exit(EXIT_INVALID)
+            sys.exit(Exit.INVALID)
     result = planning.plan(desired, observed)
     if as_json:
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:
         click.echo(plan_text(result), nl=False)
-    sys.exit(1 if result.changes else 0)
+    sys.exit(Exit.UNREACHABLE if _unreachable(observed) else Exit.CHANGES if result.changes else Exit.OK)
+
+
+def _unreachable(observed: Observed) -> bool:
+    return any(not n.reachable for n in observed.nodes.values())
 
 
 def _observe(desired: spec.Desired) -> Observed:
@@ -146,36 +198,63 @@ def _observe(desired: spec.Desired) -> Observed:
 @click.option("--node", "only", default=None,
               help="Verify this node only (default: every serving node but the source).")
 @click.option("--repair", is_flag=True, help="Remove differing files so the next reconcile re-syncs exactly them.")
-@click.option("--json", "as_json", is_flag=True)
-def verify(file: str, only: str | None, repair: bool, as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="The per-node results (docs/cli.md).")
+@click.option("--url", default=None, envvar="RECONCILER_URL",
+              help="The running daemon's listener.  [default: http://POLICY.LISTEN of FILE]")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/spark-reconciler",
+              show_default=True, envvar="RECONCILER_STATE_DIR",
+              help="The daemon's state directory: its status key authenticates the request.")
+@click.option("--wait", type=click.FloatRange(min=0), default=6 * 3600, show_default=True,
+              help="Seconds to wait for the daemon's result.")
+@_env_file_option
+def verify(file: str, only: str | None, repair: bool, as_json: bool, url: str | None, state_dir: Path, wait: float,
+           env_file: Path) -> None:
     """Full weight verification: sha256 of every file on the targets against the source (cached by size and
-    mtime on the source). Catches what size checks cannot, such as flipped bytes. Exit 0 all match, 1 not."""
-    from dataclasses import asdict
+    mtime on the source). Catches what size checks cannot, such as flipped bytes. With the daemon running, the
+    daemon runs it beside its loop, under its lease (only its user and root may ask: its status key); else it runs
+    here. Exit 0 all match, 1 an error, 2 files differ (removed with --repair: the daemon copies them again), 3
+    invalid, 4 held by another actor, 5 a node or the daemon unreachable."""
+    from reconciler.edge import daemon_client as client
+    from reconciler.loop.verify import targets
 
-    from reconciler.edge.lease import Holder, LeaseHeld, held
-    from reconciler.edge.ssh import Sessions
-    from reconciler.edge.steps.weights import verify_weights
-    from reconciler.loop.apply import EXIT_HELD
+    desired = _load_or_exit(file)  # the daemon has the secrets: here only policy.listen is read
+    if only is not None and only not in targets(desired):
+        click.echo(printable(f"verify: --node {only} is not a node to verify: the serving nodes but the source "
+                             f"({desired.source_node}) are: {', '.join(targets(desired)) or 'none'}"), err=True)
+        sys.exit(Exit.ERROR)
 
-    desired = _load_or_exit(file, connects=True)
-    targets = [n.name for n in desired.serving_nodes if n.name != desired.source_node and only in (None, n.name)]
-    sessions = Sessions(desired)
+    def say(line: str) -> None:
+        click.echo(printable(line), err=True)
+
     try:
-        with contextlib.ExitStack() as stack:
-            if repair:  # repairing deletes files on the nodes: one actor at a time (reconciler.edge.lease)
-                stack.enter_context(held(desired, sessions, Holder.of("verify-repair", file)))
-            results = [verify_weights(desired, sessions, node, repair=repair) for node in targets]
-    except LeaseHeld as exc:
-        click.echo(printable(f"Nothing repaired: {exc}."), err=True)
-        sys.exit(EXIT_HELD)
-    finally:
-        sessions.close()
+        results = client.verify_by_daemon(url or f"http://{desired.policy.listen}", state_dir, file, repair=repair,
+                                          only=only, wait=wait, say=say)
+    except (client.NoDaemon, client.Declined) as exc:
+        say(f"verifying here: {exc}")
+        results = _verify_here(file, only, repair, env_file)
+    except client.Failed as exc:
+        say(exc.message)
+        sys.exit(exc.code)
     if as_json:
-        click.echo(json.dumps([asdict(r) for r in results], indent=2))
+        click.echo(json.dumps(results, indent=2))
     else:
         for r in results:
-            click.echo(printable(r.message()))
-    sys.exit(0 if all(r.ok for r in results) else 1)
+            click.echo(printable(str(r.get("message"))))
+    sys.exit(client.exit_code(results))
+
+
+def _verify_here(file: str, only: str | None, repair: bool, env_file: Path) -> list[dict]:
+    """`verify` without a daemon: this command's own SSH sessions, the cluster's lease to repair (exit 4 when
+    another actor holds it), the secrets from --env-file."""
+    from reconciler.edge.lease import Holder, LeaseHeld
+    from reconciler.loop.verify import verify_here
+
+    desired = _load_or_exit(file, env_file)
+    try:
+        return verify_here(desired, Holder.of("verify-repair", file), only, repair)
+    except LeaseHeld as exc:
+        click.echo(printable(f"Nothing repaired: {exc}."), err=True)
+        sys.exit(Exit.HELD)
 
 
 @main.command()
@@ -190,9 +269,10 @@ def sudoers(file: str) -> None:
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="The snapshot `plan --observed` reads.")
-def observe(file: str, as_json: bool) -> None:
-    """Probe every node once (one batched script each) and print what is there. Exit 3 if a node is unreachable."""
-    desired = _load_or_exit(file, connects=True)
+@_env_file_option
+def observe(file: str, as_json: bool, env_file: Path) -> None:
+    """Probe every node once (one batched script each) and print what is there. Exit 5 if a node is unreachable."""
+    desired = _load_or_exit(file, env_file)
     observed = _observe(desired)
     if as_json:
         click.echo(observed.model_dump_json(indent=1))
@@ -200,22 +280,28 @@ def observe(file: str, as_json: bool) -> None:
         from reconciler.core.render import observed_text
 
         click.echo(observed_text(observed), nl=False)
-    sys.exit(3 if any(not n.reachable for n in observed.nodes.values()) else 0)
+    sys.exit(Exit.UNREACHABLE if _unreachable(observed) else Exit.OK)
 
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before changing anything.")
-@click.option("--dry-run", is_flag=True, help="Show the plan and stop (exit 1 if it has steps).")
+@click.option("--dry-run", is_flag=True, help="Show the plan and stop (exit 2 if it has changes, as plan).")
 @click.option("--max-passes", default=3, show_default=True, help="Observe-plan-execute rounds before giving up.")
-def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
-    """One convergence pass: observe, show the plan, execute it in order, verify. Exit 0 only when converged."""
+@_env_file_option
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, envvar="RECONCILER_LOG_LEVEL",
+              help="The least severe level logged. Under systemd every line carries its syslog priority "
+                   "(journalctl -p warning).")
+def apply(file: str, yes: bool, dry_run: bool, max_passes: int, env_file: Path, log_level: str) -> None:
+    """One convergence pass: observe, show the plan, execute it in order, verify. Exit 0 converged, 1 not (or an
+    error), 3 invalid file or secrets, 4 held by another actor, 5 a node unreachable."""
     from reconciler.edge import log
     from reconciler.edge.lease import Holder
     from reconciler.loop.apply import apply_once
 
-    desired = _load_or_exit(file, connects=True)
-    log.configure()
+    desired = _load_or_exit(file, env_file)
+    log.configure(level=log_level)
     sys.exit(apply_once(desired, yes=yes, dry_run=dry_run, max_passes=max_passes,
                         holder=Holder.of("apply", file)))
 
@@ -227,13 +313,22 @@ def apply(file: str, yes: bool, dry_run: bool, max_passes: int) -> None:
 @click.option("--listen", default=None, help="HOST:PORT for /metrics and /status (default: policy.listen).")
 @click.option("--no-events", is_flag=True, help="Resync only: no docker/link event streams.")
 @click.option("--log-format", type=click.Choice(["auto", "json", "console"]), default="auto", show_default=True)
-def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_format: str) -> None:
-    """The daemon: keep the cluster converged until SIGTERM (systemd: Type=notify)."""
-    from reconciler.edge import log
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, envvar="RECONCILER_LOG_LEVEL",
+              help="The least severe level logged. Under systemd every line carries its syslog priority "
+                   "(journalctl -p warning).")
+@_env_file_option
+def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_format: str, log_level: str,
+        env_file: Path) -> None:
+    """The daemon: keep the cluster converged until SIGTERM (systemd: Type=notify). The secrets are read from
+    --env-file at every load, so a rotated key is an edit of that file and a reload (SIGHUP)."""
+    from reconciler.edge import log, trusted_files
     from reconciler.loop.daemon import AlreadyRunning, Daemon
 
-    log.configure(json_lines=None if log_format == "auto" else log_format == "json")
-    daemon = Daemon(file, state_dir, listen=listen, events=not no_events)
+    explicit = click.get_current_context().get_parameter_source("env_file") != ParameterSource.DEFAULT
+    log.configure(json_lines=None if log_format == "auto" else log_format == "json", level=log_level)
+    daemon = Daemon(file, state_dir, listen=listen, events=not no_events,
+                    secrets=lambda: trusted_files.secrets_environment(env_file, explicit, os.environ))
     daemon.install_signals()
     try:
         code = daemon.run()
@@ -253,71 +348,23 @@ def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_fo
 @main.command()
 @click.option("--url", default="http://127.0.0.1:9464", show_default=True, envvar="RECONCILER_URL",
               help="The daemon's listener (policy.listen).")
-@click.option("--json", "as_json", is_flag=True, help="The raw /status document.")
+@click.option("--json", "as_json", is_flag=True,
+              help="The raw /status document (with --watch: one document per line, each time it is asked).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default="/var/lib/spark-reconciler",
               show_default=True, help="The daemon's state directory: its status key proves who answered.")
-def status(url: str, as_json: bool, state_dir: Path) -> None:
-    """Ask the running daemon for its phase and conditions. Exit 0 converged, 1 not (or unreachable, or the
-    answer is not provably from the daemon that keeps --state-dir)."""
-    import secrets
-    import urllib.error
-    import urllib.request
+@click.option("--wide", is_flag=True,
+              help="Every condition, each message whole under its row (like kubectl describe).")
+@click.option("--watch", "-w", is_flag=True,
+              help="Ask again every --interval and redraw in place until Ctrl-C (like kubectl get -w).")
+@click.option("--interval", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
+              help="Seconds between two answers under --watch.")
+def status(url: str, as_json: bool, state_dir: Path, wide: bool, watch: bool, interval: float) -> None:
+    """The running daemon's phase, nodes, conditions, operations in flight and blockers, at the terminal's width.
+    Exit 0 converged, 2 not converged, 1 an answer not provably from the daemon that keeps --state-dir (or not a
+    status document), 5 no daemon answering; under --watch, the last frame's."""
+    from reconciler.edge import status_client
 
-    from reconciler.loop.server import STATUS_KEY
-
-    challenge = secrets.token_hex(16)
-    where = f"{url.rstrip('/')}/status"
-    try:
-        with urllib.request.urlopen(f"{where}?challenge={challenge}", timeout=5) as response:
-            doc = json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:
-        click.echo(printable(f"cannot reach the daemon at {url}: {exc}"), err=True)
-        sys.exit(1)
-    try:
-        key: bytes | None = (state_dir / STATUS_KEY).read_bytes().strip()
-    except OSError as exc:
-        key = None
-        click.echo(printable(f"not verified that the daemon of {state_dir} answered ({exc.strerror}: run as its "
-                             "user or root)"), err=True)
-    if key is not None:
-        _proven_or_exit(where, doc, key, challenge, state_dir)
-    text = _status_text_or_exit(where, doc)
-    click.echo(json.dumps(doc, indent=2) if as_json else text)
-    sys.exit(0 if doc.get("phase") == "Converged" else 1)
-
-
-def _proven_or_exit(where: str, doc: object, key: bytes, challenge: str, state_dir: Path) -> None:
-    """Exit 1 unless the answer carries the proof only the daemon keeping `state_dir` can make (`status_proof`):
-    a local user who bound the port first (while the daemon restarted) once served a fake Converged."""
-    import hmac
-
-    from reconciler.loop.server import status_proof
-
-    proof = doc.get("proof") if isinstance(doc, dict) else None
-    if not (isinstance(proof, str) and hmac.compare_digest(proof, status_proof(key, challenge))):
-        click.echo(printable(f"{where} answered without the proof of the daemon that keeps {state_dir}: another "
-                             "process may hold the listener's port (run the daemon under spark-reconciler.socket, "
-                             "docs/operations.md)"), err=True)
-        sys.exit(1)
-
-
-def _status_text_or_exit(where: str, doc: object) -> str:
-    """The status as text, or exit 1 saying the answer is not a status document: whatever listens there (an
-    older or newer daemon, another program on the port) may answer any JSON, and a KeyError's traceback told the
-    operator nothing. The renderer is the one reader of the document's shape, so a document it cannot read is
-    not one; `--json` is judged the same way before it prints."""
-    from reconciler.core.render import status_text
-
-    if not (isinstance(doc, dict) and isinstance(doc.get("phase"), str)):
-        why = "no phase"
-    else:
-        try:
-            return status_text(doc)
-        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-    click.echo(printable(f"{where} did not answer a reconciler status document ({why}); is it this cluster's "
-                         "daemon (policy.listen)? docs/cli.md shows the document"), err=True)
-    sys.exit(1)
+    sys.exit(status_client.main(url, state_dir, as_json=as_json, wide=wide, watch=watch, interval=interval))
 
 
 @main.command()
@@ -347,8 +394,8 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
     """Read the nodes (one read-only script each) and write a commented starter desired state.
 
     Every inferred value is marked `# GUESS:`; what --model, --revision, --image and --api-key-secret name is
-    written as given. Exit 0 when the result validates, 2 when it does not (it is written anyway, with the
-    problems printed), 3 when a node cannot be reached."""
+    written as given. Exit 0 when the result validates, 3 when it does not (it is written anyway, with the
+    problems printed), 5 when a node cannot be reached, 1 a bad address or another error."""
     from reconciler.edge import discover as disc
     from reconciler.edge.ssh import RemoteError
 
@@ -359,12 +406,12 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
                                      jump=jump_through_head, port=port)
     except ValidationError as exc:
         click.echo(f"discover: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)
-        sys.exit(EXIT_INVALID)
+        sys.exit(Exit.ERROR)
     try:
         facts = disc.probe(sessions)
     except RemoteError as exc:
         click.echo(printable(f"discover: {exc}"), err=True)
-        sys.exit(3)
+        sys.exit(Exit.UNREACHABLE)
     finally:
         for s in reversed(sessions):
             s.close()
@@ -380,7 +427,7 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
     except spec.InvalidDesiredState as exc:
         for line in exc.lines():
             click.echo(line, err=True)
-        sys.exit(EXIT_INVALID)
+        sys.exit(Exit.INVALID)
 
 
 @main.command()
@@ -400,14 +447,14 @@ def export(file: str, fmt: str, name: str | None) -> None:
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable checks (docs/cli.md).")
 @click.option("--env-file", type=click.Path(dir_okay=False, path_type=Path),
-              default="/etc/spark-reconciler/environment", show_default=True,
+              default=ENVIRONMENT_FILE, show_default=True,
               help="The environment file systemd gives the daemon (EnvironmentFile=): serving.secrets' names.")
 @click.option("--daemon-user", default=None,
               help="The user the daemon runs as (systemd User=), whose files are judged. [default: this user; as "
                    "root, spark, the shipped unit's]")
 def doctor(file: str, as_json: bool, env_file: Path, daemon_user: str | None) -> None:
     """Check every node's prerequisites over the daemon's own SSH (kubeadm preflight): each check ok, warn or
-    fail with what it saw and the exact fix. Changes nothing. Exit 0 all ok or warn, 1 a check failed, 2 invalid."""
+    fail with what it saw and the exact fix. Changes nothing. Exit 0 all ok or warn, 1 a check failed, 3 invalid."""
     from reconciler.core.preflight import exit_code, report_json, report_text
     from reconciler.edge.doctor import doctor as run_checks
 
@@ -416,7 +463,7 @@ def doctor(file: str, as_json: bool, env_file: Path, daemon_user: str | None) ->
         found = run_checks(desired, file, env_file, daemon_user)
     except KeyError:
         click.echo(printable(f"doctor: no user {daemon_user!r} on this host (--daemon-user)"), err=True)
-        sys.exit(EXIT_INVALID)
+        sys.exit(Exit.ERROR)
     if as_json:
         click.echo(json.dumps(report_json(found), indent=2))
     else:

@@ -24,11 +24,13 @@ PACKAGES=(
     sudo                            # the spark user's few NOPASSWD commands
     systemd                         # systemd-analyze verify, systemd-socket-activate (tests/unit/test_listener.py)
     prometheus                      # scrapes the daemon; promtool tests alert rules
+    prometheus-alertmanager         # amtool check-config and a real Alertmanager: tests/unit/test_alertmanager_example.py; never its unit
     busybox-static                  # tiny static tools inside the stand-in images
     lxcfs                           # each node's /proc/meminfo from its memory cgroup (testbed/memory.py)
     python3 python3.11-venv         # the real vLLM image's venv is made with Debian's python3.11
     g++-12 libpython3.11-dev openssl   # copied into the real vLLM image: torch's inductor compiles C++ at run time
     docker-registry                 # distribution 2.8: the head's "internet" registry (testbed/registry.py); never its unit
+    tmux                            # a real terminal at 80 and 200 columns for `reconciler status` (tests/unit/test_status_tmux.py)
 )
 NAMES=("${PACKAGES[@]}")
 
@@ -41,7 +43,8 @@ for p in "${NAMES[@]}"; do
 done
 
 DISTRO_UNITS=(ssh.service ssh.socket docker.service docker.socket containerd.service
-              prometheus.service prometheus-node-exporter.service lxcfs.service docker-registry.service)
+              prometheus.service prometheus-node-exporter.service lxcfs.service docker-registry.service
+              prometheus-alertmanager.service)
 
 stop_distro_services() {
     if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then
@@ -52,7 +55,7 @@ stop_distro_services() {
         done
     else
         # No systemd: the sysvinit scripts (if apt ran them) keep pidfiles we can stop by.
-        for s in ssh docker containerd prometheus prometheus-node-exporter lxcfs docker-registry; do
+        for s in ssh docker containerd prometheus prometheus-node-exporter lxcfs docker-registry prometheus-alertmanager; do
             if [ -x "/etc/init.d/$s" ]; then
                 "/etc/init.d/$s" stop >/dev/null 2>&1 || true
                 update-rc.d "$s" disable >/dev/null 2>&1 || true

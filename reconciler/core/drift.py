@@ -12,15 +12,67 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.core.fabric import ports_seen, twin_only_down
-from reconciler.core.observed import LABEL_INSTANCE, LABEL_SPEC_HASH, Link, NodeObservation, Observed, Weights
+from reconciler.core.observed import (
+    LABEL_INSTANCE,
+    LABEL_LAUNCH,
+    LABEL_SPEC_HASH,
+    Container,
+    Link,
+    NodeObservation,
+    Observed,
+    Weights,
+)
 from reconciler.core.ownership import owner
 from reconciler.core.platforms import machine_platform, runs_on
 from reconciler.core.spec import Desired, FabricPort, Node
-from reconciler.core.vllm import launch_specs, memory_needed, weights_size
+from reconciler.core.vllm import LaunchSpec, launch_specs, memory_needed, weights_size
 
 DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "gpu", "weights", "image",
                     "serving", "health", "memory"]
 DRIFT_KINDS: tuple[str, ...] = DriftKind.__args__  # type: ignore[attr-defined]
+
+
+SECRET_FIELD = "serving.secrets."
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    """One field of a serving launch that differs between the running container (its `LABEL_LAUNCH`) and the
+    file: what the plan shows as `~ serving.max_model_len = 32768 -> 65536  # forces replacement`. A secret's
+    values are fingerprints, which are never shown: it is `secret NAME changed`."""
+
+    field: str
+    old: str | None  # None: not set then
+    new: str | None  # None: not set now
+
+    @property
+    def secret(self) -> bool:
+        return self.field.startswith(SECRET_FIELD)
+
+    @property
+    def action(self) -> Literal["changed", "added", "removed"]:
+        return "added" if self.old is None else "removed" if self.new is None else "changed"
+
+    def words(self) -> str:
+        if self.secret:
+            return f"secret {self.field.removeprefix(SECRET_FIELD)} {self.action}"
+        return f"{self.field} = {_or_null(self.old)} -> {_or_null(self.new)}"
+
+    def as_dict(self, node: str) -> dict[str, object]:
+        """For `plan --json`: a secret's old and new are null, as its fingerprints are no one's business."""
+        shown = (None, None) if self.secret else (self.old, self.new)
+        return {"node": node, "field": self.field, "old": shown[0], "new": shown[1], "secret": self.secret,
+                "action": self.action}
+
+
+def _or_null(value: str | None) -> str:
+    return "null" if value is None else value
+
+
+def field_changes(old: dict[str, str], new: dict[str, str]) -> tuple[FieldChange, ...]:
+    """Every field whose value differs, in field order (a secret by its fingerprint)."""
+    return tuple(FieldChange(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())
+                 if old.get(k) != new.get(k))
 
 
 @dataclass(frozen=True)
@@ -35,6 +87,10 @@ class Drift:
     #: The container a co-tenant or serving drift names (its resource is `container/NAME`): typed for the plan, so
     #: nothing parses the resource back. Left out of equality: the resource already says it.
     container: str | None = field(default=None, compare=False)
+    #: A serving container on another spec: the fields of its launch that differ (`FieldChange`), which its
+    #: `observed` says in words. Empty when the label does not say (an older container) or nothing of the file
+    #: differs (the rendering changed). Left out of equality, like `container`.
+    changes: tuple[FieldChange, ...] = field(default=(), compare=False)
 
     def as_dict(self) -> dict[str, object]:
         return {"node": self.node, "kind": self.kind, "resource": self.resource, "expected": self.expected,
@@ -42,8 +98,8 @@ class Drift:
 
 
 def _on_container(node: str, kind: DriftKind, container: str, expected: str, observed: str, *,
-                  actionable: bool = True, blocking: bool = False) -> Drift:
-    return Drift(node, kind, f"container/{container}", expected, observed, actionable, blocking, container)
+                  actionable: bool = True, blocking: bool = False, changes: tuple[FieldChange, ...] = ()) -> Drift:
+    return Drift(node, kind, f"container/{container}", expected, observed, actionable, blocking, container, changes)
 
 
 def _reachability(name: str, obs: NodeObservation) -> list[Drift]:
@@ -173,8 +229,7 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
         elif not c.running:
             out.append(_on_container(node.name, "serving", name, "running", c.state))
         elif c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:
-            out.append(_on_container(node.name, "serving", name, f"spec {spec.spec_hash}",
-                             f"spec {c.labels.get(LABEL_SPEC_HASH, 'none')}"))
+            out.append(_spec_drift(node.name, spec, c))
         elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
             out.append(_on_container(node.name, "serving", name, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
         elif reference is not None and (local is None or local.content != reference):
@@ -183,6 +238,23 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
             out.append(_on_container(node.name, "serving", name, f"image content {reference[:19]}",
                              f"image content {local.content[:19] if local else 'missing'}"))
     return out
+
+
+def _spec_drift(node: str, spec: LaunchSpec, c: Container) -> Drift:
+    """Our running container on another spec hash, with what differs: the fields of its launch label against the
+    file's (`~ serving.max_model_len = 32768 -> 65536`, `secret NAME changed`); none when the label's inputs are
+    the file's (the same file renders another launch: a reconciler upgrade); only the hashes when it has no
+    label, or one that does not parse."""
+    seen = f"spec {c.labels.get(LABEL_SPEC_HASH, 'none')}"
+    old = c.launch_inputs
+    if old is None:
+        why = "started before field labels" if LABEL_LAUNCH not in c.labels else "its field label is unreadable"
+        return _on_container(node, "serving", spec.container_name, f"spec {spec.spec_hash}", f"{seen} ({why})")
+    changes = field_changes(old, spec.inputs)
+    words = ("; ".join(ch.words() for ch in changes) if changes else
+             "no field of the file differs: the reconciler renders the launch differently now (an upgrade)")
+    return _on_container(node, "serving", spec.container_name, f"spec {spec.spec_hash}", f"{seen} ({words})",
+                         changes=changes)
 
 
 def _usable(obs: NodeObservation) -> bool:

@@ -6,7 +6,7 @@ A Spark's QSFP port shows up as two netdevs on two PCIe x4 links (the first, `fa
 interfaces), so without it nothing starts. The twin only adds bandwidth: NCCL opens an HCA's port only when it is
 ACTIVE (`ncclIbInit` in NCCL's src/transport/net_ib.cc skips ports whose state is not IBV_PORT_ACTIVE) and serves
 on the other half, so a twin without carrier, or with its RDMA port DOWN, degrades the fabric; it does not stop a
-start (docs/troubleshooting.md, "A twin port down")."""
+start (docs/troubleshooting.md, "ReconcilerFabricPortDegraded")."""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ and plans exactly like the live state, which is what makes offline `plan --obser
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -35,6 +37,33 @@ LABEL_PORTS = "spark-reconciler.ports"
 # The weights tree the container serves (`Desired.weights_root`): a container that mounts a whole hub still names
 # the one model in it it uses, so retention may remove the hub's other models (core/retention.py).
 LABEL_WEIGHTS = "spark-reconciler.weights"
+# What the launch was rendered from (`vllm.launch_inputs`: dotted field -> short value, a secret as a fingerprint),
+# compact JSON; not hashed. The next plan diffs it against the file's to say which fields force the restart. A
+# label rather than the state directory: every observer reads it (`plan` run by another user, `apply`, the
+# daemon), and it travels with the container it describes (docs/architecture.md, "The plan's field diff").
+LABEL_LAUNCH = "spark-reconciler.launch"
+#: Bounds of that label, the same for the writer and the reader: a label a node returns beyond them (or not
+#: JSON, or holding what the writer never writes) is read as no label, so odd bytes cost the field diff, never
+#: the plan.
+MAX_LAUNCH_LABEL: Final = 32 * 1024
+MAX_LAUNCH_VALUE: Final = 200
+LAUNCH_KEY_PATTERN: Final = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+def parse_launch_label(raw: str) -> dict[str, str] | None:
+    """The launch inputs a container's label holds; None when it is not what `vllm.launch_label` writes (too
+    long, not a JSON object of field -> printable value within the bounds). Never raises: the text is a node's."""
+    if len(raw) > MAX_LAUNCH_LABEL:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and LAUNCH_KEY_PATTERN.fullmatch(k) and isinstance(v, str)
+            and len(v) <= MAX_LAUNCH_VALUE and v.isprintable() for k, v in value.items()):
+        return None
+    return value
 
 
 class _Model(BaseModel):
@@ -73,6 +102,12 @@ class Container(_Model):
         if raw is None:
             return None
         return frozenset(int(p) for p in raw.split(",") if p.isdigit())
+
+    @property
+    def launch_inputs(self) -> dict[str, str] | None:
+        """What its launch was rendered from (`LABEL_LAUNCH`); None: no label, or one that does not parse."""
+        raw = self.labels.get(LABEL_LAUNCH)
+        return None if raw is None else parse_launch_label(raw)
 
     def owned_by(self, owner: Owner) -> bool:
         """Created by the reconciler of this cluster (`core.ownership.owner`): its instance label is one of the

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from reconciler.core.drift import Drift, diff, image_holder
+from reconciler.core.drift import Drift, FieldChange, diff, image_holder
 from reconciler.core.observed import Observed
 from reconciler.core.ownership import owner
 from reconciler.core.retention import removals
@@ -78,6 +78,22 @@ class Blocker:
 
 
 @dataclass(frozen=True)
+class Downtime:
+    """What a plan that stops running serving costs: the API is down from the first stop until the new generation
+    answers, about one cold start, at most serving.health_timeout (the `await-health` deadline). Said up front,
+    as a restart of serving is an outage, not a change in place."""
+
+    nodes: tuple[str, ...]  # where serving that runs is stopped
+    #: The ranks that restart though nothing of their own changed: a tensor-parallel group starts as a whole.
+    restart_with: tuple[str, ...]
+    health_timeout: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {"nodes": list(self.nodes), "restart_with": list(self.restart_with),
+                "health_timeout_seconds": self.health_timeout}
+
+
+@dataclass(frozen=True)
 class Plan:
     drift: list[Drift]
     steps: list[Step]
@@ -85,6 +101,12 @@ class Plan:
     mode: str = "enforce"
     trusted: tuple[str, ...] = ()  # the file's `trust` opt-ins in words: shown with every plan (docs/security.md)
     ulimits: tuple[str, ...] = ()  # the serving containers' effective `--ulimit`s: shown with every start
+    downtime: Downtime | None = None  # the steps stop serving that runs
+
+    @property
+    def field_changes(self) -> list[tuple[str, FieldChange]]:
+        """Per node, the launch fields that force its serving to restart (`Drift.changes`)."""
+        return [(d.node, c) for d in self.drift for c in d.changes]
 
     @property
     def changes(self) -> bool:
@@ -96,7 +118,9 @@ class Plan:
         return {"changes": self.changes, "mode": self.mode, "drift": [d.as_dict() for d in self.drift],
                 "steps": [s.as_dict() for s in self.steps],
                 "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked],
-                "trusted": list(self.trusted), "ulimits": list(self.ulimits)}
+                "trusted": list(self.trusted), "ulimits": list(self.ulimits),
+                "field_changes": [c.as_dict(node) for node, c in self.field_changes],
+                "downtime": self.downtime.as_dict() if self.downtime else None}
 
 
 #: The grace before a restart for health doubles per restart that did not hold, up to 2**4 = 16x.
@@ -156,7 +180,22 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     serving, held = _serving_steps(desired, observed, drift, steps, blocked, down)
     steps = _hold_or_order_stops(steps, stops, serving, held, blocked, _running_ours(desired, observed))
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
-    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits)
+    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits,
+                _downtime(desired, observed, drift, steps))
+
+
+def _downtime(desired: Desired, observed: Observed, drift: list[Drift], steps: list[Step]) -> Downtime | None:
+    """The outage the steps cause, when they stop a running serving container (an ordered restart stops every
+    rank, whatever changed on which: planning restarts the tensor-parallel group as a whole)."""
+    name = desired.serving.container_name
+    stopping = tuple(s.node for s in steps if s.kind == "stop-serving" and s.container == name
+                     and (c := observed.node(s.node).container(name)) is not None and c.running)
+    if not stopping:
+        return None
+    own = {d.node for d in drift if d.kind == "serving" and d.container == name}
+    started = {s.node for s in steps if s.kind == "start-serving"}
+    with_them = tuple(n.name for n in desired.serving_nodes if n.name in started and n.name not in own)
+    return Downtime(stopping, with_them if own else (), desired.serving.health_timeout)
 
 
 #: Steps that put the weights and the image where the start needs them: long, and harmless to what runs.

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from reconciler.core import envfile
 from reconciler.core.drift import (
     DISK_MARGIN,
     gib,
@@ -542,7 +543,8 @@ def files_check(local: LocalFacts) -> Check:
 
 
 def secrets_check(desired: Desired, local: LocalFacts) -> Check:
-    """The names of serving.secrets set in the environment file systemd gives the daemon (root's, mode 0600)."""
+    """The names of serving.secrets set in the environment file systemd gives the daemon: root's, readable by the
+    daemon's group (mode 0640: every command reads it as that user, `--env-file`), by nobody else."""
     wanted = list(desired.serving.secrets)
     env = local.env
     if not wanted:
@@ -550,14 +552,14 @@ def secrets_check(desired: Desired, local: LocalFacts) -> Check:
     if env is None:
         return Check("secrets", HERE, "warn", "no environment file given")
     path = env.path
-    install = Fix(f"install -m 0600 -o root -g root /dev/null {path}", "root", HERE)
+    install = Fix(f"install -m 0640 -o root -g {local.user} /dev/null {path}", "root", HERE)
     if not env.exists:
         return Check("secrets", HERE, "fail", f"{path} does not exist; the daemon would lack "
                      f"{', '.join(wanted)}", install)
-    if env.uid is not None and env.mode is not None and (env.uid != 0 or env.mode & 0o077):
+    if env.uid is not None and env.mode is not None and (env.uid != 0 or env.mode & 0o037):
         return Check("secrets", HERE, "fail", f"{path} is owned by uid {env.uid}, mode {env.mode:04o}: it must be "
-                     "root's and mode 0600 (it holds the secrets)", Fix(f"chown root:root {path} && chmod 0600 "
-                                                                        f"{path}", "root", HERE))
+                     f"root's, mode 0640 or 0600 (it holds the secrets; {local.user}'s group may read it)",
+                     Fix(f"chown root:{local.user} {path} && chmod 0640 {path}", "root", HERE))
     if env.names is None:
         return Check("secrets", HERE, "warn", f"{path} cannot be read as {local.user} "
                      f"({env.error or 'permission denied'}): the names were not checked",
@@ -570,25 +572,10 @@ def secrets_check(desired: Desired, local: LocalFacts) -> Check:
                  Fix(f"{adds}  # then restart the daemon", "root", HERE))
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
 def env_file_names(text: str) -> frozenset[str]:
-    """The names an EnvironmentFile sets to a non-empty value (systemd.exec(5): `KEY=VALUE` lines, `#` and `;`
-    comments, blank lines, a value in single or double quotes, a trailing backslash continuing the line). Only
-    the names leave this function: the values are never kept."""
-    names: set[str] = set()
-    for line in re.sub(r"\\\n", "", text).splitlines():
-        line = line.strip()
-        if not line or line[0] in "#;" or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        key, value = key.strip(), value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        if _ENV_NAME.fullmatch(key) and value:
-            names.add(key)
-    return frozenset(names)
+    """The names an EnvironmentFile sets to a non-empty value, read as systemd reads it (core.envfile); only the
+    names leave this function: the values are never kept."""
+    return envfile.names(text)
 
 
 # -- the report --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from reconciler.core.observed import Observed
 from reconciler.core.planning import Plan
+from reconciler.core.spec import format_duration
 from reconciler.core.text import printable
 
 _SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "prune-weights": "-", "prune-images": "-",
@@ -22,6 +23,7 @@ def plan_text(plan: Plan) -> str:
         lines += [f"Trusted beyond the default (trust): {', '.join(plan.trusted)}.", ""]
     if not plan.drift and not plan.steps:
         return _join([*lines, "No changes. The cluster matches the desired state."])
+    lines += _serving_change(plan)
     lines.append("Drift:" if plan.drift else "Drift: none.")
     for node in dict.fromkeys(d.node for d in plan.drift):
         lines.append(f"  node {node}")
@@ -50,6 +52,30 @@ def plan_text(plan: Plan) -> str:
     lines += ["", f"Plan: {counts['+']} to start/copy, {counts['~']} to change, {counts['-']} to stop; "
                  f"{len(plan.blocked)} blocked."]
     return _join(lines)
+
+
+_CHANGE_SIGN = {"changed": "~", "added": "+", "removed": "-"}
+
+
+def _serving_change(plan: Plan) -> list[str]:
+    """Up front, like `terraform plan`'s replacements: the outage a serving restart is, then each launch field
+    that forces it, once with the nodes it differs on (`~ serving.max_model_len = 32768 -> 65536  # forces
+    replacement: head, worker1`; a secret only as `secret NAME changed`), then the ranks that restart with them."""
+    lines = []
+    if down := plan.downtime:
+        lines.append(f"This plan stops serving on {len(down.nodes)} node{'s' if len(down.nodes) != 1 else ''} "
+                     f"({', '.join(down.nodes)}): the API is down for about one cold start (serving.health_timeout: "
+                     f"up to {format_duration(down.health_timeout)}).")
+    elif plan.field_changes:
+        lines.append("Serving launch fields that differ from the running containers:")
+    nodes_of: dict[str, list[str]] = {}  # a secret's words, unlike its fingerprints, are the same on every node
+    for node, change in plan.field_changes:
+        nodes_of.setdefault(f"{_CHANGE_SIGN[change.action]} {change.words()}", []).append(node)
+    lines += [f"  {words}  # forces replacement: {', '.join(nodes)}" for words, nodes in nodes_of.items()]
+    if down and down.restart_with:
+        lines.append(f"  {', '.join(down.restart_with)} restart{'s' if len(down.restart_with) == 1 else ''} too, "
+                     "though nothing of their own changed: the ranks of one tensor-parallel group start together.")
+    return [*lines, ""] if lines else []
 
 
 def observed_text(observed: Observed) -> str:
@@ -92,40 +118,3 @@ def observed_text(observed: Observed) -> str:
 def _join(lines: list[str]) -> str:
     """The lines as text: each made printable, so a line break or an escape inside a value stays visible text."""
     return "\n".join(printable(line) for line in lines) + "\n"
-
-
-def status_text(doc: dict) -> str:
-    """`reconciler status`: the phase, generations, then a condition table (cluster first, then per node).
-
-    Every cell is a rich `Text` of printable text, never a markup string: a message holding `[/rank0]` (vLLM's
-    log prefix) once crashed rich's markup parser, and `[bold]` from a node must print as written."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    def cell(value: object) -> Text:
-        return Text(printable(str(value)))
-
-    table = Table(title=cell(f"phase {doc.get('phase')}  generation {doc.get('generation')}  observed "
-                             f"{doc.get('observedGeneration')}"), title_justify="left")
-    for column in ("node", "condition", "status", "reason", "message"):
-        table.add_column(column, overflow="fold")
-    for c in doc.get("conditions", []):
-        table.add_row(*map(cell, (c["node"] or "(cluster)", c["type"], c["status"], c["reason"], c["message"][:160])))
-    ops = Table(title="operations in flight", title_justify="left")
-    for column in ("step", "state", "running", "deadline in", "progress"):
-        ops.add_column(column, overflow="fold")
-    for o in doc.get("operations", []):
-        total = o.get("bytesTotal")
-        rate = o.get("bytesPerSecond")
-        progress = (f"{o.get('bytesDone', 0) / 2**20:.0f} / {total / 2**20:.0f} MiB"
-                    + (f" at {rate / 2**20:.0f} MiB/s" if rate else "")) if total else ""
-        ops.add_row(*map(cell, (o["step"], o["state"], f"{o['seconds']:.0f}s", f"{o['deadlineIn']:.0f}s", progress)))
-    console = Console(width=140, record=True, force_terminal=False)
-    with console.capture() as captured:
-        console.print(table)
-        if doc.get("operations"):
-            console.print(ops)
-        if doc.get("lastError"):
-            console.print(cell(f"last error: {doc['lastError']}"))
-    return captured.get()

@@ -11,19 +11,24 @@ import dataclasses
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, field
 
 from reconciler.core.observed import (
     LABEL_GENERATION,
     LABEL_INSTANCE,
+    LABEL_LAUNCH,
     LABEL_MANAGED,
     LABEL_PORTS,
     LABEL_ROLE,
     LABEL_SPEC_HASH,
     LABEL_WEIGHTS,
+    MAX_LAUNCH_LABEL,
+    MAX_LAUNCH_VALUE,
     Observed,
 )
 from reconciler.core.spec import Desired, Node
+from reconciler.core.text import printable
 
 HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
 PLAIN_MODEL_IN_CONTAINER = "/models/model"
@@ -53,6 +58,9 @@ class LaunchSpec:
     #: What the start sets over `env` from the node as it is then (`at_start`). Not hashed: the declared launch
     #: is what the next plan compares, so a twin port coming back restarts nothing.
     start_env: tuple[tuple[str, str], ...] = ()
+    #: What the launch is rendered from (`launch_inputs`), carried as a label so the next plan can say which fields
+    #: force a restart. Not hashed: the rendering it feeds already is.
+    inputs: dict[str, str] = field(default_factory=dict)
 
     @property
     def spec_hash(self) -> str:
@@ -70,6 +78,8 @@ class LaunchSpec:
         labels = {LABEL_MANAGED: "true", LABEL_SPEC_HASH: self.spec_hash, LABEL_GENERATION: str(generation),
                   LABEL_ROLE: "head" if self.rank == 0 else "worker", LABEL_INSTANCE: self.instance,
                   LABEL_PORTS: ",".join(str(port) for _, port in self.listens), LABEL_WEIGHTS: self.weights}
+        if self.inputs and (launch := launch_label(self.inputs)) is not None:  # none: a spec not made by launch_specs
+            labels[LABEL_LAUNCH] = launch
         argv = ["run", "-d", "--name", self.container_name, *self.docker_flags]
         for key, value in sorted(labels.items()):
             argv += ["--label", f"{key}={value}"]
@@ -402,10 +412,10 @@ def launch_specs(desired: Desired, instance: str | None = None) -> list[LaunchSp
     head_ip = str(desired.head.fabric.address.ip)
     specs = []
     for rank, node in enumerate(nodes):
-        mount, model_arg, mount_env = _model_mount(desired, node)
-        caches, cache_env = _cache_mounts(desired, node)
+        mount, model_arg, _ = _model_mount(desired, node)
+        caches, _ = _cache_mounts(desired, node)
         flags = tuple(_docker_flags(desired) + mount + caches)
-        env = mount_env | cache_env | _env(desired, node)
+        env = _container_env(desired, node)
         serve_exec = None
         listens = _listens(desired, rank, len(nodes))
         if s.launcher == "native":
@@ -430,10 +440,91 @@ def launch_specs(desired: Desired, instance: str | None = None) -> list[LaunchSp
         specs.append(LaunchSpec(node=node.name, rank=rank, container_name=s.container_name, image=s.image,
                                 docker_flags=flags, env=env, command=tuple(command), serve_exec=serve_exec,
                                 instance=desired.instance if instance is None else instance, listens=listens,
-                                weights=desired.weights_root(node.name)))
+                                weights=desired.weights_root(node.name), inputs=launch_inputs(desired, node)))
     if s.launcher == "ray":
         specs[0] = dataclasses.replace(specs[0], keep_local=_keep_local(specs))
     return specs
+
+
+def _container_env(desired: Desired, node: Node) -> dict[str, str]:
+    """Every variable `node`'s container gets, as declared (the model's and the caches' own, then `_env`)."""
+    return _model_mount(desired, node)[2] | _cache_mounts(desired, node)[1] | _env(desired, node)
+
+
+def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
+    """What `node`'s launch is rendered from, as the file names it: dotted field -> short printable value (`serving.
+    max_model_len` -> `32768`; this node's own fields and the head's address it points at under `nodes.NAME.`;
+    a secret as `serving.secrets.NAME` -> `secret_fingerprint`, never its value; an unset field is left out).
+    Equal inputs render the same launch, so when the spec hash differs the diff of the old container's inputs
+    (its `LABEL_LAUNCH`) and these names every field that forces the restart (tests/unit/test_plan_diff.py tries
+    random edits). Fields no rank reads are left out; the `vllm serve` ones are kept on a Ray worker, whose `ray
+    start` does not read them, as that only shows when its own launch changed too."""
+    s, model, docker = desired.serving, desired.model, desired.serving.docker
+    span = desired.serving_nodes
+    me, head = f"nodes.{node.name}.", f"nodes.{desired.head.name}."
+    out = {
+        "serving.container_name": s.container_name, "serving.image": s.image, "serving.launcher": s.launcher,
+        "serving.nodes": ",".join(n.name for n in span),  # the rank and the group's size
+        "serving.tensor_parallel_size": str(s.tensor_parallel_size),
+        "serving.pipeline_parallel_size": str(s.pipeline_parallel_size),
+        "serving.gpu_memory_utilization": f"{s.gpu_memory_utilization:g}", "serving.host": s.host,
+        "serving.port": str(s.port), "serving.extra_args": shlex.join(s.extra_args),
+        "serving.max_model_len": str(s.max_model_len or ""), "serving.served_model_name": s.served_model_name or "",
+        "trust.remote_code": _yaml(desired.trust.remote_code),
+        "model.layout": model.layout, "model.path": model.path_on(node.name),
+        "serving.docker.gpus": docker.gpus or "", "serving.docker.ipc": docker.ipc or "",
+        "serving.docker.privileged": _yaml(docker.privileged),
+        "serving.docker.shm_size": (docker.shm_size or "") if docker.ipc != "host" else "",  # ignored beside it
+        "serving.docker.ulimits": " ".join(f"{k}={v}" for k, v in docker.effective_ulimits.items()),
+        "serving.docker.devices": shlex.join(docker.devices), "serving.docker.cap_add": shlex.join(docker.cap_add),
+        "serving.docker.volumes": shlex.join(docker.volumes), "serving.compile_cache": s.compile_cache or "",
+        me + "fabric.interface": node.fabric.interface, me + "fabric.address": str(node.fabric.address.ip),
+        me + "fabric.rdma_device": node.fabric.rdma_device or "",
+        me + "fabric.twin.rdma_device": (node.fabric.twin.rdma_device or "") if node.fabric.twin else "",
+        head + "fabric.address": str(desired.head.fabric.address.ip),
+    }
+    if model.layout == "hf-cache":  # plain serves the mounted directory: neither is rendered
+        out |= {"model.id": model.id, "model.revision": model.revision}
+    if s.launcher == "native" and len(span) > 1:
+        out["serving.master_port"] = str(s.master_port)
+    if s.launcher == "ray":
+        out["serving.ray_port"] = str(s.ray_port)
+        if node.name == desired.head.name:  # its keep_local names what the other ranks set and it does not
+            own = _container_env(desired, node)
+            out["ray.env_of_other_ranks"] = ",".join(sorted({k for n in span for k in _container_env(desired, n)}
+                                                            - set(own)))
+    if s.compile_cache == "home":
+        out[me + "ssh.user"] = node.ssh.user
+    out |= {f"serving.env.{k}": v for k, v in s.env.items()}
+    out |= {f"serving.secrets.{k}": secret_fingerprint(k, v) for k, v in desired.secrets_for(node).items()}
+    return {k: _short(v) for k, v in sorted(out.items()) if v != "" or k.startswith("serving.env.")}
+
+
+def _yaml(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def secret_fingerprint(name: str, value: str) -> str:
+    """What a launch label says of a secret: the first 12 hex of a sha256 of its name and value. It tells a
+    rotated value from the same one and nothing more; whoever can read the label (`docker inspect` on the
+    node) can read the value itself in the container's environment."""
+    return hashlib.sha256(f"{name}\0{value}".encode()).hexdigest()[:12]
+
+
+def _short(value: str) -> str:
+    """`value` as a label holds it: printable (core/text.py), and at most MAX_LAUNCH_VALUE characters, a longer
+    one cut and ended with a hash of the whole, so a change past the cut still shows."""
+    shown = printable(value)
+    if len(shown) <= MAX_LAUNCH_VALUE:
+        return shown
+    return shown[:MAX_LAUNCH_VALUE - 15] + "…#" + hashlib.sha256(value.encode()).hexdigest()[:12]
+
+
+def launch_label(inputs: dict[str, str]) -> str | None:
+    """`LABEL_LAUNCH`'s value: compact ASCII JSON. None (no label) when it would pass MAX_LAUNCH_LABEL (hundreds of
+    serving.env entries): the next plan of such a container names its hashes only."""
+    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= MAX_LAUNCH_LABEL else None
 
 
 def _listens(desired: Desired, rank: int, nodes: int) -> tuple[tuple[str, int], ...]:

@@ -75,6 +75,11 @@ class LeaseHeld(Exception):
     """Another actor holds the cluster (or the head could not say): nothing may act."""
 
 
+class LeaseUnreachable(LeaseHeld):
+    """The head could not be reached to take the lease: nobody may be holding it, so "stop the daemon or wait" is
+    the wrong advice (and exit 5, unreachable, not 4, held)."""
+
+
 @dataclass(frozen=True)
 class Holder:
     token: str  # this process: written beside the lock, never compared (the lock is the process's own)
@@ -128,7 +133,8 @@ class Lease:
             answer = companion.line(timeout)
             why = parse(answer) if answer is not None else _ended(companion.end(timeout))
         except RemoteError as exc:
-            why = f"the lease on the head could not be taken: {exc}"
+            _close(stack)
+            raise LeaseUnreachable(f"the head could not be reached to take the cluster's lease: {exc}") from None
         if why is not None:
             _close(stack)
             raise LeaseHeld(why)

@@ -23,11 +23,19 @@ too, and it renders itself any exc_info still pending (the console renderer woul
 `configure` also redacts the other writers of tracebacks: the standard library's logging (paramiko, fabric) and
 the interpreter's printers of uncaught exceptions, in the main thread or any other. In an argv list, the item after
 a secret's flag (`["--api-key", "abc"]`) is redacted too.
+
+Under systemd, stderr is the journal, which took every line at priority info (`journalctl -p warning` showed
+nothing). When stderr is the journal's stream (`stderr_is_journal`: `$JOURNAL_STREAM` names its device and inode,
+systemd.exec(5)), every line starts with the syslog priority of its level, `<4>` for a warning (sd-daemon(3)'s
+SD_WARNING), which journald reads and strips (SyslogLevelPrefix=, on by default); anywhere else (a terminal, a
+pipe, a file) the lines stay as they are.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import re
 import sys
 import threading
@@ -46,8 +54,15 @@ MASK = "***"
 #: --flag value, "key": "value", a dict key) — only the anywhere-in-any-text match needs the length.
 MIN_SECRET_LENGTH = 8
 
+#: The levels `configure` takes (`--log-level`), least severe first.
+LEVELS = ("debug", "info", "warning", "error")
+#: syslog(3) priority per level: what journald reads from a line's `<N>` prefix (sd-daemon(3): SD_ERR "<3>",
+#: SD_WARNING "<4>", SD_INFO "<6>", SD_DEBUG "<7>"). structlog's `exception` is `error` by then (add_log_level).
+PRIORITIES = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
+
 _lock = threading.Lock()
 _secrets: tuple[str, ...] = ()  # registered values, longest first
+_journal = False  # stderr is the journal's stream (configure): each line gets its priority prefix
 
 
 def register_secret(value: str) -> bool:
@@ -281,7 +296,8 @@ def _write_uncaught(header: str, exc_type: type[BaseException], exc: BaseExcepti
                     tb: TracebackType | None) -> None:
     stream = sys.stderr
     if stream is not None:
-        stream.write(redact_text(header + "".join(traceback.format_exception(exc_type, exc, tb))))
+        text = redact_text(header + "".join(traceback.format_exception(exc_type, exc, tb)))
+        stream.write(prefixed(text, "error") + "\n" if _journal else text)
         stream.flush()
 
 
@@ -308,14 +324,59 @@ def _redact_other_writers() -> None:
         threading.excepthook = _thread_excepthook
 
 
-def configure(json_lines: bool | None = None, level: str = "info") -> None:
+# -- journald ------------------------------------------------------------------------------------------------------
+
+def stderr_is_journal(environ: Mapping[str, str] | None = None, stream: Any = None) -> bool:
+    """Whether stderr is connected to the journal: systemd sets `$JOURNAL_STREAM` to the device and inode numbers
+    ("DEV:INODE", decimal) of the stream it connects stdout/stderr to, and a program compares them with its own
+    stderr's `fstat` (systemd.exec(5), "Environment variables in spawned processes"; what sd-journal does), so a
+    variable inherited by a child whose stderr was redirected says nothing."""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    dev, sep, ino = value.partition(":")
+    if not (sep and dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        seen = os.fstat((sys.stderr if stream is None else stream).fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # closed, or no descriptor (pytest)
+        return False
+    return (seen.st_dev, seen.st_ino) == (int(dev), int(ino))
+
+
+def prefixed(text: str, level: str) -> str:
+    """Every line of `text` with the syslog priority of `level` in front (`<4>` for warning): journald reads each
+    line as an entry of its own, so a line without it would be taken at info."""
+    priority = PRIORITIES.get(level, PRIORITIES["info"])
+    return "\n".join(f"<{priority}>{line}" for line in text.rstrip("\n").split("\n"))
+
+
+def line_prefix(level: str) -> str:
+    """What to put in front of a line written to stderr by hand (not through structlog): the priority prefix when
+    stderr is the journal, else nothing."""
+    return f"<{PRIORITIES.get(level, PRIORITIES['info'])}>" if _journal else ""
+
+
+def _with_priority(renderer: Callable[..., Any]) -> Callable[..., str]:
+    def render(logger: Any, name: str, event: MutableMapping[str, Any]) -> str:
+        return prefixed(str(renderer(logger, name, event)), str(event.get("level", "info")))
+    return render
+
+
+def configure(json_lines: bool | None = None, level: str = "info", journal: bool | None = None) -> None:
+    """`json_lines`: JSON (default when stderr is no terminal) or the console renderer; `level`: the least severe
+    level written, one of LEVELS (`--log-level`); `journal`: prefix each line with its priority (default: when
+    stderr is the journal, `stderr_is_journal`)."""
+    global _journal
+    if level not in LEVELS:
+        raise ValueError(f"log level {level!r}: one of {', '.join(LEVELS)}")
     if json_lines is None:
         json_lines = not sys.stderr.isatty()
+    _journal = stderr_is_journal() if journal is None else journal
     renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                     structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info,
-                    _redact_event, renderer],  # redaction last before the renderer: after anything that renders text
+                    # redaction last before the renderer: after anything that renders text
+                    _redact_event, _with_priority(renderer) if _journal else renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,

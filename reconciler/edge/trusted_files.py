@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from reconciler.core import envfile, spec
 from reconciler.core.spec import Desired
 
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
@@ -91,3 +92,59 @@ def problems(paths: Sequence[Path | Trusted], uid: int | None = None,
                 out.append(p)
                 break
     return list(dict.fromkeys(out))
+
+
+#: The shipped unit's `EnvironmentFile=` (reconciler/files/systemd/reconciler.service): where every command reads
+#: the values of serving.secrets, so the CLI and the daemon see the same ones.
+ENVIRONMENT_FILE = Path("/etc/spark-reconciler/environment")
+
+
+class EnvironmentFileError(Exception):
+    """The environment file named cannot be used: missing, unreadable, or open to others."""
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """Where the values of serving.secrets come from: `environ` (the environment file's values over this process's
+    environment, as systemd sets them over the unit's) and `where`, said when a name is missing."""
+
+    environ: Mapping[str, str]
+    where: str
+
+
+def secrets_environment(path: Path, explicit: bool, base: Mapping[str, str],
+                        uid: int | None = None) -> Secrets:
+    """The values the commands take serving.secrets from. The file is read as systemd reads it (core.envfile) and
+    wins over the caller's shell, so `plan` compares the daemon's values, not a stale export. A file anyone but its
+    owner (root or us) may change, or anyone at all may read, is refused (it holds the keys). The default file
+    missing or unreadable falls back to the environment alone (a testbed, a user without access), saying so;
+    a file named with --env-file must be there."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise EnvironmentFileError(f"{path}: not a regular file")
+        if unsafe := problems([path], uid):
+            raise EnvironmentFileError("; ".join(unsafe))
+        if st.st_mode & stat.S_IRWXO:
+            raise EnvironmentFileError(f"{path}: the environment file is readable by others (mode "
+                                       f"{stat.S_IMODE(st.st_mode):04o}); it holds the secrets: chmod o-rwx {path}")
+        values = envfile.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError as exc:
+        if explicit:
+            raise EnvironmentFileError(f"{path}: {exc.strerror} (--env-file)") from None
+        return Secrets(base, f"this process's environment ({path}: {exc.strerror})")
+    return Secrets({**base, **values}, f"{path} or this process's environment")
+
+
+def load(path: str | Path, secrets: Secrets | None) -> tuple[Desired | None, list[str]]:
+    """The desired state as the daemon takes it, or every reason it cannot (one line each, placed): the file's own
+    problems, each secret `secrets` lacks, and each trusted file someone else may change. With `secrets=None`
+    (validate --skip-secrets, export, sudoers) the secrets and the trust are not judged."""
+    try:
+        if secrets is None:
+            return spec.load(path), []
+        desired = spec.load(path, secrets.environ, where=secrets.where)
+    except spec.InvalidDesiredState as exc:
+        return None, exc.lines()
+    unsafe = problems(trusted_paths(desired, path))
+    return (None, unsafe) if unsafe else (desired, [])

@@ -1,5 +1,5 @@
 """The operator's files, shipped in the wheel: the systemd units, the environment file template, the Prometheus
-alert rules, the Grafana dashboard and its provisioning, the sample desired state.
+alert rules and an Alertmanager example, the Grafana dashboard and its provisioning, the sample desired state.
 
 This package is their one place; the top-level systemd/, monitoring/ and desired-state/ of the source tree are
 relative symlinks into it. `reconciler print NAME` writes one to stdout (docs/cli.md), e.g.
@@ -26,6 +26,8 @@ SHIPPED: dict[str, tuple[str, str]] = {
                 "a sample desired state to edit: /etc/spark-reconciler/cluster.yaml"),
     "alerts": ("monitoring/alerts.yaml",
                "the Prometheus alert rules (rule_files:)"),
+    "alertmanager": ("monitoring/alertmanager.yaml",
+                     "an Alertmanager route and inhibit rules to merge into alertmanager.yml"),
     "dashboard": ("monitoring/grafana/dashboard.json",
                   "the Grafana dashboard"),
     "grafana-datasource": ("monitoring/grafana/provisioning/datasources/prometheus.yaml",

@@ -9,78 +9,175 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import click
 from rich.console import Console
+from rich.filesize import decimal
 from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TaskID,
+    TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.table import Column
+from rich.text import Text
 
 from reconciler.core import planning
+from reconciler.core.exits import Exit
+from reconciler.core.observed import Observed
+from reconciler.core.planning import Plan
 from reconciler.core.render import plan_text
 from reconciler.core.spec import Desired
 from reconciler.core.text import printable
 from reconciler.edge.execute import execute
-from reconciler.edge.lease import Holder, LeaseHeld, held
+from reconciler.edge.lease import Holder, LeaseHeld, LeaseUnreachable, held
 from reconciler.edge.observe import observe
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 
 
+@dataclass(frozen=True)
+class _Report:
+    """One thing moving, as the view shows it: bytes of a total (`unit` "bytes"; `estimate`: the total is the
+    image's size, which its archive outgrows by a few percent), or a cold start's percent of its current stage's
+    line (`unit` "%"; None when that line has no number) with the line as `detail`."""
+
+    key: str
+    label: str
+    done: int | None
+    total: int | None
+    unit: str
+    stage: str = ""
+    detail: str = ""
+    finished: bool = False
+    estimate: bool = False
+
+
+def _report(event: str, fields: dict) -> _Report | None:
+    """A step's progress event as a report; None for the events the view does not show."""
+    family, _, what = event.partition(".")
+    node = fields.get("node", "")
+    if family in _BYTES and what in ("start", "progress", "done"):
+        total = fields.get("bytes_total")
+        done = fields.get("bytes_done", total if what == "done" else 0)
+        return _Report(f"{family}/{node}", _BYTES[family].format(node=node), done, total, "bytes",
+                       finished=what == "done", estimate=family == "image")
+    if family == "serving" and what in ("stage", "progress", "done"):
+        return _Report(f"start/{node}", f"cold start on {node}", fields.get("percent"), 100, "%",
+                       stage=fields.get("stage") or "", detail=fields.get("line") or "", finished=what == "done")
+    return None
+
+
+_BYTES = {"weights": "weights -> {node}", "download": "download on {node}", "image": "image -> {node}"}
+
+
+class _Amount(ProgressColumn):
+    """Bytes, speed and time left for a copy; the stage and vLLM's own line for a cold start."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1))  # the width left over
+        self.size, self.speed, self.left = DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()
+
+    def render(self, task: Task) -> Text:
+        if task.fields.get("unit") == "%":
+            return Text(printable(f"{task.fields['stage']}  {task.fields['detail']}"), no_wrap=True,
+                        overflow="ellipsis")
+        return Text.assemble(self.size.render(task), " ", self.speed.render(task), " ", self.left.render(task))
+
+
 class _ProgressView:
-    """A progress bar per weight sync and download in a terminal; silent otherwise (the JSON log has the numbers).
-    Both report `bytes_done` of `bytes_total` (the download's total is the Hub's size of the revision)."""
+    """What moves while `apply` runs: each copy (weights, download, image: bytes of their total, rate, time left)
+    and the cold start (vLLM's stage, its percent and its last meaningful line). In a terminal, a rich bar each;
+    otherwise (CI, a pipe, a journal) a plain line when one appears, changes stage or ends, and every `EVERY`
+    seconds in between, as Terraform's "Still creating..." does."""
 
-    LABEL = {"weights": "weights -> {node}", "download": "download on {node}"}
+    EVERY = 10.0
 
-    def __init__(self, console: Console):
-        self.console = console
+    def __init__(self, console: Console, clock: Callable[[], float] = time.monotonic):
+        self.console, self.clock = console, clock
         self.bars: Progress | None = None
         self.tasks: dict[str, TaskID] = {}
+        self.said: dict[str, tuple[float, str]] = {}  # key -> (when, stage) of the last plain line
+        self.first: dict[str, tuple[float, int]] = {}  # key -> (when, bytes) of the first report: the rate's start
         self.lock = threading.Lock()
 
     def __call__(self, event: str, fields: dict) -> None:
-        kind, _, what = event.partition(".")
-        if not self.console.is_terminal or kind not in self.LABEL:
+        report = _report(event, fields)
+        if report is None:
             return
         with self.lock:
-            if self.bars is None:
-                self.bars = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                     TransferSpeedColumn(), TimeRemainingColumn(), console=self.console)
-                self.bars.start()
-            key = f"{kind}/{fields['node']}"
-            if key not in self.tasks:
-                self.tasks[key] = self.bars.add_task(self.LABEL[kind].format(node=fields["node"]),
-                                                     total=fields.get("bytes_total") or 1)
-            done = fields.get("bytes_done", fields.get("bytes_total") if what == "done" else 0)
-            self.bars.update(self.tasks[key], completed=done)
+            if self.console.is_terminal:
+                self._bar(report)
+            else:
+                self._line(report)
+
+    def _bar(self, r: _Report) -> None:
+        if self.bars is None:
+            self.bars = Progress(TextColumn("{task.description}", markup=False), BarColumn(bar_width=24), _Amount(),
+                                 console=self.console, expand=True)
+            self.bars.start()
+        done = r.total if r.finished and r.total else r.done
+        total = r.total if done is not None else None  # no number: a pulsing bar
+        if r.key not in self.tasks:  # the fields first: the bar may be drawn before the update
+            self.tasks[r.key] = self.bars.add_task(r.label, total=total, unit=r.unit, stage=r.stage, detail=r.detail)
+        self.bars.update(self.tasks[r.key], completed=done or 0, total=total, unit=r.unit, stage=r.stage,
+                         detail=r.detail)
+
+    def _line(self, r: _Report) -> None:
+        now = self.clock()
+        if r.unit == "bytes" and r.done is not None:
+            self.first.setdefault(r.key, (now, r.done))
+        when, stage = self.said.get(r.key, (None, None))
+        said = (when is None or stage != r.stage or now - when >= self.EVERY
+                or r.finished and r.unit == "bytes")  # a cold start that already said "serving" ends unsaid
+        if not said:
+            return
+        self.said[r.key] = (now, r.stage)
+        click.echo(printable(f"  {r.label}: {self._words(r, now)}"))
+
+    def _words(self, r: _Report, now: float) -> str:
+        if r.unit == "%":
+            percent = f" {r.done}%" if r.done is not None else ""
+            return f"{r.stage}{percent}" + (f" ({r.detail})" if r.detail else "")
+        done = r.done or 0
+        of = f" of {'~' if r.estimate else ''}{decimal(r.total)} ({min(100, 100 * done // r.total)}%)" \
+            if r.total else ""
+        words = decimal(done) + of
+        since, at_first = self.first.get(r.key, (now, done))
+        if now > since and done > at_first:
+            words += f" at {decimal(round((done - at_first) / (now - since)))}/s"
+        return words + (", done" if r.finished else "")
 
     def stop(self) -> None:
         if self.bars is not None:
             self.bars.stop()
 
 
-EXIT_HELD = 4  # another actor holds the cluster's lease (reconciler.edge.lease)
-
-
 def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 3, generation: int = 1,
                holder: Holder | None = None) -> int:
-    """`holder`: who takes the cluster's lease for the run (not for a dry run, which changes nothing)."""
+    """`holder`: who takes the cluster's lease for the run (not for a dry run, which changes nothing). Returns the
+    exit code (reconciler.core.exits): 0 converged, 1 not, 2 changes pending (dry run), 4 held, 5 unreachable."""
     sessions = Sessions(desired)
     try:
         with contextlib.ExitStack() as stack:
             if not dry_run and holder is not None:
                 try:
                     stack.enter_context(held(desired, sessions, holder))
+                except LeaseUnreachable as exc:
+                    click.echo(printable(f"Nothing changed: {exc}."), err=True)
+                    return Exit.UNREACHABLE
                 except LeaseHeld as exc:
                     click.echo(printable(f"Nothing changed: {exc} (reconciler status; stop the daemon or wait)."),
                                err=True)
-                    return EXIT_HELD
+                    return Exit.HELD
             return _apply(desired, sessions, yes=yes, dry_run=dry_run, max_passes=max_passes, generation=generation)
     finally:
         sessions.close()
@@ -94,13 +191,11 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
         observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command)
         current = planning.plan(desired, observed)
         click.echo(plan_text(current), nl=False)
-        if not current.steps:
-            return 1 if current.changes else 0
-        if dry_run:
-            return 1
+        if dry_run or not current.steps:
+            return _outcome(observed, current, dry_run)
         if not yes and not click.confirm("Apply these steps?", default=False):
             click.echo("Nothing changed.")
-            return 1
+            return Exit.ERROR
         for _ in range(max_passes):
             ctx = StepContext(desired=desired, sessions=sessions, observed=observed, generation=generation,
                               progress=view)
@@ -113,11 +208,21 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
         view.stop()
         if current.changes:
             click.echo("\nNot converged:\n" + plan_text(current), nl=False)
-            return 1
-        click.echo("\nConverged: a fresh observation shows no drift.")
-        return 0
+        else:
+            click.echo("\nConverged: a fresh observation shows no drift.")
+        return _outcome(observed, current, dry_run=False)
     finally:
         view.stop()
+
+
+def _outcome(observed: Observed, current: Plan, dry_run: bool) -> Exit:
+    """A node unreachable first (the plan could not be whole), then: a dry run's changes are pending (2, as
+    `plan`), a real run's are not converged (1)."""
+    if any(not n.reachable for n in observed.nodes.values()):
+        return Exit.UNREACHABLE
+    if not current.changes:
+        return Exit.OK
+    return Exit.CHANGES if dry_run else Exit.ERROR
 
 
 def _echo(event: str, fields: dict) -> None:

@@ -64,6 +64,10 @@ class Backoff:
         rec = self.records.get(step_id)
         return rec is not None and rec.failures >= self.retries.hold_after
 
+    def failures(self) -> dict[str, int]:
+        """step id -> its consecutive failures, for every step that failed since it last succeeded."""
+        return {sid: rec.failures for sid, rec in self.records.items()}
+
     def held(self) -> dict[str, str]:
         return {sid: rec.message for sid, rec in self.records.items() if rec.failures >= self.retries.hold_after}
 

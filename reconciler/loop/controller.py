@@ -23,21 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.core import planning, spec
-from reconciler.core.observed import Observed, ServeFlags
-from reconciler.core.planning import STEP_KINDS, Blocker, Plan, unhealthy_grace
+from reconciler.core.observed import NodeObservation, Observed, ServeFlags
+from reconciler.core.planning import STEP_KINDS, Blocker, Plan, Step, unhealthy_grace
 from reconciler.edge import log, trusted_files
 from reconciler.edge.image_flags import ask_serve_flags, flags_wanted
 from reconciler.edge.lease import RENEW_AFTER, Holder, Lease
 from reconciler.edge.observe import observe
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
+from reconciler.edge.trusted_files import Secrets
 from reconciler.loop import conditions, metrics
 from reconciler.loop.backoff import Backoff, vetoes
 from reconciler.loop.generations import GenerationStore, observe_only
 from reconciler.loop.health_watch import HealthWatch
-from reconciler.loop.operations import FlagsQuery, Operations, admit
+from reconciler.loop.operations import FlagsQuery, Operations, admit, verify_conflict, verify_waits
 from reconciler.loop.status import StatusPublisher
 from reconciler.loop.triggers import ReconcileRequests, stream_events
+from reconciler.loop.verify import Busy, Verifier, targets, verify_node
 
 #: While serving that served fails its health check (within the grace), reconcile again after at most this long.
 UNHEALTHY_RECHECK = 5.0
@@ -53,18 +55,25 @@ EVENT_SETTLE = 0.5
 
 @dataclass(frozen=True)
 class Result:
-    """What one reconcile tells the loop: when to look again at the latest (None: at the next resync)."""
+    """What one reconcile tells the loop: when to look again at the latest (None: at the next resync), and why
+    (`requeue_reason`: what the reconcile it triggers says triggered it)."""
 
     requeue_after: float | None = None
     phase: str = ""
+    requeue_reason: str = ""
 
 
 class Controller:
     def __init__(self, path: Path, state_dir: Path, requests: ReconcileRequests, cancel: threading.Event,
                  events: bool = True, observe_fn=observe, sessions_factory=Sessions,
                  operations: Operations | None = None, clock: Callable[[], float] | None = None,
-                 monotonic: Callable[[], float] | None = None) -> None:
+                 monotonic: Callable[[], float] | None = None, verify_fn=verify_node,
+                 secrets: Callable[[], Secrets] | None = None) -> None:
         self.path = Path(path)
+        #: Where serving.secrets' values come from, asked at every load (`run --env-file`: the file over this
+        #: process's environment, so a rotated key is an edit and a reload); by default the environment alone.
+        self.secrets = secrets or (lambda: Secrets(os.environ, "the reconciler's environment (systemd: "
+                                                   "EnvironmentFile=, see docs/security.md)"))
         self.holder = Holder.of("daemon", self.path)
         self.lease: Lease | None = None
         self.lease_sessions: Sessions | None = None  # the lease's own connection to the head (edge/lease.py)
@@ -86,6 +95,12 @@ class Controller:
                                                    clock=self.monotonic)
         self.health = HealthWatch(wall=self.clock)
         self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
+        # `reconciler verify` asks through the listener (verify_request); the verify runs beside the loop
+        self.verifier = Verifier(on_end=lambda node: requests.request(f"verify-ended:{node}"), clock=self.clock,
+                                 monotonic=self.monotonic)
+        self._verify_fn = verify_fn
+        self._troubles: dict[str, tuple[str, str]] = {}  # node -> what was wrong at the last look (said once)
+        self._wanted: list[Step] = []  # the steps this reconcile would start, a verify aside: none starts beside
         self._observe_fn = observe_fn
         self._sessions_factory = sessions_factory
         self.desired: spec.Desired | None = None
@@ -99,29 +114,37 @@ class Controller:
 
     @property
     def status(self) -> dict:
-        """/status: the last reconcile's status, with the operations as they are right now."""
+        """/status: the last reconcile's status, with the operations (a verify among them) as they are right now,
+        and the verify requests with their results (what `reconciler verify` waits for)."""
         flags = self.image_answer
         image = None if flags is None else {"id": flags.image_id, "vllm_version": flags.version,
                                             "pending": flags.pending, "error": flags.error}
-        return log.redact({**self.publisher.status, "operations": self.operations.view(), "image": image})
+        return log.redact({**self.publisher.status, "operations": self.operations.view() + self.verifier.view(),
+                           "image": image, "verifyRequests": self.verifier.requests(),
+                           "lastConverged": self.store.last_converged})
 
     # -- the desired state ------------------------------------------------------------------------------------
 
+    def _load(self) -> tuple[spec.Desired | None, list[str]]:
+        """The file as `validate` judges it (trusted_files.load: the file, its secrets, the files it trusts); every
+        secret value registered for redaction before anything can log it."""
+        try:
+            loaded, unsafe = trusted_files.load(self.path, self.secrets())
+        except trusted_files.EnvironmentFileError as exc:
+            return None, [str(exc)]
+        for value in loaded.secret_values() if loaded is not None else []:
+            log.register_secret(value)
+        return loaded, unsafe
+
     def reload(self) -> bool:
         """Re-read the file; True when a new valid generation was taken. Invalid: keep the last good one."""
-        try:
-            desired = spec.load(self.path, os.environ)
-            for value in desired.secret_values():
-                log.register_secret(value)
-            unsafe = trusted_files.problems(trusted_files.trusted_paths(desired, self.path))
-        except spec.InvalidDesiredState as exc:
-            unsafe = exc.lines()
-        if unsafe:  # a file others may change is as bad as an invalid one: keep the last good generation
+        loaded, unsafe = self._load()
+        if loaded is None:  # a file others may change is as bad as an invalid one: keep the last good
             self.file_error = "\n".join(unsafe)
             metrics.desired_state_valid.set(0)
             self.log.warning("desired_state.invalid", errors=unsafe, keeping_generation=self.store.generation)
             return False
-        self.file_error = None
+        desired, self.file_error = loaded, None
         metrics.desired_state_valid.set(1)
         digest = desired.fingerprint()
         if self.store.take(digest):
@@ -134,10 +157,8 @@ class Controller:
         else:  # nothing recorded is in force: observe what the file says, change nothing (generations.observe_only)
             desired, self.read_only = observe_only(desired), digest
             self.log.warning("state.read_only", error=self.store.pending)
-        if self.desired is not None and (cancelled := self.operations.cancel_all()):
-            # Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled,
-            # they end at their next check; all steps are idempotent and rsync resumes from its partial data.
-            self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
+        if self.desired is not None:
+            self._end_generation()
         self.desired = desired
         metrics.desired_state_generation.set(self.store.generation)
         self.backoff = Backoff(desired.policy.retries)  # a new generation: try everything again now
@@ -166,6 +187,14 @@ class Controller:
             self._restart_streams()
         return True
 
+    def _end_generation(self) -> None:
+        """Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled, they end
+        at their next check; all steps are idempotent and rsync resumes from its partial data. A verify of the old
+        generation's trees says nothing of the new one's: cancelled too."""
+        if cancelled := self.operations.cancel_all():
+            self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
+        self.verifier.cancel_all("a new generation of the desired state")
+
     def _restart_streams(self) -> None:
         self.stop_streams()
         assert self.desired is not None and self.sessions is not None
@@ -182,11 +211,15 @@ class Controller:
     # -- one reconcile ----------------------------------------------------------------------------------------
 
     def reconcile(self, reasons: set[str]) -> Result:
+        """One reconcile; `reasons`: what triggered it (the triggers coalesced into it), said in its log line:
+        start, file (the desired-state file changed), sighup, docker:NODE and link:NODE (a node's event),
+        events-lost:NODE, resync, operation (a step ended), flags (the image's answer), verify-request,
+        verify-ended:NODE, requeue:WHY (backoff-ended:STEP, health-recheck, lease-renewal, event-settle)."""
         start = time.monotonic()
         self.reconciles += 1
+        trigger = sorted(reasons)
         failures = self._record(self.operations.drain())
-        if {"file", "sighup"} & reasons or self.desired is None or self.store.pending is not None:
-            self.reload()  # an edit whose generation could not be recorded is retried every reconcile
+        self._reread(reasons, trigger)
         desired = self.desired
         observed: Observed | None = None
         current: Plan | None = None
@@ -197,26 +230,55 @@ class Controller:
                 observed = self._observe(desired)
                 if self.cancel.is_set():
                     return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
+                self._say_troubles(observed)
                 current = planning.plan(desired, observed)
-                started = self._start(desired, observed, current, reasons)
+                started = self._start(desired, observed, current, trigger)
+                self._verify_next(desired, current)
                 if not current.changes and self.read_only is None:  # observing only: no generation to reach
                     self.store.converged(self.clock())
                     metrics.last_converged.set(self.store.last_converged)
         except Exception as exc:  # a bug must not freeze the status at its last value
             error = f"reconcile crashed: {type(exc).__name__}: {exc}"
-            self.log.exception("reconcile.crashed", error=str(exc))
+            self.log.exception("reconcile.crashed", error=str(exc), trigger=trigger)
         result = "error" if error or failures or desired is None else ("success" if started else "noop")
         phase = self._publish(observed, current, failures, error)
         metrics.reconciles.labels(result=result).inc()
         metrics.reconcile_duration.observe(time.monotonic() - start)
         self.log.info("reconcile.end", generation=self.store.generation, reconcile=self.reconciles, phase=phase,
-                      result=result, steps_started=started, in_flight=len(self.operations.busy()),
+                      trigger=trigger, result=result, steps_started=started, in_flight=len(self.operations.busy()),
                       seconds=round(time.monotonic() - start, 3),
                       drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None,
                       blocked=[f"{b.node}: {b.reason}" for b in current.blocked] if current and current.blocked
                       else None, error=error)
-        settle = any(r.startswith("docker:") for r in reasons)
-        return Result(self._requeue_after(observed, settle), phase)
+        requeue = self._requeue_after(observed, settle=any(r.startswith("docker:") for r in reasons))
+        return Result(None, phase) if requeue is None else Result(requeue[0], phase, requeue[1])
+
+    def _reread(self, reasons: set[str], trigger: list[str]) -> None:
+        """Read the file again when it changed or SIGHUP asked (said either way: a SIGHUP that finds the file as it
+        was is news too), and every reconcile while there is no valid one or its generation could not be
+        recorded."""
+        if {"file", "sighup"} & reasons:
+            taken = self.reload()
+            self.log.info("desired_state.reread", trigger=trigger, new_generation=taken,
+                          generation=self.store.generation)
+        elif self.desired is None or self.store.pending is not None:
+            self.reload()
+
+    def _say_troubles(self, observed: Observed) -> None:
+        """A node's trouble once, when it starts or changes: unreachable, its output unreadable, docker not
+        answering at warning; a host key refused or an authentication failure at error (not transient: someone must
+        look); its end at info. One line per change, not one every reconcile."""
+        for name, obs in observed.nodes.items():
+            trouble = _trouble(obs)
+            if trouble == self._troubles.get(name):
+                continue
+            if trouble is None:
+                self.log.info("node.recovered", node=name, was=self._troubles.pop(name)[1])
+                continue
+            kind, why = trouble
+            fatal = why.startswith(("HostKeyRejected", "authentication failed"))
+            (self.log.error if fatal else self.log.warning)(f"node.{kind}", node=name, error=why)
+            self._troubles[name] = trouble
 
     def _observe(self, desired: spec.Desired) -> Observed:
         assert self.sessions is not None, "a valid desired state opens the sessions"
@@ -232,26 +294,95 @@ class Controller:
         assert self.desired is not None and self.sessions is not None
         return ask_serve_flags(self.desired, self.sessions, holder, image_id)
 
-    def _start(self, desired: spec.Desired, observed: Observed, current: Plan, reasons: set[str]) -> int:
+    def _start(self, desired: spec.Desired, observed: Observed, current: Plan, trigger: list[str]) -> int:
         """Launch the plan's steps that may start now (not held, not conflicting with one in flight)."""
+        self._wanted = []
         if current.mode != "enforce":  # observing or paused: the cluster is free for `apply`
-            if self.lease is not None and self.lease.holding and not self.operations.busy():
+            if (self.lease is not None and self.lease.holding and not self.operations.busy()
+                    and self.verifier.verifying() is None):
                 self.lease.release()
             return 0
         assert self.sessions is not None and self.backoff is not None and self.lease is not None
         if (taken := self.lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
             current.blocked.append(Blocker(desired.head.name, f"nothing starts: {taken}"))
             return 0
-        runnable, waiting = admit(current.steps, self.operations.busy(),
-                                  vetoes(current, self.backoff, self.monotonic()))
+        runnable, waiting = self._admit(desired, current)
         if not runnable:
             return 0
-        self.log.info("reconcile.plan", generation=self.store.generation, reasons=sorted(reasons),
+        self.log.info("reconcile.plan", generation=self.store.generation, trigger=trigger,
                       steps=[s.id for s in runnable], waiting=waiting or None, drift=len(current.drift))
         ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
                           generation=self.store.generation, progress=self._progress, cancel=self.cancel)
         self.operations.launch(runnable, ctx, on_event=self._on_step)
         return len(runnable)
+
+    def _admit(self, desired: spec.Desired, current: Plan) -> tuple[list[Step], dict[str, str]]:
+        """The plan's steps that may start now, and why the others wait. A step that needs the trees a verify is
+        hashing makes that verify yield (it is low priority: reconciler.loop.verify) and waits until it has ended,
+        which is a trigger."""
+        assert self.backoff is not None
+        busy, vetoed = self.operations.busy(), vetoes(current, self.backoff, self.monotonic())
+        runnable, waiting = admit(current.steps, busy, vetoed)
+        self._wanted = runnable
+        node = self.verifier.verifying()
+        yielding = {s.id: f"the verify of {node} stops first" for s in runnable
+                    if node is not None and verify_conflict(s, node, desired.source_node)}
+        if not yielding:
+            return runnable, waiting
+        if self.verifier.yield_(", ".join(sorted(yielding))):
+            self.log.info("verify.yield", node=node, to=sorted(yielding))
+        return admit(current.steps, busy, {**vetoed, **yielding})
+
+    def _verify_next(self, desired: spec.Desired, current: Plan) -> None:
+        """Start the asked verify on its next node when nothing it conflicts with is in flight; a repair only while
+        the daemon enforces and holds the lease (it deletes files)."""
+        request = self.verifier.pending()
+        if request is None or self.verifier.verifying() is not None:
+            return
+        if request.repair and not (current.mode == "enforce" and self.lease is not None and self.lease.holding):
+            self.verifier.wait("a repair waits until the daemon enforces and holds the cluster's lease")
+            return
+        busy, source = self.operations.busy(), desired.source_node
+        waits = {node: verify_waits(node, source, busy) or next(
+            (f"{s.id} starts first" for s in self._wanted if verify_conflict(s, node, source)), None)
+            for node in request.todo}
+        node = next((n for n, why in waits.items() if why is None), None)
+        if node is None:
+            self.verifier.wait("; ".join(f"{n}: {why}" for n, why in waits.items()))
+            return
+        sessions, repair, verify = self.sessions, request.repair, self._verify_fn
+        if self.verifier.start(node, lambda cancel: verify(desired, sessions, node, repair, cancel)):
+            self.log.info("verify.start", request=request.id, node=node, repair=repair)
+
+    def verify_request(self, doc: dict) -> tuple[int, dict]:
+        """`POST /verify`, authenticated by the listener (server._verify), on one of its threads: take a verify of
+        this daemon's desired state (202 and the request's id), or say why not (reconciler/edge/daemon_client.py
+        reads the reasons)."""
+        file, repair, only = doc.get("file"), doc.get("repair"), doc.get("node")
+        if not isinstance(file, str) or not isinstance(repair, bool) or not (only is None or isinstance(only, str)):
+            return 400, {"error": "a verify request names file (a path), repair (true or false) and node (a name "
+                                  "or null)"}
+        pid = os.getpid()
+        if os.path.realpath(file) != os.path.realpath(self.path):
+            return 409, {"reason": "other-file", "pid": pid,
+                         "error": f"the cluster is held by the daemon pid {pid}, which keeps {self.path}, not {file}"}
+        desired = self.desired
+        if desired is None:
+            return 409, {"reason": "no-desired-state", "error": "the daemon has no valid desired state in force"}
+        if repair and (desired.policy.mode != "enforce" or desired.policy.paused):
+            return 409, {"reason": "not-enforcing", "error": "the daemon does not enforce (policy.mode "
+                         f"{desired.policy.mode}, paused {str(desired.policy.paused).lower()}): a repair is not its"}
+        nodes = targets(desired, only)
+        if only is not None and not nodes:
+            return 400, {"error": f"{only} is not a node to verify: the serving nodes but the source "
+                                  f"({desired.source_node}) are: {', '.join(targets(desired)) or 'none'}"}
+        try:
+            request, joined = self.verifier.ask(repair, only, nodes)
+        except Busy as exc:
+            return 409, {"reason": "busy", "error": str(exc)}
+        self.log.info("verify.requested", request=request.id, repair=repair, node=only, joined=joined)
+        self.requests.request("verify-request")
+        return 202, {"id": request.id, "joined": joined, "targets": nodes, "pid": pid}
 
     def _record(self, results) -> list[str]:
         """Finished steps into the holds (only the loop writes them); returns the failures, one line each."""
@@ -268,27 +399,35 @@ class Controller:
                 failures.append(f"{r.step.id}: {r.message}")
         return failures
 
-    def _requeue_after(self, observed: Observed | None, settle: bool = False) -> float | None:
-        """The next moment something is due without any trigger: a backoff's end, a health grace's end, the
-        lease's renewal (a long resync must not let it lapse while our operations run), and after a docker event
-        the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
-        due = [EVENT_SETTLE] if settle else []
+    def _requeue_after(self, observed: Observed | None, settle: bool = False) -> tuple[float, str] | None:
+        """The next moment something is due without any trigger, and what: a backoff's end, a health grace's end,
+        the lease's renewal (a long resync must not let it lapse while our operations run), and after a docker
+        event the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
+        due = [(EVENT_SETTLE, "event-settle")] if settle else []
         now = self.monotonic()
         if (self.lease is not None and self.lease.holding and self.desired is not None
                 and self.desired.policy.resync_interval > RENEW_AFTER):
-            due.append(RENEW_AFTER)
+            due.append((RENEW_AFTER, "lease-renewal"))
         if self.backoff is not None and (when := self.backoff.next_due(now)) is not None:
-            due.append(when - now)
+            step = min((r.next_try, sid) for sid, r in self.backoff.records.items() if r.next_try > now)[1]
+            due.append((when - now, f"backoff-ended:{step}"))
         if self.desired is not None and observed is not None:
             health = observed.node(self.desired.head.name).serving
             if health is not None and health.served_before and health.unhealthy_for is not None:
                 # A failing API sends no event, and the event that made it fail (a rank's container dying) may
                 # arrive before the state shows it: while it fails, look again often, like a readiness probe.
-                due.append(min(UNHEALTHY_RECHECK, unhealthy_grace(self.desired, observed) - health.unhealthy_for))
-        return max(0.0, min(due)) if due else None
+                due.append((min(UNHEALTHY_RECHECK, unhealthy_grace(self.desired, observed) - health.unhealthy_for),
+                            "health-recheck"))
+        if not due:
+            return None
+        seconds, why = min(due)
+        return max(0.0, seconds), why
 
     def _progress(self, event: str, fields: dict) -> None:
-        """Steps report here (from their threads): bytes into the operation and the sync counter, then the log."""
+        """Steps report here (from their threads): bytes, or a cold start's stage and line, into the operation
+        (which /status and the progress metrics read: metrics.operation_progress follows these operations), the
+        sync counter, then the log."""
+        metrics.operation_progress.follow(self.operations.view)
         node = fields.get("node", "")
         if event == "weights.progress":
             done = fields["bytes_done"]
@@ -299,11 +438,13 @@ class Controller:
         elif event == "weights.start":
             self.synced[node] = 0
             self.operations.progress("weights", node, 0, fields.get("bytes_total"))
-        elif event == "image.progress":
-            self.operations.progress("image", node, fields["bytes"])
+        elif event in ("image.start", "image.progress"):
+            self.operations.progress("image", node, fields["bytes_done"], fields.get("bytes_total"))
         elif event in ("download.start", "download.progress"):
             self.operations.progress("download", node, fields.get("bytes_done", 0), fields["bytes_total"])
-        level = self.log.debug if event.endswith(".progress") else self.log.info
+        elif event in ("serving.stage", "serving.progress"):
+            self.operations.stage("await-health", node, fields["stage"], fields["percent"], fields["line"])
+        level = getattr(self.log, progress_level(event))
         level(event, **{k: v for k, v in fields.items() if k != "step"})
 
     def _on_step(self, event: str, fields: dict) -> None:
@@ -320,6 +461,9 @@ class Controller:
         desired = self.desired
         held = self.backoff.held() if self.backoff else {}
         self.publisher.holds(held)
+        self.publisher.failures(self.backoff.failures() if self.backoff else {})
+        if desired is not None:
+            self.publisher.roles(desired)
         in_flight = self.operations.busy()
         kinds: dict[str, int] = {}
         for step in in_flight:
@@ -335,3 +479,26 @@ class Controller:
         self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, self.clock(),
                                state_error=self.store.unsaved)
         return str(self.publisher.status["phase"])
+
+
+def _trouble(obs: NodeObservation) -> tuple[str, str] | None:
+    """What is wrong with a node as one observation saw it (the event name's end, and why), or None."""
+    if not obs.reachable:
+        return "unreachable", obs.error or "unreachable"
+    if obs.probe_error:
+        return "probe_failed", obs.probe_error
+    if not obs.docker_reachable:
+        return "docker_unreachable", obs.docker_error or "docker does not answer"
+    return None
+
+
+#: Step reports (`_progress`) that say something went wrong: logged at warning, not info.
+TROUBLE_EVENTS = frozenset({"ledger.unwritten", "serving.sync-skipped", "serving.drop-caches-refused",
+                            "weights.refused", "weights.drop-behind-ended", "retention.kept"})
+
+
+def progress_level(event: str) -> str:
+    """The log level of a step's report: a progress tick is debug, trouble is warning, the rest info."""
+    if event.endswith(".progress"):
+        return "debug"
+    return "warning" if event in TROUBLE_EVENTS else "info"

@@ -1,8 +1,9 @@
 """The daemon: lock, signals, listener, watchdog and the loop. It only schedules; what to do is the controller's.
 
 - One reconcile at a time; triggers during one coalesce into exactly one more (triggers.ReconcileRequests).
-  Triggers: the file, the nodes' event streams, an operation's end, SIGHUP, the resync timer, and the
-  controller's requeue (a backoff's or a health grace's end).
+  Triggers: the file, the nodes' event streams, an operation's end, SIGHUP, the resync timer, a verify request
+  and a verify's end, and the controller's requeue (a backoff's or a health grace's end, the lease's renewal):
+  each reconcile's log line says which (`trigger`, Controller.reconcile), so a SIGHUP is seen in the journal.
 - The loop wakes at least every `tick` seconds even when idle, and every wake-up is its heartbeat: the systemd
   watchdog is fed only while that heartbeat is fresh, so a loop stuck anywhere (a reconcile that never returns)
   gets the daemon restarted. No step runs in the loop (they are operations beside it), so no allowance for long
@@ -21,10 +22,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from reconciler.core import spec
 from reconciler.edge import log
+from reconciler.edge.trusted_files import Secrets
 from reconciler.loop import metrics, systemd
 from reconciler.loop.controller import Controller
 from reconciler.loop.generations import path_key
@@ -87,7 +90,7 @@ def heartbeat_fresh(heartbeat: float, now: float, stale_after: float = STALE_AFT
 
 class Daemon:
     def __init__(self, path: Path, state_dir: Path, listen: str | None = None, events: bool = True,
-                 controller: Controller | None = None):
+                 controller: Controller | None = None, secrets: Callable[[], Secrets] | None = None):
         self.path = Path(path)
         self.state_dir = Path(state_dir)
         self.listen_override = listen
@@ -97,7 +100,7 @@ class Daemon:
         self.stopped = threading.Event()
         self.log = log.get().bind(file=str(self.path))
         self.controller = controller or Controller(self.path, self.state_dir, self.requests, self.cancel,
-                                                   events=events)
+                                                   events=events, secrets=secrets)
         self.heartbeat = time.monotonic()
         self.ready_sent = False
 
@@ -137,8 +140,8 @@ class Daemon:
         self.stop.wait()
         if self.stopped.wait(SHUTDOWN_DEADLINE):
             return
-        os.write(2, f"daemon.shutdown_forced: not stopped {SHUTDOWN_DEADLINE:g}s after SIGTERM; "
-                    "thread stacks follow\n".encode())
+        os.write(2, f"{log.line_prefix('error')}daemon.shutdown_forced: not stopped {SHUTDOWN_DEADLINE:g}s after "
+                    "SIGTERM; thread stacks follow\n".encode())
         faulthandler.dump_traceback(file=sys.stderr.fileno(), all_threads=True)
         os._exit(0)
 
@@ -147,9 +150,12 @@ class Daemon:
         transport hold the exit past the deadline: everything left is a daemon thread and dies with the process."""
         self.controller.stop_streams()
         self.controller.operations.cancel_all()
+        self.controller.verifier.cancel_all("the daemon is stopping")
 
         def close() -> None:
+            end = time.monotonic() + deadline
             ended = self.controller.operations.join(deadline)
+            ended = self.controller.verifier.join(max(0.0, end - time.monotonic())) and ended  # a repair's removals
             if not ended:
                 self.log.warning("daemon.operations_still_running", seconds=deadline)
             elif self.controller.lease is not None:  # nothing of ours runs any more: another actor may act now
@@ -185,7 +191,7 @@ class Daemon:
             try:
                 server = serve(listen, lambda: self.controller.status,
                                "--listen" if self.listen_override else "policy.listen",
-                               make_status_key(self.state_dir))
+                               make_status_key(self.state_dir), self.controller.verify_request)
             except ListenMismatch as exc:
                 self.log.error("daemon.listen", error=str(exc))
                 return 2
@@ -209,6 +215,7 @@ class Daemon:
         self.requests.request("start")
         next_resync = time.monotonic()
         requeue_at: float | None = None
+        requeue_why = ""
         while not self.stop.is_set():
             self.heartbeat = now = time.monotonic()
             due = min(next_resync, requeue_at) if requeue_at is not None else next_resync
@@ -219,16 +226,18 @@ class Daemon:
             if not reasons:
                 if now < due:
                     continue  # a tick: the heartbeat moved, nothing is due
-                reasons = {"resync"} if now >= next_resync else {"requeue"}
-                metrics.events.labels(node="", source=min(reasons)).inc()
+                source = "resync" if now >= next_resync else "requeue"
+                reasons = {source if source == "resync" or not requeue_why else f"requeue:{requeue_why}"}
+                metrics.events.labels(node="", source=source).inc()
             if "sighup" in reasons:
                 metrics.events.labels(node="", source="signal").inc()
             try:
                 result = self.controller.reconcile(reasons)
                 requeue_at = None if result.requeue_after is None else time.monotonic() + result.requeue_after
+                requeue_why = result.requeue_reason
             except Exception as exc:  # the loop outlives any one reconcile
                 requeue_at = None  # an old requeue, due already, would repeat the crash back to back
-                self.log.exception("reconcile.crashed", error=str(exc))
+                self.log.exception("reconcile.crashed", error=str(exc), trigger=sorted(reasons))
                 metrics.reconciles.labels(result="error").inc()
             if not self.ready_sent and self.controller.desired is not None:
                 self.ready_sent = True

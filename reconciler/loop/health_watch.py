@@ -29,19 +29,25 @@ from reconciler.core.planning import MAX_GRACE_DOUBLINGS
 from reconciler.core.spec import Desired
 
 
-def _age(started_at: str | None, now: float) -> float:
-    """Seconds since docker's StartedAt (RFC 3339 with nanoseconds); 0 when absent or unreadable."""
+def started_timestamp(started_at: str | None) -> float | None:
+    """docker's StartedAt (RFC 3339 with nanoseconds) as unix time; None when absent or unreadable."""
     if not started_at or started_at.startswith("0001-"):
-        return 0.0
+        return None
     text = started_at.replace("Z", "+00:00")
     head, dot, rest = text.partition(".")
     if dot:  # Python parses at most microseconds: cut the fraction to 6 digits, keep the offset
         digits = "".join(ch for ch in rest if ch.isdigit())
         text = f"{head}.{digits[:6] or '0'}{rest[len(digits):]}"
     try:
-        return max(0.0, now - datetime.fromisoformat(text).timestamp())
+        return datetime.fromisoformat(text).timestamp()
     except ValueError:
-        return 0.0
+        return None
+
+
+def _age(started_at: str | None, now: float) -> float:
+    """Seconds since docker's StartedAt; 0 when absent or unreadable."""
+    started = started_timestamp(started_at)
+    return 0.0 if started is None else max(0.0, now - started)
 
 
 class HealthWatch:

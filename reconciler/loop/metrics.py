@@ -7,9 +7,14 @@ and low-cardinality labels only (node, kind, step kind, result, condition type):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from reconciler.core.vllm_log import STAGES
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -65,10 +70,87 @@ serving_healthy = Gauge("reconciler_serving_healthy", "1 when /health is 200, th
 serving_busy = Gauge("reconciler_serving_busy", "1 while the head's engine is busy: every slot taken, the probe's "
                      "completion queued, tokens still coming (vLLM's own counters); never a reason to restart.",
                      registry=REGISTRY)
+serving_health_timeout = Gauge("reconciler_serving_health_timeout_seconds", "serving.health_timeout of the desired "
+                               "state in force: how long a cold start may take (the alerts judge a start by it).",
+                               registry=REGISTRY)
+serving_started = Gauge("reconciler_serving_started_timestamp_seconds", "Unix time the head's serving container "
+                        "started (docker's StartedAt); 0 while none runs.", registry=REGISTRY)
+step_failures = Gauge("reconciler_step_failures", "Consecutive failures of a step since it last succeeded or the "
+                      "desired state changed (0 again then): a failed cold start is no longer one within its "
+                      "allowance.", ["kind", "node"], registry=REGISTRY)
+node_role = Gauge("reconciler_node_role", "Always 1, one series per node of the desired state in force; role is "
+                  "head or worker (an unreachable head pages once, not once per node behind it).",
+                  ["node", "role"], registry=REGISTRY)
 events = Counter("reconciler_events_total", "Triggers received (docker and link events per node, file changes, "
                  "resyncs, signals).", ["node", "source"], registry=REGISTRY)
 build_info = Gauge("reconciler_build_info", "Always 1; the version label says which build runs.", ["version"],
                    registry=REGISTRY)
+
+
+
+class OperationProgress(Collector):
+    """How far the operations in flight are, read from them at each scrape (the view /status shows), so a stalled
+    copy's rate falls while it stalls and an operation's series leave with it: nothing to reset, nothing stale.
+
+    - `reconciler_operation_progress_ratio{kind,node}`: 0..1 done, from bytes of a known total (image copy, weight
+      sync, download) or from the percent vLLM's current line shows during a cold start (`await-health`: shards
+      loaded, CUDA graphs captured; a stage with no number has no series);
+    - `reconciler_operation_bytes_per_second{kind,node}`: since the bytes started moving;
+    - `reconciler_serving_start_stage{node,stage}`: 1 for the stage a cold start is in, 0 for the others
+      (reconciler.core.vllm_log.STAGES), while `await-health` runs on that node.
+
+    No operation in flight (or none that says how far it is): no series, never a 0 that reads as "stuck"."""
+
+    def __init__(self) -> None:
+        self._view: Callable[[], Iterable[Mapping[str, object]]] = tuple
+
+    def follow(self, view: Callable[[], Iterable[Mapping[str, object]]]) -> None:
+        """Read the operations from `view` (Operations.view) from now on."""
+        self._view = view
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        ratio, rate, stage = families = self._families()
+        for op in self._view():
+            kind, node = str(op["kind"]), str(op["node"])
+            if (done := progress_ratio(op)) is not None:
+                ratio.add_metric([kind, node], done)
+            if isinstance(speed := op.get("bytesPerSecond"), int):
+                rate.add_metric([kind, node], speed)
+            if kind == "await-health" and op.get("stage") in STAGES:
+                for name in STAGES:
+                    stage.add_metric([node, name], 1 if name == op["stage"] else 0)
+        return families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily("reconciler_operation_progress_ratio", "Fraction done (0..1) of an operation in "
+                              "flight: bytes of the total, or the percent of a cold start's current line.",
+                              labels=["kind", "node"]),
+            GaugeMetricFamily("reconciler_operation_bytes_per_second", "Bytes per second an operation in flight "
+                              "moves (image copy, weight sync, download), since its bytes started moving.",
+                              labels=["kind", "node"]),
+            GaugeMetricFamily("reconciler_serving_start_stage", "1 for the stage the cold start on the node is in "
+                              "(waiting, loading-weights, compiling, cuda-graphs, api-starting, serving), 0 for "
+                              "the others; only while it is awaited.", labels=["node", "stage"]),
+        ]
+
+
+def progress_ratio(op: Mapping[str, object]) -> float | None:
+    """0..1 done of one operation (Operation.as_dict): bytes of a known total, else the percent of its line."""
+    done, total, percent = op.get("bytesDone"), op.get("bytesTotal"), op.get("percent")
+    if isinstance(done, int) and isinstance(total, int) and total > 0:
+        return min(1.0, done / total)
+    if isinstance(percent, int):
+        return min(100, max(0, percent)) / 100
+    return None
+
+
+operation_progress = OperationProgress()
+REGISTRY.register(operation_progress)
 
 try:
     VERSION = version("spark-reconciler")

@@ -52,9 +52,30 @@ def admit(steps: Iterable[Step], busy: Iterable[Step], vetoed: Mapping[str, str]
     return admitted, waiting
 
 
+#: What a verify of the weights must not run beside (`reconciler.loop.verify`): a weight sync or a download writes
+#: the trees it hashes, and the serving chain loads them (a cold start reads every shard) and is one unit that must
+#: not stall halfway for a weekly check.
+VERIFY_CONFLICTS = ("weights", "download", *SERVING_CHAIN)
+
+
+def verify_conflict(step: Step, target: str, source: str) -> bool:
+    """Whether `step` and the verify of `target` (against `source`) may not run at once: it writes or loads the
+    target's tree or the source's (a sync to the target, a download on the source, the serving chain on either)."""
+    return step.kind in VERIFY_CONFLICTS and step.node in (target, source)
+
+
+def verify_waits(target: str, source: str, busy: Iterable[Step]) -> str | None:
+    """Why the verify of `target` may not start now (a conflicting step in flight), or None when it may. The other
+    direction is the controller's: a conflicting step that may start makes a running verify yield (it is low
+    priority; serving and syncs never wait for it)."""
+    blocker = next((s.id for s in busy if verify_conflict(s, target, source)), None)
+    return None if blocker is None else f"{blocker} is in flight"
+
+
 @dataclass
 class Operation:
-    """One step in flight: what, where, since when, until when, and how far (bytes, when the step says)."""
+    """One step in flight: what, where, since when, until when, and how far: bytes (of a total, when the step
+    knows one), or the stage a cold start is in with vLLM's last meaningful line and its percent."""
 
     step: Step
     started: float  # unix time the batch was launched
@@ -63,12 +84,16 @@ class Operation:
     bytes_done: int = 0
     bytes_total: int | None = None
     first_bytes: tuple[float, int] | None = None  # (when, bytes) of the first progress: the rate's start
+    stage: str | None = None  # a cold start's stage (reconciler.core.vllm_log.STAGES)
+    percent: int | None = None  # what the stage's line shows (shards loaded, CUDA graphs captured)
+    detail: str | None = None  # that line, printable and bounded by the parser
 
     def as_dict(self, now: float) -> dict[str, object]:
         return {"step": self.step.id, "kind": self.step.kind, "node": self.step.node, "state": self.state,
                 "seconds": round(now - self.started, 1), "deadlineIn": round(self.deadline - now, 1),
                 "bytesDone": self.bytes_done, "bytesTotal": self.bytes_total,
-                "bytesPerSecond": self.rate(now)}
+                "bytesPerSecond": self.rate(now), "stage": self.stage, "percent": self.percent,
+                "detail": self.detail}
 
     def rate(self, now: float) -> int | None:
         """Bytes per second since the bytes started moving (the manifests and the queue before are not the
@@ -168,6 +193,13 @@ class Operations:
                         op.first_bytes = (self._clock(), done)
                     op.bytes_done = done
                     op.bytes_total = total if total is not None else op.bytes_total
+
+    def stage(self, kind: str, node: str, stage: str, percent: int | None, detail: str | None) -> None:
+        """Where the `kind` step on `node` is, in words: a cold start's stage and vLLM's last meaningful line."""
+        with self._lock:
+            for op in self._running.values():
+                if op.step.kind == kind and op.step.node == node:
+                    op.stage, op.percent, op.detail = stage, percent, detail or None
 
     def drain(self) -> list[StepResult]:
         """The results finished since the last call (each handed out once)."""

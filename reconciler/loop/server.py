@@ -15,11 +15,17 @@ waitress's timeout is an idle one, and 512 connections sending one header byte e
 from answering. And the socket can be owned from boot: under systemd socket activation (`ListenStream=`,
 systemd/reconciler.socket) the daemon serves the socket systemd bound and passed (sd_listen_fds(3): fd 3,
 LISTEN_PID, LISTEN_FDS), so no local user can bind `policy.listen` first while the daemon restarts.
+
+One request acts (issue 33, item 4): `POST /verify` has the daemon verify the weights and, with `repair`, remove the
+files that differ. Any local user can connect, so it must prove that its sender can read the daemon's status key
+(the state dir, 0600: the daemon's user and root): its body carries a challenge the daemon issued (`POST
+/verify/challenge`, good once and for CHALLENGE_LIFE seconds, `Challenges`), and the header `X-Reconciler-Proof`
+its HMAC-SHA256 under that key (`daemon_client.request_proof`). A request without it, with another, or heard once
+and sent again, is refused (401) and starts nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -28,8 +34,11 @@ import re
 import secrets
 import socket
 import threading
+import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +48,8 @@ from waitress.server import create_server
 
 from reconciler.core.text import printable
 from reconciler.edge import log
+from reconciler.edge.daemon_client import PROOF_HEADER, request_proof
+from reconciler.edge.status_client import STATUS_KEY, status_proof
 from reconciler.loop.generations import write_durably
 from reconciler.loop.metrics import REGISTRY
 
@@ -72,14 +83,7 @@ def _route_waitress_log() -> None:
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)   # "Task queue depth": requests wait, as meant
 
 
-STATUS_KEY = "status.key"  # in the state dir, 0600: what proves a /status answer comes from this daemon
 CHALLENGE = re.compile(r"challenge=([0-9a-f]{32,128})(?:&|$)")
-
-
-def status_proof(key: bytes, challenge: str) -> str:
-    """HMAC-SHA256 of the caller's fresh `challenge` under the daemon's status key: whoever else answers on the
-    port (a local user who bound it first) cannot make it without reading the state dir (`reconciler status`)."""
-    return hmac.new(key, challenge.encode(), hashlib.sha256).hexdigest()
 
 
 def make_status_key(state_dir: Path) -> bytes | None:
@@ -93,32 +97,107 @@ def make_status_key(state_dir: Path) -> bytes | None:
     return key
 
 
-def _app(status: Callable[[], dict], key: bytes | None = None) -> Callable[..., Iterable[bytes]]:
+#: A verify request's answer: HTTP status and JSON document (the controller's `verify_request`).
+VerifyHandler = Callable[[dict], tuple[int, dict]]
+CHALLENGE_LIFE = 60.0  # seconds a verify challenge is good for (the command uses it at once)
+CHALLENGES = 64  # outstanding verify challenges; beyond, the oldest is forgotten
+
+
+class Challenges:
+    """The challenges the daemon issued for verify requests, each good once and for CHALLENGE_LIFE seconds (the
+    monotonic clock): a request heard on the way cannot be sent again, and no clock the operator steps matters.
+    A flood of asks only forgets the oldest ones (a command whose challenge went asks again)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._issued: OrderedDict[str, float] = OrderedDict()
+
+    def issue(self) -> str:
+        challenge = secrets.token_hex(16)
+        with self._lock:
+            self._issued[challenge] = self._clock() + CHALLENGE_LIFE
+            while len(self._issued) > CHALLENGES:
+                self._issued.popitem(last=False)
+        return challenge
+
+    def take(self, challenge: object) -> bool:
+        """Whether `challenge` was issued and is still good; spent either way."""
+        with self._lock:
+            until = self._issued.pop(challenge, None) if isinstance(challenge, str) else None
+        return until is not None and self._clock() < until
+
+
+def _verify(environ: dict[str, Any], key: bytes | None, challenges: Challenges,
+            handler: VerifyHandler | None) -> tuple[int, dict]:
+    """`POST /verify`: the handler's answer for a request proven with the status key; a refusal otherwise."""
+    if handler is None or key is None:
+        return 503, {"error": "this daemon takes no verify request: it has no status key (its state dir is not "
+                              "writable)"}
+    try:
+        body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return 400, {"error": "the body is not JSON"}
+    if not isinstance(doc, dict):
+        return 400, {"error": "the body is not a JSON object"}
+    if not challenges.take(doc.get("challenge")):
+        return _refused("unknown, expired or spent challenge (each is good once: ask /verify/challenge anew)")
+    proof = environ.get("HTTP_" + PROOF_HEADER.upper().replace("-", "_"), "")
+    if not hmac.compare_digest(proof.encode(), request_proof(key, body).encode()):
+        return _refused(f"no proof of the daemon's status key ({PROOF_HEADER}): only its user and root may ask")
+    return handler(doc)
+
+
+def _refused(why: str) -> tuple[int, dict]:
+    _log.warning("verify.refused", reason=why)
+    return 401, {"error": why}
+
+
+def _answer(environ: dict[str, Any], status: Callable[[], dict], key: bytes | None, challenges: Challenges,
+            verify: VerifyHandler | None) -> tuple[int, str, bytes] | None:
+    """The answer to one request (status, content type, body); None for /metrics, which prometheus answers."""
+    path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
+    if path == "/metrics":
+        return None
+    if path == "/status":
+        doc = status()
+        asked = CHALLENGE.search(environ.get("QUERY_STRING", ""))
+        if asked and key is not None:
+            doc = {**doc, "proof": status_proof(key, asked.group(1))}
+        return 200, "application/json", json.dumps(doc, indent=1).encode()
+    if path == "/healthz":
+        return 200, "text/plain", b"ok\n"
+    if path in ("/verify/challenge", "/verify") and method != "POST":
+        return 405, "text/plain", b"POST only\n"
+    if path == "/verify/challenge":
+        return 200, "application/json", json.dumps({"challenge": challenges.issue()}).encode()
+    if path == "/verify":
+        code, doc = _verify(environ, key, challenges, verify)
+        return code, "application/json", json.dumps(doc).encode()
+    return 404, "text/plain", b"not found\n"
+
+
+def _app(status: Callable[[], dict], key: bytes | None = None, verify: VerifyHandler | None = None,
+         challenges: Challenges | None = None) -> Callable[..., Iterable[bytes]]:
     metrics = make_wsgi_app(REGISTRY)
+    challenges = challenges or Challenges()
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         try:
-            if path == "/metrics":
+            answer = _answer(environ, status, key, challenges, verify)
+            if answer is None:
                 return metrics(environ, start_response)
-            if path == "/status":
-                doc = status()
-                asked = CHALLENGE.search(environ.get("QUERY_STRING", ""))
-                if asked and key is not None:
-                    doc = {**doc, "proof": status_proof(key, asked.group(1))}
-                body, kind = json.dumps(doc, indent=1).encode(), "application/json"
-            elif path == "/healthz":
-                body, kind = b"ok\n", "text/plain"
-            else:
-                start_response("404 Not Found", [("Content-Type", "text/plain")])
-                return [b"not found\n"]
         except Exception as exc:  # noqa: BLE001 - a bug answering (status() raised): one line, a 500, go on
             frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
             _log.error("http.error", path=printable(path), error=printable(f"{type(exc).__name__}: {exc}"),
                        where=f"{Path(frame.filename).name}:{frame.lineno}" if frame else None)
             start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
             return [b"internal error\n"]
-        start_response("200 OK", [("Content-Type", kind), ("Content-Length", str(len(body)))])
+        code, kind, body = answer
+        start_response(f"{code} {HTTPStatus(code).phrase}", [("Content-Type", kind),
+                                                              ("Content-Length", str(len(body)))])
         return [body]
 
     return app
@@ -179,18 +258,28 @@ class Listener:
     """The running server: `server_address`, then `.shutdown()` and `.server_close()` as with socketserver."""
 
     def __init__(self, listen: str, status: Callable[[], dict], named: str = "policy.listen",
-                 key: bytes | None = None):
+                 key: bytes | None = None, verify: VerifyHandler | None = None):
         _route_waitress_log()
         passed = passed_socket(listen, named)
         where: dict[str, Any] = {"sockets": [passed]} if passed is not None else {"listen": listen}
         self._server = create_server(
-            _app(status, key), **where, threads=WORKERS, channel_timeout=TIMEOUT, cleanup_interval=1,
+            _app(status, key, verify), **where, threads=WORKERS, channel_timeout=TIMEOUT, cleanup_interval=1,
             connection_limit=CONNECTIONS, backlog=BACKLOG, max_request_header_size=MAX_HEAD,
             max_request_body_size=MAX_HEAD, ident="spark-reconciler", expose_tracebacks=False)
         self.passed = passed is not None
         _bound_head_time(self._server)
-        self._thread = threading.Thread(target=self._server.run, name="http", daemon=True)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="http", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        """waitress's event loop. `shutdown` closes its sockets from another thread, and a `select` then still
+        waiting on them raises EBADF: the end asked for, not an error (it printed a traceback at every stop)."""
+        try:
+            self._server.run()
+        except OSError:
+            if not self._closing.is_set():
+                raise
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -198,6 +287,7 @@ class Listener:
 
     def shutdown(self) -> None:
         """Close every connection and the listening socket: the event loop ends with an empty map."""
+        self._closing.set()
         self._server.task_dispatcher.shutdown()
         wasyncore.close_all(self._server._map)
         self._thread.join(5)
@@ -207,7 +297,7 @@ class Listener:
 
 
 def serve(listen: str, status: Callable[[], dict], named: str = "policy.listen",
-          key: bytes | None = None) -> Listener:
+          key: bytes | None = None, verify: VerifyHandler | None = None) -> Listener:
     """Listen on `listen` (HOST:PORT, IPv6 as [::1]:PORT; `named`: where it was given) in a thread of its own;
-    `key` proves its /status answers (`status_proof`)."""
-    return Listener(listen, status, named, key)
+    `key` proves its /status answers (`status_proof`) and authenticates the verify requests `verify` answers."""
+    return Listener(listen, status, named, key, verify)

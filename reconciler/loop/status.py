@@ -18,6 +18,7 @@ from reconciler.core.planning import kind_and_node
 from reconciler.core.spec import Desired
 from reconciler.edge.log import redact
 from reconciler.loop import conditions, metrics, systemd
+from reconciler.loop.health_watch import started_timestamp
 
 
 class StatusPublisher:
@@ -26,6 +27,8 @@ class StatusPublisher:
         self.status: dict = {"phase": "Converging", "conditions": [], "generation": 0, "observedGeneration": 0,
                              "lastPlan": None, "lastError": None}
         self._held: set[tuple[str, str]] = set()  # (kind, node) shown as 1 on the step_hold gauge
+        self._failing: set[tuple[str, str]] = set()  # (kind, node) above 0 on the step_failures gauge
+        self._roles: set[tuple[str, str]] = set()  # (node, role) on the node_role gauge
 
     def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float,
                 state_error: str | None = None) -> None:
@@ -68,6 +71,28 @@ class StatusPublisher:
             metrics.step_hold.labels(kind=kind, node=node).set(1)
         self._held = now
 
+    def failures(self, failures: dict[str, int]) -> None:
+        """The step_failures gauge: each step's consecutive failures (the most of the steps of one kind and node),
+        back to 0 once its record goes (a success, a new generation)."""
+        now: dict[tuple[str, str], int] = {}
+        for sid, count in failures.items():
+            key = kind_and_node(sid)
+            now[key] = max(now.get(key, 0), count)
+        for kind, node in self._failing - now.keys():
+            metrics.step_failures.labels(kind=kind, node=node).set(0)
+        for (kind, node), count in now.items():
+            metrics.step_failures.labels(kind=kind, node=node).set(count)
+        self._failing = set(now)
+
+    def roles(self, desired: Desired) -> None:
+        """The node_role gauge: the nodes of the desired state in force; a node that left it leaves the gauge."""
+        now: set[tuple[str, str]] = {(node.name, node.role) for node in desired.nodes}
+        for name, role in self._roles - now:
+            metrics.node_role.remove(name, role)
+        for name, role in now:
+            metrics.node_role.labels(node=name, role=role).set(1)
+        self._roles = now
+
     @staticmethod
     def observation(desired: Desired, observed: Observed, durations: dict[str, float]) -> None:
         """The per-node gauges of one observation (reachability, link, memory, weights, serving)."""
@@ -94,3 +119,7 @@ class StatusPublisher:
         want = desired.served_name
         metrics.serving_healthy.set(1 if head and head.working(want) else 0)
         metrics.serving_busy.set(1 if head and head.busy else 0)
+        metrics.serving_health_timeout.set(desired.serving.health_timeout)
+        container = observed.node(desired.head.name).container(desired.serving.container_name)
+        started = started_timestamp(container.started_at) if container is not None and container.running else None
+        metrics.serving_started.set(started or 0)

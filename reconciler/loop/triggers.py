@@ -80,7 +80,7 @@ def stream_events(session: Session, interface: str, requests: ReconcileRequests,
     logger = log.get().bind(node=node)
 
     def loop() -> None:
-        delay = 1.0
+        delay, said = 1.0, None
         while not stop.is_set():
             try:
                 for line in session.stream_lines(event_command(interface), stop):
@@ -89,9 +89,13 @@ def stream_events(session: Session, interface: str, requests: ReconcileRequests,
                         continue
                     metrics.events.labels(node=node, source=source).inc()
                     requests.request(f"{source}:{node}")
-                    delay = 1.0
+                    delay, said = 1.0, None
             except RemoteError as exc:
-                logger.info("events.reconnect", error=exc.message, retry_in=delay)
+                # An SSH failure: at warning (`journalctl -p warning` shows it), once; the same failure again at each
+                # retry at debug (the node's own trouble is said once too, by the controller: node.unreachable).
+                level = logger.debug if exc.message == said else logger.warning
+                level("events.reconnect", error=exc.message, retry_in=delay)
+                said = exc.message
                 # A stream that ends is news in itself (its dockerd stopped, the node went away): look now.
                 requests.request(f"events-lost:{node}")
             if stop.wait(delay):

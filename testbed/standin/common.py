@@ -44,6 +44,13 @@ def raw(line: str) -> None:
         sys.stdout.flush()
 
 
+def raw_part(text: str) -> None:
+    """Text printed as is with no newline of its own: a tqdm bar redrawn in place (`\r`)."""
+    with _log_lock:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
 def env_float(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))

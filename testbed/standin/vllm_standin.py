@@ -5,7 +5,10 @@ What is real: flag parsing (unknown flags -> exit 2 like vLLM), model resolution
 HF_HUB_OFFLINE), safetensors header/size checks of every shard, the multi-node rendezvous over TCP
 (head waits for nnodes-1 headless workers on --master-addr:--master-port), HTTP /health /v1/models /metrics
 /v1/completions once ready, peer-loss handling, the Ray executor asking the local `ray` stand-in for nodes/GPUs.
-What is fake: no GPU, no NCCL, no tensors are used; completions are canned.
+What is fake: no GPU, no NCCL, no tensors are used; completions are canned. The start prints vLLM's own lines for
+each stage (the shards' bar, torch.compile, the KV cache, the CUDA graph capture's bar redrawn with `\\r`, "init
+engine ... took", uvicorn's), spread over STANDIN_LOAD_DELAY_S, so the reconciler's cold-start progress
+(reconciler/core/vllm_log.py) reads the stand-in as it reads vLLM.
 
 The scheduler is vLLM's shape (vllm/v1/core/sched/scheduler.py): at most `--max-num-seqs` sequences run, the rest
 wait first come, first served (priority scheduling is opt-in, vllm-project/vllm PR #5958), every running sequence
@@ -51,6 +54,7 @@ from common import (
     listen,
     log,
     raw,
+    raw_part,
     serve_http,
 )
 from model_check import ModelError, check_weights, crash_marker, read_config, resolve
@@ -237,24 +241,39 @@ class Engine:
             log("INFO", "default_loader.py:267", "Loading weights with load_format=dummy: skipping checkpoint")
         else:
             t0 = time.monotonic()
+            log("INFO", "gpu_model_runner.py:2602", f"Starting to load model {self.model}...")
 
-            def progress(i, n):
-                pct = int(100 * i / n)
-                raw(f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {i}/{n} [00:00<00:00]")
+            def progress(i, n):  # vLLM's bar: tqdm's `\r`, then its _BAR_FORMAT, which ends in a newline
+                raw(f"\rLoading safetensors checkpoint shards: {int(100 * i / n):3d}% Completed | {i}/{n} "
+                    f"[00:00<00:00]")
 
             total = check_weights(path, progress)
             log("INFO", "default_loader.py:267",
                 f"Loading weights took {time.monotonic() - t0:.2f} seconds ({total / 2**30:.4f} GiB, from {path})")
         self.path = path
 
-    def simulate_load(self):
-        delay = env_float("STANDIN_LOAD_DELAY_S", 0.5)
-        end = time.monotonic() + delay
+    def pause(self, seconds: float):
+        """Time passing in the engine's start, cut short by a lost peer."""
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
             if not self.healthy:
                 raise EngineError(f"RuntimeError: {self.reason}")
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
-        log("INFO", "gpu_model_runner.py:2007", f"Model loading took 0.0 GiB and {delay:.2f} seconds")
+
+    def simulate_load(self):
+        """STANDIN_LOAD_DELAY_S of a cold start, printed as vLLM prints its stages (reconciler/core/vllm_log.py):
+        torch.compile's lines for the first half, then the KV cache, then the CUDA graph capture's bar redrawn on
+        one line for the second half (rank 0 only, as vLLM's tqdm); none of either under --enforce-eager."""
+        delay = env_float("STANDIN_LOAD_DELAY_S", 0.5)
+        compiled = not self.args.enforce_eager
+        log("INFO", "gpu_model_runner.py:2007", "Model loading took 0.0 GiB and 0.00 seconds")
+        if compiled:
+            log("INFO", "backends.py:643", "Using cache directory: /root/.cache/vllm/torch_compile_cache/standin/"
+                "rank_0_0/backbone for vLLM's torch.compile")
+            log("INFO", "backends.py:703", f"Dynamo bytecode transform time: {delay / 4:.2f} s")
+        self.pause(delay / 2 if compiled else delay)
+        if compiled:
+            log("INFO", "monitor.py:34", f"torch.compile takes {delay / 2:.2f} s in total")
         check_device_memory(self.args.gpu_memory_utilization)
         self.kv_cache = hold_memory(self.args.gpu_memory_utilization)
         need = env_int("STANDIN_RUNTIME_BYTES", 0)
@@ -263,6 +282,23 @@ class Engine:
         log("INFO", "gpu_worker.py:298", f"Available KV cache memory: {sum(map(len, self.kv_cache)) / 2**30:.2f} GiB "
             f"(gpu_memory_utilization {self.args.gpu_memory_utilization:g} of {node_memory() / 2**30:.2f} GiB)")
         log("INFO", "kv_cache_utils.py:1087", f"GPU KV cache size: 65,536 tokens; max_model_len {self.max_len}")
+        if compiled:
+            self.capture_graphs(delay / 2)
+        log("INFO", "core.py:250", f"init engine (profile, create kv cache, warmup model) took {delay:.2f} seconds")
+
+    def capture_graphs(self, seconds: float, shapes: int = 10):
+        """vLLM's CUDA graph capture bar (vllm/v1/worker/gpu_model_runner.py): tqdm's default format, each redraw
+        `\\r` on the same line, a newline once done; then its summary line."""
+        for n in range(shapes + 1):
+            if self.args.node_rank == 0:
+                bar = "#" * n + " " * (shapes - n)
+                raw_part(f"\rCapturing CUDA graphs (mixed prefill-decode, PIECEWISE): {100 * n // shapes:3d}%|{bar}| "
+                         f"{n}/{shapes} [00:0{n % 10}<00:00,  {shapes / max(seconds, 0.01):.2f}it/s]")
+            if n < shapes:
+                self.pause(seconds / shapes)
+        if self.args.node_rank == 0:
+            raw_part("\n")
+        log("INFO", "gpu_model_runner.py:3480", f"Graph capturing finished in {seconds:.0f} secs, took 0.00 GiB")
 
     # ---- rendezvous (mp executor, --nnodes > 1)
     def hello(self) -> dict:

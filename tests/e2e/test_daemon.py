@@ -64,9 +64,9 @@ def test_daemon_converges_the_seed_and_reports_ready(daemon):
     for family in metrics.REGISTRY.collect():
         assert f"# HELP {family.name}" in exposition and f"# TYPE {family.name}" in exposition, family.name
     assert 'reconciler_node_reachable{node="worker"} 1.0' in exposition
-    status = subprocess.run([CLI, "status", "--url", daemon.url, "--state-dir", str(daemon.state_dir)],
+    status = subprocess.run([CLI, "status", "--wide", "--url", daemon.url, "--state-dir", str(daemon.state_dir)],
                             capture_output=True, text=True, check=False)
-    assert status.returncode == 0 and "Converged" in status.stdout and "FabricLinkUp" in status.stdout
+    assert status.returncode == 0 and "phase Converged" in status.stdout and "FabricLinkUp" in status.stdout
     assert "not verified" not in status.stderr and "without the proof" not in status.stderr, status.stderr
     # issue 16: one actuator per cluster. A copy of the file (or the same one) cannot act beside the daemon.
     copy = daemon.desired.with_name("copy-of-cluster.yaml")

@@ -43,7 +43,8 @@ SCRAPE_SECONDS = 1
 RATE_INTERVAL = f"{4 * SCRAPE_SECONDS}s"
 LOW_MEMORY_BYTES = 8 * 2**30  # the red band of "Memory available per node" (ReconcilerLowMemory)
 # Empty on a converged cluster, and saying so with their noValue.
-EMPTY_WHEN_CONVERGED = {"Held steps"}
+EMPTY_WHEN_CONVERGED = {"Held steps", "Operation progress", "Operation progress over time", "Operation rate",
+                        "Cold-start stage", "Cold start: allowance used"}
 GOOD_WHEN_TRUE = {"Reachable", "DockerReachable", "FabricLinkUp", "WeightsInSync", "ImageInSync", "ServingRunning"}
 
 

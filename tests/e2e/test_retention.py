@@ -47,7 +47,7 @@ def test_the_oldest_copy_goes_the_previous_stays(seed_testbed, tmp_path):
 
         third = variant(tmp_path, _generation(3))
         shown = reconciler("plan", str(third))
-        assert shown.returncode == 1, shown.stdout + shown.stderr  # changes pending (docs/cli.md)
+        assert shown.returncode == 2, shown.stdout + shown.stderr  # changes pending (docs/cli.md)
         assert "prune-weights/worker" in shown.stdout and f"- {_hub('worker', 1)}/{TREE}" in shown.stdout, \
             shown.stdout
         result = reconciler("apply", str(third), "--yes")

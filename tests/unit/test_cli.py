@@ -42,12 +42,12 @@ def test_validate_relative_path_from_the_repo(console_script, repo):
 @pytest.mark.parametrize("name", ["two-heads", "jump-cycle", "tp-exceeds-gpus", "image-injection", "duplicate-yaml-key",
                                   "invalid-utf8", "unknown-top-level-key", "top-level-list", "reserved-extra-arg",
                                   "second-document"])
-def test_validate_invalid_corpus_file_exits_2_with_its_line(console_script, name):
+def test_validate_invalid_corpus_file_exits_3_with_its_line(console_script, name):
     path = INVALID / f"{name}.yaml"
     expect = path.read_bytes().split(b"\n", 1)[0].decode().removeprefix("# expect: ")
     where, _, rest = expect.partition(": ")
     result = run(console_script, "validate", path)
-    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.returncode == 3, (result.stdout, result.stderr)
     assert result.stdout == ""
     assert_no_traceback(result)
     lines = result.stderr.splitlines()
@@ -66,7 +66,7 @@ def test_validate_prints_every_error_one_per_line(console_script, tmp_path, base
                    .replace("resync_interval: 30s", "resync_interval: 30")
                    .replace("listen: 127.0.0.1:9464", "listen: nowhere"))
     result = run(console_script, "validate", bad)
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert result.stderr.splitlines() == [
         f"{bad}:26:9: serving.port: must be greater than or equal to 1",
         f"{bad}:36:20: policy.resync_interval: 30 is not a duration; write it like 30s, 5m, 1h30m or 250ms",
@@ -76,26 +76,27 @@ def test_validate_prints_every_error_one_per_line(console_script, tmp_path, base
 
 
 @pytest.mark.parametrize("target,message", [("missing.yaml", "no such file"), (".", "is a directory, not a file")])
-def test_validate_unreadable_targets_exit_2(console_script, tmp_path, target, message):
+def test_validate_unreadable_targets_exit_3(console_script, tmp_path, target, message):
     path = tmp_path / target
     result = run(console_script, "validate", path)
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert result.stderr.strip() == f"{path}:1:1: {message}"
 
 
-def test_validate_with_unknown_yaml_tag_exits_2_without_traceback(console_script, tmp_path, base_yaml):
-    """An unknown tag was once a crash (exit 1, traceback) instead of exit 2 (see test_loader)."""
+def test_validate_with_unknown_yaml_tag_exits_3_without_traceback(console_script, tmp_path, base_yaml):
+    """An unknown tag was once a crash (exit 1, traceback) instead of exit 3 (see test_loader)."""
     bad = tmp_path / "tag.yaml"
     bad.write_text(base_yaml.replace("port: 8000", "port: !custom 8000"))
     result = run(console_script, "validate", bad)
     assert_no_traceback(result)
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert result.stderr.startswith(f"{bad}:26:9: ")
 
 
-def test_validate_without_argument_is_a_usage_error(console_script):
+def test_validate_without_argument_is_a_usage_error_exit_1_as_terraform(console_script):
+    """click's own 2 would read as "changes pending" to a script that follows Terraform's codes."""
     result = run(console_script, "validate")
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert "Missing argument" in result.stderr
 
 
@@ -130,9 +131,9 @@ def seed_plan(console_script, cluster_yaml, seed_snapshot) -> tuple[subprocess.C
     return result, json.loads(result.stdout)
 
 
-def test_plan_on_the_seed_exits_1_with_changes(seed_plan):
+def test_plan_on_the_seed_exits_2_with_changes(seed_plan):
     result, out = seed_plan
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     assert out["changes"] is True
     assert isinstance(out["drift"], list) and out["drift"]
     assert isinstance(out["steps"], list) and out["steps"]
@@ -202,58 +203,58 @@ def test_plan_step_order(seed_plan):
 def test_plan_is_deterministic(console_script, cluster_yaml, seed_snapshot, seed_plan):
     result, _ = seed_plan
     again = run(console_script, "plan", cluster_yaml, "--observed", seed_snapshot, "--json")
-    assert again.returncode == 1 and again.stdout == result.stdout
+    assert again.returncode == 2 and again.stdout == result.stdout
 
 
 def test_plan_text_output(console_script, cluster_yaml, seed_snapshot):
     result = run(console_script, "plan", cluster_yaml, "--observed", seed_snapshot)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     assert "stop-container/spark-1a32/vllm_node" in result.stdout
     assert result.stdout.index("Drift:") < result.stdout.index("Steps")
 
 
-def test_plan_with_invalid_desired_state_exits_2(console_script, seed_snapshot):
+def test_plan_with_invalid_desired_state_exits_3(console_script, seed_snapshot):
     path = INVALID / "two-heads.yaml"
     result = run(console_script, "plan", path, "--observed", seed_snapshot, "--json")
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert result.stdout == ""
     assert f"{path}:12:11: nodes[1].role:" in result.stderr
 
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"nodes": {"x": {"reachable": "maybe"}}}', b'[]',
                                      b'{"version": "other/v9", "nodes": {}}', b"\xff\xfe"])
-def test_plan_with_a_bad_snapshot_exits_2(console_script, cluster_yaml, tmp_path, content):
+def test_plan_with_a_bad_snapshot_exits_3(console_script, cluster_yaml, tmp_path, content):
     snapshot = tmp_path / "snap.json"
     snapshot.write_bytes(content)
     result = run(console_script, "plan", cluster_yaml, "--observed", snapshot, "--json")
-    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.returncode == 3, (result.stdout, result.stderr)
     assert_no_traceback(result)
     assert result.stdout == ""
     assert f"{snapshot}: not an observed-state snapshot" in result.stderr
 
 
-def test_plan_with_a_missing_snapshot_exits_2(console_script, cluster_yaml, tmp_path):
+def test_plan_with_a_missing_snapshot_is_a_usage_error_exit_1(console_script, cluster_yaml, tmp_path):
     result = run(console_script, "plan", cluster_yaml, "--observed", tmp_path / "nope.json")
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert "does not exist" in result.stderr
 
 
 # ---------------------------------------------------------------------------------------------- status
 
 
-def test_status_without_a_daemon_exits_1_and_says_where_it_looked(console_script):
+def test_status_without_a_daemon_exits_5_and_says_where_it_looked(console_script):
     from testbed.proc import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # a loopback port nobody listens on
     result = run(console_script, "status", "--url", url)
-    assert result.returncode == 1
+    assert result.returncode == 5
     assert f"cannot reach the daemon at {url}" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["validate", "plan", "observe"])
-def test_every_command_taking_a_file_exits_2_on_an_invalid_one_before_touching_the_network(console_script, command):
+def test_every_command_taking_a_file_exits_3_on_an_invalid_one_before_touching_the_network(console_script, command):
     path = INVALID / "jump-cycle.yaml"
     result = run(console_script, command, path)
-    assert result.returncode == 2
+    assert result.returncode == 3
     assert result.stdout == ""
     assert f"{path}:7:13: nodes[0].ssh.jump: jump hosts form a cycle" in result.stderr

@@ -18,9 +18,9 @@ import pytest
 
 from reconciler.core.observed import Container, NodeObservation, Observed
 from reconciler.core.planning import plan
-from reconciler.core.render import status_text
 from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import load
+from reconciler.core.status_view import status_text
 from reconciler.loop.controller import Controller
 from reconciler.loop.metrics import REGISTRY
 from reconciler.loop.operations import Operations
@@ -154,8 +154,8 @@ def test_a_weight_sync_in_flight_does_not_stop_the_next_reconcile_from_repairing
         assert progressing["status"] == "True" and progressing["reason"] == "StepsRunning"
         assert f"weights/{WORKER}" in progressing["message"]
         assert REGISTRY.get_sample_value("reconciler_operations_in_flight", {"kind": "weights"}) == 1
-        shown = status_text(status)
-        assert f"weights/{WORKER}" in shown and "64 / 128 MiB" in shown, "`reconciler status` shows it too"
+        shown = status_text(status, 200, status["time"])
+        assert f"weights/{WORKER}" in shown and "64.0 MiB of 128.0 MiB (50%)" in shown, "`reconciler status` too"
 
         c.reconcile({"resync"})
         assert len(gate.batches) == 2, "nothing is launched twice while in flight"
@@ -171,6 +171,8 @@ def test_a_reconcile_that_raises_publishes_degraded_and_never_the_last_converged
     assert c.reconcile({"start"}).phase == "Converged"
     assert REGISTRY.get_sample_value("reconciler_converged") == 1
     before = REGISTRY.get_sample_value("reconciler_last_reconcile_timestamp_seconds")
+    converged_at = c.status["lastConverged"]
+    assert converged_at > 0  # `reconciler status`: "converged 3m ago"
 
     result = c.reconcile({"resync"})
     assert result.phase == "Degraded"
@@ -179,6 +181,7 @@ def test_a_reconcile_that_raises_publishes_degraded_and_never_the_last_converged
     assert REGISTRY.get_sample_value("reconciler_converged") == 0
     assert _condition(c.status, "", "Ready")["status"] == "False"
     assert REGISTRY.get_sample_value("reconciler_last_reconcile_timestamp_seconds") >= before
+    assert c.status["lastConverged"] == converged_at, "a crashed reconcile is no convergence"
 
 
 def test_a_node_whose_probe_output_does_not_parse_is_that_nodes_condition_only(desired_path, tmp_path, converged):
@@ -242,7 +245,8 @@ def test_a_backoff_that_has_ended_asks_for_no_requeue(desired_path, tmp_path, co
     assert c._requeue_after(converged) is None
     c.backoff.failed("weights/spark-5be3", "rsync exited 23", now=2e9)  # one still running (in the future)
     assert c.backoff.next_due(now=1e9) is not None
-    assert c._requeue_after(converged) > 0
+    seconds, why = c._requeue_after(converged)
+    assert seconds > 0 and why == "backoff-ended:weights/spark-5be3", "the retry says which step it is for"
 
 
 def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_path, tmp_path, converged):
@@ -258,7 +262,7 @@ def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_pat
     failing = _with(converged, HEAD, serving=served)
     c, _ = _controller(desired_path, tmp_path, Script(failing), Gate())
     c.reconcile({"start"})
-    assert c._requeue_after(failing) == UNHEALTHY_RECHECK
+    assert c._requeue_after(failing) == (UNHEALTHY_RECHECK, "health-recheck")
     assert c._requeue_after(converged) is None and head.serving is not None
 
 
@@ -270,7 +274,8 @@ def test_a_docker_event_is_looked_at_again_once_its_state_can_show(desired_path,
 
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     c.reconcile({"start"})
-    assert c.reconcile({"docker:spark-5be3"}).requeue_after == EVENT_SETTLE
+    settled = c.reconcile({"docker:spark-5be3"})
+    assert (settled.requeue_after, settled.requeue_reason) == (EVENT_SETTLE, "event-settle")
     assert c.reconcile({"docker:spark-5be3", "link:spark-1a32"}).requeue_after == EVENT_SETTLE
     assert c.reconcile({"requeue"}).requeue_after is None
     assert c.reconcile({"link:spark-5be3"}).requeue_after is None, "ip monitor reports what the kernel did"
@@ -286,3 +291,25 @@ def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_pat
     result = c.reconcile({"start"})
     assert c.lease is not None and c.lease.holding
     assert result.requeue_after == RENEW_AFTER
+
+
+def test_a_nodes_trouble_is_a_warning_once_and_a_refused_host_key_an_error(desired_path, tmp_path, converged):
+    """Issue 33, item 5: an unreachable node was not in the log at all (only in /status); at every reconcile it
+    would drown the rest. Said once when it starts or changes, at warning (an error when someone must act: a host
+    key refused), and its end at info."""
+    from structlog.testing import capture_logs
+
+    from reconciler.loop.controller import progress_level
+
+    down = _with(converged, WORKER, reachable=False, error="cannot reach spark@10.0.0.2:22: timed out")
+    refused = _with(converged, WORKER, reachable=False, error="HostKeyRejected: host key for 10.0.0.2 CHANGED")
+    with capture_logs() as logs:
+        c, _ = _controller(desired_path, tmp_path, Script(down, down, refused, converged), lambda *a, **k: None)
+        for _ in range(4):
+            c.reconcile({"resync"})
+    said = [(e["log_level"], e["event"], e.get("error", "")[:15]) for e in logs if e["event"].startswith("node.")]
+    assert said == [("warning", "node.unreachable", "cannot reach sp"), ("error", "node.unreachable",
+                                                                          "HostKeyRejected"),
+                    ("info", "node.recovered", "")]
+    assert [progress_level(e) for e in ("weights.progress", "weights.start", "ledger.unwritten")] == [
+        "debug", "info", "warning"], "a step's report of trouble is a warning too"

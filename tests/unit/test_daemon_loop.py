@@ -61,10 +61,12 @@ def test_the_first_reconcile_starts_at_once_and_triggers_coalesce(tmp_path):
 
 
 def test_a_requeue_reconciles_when_due_without_any_trigger(tmp_path):
-    fake = FakeController([Result(requeue_after=0.2)])
+    fake = FakeController([Result(requeue_after=0.2), Result(requeue_after=0.1, requeue_reason="backoff-ended:x")])
     daemon, thread = run_loop(tmp_path, fake)
     try:
-        assert fake.wait_calls(2)[1] == {"requeue"}
+        calls = fake.wait_calls(3)
+        assert calls[1] == {"requeue"}
+        assert calls[2] == {"requeue:backoff-ended:x"}, "the reconcile says what it was requeued for"
     finally:
         stop(daemon, thread)
 
@@ -107,3 +109,41 @@ def test_the_heartbeat_goes_stale_only_after_the_window():
     assert TICK < STALE_AFTER / 10, "an idle loop wakes many times within the staleness window"
     assert heartbeat_fresh(100.0, 100.0 + STALE_AFTER - 1)
     assert not heartbeat_fresh(100.0, 100.0 + STALE_AFTER)
+
+
+def test_a_sighup_is_said_by_the_reconcile_it_triggers(desired_path, tmp_path, converged):
+    """Issue 33, item 5: a SIGHUP was invisible in the log (the file as it was: no line at all). The real signal, the
+    real handler, loop and controller (fakes for the nodes): the reconcile it triggers names it, and so does the
+    re-read it asks for."""
+    import os
+    import signal
+
+    from structlog.testing import capture_logs
+
+    from testbed.proc import wait_for
+    from tests.unit.test_controller_loop import Gate, Script, _controller
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    with capture_logs() as logs:
+        c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+        daemon = Daemon(desired_path, tmp_path / "state", controller=c)
+        daemon.requests = c.requests
+        daemon.install_signals()
+        thread = threading.Thread(target=daemon._loop, daemon=True)
+        thread.start()
+        try:
+            def ends(trigger):
+                return [e for e in logs if e["event"] == "reconcile.end" and trigger in e["trigger"]]
+
+            wait_for(lambda: ends("start"), 10, "the first reconcile")
+            os.kill(os.getpid(), signal.SIGHUP)
+            end = wait_for(lambda: ends("sighup"), 10, "a reconcile that says SIGHUP triggered it")[0]
+        finally:
+            stop(daemon, thread)
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+            import faulthandler
+            faulthandler.unregister(signal.SIGUSR1)
+    assert end["log_level"] == "info" and end["trigger"] == ["sighup"]
+    reread = [e for e in logs if e["event"] == "desired_state.reread"]
+    assert reread and reread[-1]["trigger"] == ["sighup"] and reread[-1]["new_generation"] is False

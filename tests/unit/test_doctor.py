@@ -338,10 +338,15 @@ SECRETS = DESIRED.model_copy(update={"serving": DESIRED.serving.model_copy(
 
 @pytest.mark.parametrize(("env", "status", "said", "fix"), [
     (EnvFile(ENV, exists=False), "fail", f"{ENV} does not exist; the daemon would lack HF_TOKEN, VLLM_API_KEY",
-     f"install -m 0600 -o root -g root /dev/null {ENV}"),
+     f"install -m 0640 -o root -g spark /dev/null {ENV}"),
     (EnvFile(ENV, uid=1000, mode=0o644, names=frozenset({"HF_TOKEN", "VLLM_API_KEY"})), "fail",
-     f"{ENV} is owned by uid 1000, mode 0644: it must be root's and mode 0600 (it holds the secrets)",
-     f"chown root:root {ENV} && chmod 0600 {ENV}"),
+     f"{ENV} is owned by uid 1000, mode 0644: it must be root's, mode 0640 or 0600 (it holds the secrets; spark's "
+     "group may read it)", f"chown root:spark {ENV} && chmod 0640 {ENV}"),
+    (EnvFile(ENV, uid=0, mode=0o644, names=frozenset({"HF_TOKEN", "VLLM_API_KEY"})), "fail",
+     f"{ENV} is owned by uid 0, mode 0644: it must be root's, mode 0640 or 0600 (it holds the secrets; spark's "
+     "group may read it)", f"chown root:spark {ENV} && chmod 0640 {ENV}"),
+    (EnvFile(ENV, uid=0, mode=0o640, names=frozenset({"HF_TOKEN", "VLLM_API_KEY"})), "ok",
+     f"{ENV} sets HF_TOKEN, VLLM_API_KEY (values not shown)", None),
     (EnvFile(ENV, uid=0, mode=0o600, names=None, error="Permission denied"), "warn",
      f"{ENV} cannot be read as spark (Permission denied): the names were not checked",
      f"reconciler doctor {FILE} --env-file {ENV}"),
@@ -434,11 +439,11 @@ def test_a_node_past_its_deadline_reads_unreachable_and_the_others_are_read(monk
     assert found["worker"].error_kind == "unreachable" and "no answer within 0.3s" in str(found["worker"].error)
 
 
-def test_the_cli_exits_2_on_an_invalid_file(tmp_path):
+def test_the_cli_exits_3_on_an_invalid_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: []\n")
     result = CliRunner().invoke(main, ["doctor", str(bad)])
-    assert result.exit_code == 2
+    assert result.exit_code == 3
 
 
 def test_the_cli_exits_1_on_a_failed_check_and_0_on_warnings(monkeypatch, tmp_path):

@@ -405,8 +405,9 @@ def test_a_rank_on_an_old_spec_is_replaced_and_a_rank_without_one_too(desired, s
     after = changed(seen, "worker2", containers=serving_with(seen, "worker2", labels=old))
     after = changed(after, "worker3", containers=serving_with(seen, "worker3", labels=unlabelled))
     h = hashes(desired)
-    assert diff(desired, after) == [Drift("worker2", "serving", SERVING, f"spec {h['worker2']}", "spec 0"),
-                                    Drift("worker3", "serving", SERVING, f"spec {h['worker3']}", "spec none")]
+    assert diff(desired, after) == [
+        Drift("worker2", "serving", SERVING, f"spec {h['worker2']}", "spec 0 (started before field labels)"),
+        Drift("worker3", "serving", SERVING, f"spec {h['worker3']}", "spec none (started before field labels)")]
 
 
 def test_a_serving_name_held_by_a_stranger_blocks(desired, seen):

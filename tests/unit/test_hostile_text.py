@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from reconciler.core import spec
 from reconciler.core.observed import Container, NodeObservation, Observed
 from reconciler.core.planning import plan
-from reconciler.core.render import observed_text, plan_text, status_text
+from reconciler.core.render import observed_text, plan_text
+from reconciler.core.status_view import status_text
 from reconciler.core.text import printable
 from reconciler.edge import discover as disc
 from reconciler.loop.apply import _echo
@@ -67,7 +68,7 @@ def test_status_shows_a_hostile_message_literally():
                            "message": HOSTILE}],
            "operations": [{"step": "stop-container/head/[/x]\x1b[2J", "state": "running", "seconds": 3,
                            "deadlineIn": 10}]}
-    out = status_text(doc)
+    out = status_text(doc, 80, 0)
     assert_terminal_safe(out)
     assert "[/rank0]" in out and "Crashed[b]" in out and "\\x1b]0;pwned\\x07" in out and "[/x]\\x1b[2J" in out
 

@@ -9,6 +9,7 @@ the recipes in docs/reference (NVIDIA's and eugr's two-Spark launch lines) and v
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,32 @@ def env(ip: str, *extra: str) -> str:
 WEIGHTS = "/home/spark/.cache/huggingface/hub/models--Qwen--Qwen3.5-122B-A10B-FP8"
 
 
+# What each launch is rendered from, as its launch label carries it for the next plan's field diff (compact JSON)
+SHARED_INPUTS = {
+    "model.id": "Qwen/Qwen3.5-122B-A10B-FP8", "model.layout": "hf-cache",
+    "model.path": "/home/spark/.cache/huggingface/hub", "model.revision": "main",
+    "nodes.spark-1a32.fabric.address": HEAD_IP, "serving.compile_cache": "home",
+    "serving.container_name": "vllm_serving", "serving.docker.cap_add": "IPC_LOCK",
+    "serving.docker.devices": "/dev/infiniband", "serving.docker.gpus": "all", "serving.docker.ipc": "host",
+    "serving.docker.privileged": "false", "serving.docker.ulimits": "memlock=-1 nofile=1048576:1048576 stack=67108864",
+    "serving.extra_args": "--load-format fastsafetensors", "serving.gpu_memory_utilization": "0.8",
+    "serving.host": "0.0.0.0", "serving.image": "nvcr.io/nvidia/vllm:26.05-py3", "serving.launcher": "native",
+    "serving.master_port": "29501", "serving.max_model_len": "32768", "serving.nodes": "spark-1a32,spark-5be3",
+    "serving.pipeline_parallel_size": "1", "serving.port": "8000", "serving.served_model_name": "qwen3.5-122b",
+    "serving.tensor_parallel_size": "2", "trust.remote_code": "true"}
+
+
+def inputs(node: str, ip: str) -> dict[str, str]:
+    own = {"fabric.address": ip, "fabric.interface": "enp1s0f1np1", "fabric.rdma_device": "rocep1s0f1",
+           "fabric.twin.rdma_device": "roceP2p1s0f1", "ssh.user": "spark"}
+    return SHARED_INPUTS | {f"nodes.{node}.{k}": v for k, v in own.items()}
+
+
 def labels(role: str, spec_hash: str) -> list[str]:
     ports = "8000,29501" if role == "head" else ""  # the API and torch's TCPStore: rank 0 alone listens on fixed ports
+    launch = inputs("spark-1a32", HEAD_IP) if role == "head" else inputs("spark-5be3", WORKER_IP)
     return ["--label", "spark-reconciler.generation=3", "--label", "spark-reconciler.instance=10.1.230.180:22",
+            "--label", "spark-reconciler.launch=" + json.dumps(launch, sort_keys=True, separators=(",", ":")),
             "--label", "spark-reconciler.managed=true", "--label", f"spark-reconciler.ports={ports}",
             "--label", f"spark-reconciler.role={role}",
             "--label", f"spark-reconciler.spec-hash={spec_hash}",

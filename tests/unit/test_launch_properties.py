@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconciler.core import spec
-from reconciler.core.observed import LABEL_INSTANCE
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_LAUNCH, parse_launch_label
 from reconciler.core.vllm import launch_specs
 from tests.unit.examples import examples
 from tests.unit.strategies import desired_dict, desireds
@@ -136,9 +136,9 @@ def docker_run(argv: list[str]) -> dict:
 @given(desireds(), st.integers(min_value=0, max_value=99))
 def test_docker_runs_each_rank_detached_named_and_labelled_for_the_next_observe(desired, generation):
     """What the next observe and diff read back off the container: its name, the owner, the spec hash, the
-    generation, the role and the ports rank 0 listens on (read off its own argv: every `--port` and, with
-    more than one node, `--master-port`); detached, so the step returns; env inline or from the file, never
-    both."""
+    launch inputs, the generation, the role and the ports rank 0 listens on (read off its own argv: every
+    `--port` and, with more than one node, `--master-port`); detached, so the step returns; env inline or from
+    the file, never both."""
     for s in launch_specs(desired):
         run = docker_run(s.run_argv(generation))
         assert "-d" in run["flags"] and run["--name"] == s.container_name
@@ -154,6 +154,8 @@ def test_docker_runs_each_rank_detached_named_and_labelled_for_the_next_observe(
                    if f == "-v" and flags[i + 1].endswith(":ro")]
         hub_tree = f"models--{desired.model.id.replace('/', '--')}"
         assert served in mounted or any(served == f"{m}/{hub_tree}" for m in mounted)
+        # what the launch was rendered from, for the next plan's field diff: read back as written
+        assert parse_launch_label(run["labels"].pop(LABEL_LAUNCH)) == s.inputs
         assert run["labels"] == {"spark-reconciler.managed": "true", "spark-reconciler.spec-hash": s.spec_hash,
                                  "spark-reconciler.generation": str(generation),
                                  "spark-reconciler.role": "head" if s.rank == 0 else "worker",

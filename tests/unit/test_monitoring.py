@@ -64,6 +64,9 @@ DASHBOARD_MUST_USE = {
     "reconciler_weights_sync_bytes_total", "reconciler_serving_healthy", "reconciler_memory_available_bytes",
     "reconciler_events_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    # issue 33: the progress of copies and cold starts, and the cold start's allowance
+    "reconciler_operation_progress_ratio", "reconciler_operation_bytes_per_second", "reconciler_serving_start_stage",
+    "reconciler_serving_started_timestamp_seconds", "reconciler_serving_health_timeout_seconds",
 }
 
 
@@ -259,7 +262,7 @@ def test_alert_has_severity_summary_description_and_runbook(rule):
 @pytest.mark.parametrize("rule", prometheus_rules(), ids=lambda r: r["alert"])
 def test_alert_descriptions_use_only_labels_the_expression_keeps(rule):
     """`sum by (node, kind)` keeps only node and kind; a template reading another label would render empty."""
-    m = re.match(r"\s*\w+\s+by\s*\(([^)]*)\)", rule["expr"])
+    m = re.match(r"[\s(]*\w+\s+by\s*\(([^)]*)\)", rule["expr"])
     if not m:
         return
     kept = {x.strip() for x in m.group(1).split(",")}
@@ -277,6 +280,46 @@ def test_every_alert_has_firing_and_non_firing_unit_tests():
     names = {r["alert"] for r in prometheus_rules()}
     assert names - firing == set(), f"alerts without a firing test: {sorted(names - firing)}"
     assert names - quiet == set(), f"alerts without a non-firing test: {sorted(names - quiet)}"
+
+
+# The one alert without an instance, and why.
+NO_INSTANCE = {"ReconcilerAbsent": "absent() fires because no target of the job exists: there is no instance"}
+
+
+def test_every_alert_keeps_job_and_instance():
+    """promtool compares an alert's exp_labels with the labels it fires with, exactly: so every firing case naming
+    job and instance shows that its rule's expression keeps them (DriftPersists dropped both with `sum by (node,
+    kind)`, issue 33). Alertmanager groups and inhibits by them (alertmanager.yaml)."""
+    doc = load_yaml(ALERT_TESTS)
+    checked_alerts = set()
+    for group in doc["tests"]:
+        for case in group.get("alert_rule_test", []):
+            for alert in case.get("exp_alerts") or []:
+                labels, name = set(alert["exp_labels"]), case["alertname"]
+                checked_alerts.add(name)
+                assert "job" in labels, (name, labels)
+                assert ("instance" in labels) != (name in NO_INSTANCE), (name, labels, NO_INSTANCE.get(name))
+    assert checked_alerts == {r["alert"] for r in prometheus_rules()}
+
+
+def in_flight_kinds(expr: str) -> set[str]:
+    [kinds] = re.findall(r'reconciler_operations_in_flight\{kind=~"([^"]+)"\}', expr)
+    return set(kinds.split("|"))
+
+
+def test_the_cold_start_allowance_names_the_steps_of_a_serving_start():
+    """ServingUnhealthy keeps quiet while a serving start is in flight (COLD_START, alerts.yaml): the kinds are the
+    serving chain's after its stop (reconciler.loop.backoff.SERVING_CHAIN), so a renamed step kind breaks here, not
+    silently in a page during every cold start; the dashboard's allowance panel reads the same kinds."""
+    from reconciler.core.planning import STEP_KINDS
+    from reconciler.loop.backoff import SERVING_CHAIN
+
+    [rule] = [r for r in prometheus_rules() if r["alert"] == "ReconcilerServingUnhealthy"]
+    kinds = in_flight_kinds(rule["expr"])
+    assert kinds == set(SERVING_CHAIN) - {"stop-serving"} and kinds <= set(STEP_KINDS)
+    [target] = panel_titled("Cold start: allowance used")["targets"]
+    assert in_flight_kinds(target["expr"]) == kinds
+    assert 'reconciler_step_failures{kind="await-health"}' in rule["expr"] and "await-health" in STEP_KINDS
 
 
 def test_low_memory_threshold_is_the_documented_constant():
@@ -757,8 +800,101 @@ def test_events_by_source_keeps_cluster_wide_events_when_a_node_is_selected(tmp_
 def test_panels_that_can_be_empty_say_why():
     for title in ("Since last converged", "Held steps", "Step duration by kind (p95 and mean)", "Step results",
                   "Weight-sync rate", "vLLM requests running / waiting", "vLLM KV cache usage",
-                  "vLLM token throughput"):
+                  "vLLM token throughput", *PROGRESS_PANELS):
         assert panel_titled(title)["fieldConfig"]["defaults"].get("noValue"), title
+
+
+# -------------------------------------------------- progress of copies and cold starts (issue 33, item 6)
+
+# Empty whenever nothing is copied or started (a converged cluster included), and saying so.
+PROGRESS_PANELS = ("Operation progress", "Operation progress over time", "Operation rate", "Cold-start stage",
+                   "Cold start: allowance used")
+RATIO = "reconciler_operation_progress_ratio"
+
+
+def series_of(name: str, labels: str, values: str) -> dict[str, str]:
+    """A series of the reconciler at 127.0.0.1:9464 with `labels` (text, may be empty) of its own."""
+    every = ",".join(x for x in (labels, 'job="spark-reconciler",instance="127.0.0.1:9464"') if x)
+    return {"series": f"{name}{{{every}}}", "values": values}
+
+
+def test_operation_progress_shows_each_operation_by_kind_and_node_in_the_colour_of_work(tmp_path):
+    """One bar per operation (kind and node), $node choosing the nodes; in progress is blue (work, not a
+    warning), done is green; the timeseries reads the same query."""
+    bars, lines = panel_titled("Operation progress"), panel_titled("Operation progress over time")
+    [target], [line] = bars["targets"], lines["targets"]
+    assert target["expr"] == line["expr"] and target["legendFormat"] == line["legendFormat"] == "{{kind}} {{node}}"
+    series = [series_of(RATIO, 'kind="weights",node="spark-b"', "0.5x5"),
+              series_of(RATIO, 'kind="image",node="spark-b"', "1x5"),
+              series_of(RATIO, 'kind="await-health",node="spark-a"', "0.45x5")]
+    one = grafana.interpolate(target["expr"], {"node": grafana.regex_value(["spark-b"])})
+    every = grafana.interpolate(target["expr"], {"node": grafana.ALL})
+    promtool_eval(tmp_path, series, [
+        {"expr": one, "eval_time": "2m", "exp_samples": [
+            {"labels": '{kind="weights",node="spark-b"}', "value": 0.5},
+            {"labels": '{kind="image",node="spark-b"}', "value": 1}]},
+        {"expr": every, "eval_time": "2m", "exp_samples": [
+            {"labels": '{kind="weights",node="spark-b"}', "value": 0.5},
+            {"labels": '{kind="image",node="spark-b"}', "value": 1},
+            {"labels": '{kind="await-health",node="spark-a"}', "value": 0.45}]}])
+    config = grafana.field_config(bars, "weights spark-b", "A")
+    assert [grafana.display(v, config).colour for v in (0, 0.45, 0.999, 1)] == ["blue", "blue", "blue", "green"]
+    assert (config["min"], config["max"], config["unit"]) == (0, 1, "percentunit")
+
+
+def test_operation_rate_shows_bytes_per_second_by_kind_and_node(tmp_path):
+    panel = panel_titled("Operation rate")
+    [target] = panel["targets"]
+    expr = grafana.interpolate(target["expr"], {"node": grafana.ALL})
+    promtool_eval(tmp_path, [series_of("reconciler_operation_bytes_per_second", 'kind="image",node="spark-b"',
+                                       "0 104857600 209715200")], [
+        {"expr": expr, "eval_time": "2m", "exp_samples": [{"labels": '{kind="image",node="spark-b"}',
+                                                           "value": 209715200}]}])
+    assert panel["fieldConfig"]["defaults"]["unit"] == "Bps"
+
+
+def test_the_cold_start_stage_reads_as_the_stage_by_name(tmp_path):
+    """reconciler_serving_start_stage is 1 on the current stage (reconciler.core.vllm_log.STAGES): the query turns
+    it into one number per node, whose mapping shows the stage's name, each in its own colour and none red (a
+    stage is never trouble by itself)."""
+    from reconciler.core.vllm_log import STAGES
+
+    panel = panel_titled("Cold-start stage")
+    [target] = panel["targets"]
+    expr = grafana.interpolate(target["expr"], {"node": grafana.ALL})
+    series = [series_of("reconciler_serving_start_stage", f'node="spark-a",stage="{stage}"',
+                        " ".join("1" if j == i else "0" for j in range(len(STAGES))))
+              for i, stage in enumerate(STAGES)]
+    config = grafana.field_config(panel, "spark-a", "A")
+    cases, looks = [], []
+    for i, stage in enumerate(STAGES):  # at minute i the start is in stage i
+        [value] = [float(k) for m in config["mappings"] for k, r in m["options"].items() if r["text"] == stage]
+        shown = grafana.display(value, config)
+        assert shown.text == stage and not grafana.is_red(shown.colour), (stage, shown)
+        looks.append(shown.colour)
+        cases.append({"expr": expr, "eval_time": f"{i}m", "exp_samples": [{"labels": '{node="spark-a"}',
+                                                                           "value": value}]})
+    assert len(set(looks)) == len(STAGES), looks
+    promtool_eval(tmp_path, series, cases)
+
+
+def test_the_cold_start_allowance_is_the_share_of_health_timeout_used_while_a_start_runs(tmp_path):
+    """Blue within the allowance, orange in its last quarter, red past it (where ReconcilerServingUnhealthy
+    stops keeping quiet); nothing when no serving start is in flight."""
+    panel = panel_titled("Cold start: allowance used")
+    [target] = panel["targets"]
+    series = [series_of("reconciler_serving_started_timestamp_seconds", "", "0x15"),  # started at minute 0
+              series_of("reconciler_serving_health_timeout_seconds", "", "600x15"),
+              series_of("reconciler_operations_in_flight", 'kind="await-health"', "1x12 0x3"),
+              series_of("reconciler_operations_in_flight", 'kind="weights"', "1x15")]
+    here = '{instance="127.0.0.1:9464",job="spark-reconciler"}'
+    promtool_eval(tmp_path, series, [
+        {"expr": target["expr"], "eval_time": f"{minute}m", "exp_samples": [{"labels": here, "value": share}]}
+        for minute, share in ((5, 0.5), (9, 0.9), (11, 1.1))] + [
+        {"expr": target["expr"], "eval_time": "14m", "exp_samples": []}])
+    config = grafana.field_config(panel, "127.0.0.1:9464", "A")
+    assert [grafana.display(v, config).colour for v in (0.5, 0.9, 1.1)] == ["blue", "orange", "red"]
+    assert panel["fieldConfig"]["defaults"]["noValue"] == "no serving start in flight"
 
 
 # ------------------------------------------------- the Grafana model of tests/e2e/grafana.py, on snippets

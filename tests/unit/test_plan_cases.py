@@ -81,15 +81,16 @@ def test_a_changed_spec_on_one_rank_restarts_every_rank_in_order(desired, seen):
     assert c is not None
     after = changed(seen, "worker1", containers=serving_with(seen, "worker1", labels={**c.labels,
                                                                                         LABEL_SPEC_HASH: "0"}))
-    why = f"worker1: container/vllm_serving: expected spec {hashes(desired)['worker1']}, observed spec 0"
+    why = (f"worker1: container/vllm_serving: expected spec {hashes(desired)['worker1']}, observed spec 0 (started "
+           "before field labels)")
     assert steps_and_blockers(desired, after) == (ordered_restart(why), [])
 
 
 def test_with_ray_the_head_starts_first_the_workers_join_and_the_head_launches(seen):
     desired = load(("launcher: native", "launcher: ray"))
     old, new = hashes(load()), hashes(desired)
-    why = "; ".join(f"{n}: container/vllm_serving: expected spec {new[n]}, observed spec {old[n]}"
-                    for n in ("head", *WORKERS))
+    why = "; ".join(f"{n}: container/vllm_serving: expected spec {new[n]}, observed spec {old[n]} (started before "
+                    "field labels)" for n in ("head", *WORKERS))
     stops = [step(s, f"ordered restart ({why})", container="vllm_serving") for s in STOPS]
     head = step("start-serving/head", "start the Ray head first", STOPS, rank="0")
     joins = [step(f"start-serving/{w}", "join the Ray cluster", (head.id,), rank=str(i))

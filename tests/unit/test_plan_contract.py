@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reconciler.core.drift import Drift
-from reconciler.core.planning import Blocker, Plan, Step
+from reconciler.core.drift import Drift, FieldChange
+from reconciler.core.planning import Blocker, Downtime, Plan, Step
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
@@ -47,3 +47,21 @@ def test_report_only_drift_is_no_change_and_a_step_is():
     report_only = Drift("n1", "co-tenant", "container/x", "absent", "running", actionable=False)
     assert Plan([report_only], [], []).as_dict()["changes"] is False
     assert Plan([], [Step("link", "n1", "why")], []).as_dict()["changes"] is True
+
+
+def test_a_serving_restart_renders_its_field_changes_and_outage_with_the_documented_keys():
+    doc = documented()
+    changes = (FieldChange("serving.max_model_len", "32768", "65536"),
+               FieldChange("serving.secrets.VLLM_API_KEY", "0123456789ab", "ba9876543210"))
+    drift = Drift("n1", "serving", "container/vllm_serving", "spec b", "spec a (...)", container="vllm_serving",
+                  changes=changes)
+    out = json.loads(json.dumps(Plan([drift], [], [], downtime=Downtime(("n1", "n2"), ("n2",), 600.0)).as_dict()))
+    assert set(out["field_changes"][0]) == keys(doc, "field_changes")
+    assert out["field_changes"] == [
+        {"node": "n1", "field": "serving.max_model_len", "old": "32768", "new": "65536", "secret": False,
+         "action": "changed"},
+        {"node": "n1", "field": "serving.secrets.VLLM_API_KEY", "old": None, "new": None, "secret": True,
+         "action": "changed"}]  # a secret's fingerprints stay in the label
+    assert set(out["downtime"]) == set(doc["downtime"])
+    assert out["downtime"] == {"nodes": ["n1", "n2"], "restart_with": ["n2"], "health_timeout_seconds": 600.0}
+    assert Plan([], [], []).as_dict()["downtime"] is None

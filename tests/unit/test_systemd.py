@@ -115,3 +115,11 @@ def test_status_is_sent_only_when_it_changes(listener):
     listener.settimeout(0.2)
     with pytest.raises(socket.timeout):
         listener.recv(4096)
+
+
+def test_the_unit_fails_loudly_without_its_environment_file():
+    """`EnvironmentFile=-` once started a daemon that sat in phase Invalid for want of a secret; without the "-"
+    systemd refuses the start ("Failed to load environment files", systemd.exec(5))."""
+    text = (REPO / "systemd" / "reconciler.service").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("EnvironmentFile=")]
+    assert lines == ["EnvironmentFile=/etc/spark-reconciler/environment"]

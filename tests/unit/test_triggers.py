@@ -70,3 +70,42 @@ def test_closing_stdin_leaves_nothing_running(node):
     # communicate() saw EOF on stdout, which every member of the group holds: they all ended
     assert out == b"" and proc.returncode != 0
     assert _running_in_group(proc.pid) == []
+
+
+class FlakySession:
+    """A node's session whose event stream fails as scripted: an exception is raised, a string is a line."""
+
+    name = "worker"
+
+    def __init__(self, stop, *script):
+        self.stop, self.script = stop, list(script)
+
+    def stream_lines(self, command, stop):
+        while self.script:
+            item = self.script.pop(0)
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        self.stop.set()
+
+
+def test_a_lost_event_stream_is_a_warning_once_not_at_every_retry():
+    """Issue 33, item 5: an SSH failure logged at info was invisible to `journalctl -p warning`; at warning at
+    every retry (every 30 s, for as long as a node is down) it would drown the rest."""
+    import threading
+
+    from structlog.testing import capture_logs
+
+    from reconciler.edge.ssh import Unreachable
+    from reconciler.loop.triggers import ReconcileRequests, stream_events
+
+    stop = threading.Event()
+    down = Unreachable("worker", "cannot reach spark@10.0.0.2:22: connection refused")
+    session = FlakySession(stop, down, down, "docker die vllm_serving", down)
+    requests = ReconcileRequests()
+    with capture_logs() as logs:
+        stream_events(session, "", requests, stop).join(20)
+    said = [(e["log_level"], e["event"]) for e in logs]
+    assert said == [("warning", "events.reconnect"), ("debug", "events.reconnect"),
+                    ("warning", "events.reconnect")], "again at warning once the stream had worked in between"
+    assert {"events-lost:worker", "docker:worker"} <= requests.wait(timeout=0)

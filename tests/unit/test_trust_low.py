@@ -379,7 +379,7 @@ def test_status_on_a_nesting_bomb_says_it_cannot_read_the_answer(console_script,
     result = subprocess.run([console_script, "status", "--url", url], capture_output=True, text=True, timeout=60,
                             check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"cannot reach the daemon at {url}: maximum recursion depth exceeded" in result.stderr
+    assert f"cannot read the answer of {url}/status: maximum recursion depth exceeded" in result.stderr
 
 
 def test_the_compile_cache_directories_are_the_ssh_user_s_alone(tmp_path):

@@ -154,23 +154,25 @@ def parse(doc: loader.Document, filename: str) -> Desired:
     return desired
 
 
-_UNSET = "is not set in the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)"
+_ENVIRONMENT = "the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)"
 _UNUSABLE = ("has a control character (a newline, tab, ...) in its value in the reconciler's environment: the "
              "values reach docker as the lines of --env-file, where a newline would start another variable; "
              "remove it from the value (the value is not shown)")
 
 
-def _missing_secrets(doc: loader.Document, exc: MissingSecrets) -> list[loader.Problem]:
+def _missing_secrets(doc: loader.Document, exc: MissingSecrets, where: str) -> list[loader.Problem]:
     """Each secret the environment cannot give, placed at its name in serving.secrets; names only, never a
-    value."""
+    value. `where`: what was searched (the environment file and the environment, as the CLI reads them)."""
+    unset = f"is not set in {where}"
     return [loader.Problem(doc.key_positions.get(("serving", "secrets", name), loader.Position(1, 1)),
                            f"serving.secrets.{name}", f"{name} {why}")
-            for names, why in ((exc.names, _UNSET), (exc.unusable, _UNUSABLE)) for name in names]
+            for names, why in ((exc.names, unset), (exc.unusable, _UNUSABLE)) for name in names]
 
 
-def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Desired:
+def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str = _ENVIRONMENT) -> Desired:
     """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed. With
-    `environ`, also resolve serving.secrets from it (a missing one is a problem placed at its name)."""
+    `environ`, also resolve serving.secrets from it (a missing one is a problem placed at its name, saying
+    `where` it was looked for)."""
     filename = str(path)
     try:
         doc = loader.load_file(Path(path))
@@ -182,7 +184,7 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Desired:
     try:
         return desired.with_secrets(environ)
     except MissingSecrets as exc:
-        raise InvalidDesiredState(filename, _missing_secrets(doc, exc)) from None
+        raise InvalidDesiredState(filename, _missing_secrets(doc, exc, where)) from None
 
 
 def loads(text: str | bytes, filename: str = "<string>") -> Desired:

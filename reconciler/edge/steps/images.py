@@ -43,6 +43,15 @@ class ByteCount:
         return True
 
 
+def archive_estimate(image: Image) -> int | None:
+    """The bytes `docker save` will stream, estimated: the image's size as the source's engine reports it (inspect
+    `Size`, the unpacked layers). The archive is those layers as tar (a header and padding per file) plus the
+    config and the manifest, so it comes out a little larger: measured on the testbed (Docker 20.10, overlay2),
+    +1.68% for the real vLLM CPU image (2,318,014,033 B -> 2,357,003,776 B) and +2.42% for the 42 MB stand-in.
+    Good for a bar and a time left, shown as an estimate, never checked against. None: the engine did not say."""
+    return image.size or None
+
+
 def inspect_image(ctx: StepContext, node: str, ref: str) -> Image | None:
     """The image on `node`; None only when the engine says it has none (a broken engine is an error, not a reason
     to copy 20 GB)."""
@@ -102,10 +111,12 @@ def copy_image(ctx: StepContext, step: Step) -> None:
         return
     hop.trust_target_on_source(ctx, source, node)
     moved = ByteCount()
+    total = archive_estimate(want)
+    ctx.progress("image.start", {"node": node, "source": source, "bytes_done": 0, "bytes_total": total})
 
     def seen(chunk: bytes) -> None:
         if moved.feed(chunk):
-            ctx.progress("image.progress", {"node": node, "bytes": moved.done})
+            ctx.progress("image.progress", {"node": node, "bytes_done": moved.done, "bytes_total": total})
 
     timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
     try:
@@ -123,5 +134,6 @@ def copy_image(ctx: StepContext, step: Step) -> None:
                          f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
     if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
         raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
-    ctx.progress("image.done", {"node": node, "bytes": moved.done, "image_id": got.id, "content": want.content})
+    ctx.progress("image.done", {"node": node, "bytes_done": moved.done, "bytes_total": total, "image_id": got.id,
+                                "content": want.content})
     note_copy(ctx, node, ("copied", "image", want.content, got.id))

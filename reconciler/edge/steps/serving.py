@@ -4,7 +4,8 @@ The launch itself is rendered by `reconciler.core.vllm` (pure); here it is run: 
 unified, and a start that overshoots wedges the node), removal of our own stopped container of the same name (no
 "name already in use"), `docker run` with the labels that carry the spec hash, and for the head the wait for
 /health, /v1/models and one completion under its own deadline: a 119 GB cold start takes many minutes, far
-beyond a step timeout.
+beyond a step timeout. Meanwhile every poll reads the head container's recent log and reports vLLM's stage and
+last meaningful line (`reconciler.core.vllm_log`), so `apply`, /status and the metrics show the cold start move.
 A container that exits while we wait fails the step at once with its last log lines.
 """
 
@@ -23,6 +24,7 @@ from reconciler.core.vllm import (
     memory_words,
     weights_size,
 )
+from reconciler.core.vllm_log import MAX_TEXT, StartProgress, start_progress
 from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
 from reconciler.edge.ssh import RemoteError, quote
 from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, note_copy, wait_for
@@ -199,13 +201,57 @@ def launch_model(ctx: StepContext, step: Step) -> None:
                  f"exec {quote(argv)} >/proc/1/fd/1 2>/proc/1/fd/2"], timeout=ctx.command_timeout)
 
 
+#: The head's log read each poll of the health wait: its last lines, at most MAX_TEXT bytes of them
+#: (cut on the node: tqdm redraws a bar on one ever longer line), under a deadline of its own.
+START_LOG_LINES = 200
+START_LOG_DEADLINE = 10.0
+HEALTH_POLL = 1.0  # seconds between the health wait's polls
+_START_LOG = 'docker logs --tail "$1" "$2" 2>&1 | tail -c "$3"'
+
+
+class StartWatch:
+    """The cold start as the head's log tells it: reported when it changes, `serving.stage` on a new stage (logged
+    at info), `serving.progress` on a new line or percent within it. A log that cannot be read or says nothing
+    vLLM would is no failure of the wait: the last report stands."""
+
+    def __init__(self, ctx: StepContext, node: str, container: str):
+        self.ctx, self.node, self.container = ctx, node, container
+        self.last = StartProgress("waiting", None, "")
+        self._report("serving.stage")
+
+    def poll(self) -> None:
+        try:
+            result = self.ctx.sessions[self.node].run(
+                ["sh", "-c", _START_LOG, "sh", str(START_LOG_LINES), self.container, str(MAX_TEXT)],
+                timeout=min(START_LOG_DEADLINE, self.ctx.command_timeout), check=False)
+        except RemoteError:
+            return
+        seen = start_progress(result.stdout)
+        if seen is None or seen == self.last:
+            return
+        event = "serving.stage" if seen.stage != self.last.stage else "serving.progress"
+        self.last = seen
+        self._report(event)
+
+    def served(self) -> None:
+        """The API serves: the wait is over (the last line read may be older than that)."""
+        self.last = StartProgress("serving", None, "")
+        self._report("serving.done")
+
+    def _report(self, event: str) -> None:
+        self.ctx.progress(event, {"node": self.node, "stage": self.last.stage, "percent": self.last.percent,
+                                  "line": self.last.line})
+
+
 def await_health(ctx: StepContext, step: Step) -> None:
     """Wait for /health == 200, the served name in /v1/models and one answered completion (the whole
     tensor-parallel group works, not only the API process), under serving.health_timeout. The API is read by the
-    probe's own fragment and parser (`probes.read_api`)."""
+    probe's own fragment and parser (`probes.read_api`); until it serves, each poll reports where the cold start
+    is (`StartWatch`)."""
     d = ctx.desired
     head, want = step.node, d.served_name
     session = ctx.sessions[head]
+    watch = StartWatch(ctx, head, spec_for(ctx, head).container_name)
 
     def healthy() -> bool:
         for spec in launch_specs(d):
@@ -214,8 +260,11 @@ def await_health(ctx: StepContext, step: Step) -> None:
                 raise StepFailed(f"{spec.container_name} on {spec.node} is {state.get('Status', 'missing')} "
                                  f"(exit {state.get('ExitCode')}) while waiting for health:\n"
                                  + logs_tail(ctx, spec.node, spec.container_name))
-        api = read_api(session, d, ctx.command_timeout)
-        return api.serves(want)
+        if read_api(session, d, ctx.command_timeout).serves(want):
+            return True
+        watch.poll()
+        return False
 
-    wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=1.0, cancel=ctx.cancel,
+    wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=HEALTH_POLL, cancel=ctx.cancel,
              what=f"http://127.0.0.1:{d.serving.port}/health on {head}, {want!r} in /v1/models and one completion")
+    watch.served()
