@@ -174,11 +174,7 @@ def plan(file: str, snapshot: Path | None, as_json: bool, env_file: Path) -> Non
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:
         click.echo(plan_text(result), nl=False)
-    sys.exit(Exit.UNREACHABLE if _unreachable(observed) else Exit.CHANGES if result.changes else Exit.OK)
-
-
-def _unreachable(observed: Observed) -> bool:
-    return any(not n.reachable for n in observed.nodes.values())
+    sys.exit(Exit.UNREACHABLE if observed.partial else Exit.CHANGES if result.changes else Exit.OK)
 
 
 def _observe(desired: spec.Desired) -> Observed:
@@ -246,12 +242,15 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool, url: str | 
 def _verify_here(file: str, only: str | None, repair: bool, env_file: Path) -> list[dict]:
     """`verify` without a daemon: this command's own SSH sessions, the cluster's lease to repair (exit 4 when
     another actor holds it), the secrets from --env-file."""
-    from reconciler.edge.lease import Holder, LeaseHeld
+    from reconciler.edge.lease import Holder, LeaseHeld, LeaseUnreachable
     from reconciler.loop.verify import verify_here
 
     desired = _load_or_exit(file, env_file)
     try:
         return verify_here(desired, Holder.of("verify-repair", file), only, repair)
+    except LeaseUnreachable as exc:
+        click.echo(printable(f"Nothing repaired: {exc}."), err=True)
+        sys.exit(Exit.UNREACHABLE)
     except LeaseHeld as exc:
         click.echo(printable(f"Nothing repaired: {exc}."), err=True)
         sys.exit(Exit.HELD)
@@ -280,7 +279,7 @@ def observe(file: str, as_json: bool, env_file: Path) -> None:
         from reconciler.core.render import observed_text
 
         click.echo(observed_text(observed), nl=False)
-    sys.exit(Exit.UNREACHABLE if _unreachable(observed) else Exit.OK)
+    sys.exit(Exit.UNREACHABLE if observed.partial else Exit.OK)
 
 
 @main.command()

@@ -363,3 +363,8 @@ class Observed(_Model):
 
     def node(self, name: str) -> NodeObservation:
         return self.nodes.get(name) or NodeObservation(name=name, reachable=False, error="not observed")
+
+    @property
+    def partial(self) -> bool:
+        """A node did not answer: what was planned from this cannot be whole (exit 5, reconciler.core.exits)."""
+        return any(not n.reachable for n in self.nodes.values())

@@ -218,7 +218,7 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
 def _outcome(observed: Observed, current: Plan, dry_run: bool) -> Exit:
     """A node unreachable first (the plan could not be whole), then: a dry run's changes are pending (2, as
     `plan`), a real run's are not converged (1)."""
-    if any(not n.reachable for n in observed.nodes.values()):
+    if observed.partial:
         return Exit.UNREACHABLE
     if not current.changes:
         return Exit.OK

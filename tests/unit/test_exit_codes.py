@@ -111,11 +111,12 @@ def _unreachable_cluster(tmp_path: Path, base_yaml: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("argv", [["observe"], ["apply", "--yes"], ["plan"]])
+@pytest.mark.parametrize("argv", [["observe"], ["apply", "--yes"], ["plan"], ["verify", "--repair"], ["verify"]])
 def test_an_unreachable_head_exits_5(console_script, tmp_path, base_yaml, argv):
     """`apply` against an unreachable head once said "held" (4) and "stop the daemon or wait": nobody holds it."""
     path = _unreachable_cluster(tmp_path, base_yaml)
-    result = run(console_script, argv[0], path, *argv[1:])
+    no_daemon = ["--url", f"http://127.0.0.1:{free_port()}"] if argv[0] == "verify" else []
+    result = run(console_script, argv[0], path, *argv[1:], *no_daemon)
     assert result.returncode == Exit.UNREACHABLE, result.stdout + result.stderr
     assert "stop the daemon" not in result.stderr
 

@@ -161,12 +161,19 @@ def test_wide_shows_every_condition(console_script, daemon):
 
 # ------------------------------------------------------------------------------------------------ --watch
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Watching:
     """`reconciler status --watch` running, its output read as it comes."""
 
     def __init__(self, argv: list[str]) -> None:
+        # Ctrl-C as a terminal delivers it: SIGINT at its default in the child, whatever this run inherited (a
+        # suite started in the background by a shell without job control ignores SIGINT, and so would the child:
+        # Python installs no KeyboardInterrupt handler for an ignored SIGINT).
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=environ())
+                                     env=environ(), preexec_fn=_default_sigint)
         self.out: list[str] = []
         self._reader = threading.Thread(target=lambda: self.out.extend(iter(self.proc.stdout.readline, "")),
                                         daemon=True)
