@@ -569,7 +569,7 @@ def secrets_check(desired: Desired, local: LocalFacts) -> Check:
         return Check("secrets", HERE, "ok", f"{path} sets {', '.join(wanted)} (values not shown)")
     adds = " && ".join(f"systemd-ask-password {n}: | sed 's/^/{n}=/' >> {path}" for n in missing)
     return Check("secrets", HERE, "fail", f"{path} does not set {', '.join(missing)} (declared in serving.secrets)",
-                 Fix(f"{adds}  # then restart the daemon", "root", HERE))
+                 Fix(f"{adds}  # then systemctl reload spark-reconciler", "root", HERE))
 
 
 def env_file_names(text: str) -> frozenset[str]:

@@ -352,7 +352,7 @@ SECRETS = DESIRED.model_copy(update={"serving": DESIRED.serving.model_copy(
      f"reconciler doctor {FILE} --env-file {ENV}"),
     (EnvFile(ENV, uid=0, mode=0o600, names=frozenset({"VLLM_API_KEY"})), "fail",
      f"{ENV} does not set HF_TOKEN (declared in serving.secrets)",
-     f"systemd-ask-password HF_TOKEN: | sed 's/^/HF_TOKEN=/' >> {ENV}  # then restart the daemon"),
+     f"systemd-ask-password HF_TOKEN: | sed 's/^/HF_TOKEN=/' >> {ENV}  # then systemctl reload spark-reconciler"),
     (EnvFile(ENV, uid=0, mode=0o600, names=frozenset({"VLLM_API_KEY", "HF_TOKEN"})), "ok",
      f"{ENV} sets HF_TOKEN, VLLM_API_KEY (values not shown)", None),
 ])

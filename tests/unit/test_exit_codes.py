@@ -122,13 +122,14 @@ def test_an_unreachable_head_exits_5(console_script, tmp_path, base_yaml, argv):
 
 
 def test_a_held_lease_exits_4(monkeypatch, cluster_yaml):
-    from reconciler.edge import lease
+    from reconciler.edge import lease, log
     from reconciler.loop import apply
 
     def taken(*_a, **_k):
         raise lease.LeaseHeld("the cluster is held by daemon pid 7 on head")
 
     monkeypatch.setattr(apply, "held", taken)
+    monkeypatch.setattr(log, "configure", lambda **_k: None)  # the process-wide log stays as the suite set it
     monkeypatch.setattr(apply, "Sessions", lambda desired: type("S", (), {"close": lambda self: None})())
     result = CliRunner().invoke(main, ["apply", "--yes", str(cluster_yaml)])
     assert result.exit_code == Exit.HELD, result.output

@@ -4,12 +4,14 @@ channel's stdin closes nothing may stay behind on the node."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
+import structlog
 
 from reconciler.loop.triggers import event_command
 
@@ -101,10 +103,17 @@ def test_a_lost_event_stream_is_a_warning_once_not_at_every_retry():
 
     stop = threading.Event()
     down = Unreachable("worker", "cannot reach spark@10.0.0.2:22: connection refused")
+    # Every level reaches the capture: a test before this one may have configured the log at info
+    # (reconciler.edge.log.configure), which would drop the debug line this test asserts on.
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
     session = FlakySession(stop, down, down, "docker die vllm_serving", down)
     requests = ReconcileRequests()
-    with capture_logs() as logs:
-        stream_events(session, "", requests, stop).join(20)
+    try:
+        with capture_logs() as logs:
+            stream_events(session, "", requests, stop).join(20)
+    finally:
+        structlog.configure(**saved)
     said = [(e["log_level"], e["event"]) for e in logs if e.get("node") == FlakySession.name]
     assert said == [("warning", "events.reconnect"), ("debug", "events.reconnect"),
                     ("warning", "events.reconnect")], "again at warning once the stream had worked in between"
