@@ -241,7 +241,11 @@ def excuse(desired: Desired, before: Observed, v: Violation) -> str | None:
     if v.what == "co-tenant":
         if desired.co_tenants.unlisted == "report":
             return "unlisted: report"
-        wanted = any(w.what in ("serving", "health") for w in violations(desired, before))
+        # A start is wanted when serving is wrong, or when a serving node lacks the reference image: its rank
+        # must then restart on the reference (a rank left on the old content would serve beside the new ones).
+        serving_nodes = {n.name for n in desired.serving_nodes}
+        wanted = any(w.what in ("serving", "health") or (w.what == "image" and w.node in serving_nodes)
+                     for w in violations(desired, before))
         if wanted and (why := serving_cannot_restart(desired, before)):
             return f"kept running: the start it makes room for is blocked ({why})"
         return None

@@ -12,6 +12,7 @@ amtool and Alertmanager are required like promtool: Debian's `prometheus-alertma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.drift import DRIFT_KINDS
+from testbed import proc as harness
 from testbed.proc import free_port, wait_for
 from tests.unit.test_monitoring import ALERT_TESTS, MON, load_yaml, prometheus_rules, shipped
 
@@ -129,6 +131,22 @@ def post(base: str, alerts: list[dict[str, str]]) -> None:
         assert response.status == 200
 
 
+def settled(base: str, expected: set[tuple[str, ...]], posted: int) -> dict[tuple[str, ...], str]:
+    """The alerts' states once Alertmanager has judged every posted one: its inhibitor works beside the API, so
+    right after a POST an alert it is about to mute can still read active. Waits (30 s at most) for every alert to
+    be listed and the active ones to be `expected`; the last answer either way, for the caller's assert."""
+    last: dict[tuple[str, ...], str] = {}
+
+    def judged() -> bool:
+        nonlocal last
+        last = states(base)
+        return len(last) == posted and {k for k, state in last.items() if state == "active"} == expected
+
+    with contextlib.suppress(harness.TestbedError):  # not settled in time: the assert that follows says how it stands
+        wait_for(judged, timeout=30, what="Alertmanager's judgement of the posted alerts")
+    return last
+
+
 def states(base: str) -> dict[tuple[str, ...], str]:
     """(alertname, instance, node, kind) -> active or suppressed, as the API reports it now."""
     with urllib.request.urlopen(f"{base}/api/v2/alerts", timeout=10) as response:
@@ -167,7 +185,7 @@ def alert(name: str, severity: str, instance: str = HERE, **labels: str) -> dict
 def test_each_cause_mutes_what_it_explains_and_nothing_of_another_reconciler(alertmanager):
     """The alerts the rules before issue 33 fired for an unreachable head (6, 3 critical), a stuck daemon's and a
     down serving's, all at once and for two reconcilers: only the causes stay active."""
-    post(alertmanager, [
+    posted = [
         # the unreachable head, as the old rules raised it
         alert("ReconcilerNodeUnreachable", "critical", node="spark-a"),
         alert("ReconcilerNodeUnreachable", "critical", node="spark-b"),
@@ -181,13 +199,13 @@ def test_each_cause_mutes_what_it_explains_and_nothing_of_another_reconciler(ale
         alert("ReconcilerDriftPersists", "warning", OTHER, node="spark-a", kind="health"),
         alert("ReconcilerDriftPersists", "warning", OTHER, node="spark-b", kind="co-tenant"),
         alert("ReconcilerNotConverged", "warning", OTHER),
-    ])
-    seen = states(alertmanager)
-    active = {k for k, state in seen.items() if state == "active"}
-    assert active == {("ReconcilerNodeUnreachable", HERE, "spark-a", ""),
-                      ("ReconcilerNodeUnreachable", HERE, "spark-b", ""),
-                      ("ReconcilerServingUnhealthy", OTHER, "", ""),
-                      ("ReconcilerDriftPersists", OTHER, "spark-b", "co-tenant")}, seen
+    ]
+    post(alertmanager, posted)
+    expected = {("ReconcilerNodeUnreachable", HERE, "spark-a", ""), ("ReconcilerNodeUnreachable", HERE, "spark-b", ""),
+                ("ReconcilerServingUnhealthy", OTHER, "", ""),
+                ("ReconcilerDriftPersists", OTHER, "spark-b", "co-tenant")}
+    seen = settled(alertmanager, expected, len(posted))
+    assert {k for k, state in seen.items() if state == "active"} == expected and len(seen) == len(posted), seen
     # one page for this reconciler: both unreachable nodes in one notification (grouped by alertname and instance)
     pages = wait_for(lambda: paging(alertmanager), timeout=30, what="the pager's groups")
     assert pages == {("ReconcilerNodeUnreachable", HERE): 2, ("ReconcilerServingUnhealthy", OTHER): 1}, pages
@@ -206,15 +224,17 @@ def paging(base: str) -> dict[tuple[str, str], int]:
 
 
 def test_a_stopped_or_stuck_daemon_mutes_everything_of_its_reconciler(alertmanager):
-    post(alertmanager, [
+    posted = [
         alert("ReconcilerDown", "critical"),
         alert("ReconcilerStepHeld", "critical", node="spark-b", kind="weights"),
         alert("ReconcilerServingUnhealthy", "critical"),
         alert("ReconcilerLoopStalled", "critical", OTHER),
         alert("ReconcilerLowMemory", "warning", OTHER, node="spark-a"),
-    ])
-    active = {k for k, state in states(alertmanager).items() if state == "active"}
-    assert active == {("ReconcilerDown", HERE, "", ""), ("ReconcilerLoopStalled", OTHER, "", "")}
+    ]
+    post(alertmanager, posted)
+    expected = {("ReconcilerDown", HERE, "", ""), ("ReconcilerLoopStalled", OTHER, "", "")}
+    seen = settled(alertmanager, expected, len(posted))
+    assert {k for k, state in seen.items() if state == "active"} == expected and len(seen) == len(posted), seen
 
 
 def test_the_operations_guide_installs_and_checks_it():
