@@ -60,8 +60,12 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: deps venv wheelhouse lint unit-py312
-	$(PYTEST) tests -q --durations=15
+# The end-to-end tests alone on the testbed (they time real processes: nothing else competes for the 2 cores),
+# then the unit tests under Python 3.11 and 3.12 side by side (both CPU-bound, one core each; -O keeps each run's
+# output whole). Every test runs, as before; together they take ~3 minutes less.
+test: deps venv wheelhouse lint $(VENV312)/.installed
+	$(PYTEST) tests/e2e -q --durations=15
+	$(MAKE) --no-print-directory -j2 -O unit unit-py312
 
 # The unit tests need no testbed, but some run real system tools (promtool, systemd-analyze) that `deps` installs.
 unit: deps venv wheelhouse

@@ -67,13 +67,14 @@ def _secrets(env_file: Path) -> Secrets:
         sys.exit(Exit.INVALID)
 
 
-def _load_or_exit(path: str, env_file: Path | None = None) -> spec.Desired:
+def _load_or_exit(path: str, env_file: Path | None = None, uid: int | None = None) -> spec.Desired:
     """The desired state, or exit 3 with every problem placed. With `env_file` (the commands that connect, and
     validate): the secrets must all be there (`--env-file`, then this process's environment), and every trusted
-    file must be changeable by root or this user only (reconciler.edge.trusted_files): what the daemon demands."""
+    file must be changeable by root or this user (`uid`: validate's daemon user) only
+    (reconciler.edge.trusted_files): what the daemon demands."""
     from reconciler.edge import log, trusted_files
 
-    desired, problems = trusted_files.load(path, None if env_file is None else _secrets(env_file))
+    desired, problems = trusted_files.load(path, None if env_file is None else _secrets(env_file), uid)
     for line in problems:
         click.echo(printable(line), err=True)
     if desired is None:
@@ -113,11 +114,22 @@ def main() -> None:
 @click.option("--skip-secrets", is_flag=True,
               help="Judge the file alone: not its secrets nor the modes of the files it trusts (a file checked "
                    "away from the head, in CI).")
-def validate(file: str, env_file: Path, skip_secrets: bool) -> None:
+@click.option("--daemon-user", default=None,
+              help="The user the daemon runs as (systemd User=), whose files are judged. [default: this user; as "
+                   "root, spark, the shipped unit's]")
+def validate(file: str, env_file: Path, skip_secrets: bool, daemon_user: str | None) -> None:
     """Check FILE as the daemon would take it: the file (every error as FILE:LINE:COL: field.path: message),
     every secret it names (--env-file, then the environment; never a value shown) and the modes of the files it
-    trusts. Exit 0 valid, 3 not: `validate && systemctl reload` never feeds the daemon what it would refuse."""
-    _load_or_exit(file, None if skip_secrets else env_file)
+    trusts, as the daemon's user sees them. Exit 0 valid, 3 not: `validate && systemctl reload` never feeds the
+    daemon what it would refuse."""
+    from reconciler.edge.trusted_files import daemon_user as resolve
+
+    try:
+        _user, uid = resolve(daemon_user)
+    except KeyError:
+        click.echo(printable(f"validate: no user {daemon_user!r} on this host (--daemon-user)"), err=True)
+        sys.exit(Exit.ERROR)
+    _load_or_exit(file, None if skip_secrets else env_file, uid)
     click.echo(f"{file}: valid")
 
 

@@ -15,10 +15,8 @@ as the image copy writes it), in the SSH user's own 0700 `~/.spark-reconciler`, 
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import pwd
 import shlex
 import stat
 import threading
@@ -294,29 +292,10 @@ def env_file(path: Path) -> EnvFile:
     return EnvFile(str(path), uid=st.st_uid, mode=stat.S_IMODE(st.st_mode), names=names, error=error)
 
 
-#: The shipped unit's `User=` (systemd/reconciler.service): whose files doctor judges when run as root.
-UNIT_USER = "spark"
-
-
-def daemon_user(name: str | None = None) -> tuple[str, int]:
-    """The user the daemon runs as, and its uid: `name`; else whoever runs doctor, but as root the shipped unit's
-    user (root runs doctor to read the environment file; the daemon's key is that user's, not root's). KeyError
-    for a user that does not exist."""
-    if name is not None:
-        return name, pwd.getpwnam(name).pw_uid
-    euid = os.geteuid()
-    if euid == 0:
-        try:
-            return UNIT_USER, pwd.getpwnam(UNIT_USER).pw_uid
-        except KeyError:
-            return "root", 0
-    return getpass.getuser(), euid
-
-
 def local_facts(desired: Desired, desired_path: str, env_path: Path, user: str | None = None) -> LocalFacts:
     """The reconciler's host: its trusted files as the daemon's user sees them (`trusted_files`, what the daemon
     refuses), and the environment file systemd gives it."""
-    name, uid = daemon_user(user)
+    name, uid = trusted_files.daemon_user(user)
     problems = trusted_files.problems(trusted_files.trusted_paths(desired, desired_path), uid=uid)
     return LocalFacts(user=name, file_problems=tuple(FileProblem(p, file_fix(p)) for p in problems),
                       env=env_file(env_path), desired_path=desired_path)

@@ -13,7 +13,9 @@ bits and the key "will be ignored"). paramiko, which loads it here, checks no mo
 
 from __future__ import annotations
 
+import getpass
 import os
+import pwd
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +96,25 @@ def problems(paths: Sequence[Path | Trusted], uid: int | None = None,
     return list(dict.fromkeys(out))
 
 
+#: The shipped unit's `User=` (systemd/reconciler.service): whose files are judged when root checks them.
+UNIT_USER = "spark"
+
+
+def daemon_user(name: str | None = None) -> tuple[str, int]:
+    """The user the daemon runs as, and its uid: `name`; else whoever runs this, but as root the shipped unit's
+    user (root runs `doctor` and `validate` to read the environment file; the daemon's key is that user's, not
+    root's). KeyError for a user that does not exist."""
+    if name is not None:
+        return name, pwd.getpwnam(name).pw_uid
+    euid = os.geteuid()
+    if euid == 0:
+        try:
+            return UNIT_USER, pwd.getpwnam(UNIT_USER).pw_uid
+        except KeyError:
+            return "root", 0
+    return getpass.getuser(), euid
+
+
 #: The shipped unit's `EnvironmentFile=` (reconciler/files/systemd/reconciler.service): where every command reads
 #: the values of serving.secrets, so the CLI and the daemon see the same ones.
 ENVIRONMENT_FILE = Path("/etc/spark-reconciler/environment")
@@ -136,9 +157,10 @@ def secrets_environment(path: Path, explicit: bool, base: Mapping[str, str],
     return Secrets({**base, **values}, f"{path} or this process's environment")
 
 
-def load(path: str | Path, secrets: Secrets | None) -> tuple[Desired | None, list[str]]:
+def load(path: str | Path, secrets: Secrets | None, uid: int | None = None) -> tuple[Desired | None, list[str]]:
     """The desired state as the daemon takes it, or every reason it cannot (one line each, placed): the file's own
-    problems, each secret `secrets` lacks, and each trusted file someone else may change. With `secrets=None`
+    problems, each secret `secrets` lacks, and each trusted file someone other than root or `uid` (default: this
+    process's user; `validate` as root passes the daemon's, `daemon_user`) may change. With `secrets=None`
     (validate --skip-secrets, export, sudoers) the secrets and the trust are not judged."""
     try:
         if secrets is None:
@@ -146,5 +168,5 @@ def load(path: str | Path, secrets: Secrets | None) -> tuple[Desired | None, lis
         desired = spec.load(path, secrets.environ, where=secrets.where)
     except spec.InvalidDesiredState as exc:
         return None, exc.lines()
-    unsafe = problems(trusted_paths(desired, path))
+    unsafe = problems(trusted_paths(desired, path), uid)
     return (None, unsafe) if unsafe else (desired, [])

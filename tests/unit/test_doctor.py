@@ -32,6 +32,7 @@ from reconciler.core.preflight import (
 )
 from reconciler.core.spec import load
 from reconciler.edge import doctor as edge
+from reconciler.edge import trusted_files
 from reconciler.edge.probes import ProbeError
 from reconciler.edge.ssh import sudo_commands, sudoers_line
 
@@ -502,12 +503,12 @@ def test_files_are_judged_as_the_daemons_user(tmp_path, monkeypatch):
         os.chown(key, owner, owner)
     nodes = [n.model_copy(update={"ssh": n.ssh.model_copy(update={"identity_file": str(key)})}) for n in DESIRED.nodes]
     desired = DESIRED.model_copy(update={"nodes": nodes})
-    monkeypatch.setattr(edge, "daemon_user", lambda name=None: ("someone", owner + 1))
+    monkeypatch.setattr(trusted_files, "daemon_user", lambda name=None: ("someone", owner + 1))
     local = edge.local_facts(desired, str(tmp_path / "cluster.yaml"), tmp_path / "environment")
     assert local.user == "someone"
     assert [p.text for p in local.file_problems if str(key) in p.text] == [
         f"{key}: the file is owned by uid {owner}, not root or the reconciler's user (uid {owner + 1})"]
-    monkeypatch.setattr(edge, "daemon_user", lambda name=None: ("owner", owner))
+    monkeypatch.setattr(trusted_files, "daemon_user", lambda name=None: ("owner", owner))
     assert not [p for p in edge.local_facts(desired, str(key), tmp_path / "environment").file_problems
                 if str(key) in p.text]
 
@@ -516,10 +517,10 @@ def test_the_daemon_user_defaults():
     import os
     import pwd
 
-    name, uid = edge.daemon_user()
+    name, uid = trusted_files.daemon_user()
     if os.geteuid() == 0:
         assert (name, uid) in (("root", 0), ("spark", pwd.getpwnam("spark").pw_uid))
     else:
         assert uid == os.geteuid()
     with pytest.raises(KeyError):
-        edge.daemon_user("no-such-user-here")
+        trusted_files.daemon_user("no-such-user-here")

@@ -177,3 +177,29 @@ def test_the_file_wins_over_the_shell_as_systemd_sets_it(tmp_path):
     got = secrets_environment(env_file, True, {"VLLM_API_KEY": "sk-stale-shell", "PATH": "/bin"})
     assert got.environ["VLLM_API_KEY"] == "sk-daemon" and got.environ["PATH"] == "/bin"
     assert got.environ["HF_TOKEN"] == ""  # set empty in the file: unset for with_secrets, as systemd gives it
+
+
+def test_validate_as_root_judges_the_files_as_the_daemons_user_sees_them(console_script, tmp_path, base_yaml):
+    """The runbook validates as root: the daemon's key is its user's (spark), which root's own check refused
+    ("owned by uid 1001, not root or the reconciler's user (uid 0)"): validate judges as the daemon's user."""
+    import os
+    import pwd
+
+    assert os.geteuid() == 0, "make test runs as root (the testbed needs it)"
+    nobody = pwd.getpwnam("nobody")
+    key = tmp_path / "id_ed25519"
+    key.write_text("a key\n")
+    key.chmod(0o600)
+    os.chown(key, nobody.pw_uid, nobody.pw_gid)
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(base_yaml.replace("host: 10.0.0.1", f"host: 10.0.0.1\n      identity_file: {key}\n"
+                                                          f"      known_hosts: {known_hosts}"))
+    judged_as_nobody = run(console_script, "validate", path, "--daemon-user", "nobody")
+    assert judged_as_nobody.returncode == Exit.OK, judged_as_nobody.stderr
+    judged_as_root = run(console_script, "validate", path, "--daemon-user", "root")
+    assert judged_as_root.returncode == Exit.INVALID
+    assert f"{key}: the file is owned by uid {nobody.pw_uid}, not root or the reconciler's user (uid 0)" in \
+        judged_as_root.stderr
+    assert run(console_script, "validate", path, "--daemon-user", "no-such-user-here").returncode == Exit.ERROR
