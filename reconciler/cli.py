@@ -28,7 +28,9 @@ from reconciler.core.text import printable
 if TYPE_CHECKING:
     from reconciler.edge.trusted_files import Secrets
 
-ENVIRONMENT_FILE = "/etc/spark-reconciler/environment"  # the shipped unit's EnvironmentFile= (trusted_files too)
+#: The shipped unit's `EnvironmentFile=` (reconciler/files/systemd/reconciler.service): where every command reads
+#: the values of serving.secrets by default, so the CLI and the daemon see the same ones.
+ENVIRONMENT_FILE = "/etc/spark-reconciler/environment"
 
 
 class _Commands(click.Group):
@@ -56,12 +58,16 @@ def _env_file_option(command: Callable[..., None]) -> Callable[..., None]:
                              "shell's). The default may be absent; a file named here must exist.")(command)
 
 
+def _env_file_named() -> bool:
+    """--env-file (or RECONCILER_ENV_FILE) given: then the file must exist; the default may be absent."""
+    return click.get_current_context().get_parameter_source("env_file") != ParameterSource.DEFAULT
+
+
 def _secrets(env_file: Path) -> Secrets:
     from reconciler.edge import trusted_files
 
-    explicit = click.get_current_context().get_parameter_source("env_file") != ParameterSource.DEFAULT
     try:
-        return trusted_files.secrets_environment(env_file, explicit, os.environ)
+        return trusted_files.secrets_environment(env_file, _env_file_named(), os.environ)
     except trusted_files.EnvironmentFileError as exc:
         click.echo(printable(str(exc)), err=True)
         sys.exit(Exit.INVALID)
@@ -336,7 +342,7 @@ def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_fo
     from reconciler.edge import log, trusted_files
     from reconciler.loop.daemon import AlreadyRunning, Daemon
 
-    explicit = click.get_current_context().get_parameter_source("env_file") != ParameterSource.DEFAULT
+    explicit = _env_file_named()
     log.configure(json_lines=None if log_format == "auto" else log_format == "json", level=log_level)
     daemon = Daemon(file, state_dir, listen=listen, events=not no_events,
                     secrets=lambda: trusted_files.secrets_environment(env_file, explicit, os.environ))

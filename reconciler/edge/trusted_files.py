@@ -115,11 +115,6 @@ def daemon_user(name: str | None = None) -> tuple[str, int]:
     return getpass.getuser(), euid
 
 
-#: The shipped unit's `EnvironmentFile=` (reconciler/files/systemd/reconciler.service): where every command reads
-#: the values of serving.secrets, so the CLI and the daemon see the same ones.
-ENVIRONMENT_FILE = Path("/etc/spark-reconciler/environment")
-
-
 class EnvironmentFileError(Exception):
     """The environment file named cannot be used: missing, unreadable, or open to others."""
 

@@ -72,8 +72,7 @@ class Controller:
         self.path = Path(path)
         #: Where serving.secrets' values come from, asked at every load (`run --env-file`: the file over this
         #: process's environment, so a rotated key is an edit and a reload); by default the environment alone.
-        self.secrets = secrets or (lambda: Secrets(os.environ, "the reconciler's environment (systemd: "
-                                                   "EnvironmentFile=, see docs/security.md)"))
+        self.secrets = secrets or (lambda: Secrets(os.environ, spec.ENVIRONMENT))
         self.holder = Holder.of("daemon", self.path)
         self.lease: Lease | None = None
         self.lease_sessions: Sessions | None = None  # the lease's own connection to the head (edge/lease.py)

@@ -33,7 +33,7 @@ from reconciler.core.spec.models import (
     Timeouts,
     WeightsPolicy,
 )
-from reconciler.core.spec.placing import InvalidDesiredState, load, loads
+from reconciler.core.spec.placing import ENVIRONMENT, InvalidDesiredState, load, loads
 from reconciler.core.spec.rules import KEY, ConsistencyError, MissingSecrets, consistency_problems
 from reconciler.core.spec.values import (
     RESERVED_ENV,
@@ -75,6 +75,7 @@ __all__ = [
     "HostName",
     "ImageRef",
     "InterfaceName",
+    "ENVIRONMENT",
     "InvalidDesiredState",
     "MissingSecrets",
     "Model",

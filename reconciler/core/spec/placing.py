@@ -154,7 +154,7 @@ def parse(doc: loader.Document, filename: str) -> Desired:
     return desired
 
 
-_ENVIRONMENT = "the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)"
+ENVIRONMENT = "the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)"
 _UNUSABLE = ("has a control character (a newline, tab, ...) in its value in the reconciler's environment: the "
              "values reach docker as the lines of --env-file, where a newline would start another variable; "
              "remove it from the value (the value is not shown)")
@@ -169,7 +169,7 @@ def _missing_secrets(doc: loader.Document, exc: MissingSecrets, where: str) -> l
             for names, why in ((exc.names, unset), (exc.unusable, _UNUSABLE)) for name in names]
 
 
-def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str = _ENVIRONMENT) -> Desired:
+def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str = ENVIRONMENT) -> Desired:
     """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed. With
     `environ`, also resolve serving.secrets from it (a missing one is a problem placed at its name, saying
     `where` it was looked for)."""
