@@ -54,7 +54,8 @@ $(WHEELHOUSE)/.complete: $(VENV)/.installed pyproject.toml constraints.txt const
 wheel: venv
 	$(VENV)/bin/pip wheel -q --no-deps -w dist .
 
-# Zero findings or it fails: style and bug patterns (ruff), types (mypy), the architecture's layers (import-linter).
+# Zero findings or it fails: style and bug patterns (ruff), types (mypy --strict, pyproject.toml), the architecture's
+# layers (import-linter).
 lint: venv
 	$(VENV)/bin/ruff check reconciler testbed bench tests setup.py
 	$(VENV)/bin/mypy

@@ -175,8 +175,7 @@ class _ProjectSync:
         from reconciler.edge.steps.weights import sync_weights
         ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
-        sync_weights(ctx, Step(kind="weights", node="worker", reason="bench",
-                               source="head"))
+        ctx.perform(sync_weights(ctx.given, Step(kind="weights", node="worker", reason="bench", source="head")))
 
     def close(self) -> None:
         if self.sessions is not None:
@@ -261,8 +260,8 @@ class _ProjectImage(_ProjectSync):
         from reconciler.edge.steps.images import copy_image
         ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
-        copy_image(ctx, Step(kind="image", node="worker", reason="bench",
-                             image=BENCH_IMAGE, source="head"))
+        ctx.perform(copy_image(ctx.given, Step(kind="image", node="worker", reason="bench", image=BENCH_IMAGE,
+                                               source="head")))
 
 
 def run_image(opts: Options) -> dict:

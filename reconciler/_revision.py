@@ -41,7 +41,6 @@ def revision() -> str:
     if live:
         return live
     try:
-        built = importlib.import_module("reconciler._revision_build")
-    except ImportError:
+        return str(importlib.import_module("reconciler._revision_build").REVISION or UNKNOWN)
+    except (ImportError, AttributeError):  # not built, or built without it
         return UNKNOWN
-    return str(getattr(built, "REVISION", UNKNOWN) or UNKNOWN)

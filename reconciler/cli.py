@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from reconciler.core import planning, spec
 from reconciler.core.exits import Exit
+from reconciler.core.export import lws_yaml
 from reconciler.core.observed import Observed
 from reconciler.core.render import plan_text
 from reconciler.core.text import printable
@@ -229,7 +230,7 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool, url: str | 
     here. Exit 0 all match, 1 an error, 2 files differ (removed with --repair: the daemon copies them again), 3
     invalid, 4 held by another actor, 5 a node or the daemon unreachable."""
     from reconciler.edge import daemon_client as client
-    from reconciler.loop.verify import targets
+    from reconciler.edge.verify import targets
 
     desired = _load_or_exit(file)  # the daemon has the secrets: here only policy.listen is read
     if only is not None and only not in targets(desired):
@@ -257,11 +258,11 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool, url: str | 
     sys.exit(client.exit_code(results))
 
 
-def _verify_here(file: str, only: str | None, repair: bool, env_file: Path) -> list[dict]:
+def _verify_here(file: str, only: str | None, repair: bool, env_file: Path) -> list[dict[str, Any]]:
     """`verify` without a daemon: this command's own SSH sessions, the cluster's lease to repair (exit 4 when
     another actor holds it), the secrets from --env-file."""
     from reconciler.edge.lease import Holder, LeaseHeld, LeaseUnreachable
-    from reconciler.loop.verify import verify_here
+    from reconciler.edge.verify import verify_here
 
     desired = _load_or_exit(file, env_file)
     try:
@@ -447,17 +448,20 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
         sys.exit(Exit.INVALID)
 
 
+#: `export --format`: each format and its renderer. The option's choices are this table's keys, so a format is
+#: never offered without the renderer that reads it (the option was once accepted and ignored).
+EXPORT_FORMATS: dict[str, Callable[[spec.Desired, str | None], str]] = {"lws": lws_yaml}
+
+
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=True, path_type=str))
-@click.option("--format", "fmt", type=click.Choice(["lws"]), default="lws", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(sorted(EXPORT_FORMATS)), default="lws", show_default=True,
               help="lws: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) for Kubernetes.")
 @click.option("--name", default=None, help="metadata.name (default: the served model name, DNS-safe).")
 def export(file: str, fmt: str, name: str | None) -> None:
     """Print the equivalent Kubernetes manifest of FILE's serving (the bridge to LWS; see docs/scaling.md)."""
-    from reconciler.core.export import lws_yaml
-
     desired = _load_or_exit(file)
-    click.echo(lws_yaml(desired, name=name), nl=False)
+    click.echo(EXPORT_FORMATS[fmt](desired, name), nl=False)
 
 
 @main.command()

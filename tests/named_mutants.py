@@ -52,6 +52,9 @@ MUTANTS = [
     Mutant("await-health while a serving node is unreachable", "core/planning.py",
            "    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:",
            "    if unseen := []:", (PROPS, "tests/unit/test_health_escalation.py")),
+    Mutant("another cluster's containers are ours (the instance label ignored)", "core/observed.py",
+           '    return whose(labels, owner.names) in ("ours", "unlabelled")',
+           "    return is_managed(labels)", (PROPS,)),
 ]
 
 

@@ -45,7 +45,7 @@ def _type(prop: dict[str, Any], defs: dict[str, Any]) -> str:
         return " or ".join(f"`{v}`" for v in prop["enum"])
     if "const" in prop:
         return f"`{prop['const']}`"
-    kind = prop.get("type", "any")
+    kind = str(prop.get("type", "any"))
     if kind == "array":
         return f"list of {_type(prop.get('items', {}), defs)}"
     if kind == "object":

@@ -8,8 +8,9 @@ step frees, a serving name taken by a container the reconciler did not create).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal, get_args
 
 from reconciler.core.fabric import ports_seen, twin_only_down
 from reconciler.core.observed import (
@@ -29,7 +30,49 @@ from reconciler.core.vllm import LaunchSpec, launch_specs, memory_needed, weight
 
 DriftKind = Literal["unreachable", "probe", "docker", "co-tenant", "link", "rdma", "gpu", "weights", "image",
                     "serving", "health", "memory"]
-DRIFT_KINDS: tuple[str, ...] = DriftKind.__args__  # type: ignore[attr-defined]
+DRIFT_KINDS: tuple[DriftKind, ...] = get_args(DriftKind)
+
+
+@dataclass(frozen=True)
+class NodeCondition:
+    """A per-node condition of /status (Kubernetes style): its type and its reason when it holds or not."""
+
+    type: str
+    good: str
+    bad: str
+
+
+REACHABLE: Final = NodeCondition("Reachable", "SshOk", "Unreachable")
+PROBED: Final = NodeCondition("Probed", "ProbeOk", "ProbeFailed")
+DOCKER_REACHABLE: Final = NodeCondition("DockerReachable", "DockerOk", "DockerUnreachable")
+FABRIC_LINK_UP: Final = NodeCondition("FabricLinkUp", "LinkUp", "LinkDrift")
+WEIGHTS_IN_SYNC: Final = NodeCondition("WeightsInSync", "InSync", "WeightsDrift")
+GPU_READY: Final = NodeCondition("GpuReady", "GpuAnswers", "GpuStackFailing")
+IMAGE_IN_SYNC: Final = NodeCondition("ImageInSync", "InSync", "ImageDrift")
+SERVING_RUNNING: Final = NodeCondition("ServingRunning", "Running", "ServingDrift")
+
+#: The node's own conditions, judged from its observation (the same fact as its `unreachable`, `probe` or
+#: `docker` drift, with the reason the observation gives), then those judged from its drift, in /status order.
+REACHABILITY_CONDITIONS: Final = (REACHABLE, PROBED, DOCKER_REACHABLE)
+DRIFT_CONDITIONS: Final = (FABRIC_LINK_UP, WEIGHTS_IN_SYNC, GPU_READY, IMAGE_IN_SYNC, SERVING_RUNNING)
+
+#: The node condition each drift kind shows in: a new kind is declared here or the import fails, so no drift that
+#: needs action can go unsaid in /status, the metrics and `reconciler status` (a co-tenant to stop once showed in
+#: none). A co-tenant is said under ServingRunning: the file keeps the node for its serving, and the stop frees
+#: memory for it. `health` shows in none: it is the head's API, not a node's, and has its own gauge
+#: (`reconciler_serving_healthy`), alert and ServingBusy; None says so on purpose.
+CONDITION_OF: Final[Mapping[DriftKind, NodeCondition | None]] = {
+    "unreachable": REACHABLE, "probe": PROBED, "docker": DOCKER_REACHABLE,
+    "co-tenant": SERVING_RUNNING, "link": FABRIC_LINK_UP, "rdma": FABRIC_LINK_UP, "gpu": GPU_READY,
+    "weights": WEIGHTS_IN_SYNC, "image": IMAGE_IN_SYNC, "serving": SERVING_RUNNING, "health": None,
+    "memory": SERVING_RUNNING,
+}
+if set(CONDITION_OF) != set(DRIFT_KINDS) or not {
+        c for c in CONDITION_OF.values() if c} <= {*REACHABILITY_CONDITIONS, *DRIFT_CONDITIONS}:
+    raise AssertionError("every DriftKind declares its node condition (CONDITION_OF), one of the listed ones")
+
+#: The kinds that say a node is not usable (`NodeObservation.usable`): nothing is planned on it.
+UNUSABLE_KINDS: Final = frozenset(k for k, c in CONDITION_OF.items() if c in REACHABILITY_CONDITIONS)
 
 
 SECRET_FIELD = "serving.secrets."
@@ -151,6 +194,11 @@ def _port_drift(name: str, want: FabricPort, mtu: int, link: Link | None) -> lis
         # the peer's link step brings the other end up, and a dead fabric shows up as a failed serving start.
         out.append(Drift(name, "link", res + "/carrier", "carrier", "no carrier (peer port down or cable)",
                          actionable=False))
+    elif not link.up:
+        # Up with carrier, and still the kernel passes nothing (`Link.up`): 802.1X, a driver's self-test. Not
+        # the link step's to fix either (`ip link set up` is done already).
+        out.append(Drift(name, "link", res + "/operstate", "operstate up", f"operstate {link.operstate} (admin "
+                         "up with carrier, but the kernel passes no traffic)", actionable=False))
     if link.mtu != mtu:
         out.append(Drift(name, "link", res + "/mtu", str(mtu), str(link.mtu)))
     if str(want.address) not in link.addresses:
@@ -201,14 +249,16 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
     the reference must restart (compared by the node's own id: ids are per engine), and so must one on a node
     whose image is not the reference's content (`reference`), which this plan's image step replaces. Whose a
     container is, `core.ownership` says: a container labelled with another name is never ours, and the drift says
-    how it may be adopted (a renumbered head) or that the head could not be asked."""
+    how it may be adopted (a renumbered head) or that the head could not be asked. A node the observation lacks
+    (one made under an older file) did not answer."""
     out = []
+    observed = observed.covering(n.name for n in desired.nodes)
     ours = owner(desired, observed)
     specs = {s.node: s for s in launch_specs(desired)}
     name = desired.serving.container_name
     for node in desired.nodes:
         obs = observed.node(node.name)
-        if not obs.reachable or not obs.docker_reachable:
+        if not obs.usable:
             continue
         for other in obs.containers:  # our containers that should not run (node left the span, name changed)
             if (other.owned_by(ours) and other.running and (node.name not in specs or other.name != name)
@@ -257,15 +307,11 @@ def _spec_drift(node: str, spec: LaunchSpec, c: Container) -> Drift:
                          changes=changes)
 
 
-def _usable(obs: NodeObservation) -> bool:
-    return obs.reachable and obs.probe_error is None and obs.docker_reachable
-
-
 def image_holder(desired: Desired, observed: Observed) -> str | None:
     """The node whose image is the reference: the first usable image source (the head, unless the file lists
     others) that has it. Never another node: a compromised worker that claims the tag must not become the
     source whose `docker save` the other nodes load."""
-    return next((name for name in desired.image_sources if _usable(observed.node(name))
+    return next((name for name in desired.image_sources if observed.node(name).usable
                  and observed.node(name).images.get(desired.serving.image)), None)
 
 
@@ -273,23 +319,20 @@ def image_puller(desired: Desired, observed: Observed) -> str | None:
     """The image source that pulls the serving image when no image source holds it: the first usable one with
     `internet: true`. None when none can (the file says the sources are offline, or none answers)."""
     return next((name for name in desired.image_sources
-                 if desired.node(name).internet and _usable(observed.node(name))), None)
+                 if desired.node(name).internet and observed.node(name).usable), None)
 
 
-def _node_drift(desired: Desired, observed: Observed) -> tuple[list[Drift], dict[str, bool]]:
-    """Per node: reachability, the fabric link, co-tenants. Also which nodes are usable (SSH and docker answer)."""
+def _node_drift(desired: Desired, observed: Observed) -> list[Drift]:
+    """Per node: reachability, the fabric link, co-tenants."""
     out: list[Drift] = []
-    reachable = {}
     for node in desired.nodes:
         obs = observed.node(node.name)
-        problems = _reachability(node.name, obs)
-        out += problems
-        reachable[node.name] = not problems
-        if obs.reachable and obs.probe_error is None:
+        out += _reachability(node.name, obs)
+        if obs.probed:
             out += link_drift(node, obs)
-        if not problems:
+        if obs.usable:
             out += co_tenant_drift(desired, node.name, obs)
-    return out, reachable
+    return out
 
 
 def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder: str | None) -> list[Drift]:
@@ -376,7 +419,7 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
     source = desired.source_node
     src_obs = observed.node(source)
     res = f"weights/{desired.model.id}"
-    if src_obs.reachable and src_obs.probe_error is None and (staging := _source_drift(desired, src_obs, res)):
+    if src_obs.probed and (staging := _source_drift(desired, src_obs, res)):
         # once, and also when the source serves alone: nothing can serve (or be copied) what the source lacks
         return [staging]
     for name in ready:
@@ -485,10 +528,10 @@ def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, rea
     return out
 
 
-def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, bool]) -> list[Drift]:
+def _health_drift(desired: Desired, observed: Observed) -> list[Drift]:
     """The API on the head answers and lists the served model."""
     head = desired.head.name
-    if not reachable.get(head):
+    if not observed.node(head).usable:
         return []
     want = desired.served_name
     health = observed.node(head).serving
@@ -511,10 +554,12 @@ def _health_drift(desired: Desired, observed: Observed, reachable: dict[str, boo
 
 
 def diff(desired: Desired, observed: Observed) -> list[Drift]:
-    """Every difference between the declared and the observed cluster, in a stable order."""
-    out, reachable = _node_drift(desired, observed)
+    """Every difference between the declared and the observed cluster, in a stable order. A node the observation
+    lacks (a snapshot from before the file named it) is one that did not answer."""
+    observed = observed.covering(n.name for n in desired.nodes)
+    out = _node_drift(desired, observed)
     serving = {n.name for n in desired.serving_nodes}
-    ready = [n.name for n in desired.nodes if n.name in serving and reachable[n.name]]  # in file order
+    ready = [n.name for n in desired.nodes if n.name in serving and observed.node(n.name).usable]  # in file order
     holder = image_holder(desired, observed)
     out += _gpu_drift(desired, observed, ready)
     out += _image_drift(desired, observed, ready, holder)
@@ -524,5 +569,5 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     out += served
     out += _memory_drift_where_serving_starts(desired, observed, ready, served,
                                               _freeing_memory(desired, observed, out))
-    out += _health_drift(desired, observed, reachable)
+    out += _health_drift(desired, observed)
     return out

@@ -13,6 +13,7 @@ Pure: desired state in, manifest (dict / YAML) out.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import yaml
 
@@ -62,25 +63,28 @@ def _serve_command(spec: vllm.LaunchSpec, size: int, worker: bool) -> list[str]:
     return out
 
 
+#: A Kubernetes object (or a part of one) as YAML writes it: nested mappings of any JSON value.
+Manifest = dict[str, Any]
+
 # The Kubernetes Secret the exported pods read serving.secrets from (`kubectl create secret generic ...`).
 SECRET_OBJECT = "spark-reconciler-secrets"
 
 
-def _env(desired: Desired, spec: vllm.LaunchSpec) -> list[dict]:
+def _env(desired: Desired, spec: vllm.LaunchSpec) -> list[Manifest]:
     """Plain values as values; serving.secrets as secretKeyRef (the export never holds a secret's value: it is
     built from the file alone)."""
     secrets = desired.secret_names_for(desired.node(spec.node))
-    env: list[dict] = [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    env: list[Manifest] = [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                        {"name": "MASTER_ADDR", "value": "$(LWS_LEADER_ADDRESS)"}]
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items()) if k not in _PER_POD and k not in secrets]
     env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": SECRET_OBJECT, "key": k}}} for k in sorted(secrets)]
     return env
 
 
-def _pod_template(desired: Desired, spec: vllm.LaunchSpec, size: int, leader: bool) -> dict:
+def _pod_template(desired: Desired, spec: vllm.LaunchSpec, size: int, leader: bool) -> Manifest:
     s, node = desired.serving, desired.node(spec.node)
     mount_path = vllm.HF_CACHE_IN_CONTAINER if desired.model.layout == "hf-cache" else vllm.PLAIN_MODEL_IN_CONTAINER
-    container: dict = {
+    container: Manifest = {
         "name": "vllm-leader" if leader else "vllm-worker",
         "image": s.image,
         "args": _serve_command(spec, size, worker=not leader),  # the image's ENTRYPOINT stays
@@ -109,14 +113,14 @@ def _pod_template(desired: Desired, spec: vllm.LaunchSpec, size: int, leader: bo
     return {"metadata": {"labels": {"role": "leader" if leader else "worker"}}, "spec": pod}
 
 
-def lws_manifest(desired: Desired, name: str | None = None) -> dict:
+def lws_manifest(desired: Desired, name: str | None = None) -> Manifest:
     """The LeaderWorkerSet for the desired state's serving nodes (one group: replicas 1)."""
     data = desired.model_dump(mode="python")
     data["serving"]["launcher"] = "native"          # LWS MP variant; Ray would be the multi-node-serving.sh one
     native = Desired.model_validate(data)
     specs = vllm.launch_specs(native)
     size = len(specs)
-    template: dict = {"size": size, "restartPolicy": "RecreateGroupOnPodRestart",
+    template: Manifest = {"size": size, "restartPolicy": "RecreateGroupOnPodRestart",
                       "leaderTemplate": _pod_template(native, specs[0], size, leader=True)}
     # every worker pod shares one template: rank 1's (per-node interface names must agree; see docs/scaling.md)
     template["workerTemplate"] = _pod_template(native, specs[1] if size > 1 else specs[0], size, leader=False)

@@ -22,7 +22,7 @@ MAX_DEPTH = 64
 Loc = tuple[str | int, ...]
 
 # libyaml when present (it depends on the PyYAML build): composing is then ~10x faster.
-_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BaseLoader: Any = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,8 @@ class _Builder:
         try:
             return self._scalars.construct_object(node, deep=True)
         except (yaml.YAMLError, ValueError, KeyError) as exc:
-            why = getattr(exc, "problem", None) or f"{node.value!r} does not read as !!{node.tag.rsplit(':', 1)[-1]}"
+            problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else None  # !!map abc: "expected a ..."
+            why = problem or f"{node.value!r} does not read as !!{node.tag.rsplit(':', 1)[-1]}"
             raise _fail(node.start_mark, f"invalid value: {why}", format_loc(loc)) from None
 
     def _mapping(self, node: yaml.MappingNode, loc: Loc) -> dict[str, Any]:

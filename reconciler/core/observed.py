@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -50,6 +51,36 @@ MAX_LAUNCH_VALUE: Final = 200
 LAUNCH_KEY_PATTERN: Final = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
+#: Whose a container is, judged on its labels alone (`whose`): not created by any spark-reconciler; this cluster's
+#: (its instance label is one of the cluster's names); created before the instance label existed (managed, no
+#: instance: an upgrade takes it over as its own); another cluster's (managed under another instance label).
+Whose = Literal["unmanaged", "ours", "unlabelled", "another"]
+
+
+def is_managed(labels: Mapping[str, str]) -> bool:
+    """Created by a spark-reconciler, any cluster's: its managed label. Never a co-tenant to stop."""
+    return labels.get(LABEL_MANAGED) == "true"
+
+
+def whose(labels: Mapping[str, str], names: frozenset[str]) -> Whose:
+    """The one judgement of whose a container is, on its labels: what the plan reads from the probe's container
+    list and what a step reads from `docker inspect` right before acting, so the two can never disagree.
+    `names`: every instance label that is this cluster's (`ownership.Owner.names`)."""
+    if not is_managed(labels):
+        return "unmanaged"
+    label = labels.get(LABEL_INSTANCE)
+    if label is None:
+        return "unlabelled"
+    return "ours" if label in names else "another"
+
+
+def owned_by(labels: Mapping[str, str], owner: Owner) -> bool:
+    """Created by the reconciler of this cluster (`core.ownership.owner`): its instance label is one of the names
+    the cluster goes by. A container made before the instance label existed (managed, no instance) counts as
+    ours, so an upgrade takes over its own serving."""
+    return whose(labels, owner.names) in ("ours", "unlabelled")
+
+
 def parse_launch_label(raw: str) -> dict[str, str] | None:
     """The launch inputs a container's label holds; None when it is not what `vllm.launch_label` writes (too
     long, not a JSON object of field -> printable value within the bounds). Never raises: the text is a node's."""
@@ -78,9 +109,17 @@ class Container(_Model):
     state: Literal["created", "running", "paused", "restarting", "removing", "exited", "dead"]
     labels: dict[str, str] = Field(default_factory=dict)
     started_at: str | None = None
-    restart_count: int = 0
     mounts: list[str] | None = Field(None, description="the host paths it bind-mounts, running or not; None: "
                                      "not read (an older snapshot): retention then removes no weights on its node")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_restart_count(cls, value: Any) -> Any:
+        """Snapshots written before issue 34 carry docker's `restart_count`, which nothing ever judged (the
+        serving containers run with `--restart no`): dropped, so `plan --observed` still reads them."""
+        if isinstance(value, dict) and "restart_count" in value:
+            return {k: v for k, v in value.items() if k != "restart_count"}
+        return value
 
     @property
     def running(self) -> bool:
@@ -88,7 +127,7 @@ class Container(_Model):
 
     @property
     def managed(self) -> bool:
-        return self.labels.get(LABEL_MANAGED) == "true"
+        return is_managed(self.labels)
 
     @property
     def query(self) -> bool:
@@ -110,11 +149,8 @@ class Container(_Model):
         return None if raw is None else parse_launch_label(raw)
 
     def owned_by(self, owner: Owner) -> bool:
-        """Created by the reconciler of this cluster (`core.ownership.owner`): its instance label is one of the
-        names the cluster goes by. A container made before the instance label existed (it has `managed` but no
-        instance) counts as ours, so an upgrade takes over its own serving."""
-        label = self.labels.get(LABEL_INSTANCE)
-        return self.managed and (label is None or label in owner.names)
+        """This cluster's (`owned_by` over its labels)."""
+        return owned_by(self.labels, owner)
 
 
 class RdmaPort(_Model):
@@ -140,6 +176,12 @@ class Link(_Model):
 
     @property
     def up(self) -> bool:
+        """The one definition of a port that passes traffic, which the drift, the plan's text, the metrics, the
+        doctor and the link step all ask. Three facts, as `ip -j addr` gives them: the port exists, is admin up
+        (the `UP` flag: what `ip link set up` changes), has carrier (`LOWER_UP`: the peer's port and the cable),
+        and the kernel's RFC 2863 operstate lets traffic through: `up`, or `unknown` from a driver that does not
+        report one (lo, tun). With carrier the kernel may still hold a port `dormant` (802.1X waiting for its
+        supplicant) or `testing`, and `lowerlayerdown` on a stacked one: none of those carries a packet."""
         return self.exists and self.admin_up and self.carrier and self.operstate in ("up", "unknown")
 
 
@@ -333,12 +375,35 @@ class NodeObservation(_Model):
                                             "reconciler/cluster-id`), read on the head only: which containers are "
                                             "this cluster's; None: not read (another node, or an older snapshot)")
 
+    @property
+    def probed(self) -> bool:
+        """The node answered and its probe's output parsed: what the observation says of it can be believed."""
+        return self.reachable and self.probe_error is None
+
+    @property
+    def usable(self) -> bool:
+        """The one definition of a node the plan may work on: probed, and its docker engine answers. A node that
+        is not has exactly one of the `unreachable`, `probe` or `docker` drifts saying why."""
+        return self.probed and self.docker_reachable
+
     def container(self, name: str) -> Container | None:
         return next((c for c in self.containers if c.name == name), None)
 
     def links(self) -> list[Link]:
         """The fabric ports seen: the first, then the twin."""
         return [link for link in (self.fabric, self.fabric_twin) if link is not None]
+
+
+class UnknownNode(KeyError):
+    """`Observed.node` asked for a node the observation does not hold: a misspelt or stale name."""
+
+    def __init__(self, name: str, known: tuple[str, ...]) -> None:
+        super().__init__(name)
+        self.name = name
+        self.known = known
+
+    def __str__(self) -> str:
+        return f"no node {self.name!r} in the observation (it holds {', '.join(self.known) or 'none'})"
 
 
 class ServeFlags(_Model):
@@ -362,7 +427,21 @@ class Observed(_Model):
                                            "once per image id; None: not asked, and a serving (re)start waits")
 
     def node(self, name: str) -> NodeObservation:
-        return self.nodes.get(name) or NodeObservation(name=name, reachable=False, error="not observed")
+        """The observation of `name`. A name it does not hold is a mistake, never an unreachable node: it
+        raises `UnknownNode`. Where a node may legitimately be missing (a snapshot from an older file), the
+        caller says so: `covering` first, or `nodes.get`."""
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise UnknownNode(name, tuple(self.nodes)) from None
+
+    def covering(self, names: Iterable[str]) -> Observed:
+        """This observation with every one of `names`, a node it did not observe read as unreachable ("not
+        observed"): what a plan from a snapshot taken before the file named that node is made from. The node then
+        counts as not answering (`partial`), as it did not."""
+        missing = {n: NodeObservation(name=n, reachable=False, error="not observed")
+                   for n in names if n not in self.nodes}
+        return self.model_copy(update={"nodes": {**self.nodes, **missing}}) if missing else self
 
     @property
     def partial(self) -> bool:

@@ -8,6 +8,10 @@ both containers "another reconciler's" until someone removed them by hand (issue
 labelled with a name the head was known as before the id existed (`known_as`, the `host:port` of then) are
 adopted. Where the id is not known (an older snapshot, or the head could not be read) the cluster is its head's
 SSH address, as before the id existed.
+
+Whose one container is, given the `Owner`, is judged on its labels alone by `observed.whose` (and `owned_by`,
+`is_managed` over it), there beside the labels: the plan reads them from the probe's container list, a step from
+`docker inspect` right before it acts, and both ask the same function.
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ class Owner:
 
 def owner(desired: Desired, observed: Observed) -> Owner:
     """This cluster's owner: the head's cluster id and its former names when the head's probe read them, else the
-    head's SSH address (`Desired.instance`), which is what an older snapshot plans with."""
-    head = observed.node(desired.head.name)
-    read = head.reachable and head.probe_error is None
-    if head.identity is None:
+    head's SSH address (`Desired.instance`), which is what an older snapshot plans with, and what a step's context
+    without an observation of the head (none was made) names."""
+    head = observed.nodes.get(desired.head.name)  # None: not observed, so not read (as unreachable)
+    read = head is not None and head.probed
+    identity = head.identity if head is not None else None
+    if identity is None:
         return Owner(desired.instance, frozenset({desired.instance}), desired.head.name, False, read)
-    identity = head.identity
     return Owner(identity.id, frozenset({identity.id, *identity.known_as}), desired.head.name, True, read)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-from reconciler.core.drift import Drift, FieldChange, diff, image_holder
+from reconciler.core.drift import UNUSABLE_KINDS, Drift, FieldChange, diff, image_holder
 from reconciler.core.observed import Observed
 from reconciler.core.ownership import owner
 from reconciler.core.retention import removals
@@ -22,7 +22,7 @@ from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_w
 StepKind = Literal["stop-container", "link", "prune-weights", "prune-images", "download", "pull-image", "image",
                    "weights", "stop-serving",
                    "start-serving", "launch-model", "await-health"]
-STEP_KINDS: tuple[str, ...] = StepKind.__args__  # type: ignore[attr-defined]
+STEP_KINDS: tuple[StepKind, ...] = get_args(StepKind)
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,16 @@ class Step:
 
     @property
     def params(self) -> dict[str, str]:
+        fields: dict[str, str | int | tuple[str, ...] | None] = {
+            "container": self.container, "source": self.source, "image": self.image, "content": self.content,
+            "path": self.path, "rank": self.rank, "wrapper": self.wrapper, "remove": self.remove}
         return {name: " ".join(value) if isinstance(value, tuple) else str(value)
-                for name in _PARAMS if (value := getattr(self, name)) is not None}
+                for name, value in fields.items() if value is not None}
 
     def as_dict(self) -> dict[str, object]:
         return {"id": self.id, "kind": self.kind, "node": self.node, "reason": self.reason,
                 "after": list(self.after), "params": self.params}
 
-
-_PARAMS = ("container", "source", "image", "content", "path", "rank", "wrapper", "remove")
 
 
 def kind_and_node(step_id: str) -> tuple[str, str]:
@@ -127,18 +128,26 @@ class Plan:
 MAX_GRACE_DOUBLINGS = 4
 
 
+def health_grace(grace: float, restarts: int) -> float:
+    """The one grace formula: `grace` (serving.unhealthy_grace) doubled per restart for health that did not
+    hold, up to 16x. The plan waits this long before a restart; the health watch forgets the restarts once
+    serving has served for the longest of them."""
+    return grace * (1 << min(max(restarts, 0), MAX_GRACE_DOUBLINGS))
+
+
 def _explain(d: Drift) -> str:
     return f"{d.resource}: expected {d.expected}, observed {d.observed}"
 
 
 def plan(desired: Desired, observed: Observed) -> Plan:
+    """The plan from `observed`; a node it lacks (a snapshot from before the file named it) did not answer."""
+    observed = observed.covering(n.name for n in desired.nodes)
     drift = diff(desired, observed)
     mode = "paused" if desired.policy.paused else desired.policy.mode
     if mode != "enforce":
         return Plan(drift, [], [], mode, tuple(desired.trust.granted()))
     steps: list[Step] = []
-    blocked: list[Blocker] = []
-    down = {d.node for d in drift if d.kind in ("unreachable", "probe", "docker")}
+    down = {d.node for d in drift if d.kind in UNUSABLE_KINDS}
 
     stops = [Step("stop-container", d.node, f"{d.container} is running but not allowed", container=d.container)
              for d in drift if d.kind == "co-tenant" and d.actionable]
@@ -153,7 +162,9 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     image = desired.serving.image
     holder = image_holder(desired, observed)
     reference = observed.node(holder).images[image].content if holder else None
-    prune_ids = _prune_steps(desired, observed, reference, steps)
+    prunes = _prune_steps(desired, observed, reference)
+    steps += prunes
+    prune_ids = {node: tuple(s.id for s in prunes if s.node == node) for node in dict.fromkeys(s.node for s in prunes)}
     for d in drift:
         if d.kind == "image" and d.actionable and holder is None:  # no source holds it: the internet node pulls
             steps.append(Step("pull-image", d.node, _explain(d), image=image))
@@ -177,10 +188,10 @@ def plan(desired: Desired, observed: Observed) -> Plan:
         steps.append(Step("weights", d.node, _explain(d), after,
                           source=source, path=desired.model.path_on(d.node)))
 
-    serving, held = _serving_steps(desired, observed, drift, steps, blocked, down)
-    steps = _hold_or_order_stops(steps, stops, serving, held, blocked, _running_ours(desired, observed))
+    serving = _serving_steps(desired, observed, drift, steps, down)
+    steps, held = _hold_or_order_stops(steps, stops, serving, _running_ours(desired, observed))
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
-    return Plan(drift, steps, blocked, mode, tuple(desired.trust.granted()), ulimits,
+    return Plan(drift, steps, [*serving.blocked, *held], mode, tuple(desired.trust.granted()), ulimits,
                 _downtime(desired, observed, drift, steps))
 
 
@@ -209,36 +220,36 @@ def _running_ours(desired: Desired, observed: Observed) -> bool:
                for c in observed.node(n.name).containers)
 
 
-def _hold_or_order_stops(steps: list[Step], stops: list[Step], serving: list[Step], held: str | None,
-                         blocked: list[Blocker], ours_running: bool) -> list[Step]:
+def _hold_or_order_stops(steps: list[Step], stops: list[Step], serving: Serving,
+                         ours_running: bool) -> tuple[list[Step], list[Blocker]]:
     """The co-tenant stops, judged against the start they make room for. A start that is blocked keeps them
     running (a plan never stops a working model for a start that cannot happen: the seed's GLM kept serving
     while nothing could replace it). A start from nothing of ours stops them only once the staging is done,
     so they serve through the downloads and copies (hours, for a 122B model). With a generation of ours
     running, or no start planned, a stop goes ahead at once: the co-tenant competes with what serves for
     unified memory (a GB10 rank dies with NV_ERR_NO_MEMORY when the pool runs short), and the file's
-    allow-list is at work."""
+    allow-list is at work. Returns the steps in order and the stops held back, as blockers."""
     rest = [s for s in steps if s not in stops]
-    if held is not None:
-        blocked.extend(Blocker(s.node, f"{s.container} keeps running, though not allowed: the serving start that "
-                                       f"stopping it makes room for is blocked ({held})") for s in stops)
-        return rest + serving
-    if ours_running or not any(s.kind in ("start-serving", "launch-model") for s in serving):
-        return steps + serving
+    then = list(serving.steps)
+    if serving.held is not None:
+        return rest + then, [Blocker(s.node, f"{s.container} keeps running, though not allowed: the serving start "
+                                             f"that stopping it makes room for is blocked ({serving.held})")
+                             for s in stops]
+    if ours_running or not any(s.kind in ("start-serving", "launch-model") for s in then):
+        return steps + then, []
     staging = tuple(s.id for s in rest if s.kind in STAGING)
     if not staging:
-        return steps + serving
-    return rest + [dataclasses.replace(s, after=staging) for s in stops] + serving
+        return steps + then, []
+    return rest + [dataclasses.replace(s, after=staging) for s in stops] + then, []
 
 
-def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
-                 steps: list[Step]) -> dict[str, tuple[str, ...]]:
+def _prune_steps(desired: Desired, observed: Observed, reference: str | None) -> list[Step]:
     """Retention's removals as steps (core/retention.py), shown in the plan like any change; a copy to the same
-    node comes after them, so the room they free is there for it. Returns the step ids per node."""
-    ids: dict[str, tuple[str, ...]] = {}
+    node comes after them, so the room they free is there for it."""
+    steps: list[Step] = []
     ours = owner(desired, observed)
     if not ours.identity:
-        return {}  # whose a copy is cannot be told without the head's cluster id: nothing is removed
+        return []  # whose a copy is cannot be told without the head's cluster id: nothing is removed
     for r in removals(desired, observed, ours, reference):
         if r.weights:
             steps.append(Step("prune-weights", r.node, f"retention: {len(r.weights)} older model tree(s) this "
@@ -248,14 +259,23 @@ def _prune_steps(desired: Desired, observed: Observed, reference: str | None,
             steps.append(Step("prune-images", r.node, f"retention: {len(r.images)} older image(s) this cluster "
                               f"copied, beyond the current and {desired.policy.retention.previous} previous",
                               remove=r.images))
-        ids[r.node] = tuple(s.id for s in steps if s.node == r.node and s.kind.startswith("prune-"))
-    return ids
+    return steps
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The serving part of a plan: its steps (the ordered (re)start and the stops it needs, or the wait for a
+    start), what blocks it, and `held`: why a restart that is wanted cannot happen now (the image refuses it, or
+    it waits for other drift), which holds the co-tenant stops back too."""
+
+    steps: tuple[Step, ...] = ()
+    blocked: tuple[Blocker, ...] = ()
+    held: str | None = None
 
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
-                   blocked: list[Blocker], down: set[str]) -> tuple[list[Step], str | None]:
-    """The ordered (re)start of serving and the stops it needs; with, when a restart is wanted but cannot
-    happen (the image refuses it, or it must wait for other drift), why: the co-tenant stops are held then."""
+                   down: set[str]) -> Serving:
+    """The ordered (re)start of serving and the stops it needs (`Serving`)."""
     serving = [n.name for n in desired.serving_nodes]
     head = serving[0]
     name = desired.serving.container_name
@@ -277,67 +297,70 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
         assert d.container is not None, "a serving drift that is not a container's is never actionable"
         stop(d.node, d.container, _explain(d), ())
 
-    why = _why_restart(desired, observed, drift, restart, down, steps, blocked)
-    if why is None:
-        return steps, None
+    why = _why_restart(desired, observed, drift, restart, down)
+    if why.reason is None:
+        return Serving((*steps, *why.steps), why.blocked)
     if alien := _image_refuses(desired, observed):
-        blocked.append(Blocker(head, alien))
-        return steps, f"the image refuses the start: see the blocker on {head}"
+        return Serving(tuple(steps), (Blocker(head, alien),), f"the image refuses the start: see the blocker on {head}")
     hurdles = list(dict.fromkeys(_restart_hurdles(drift, serving)))
     staging = [s for s in before if s.kind in ("download", "pull-image")]  # their result is planned next pass
     if hurdles or staging:
-        blocked.extend(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}")
-                       for d in hurdles)
-        blocked.extend(Blocker(s.node, f"serving restart waits for {s.id}: the copies and the start are planned "
-                                       "once it is done") for s in staging)
         waits = [f"{d.kind} on {d.node}" for d in hurdles] + [s.id for s in staging]
-        return steps, f"it waits for {', '.join(dict.fromkeys(waits))}"
+        return Serving(tuple(steps), (
+            *(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}") for d in hurdles),
+            *(Blocker(s.node, f"serving restart waits for {s.id}: the copies and the start are planned once it is "
+                              "done") for s in staging)), f"it waits for {', '.join(dict.fromkeys(waits))}")
     if taken := _ports_taken(desired, observed, before):
-        blocked.extend(taken)
-        return steps, None  # a co-tenant this plan stops may be what holds the port: the stop goes ahead
+        return Serving(tuple(steps), tuple(taken))  # a co-tenant this plan stops may hold the port: it goes ahead
     prereq = tuple(s.id for s in before)
     ours = owner(desired, observed)
     for node in serving:
         c = observed.node(node).container(name)
         if c is not None and c.owned_by(ours):
-            stop(node, name, f"ordered restart ({why})", prereq)
+            stop(node, name, f"ordered restart ({why.reason})", prereq)
     image = observed.node(head).images.get(desired.serving.image)
     wrapper = serve_wrapper(image.entrypoint) if image else ()
     steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps), wrapper)
-    return steps, None
+    return Serving(tuple(steps))
 
 
-def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], restart: list[Drift], down: set[str],
-                 steps: list[Step], blocked: list[Blocker]) -> str | None:
+@dataclass(frozen=True)
+class Restart:
+    """Whether serving restarts in order, and why (`reason`); when it does not, what the plan does instead: the
+    wait for a (cold) start (`steps`) or why nothing happens (`blocked`)."""
+
+    reason: str | None = None
+    steps: tuple[Step, ...] = ()
+    blocked: tuple[Blocker, ...] = ()
+
+
+def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], restart: list[Drift],
+                 down: set[str]) -> Restart:
     """Why serving restarts in order: its containers drifted, or it served and has failed its health check for
-    the whole grace. None otherwise, after planning the wait for a (cold) start or saying why nothing happens."""
+    the whole grace. Else no reason, with the wait for a (cold) start or why nothing happens."""
     head = desired.serving_nodes[0].name
     if restart:
-        return "; ".join(f"{d.node}: {_explain(d)}" for d in restart)
+        return Restart("; ".join(f"{d.node}: {_explain(d)}" for d in restart))
     unhealthy = next((d for d in drift if d.kind == "health"), None)
     if unhealthy is None:
-        return None
+        return Restart()
     if unseen := [n.name for n in desired.serving_nodes if n.name in down]:
         # waiting for health needs every serving node; say why instead of failing a step
-        blocked.append(Blocker(head, f"serving is not healthy; waiting needs {', '.join(unseen)}, "
-                                     "which cannot be reached"))
-        return None
+        return Restart(blocked=(Blocker(head, f"serving is not healthy; waiting needs {', '.join(unseen)}, "
+                                              "which cannot be reached"),))
     wedged = _wedged_for(desired, observed)
     if wedged is None:  # a (cold) start: wait for it, under serving.health_timeout
-        steps.append(Step("await-health", head,
-                          "serving containers are up; wait for the API to become healthy"))
-        return None
+        return Restart(steps=(Step("await-health", head,
+                                   "serving containers are up; wait for the API to become healthy"),))
     if not wedged:
-        blocked.append(Blocker(head, _grace_note(desired, observed)))
-        return None
-    return f"{head}: {_explain(unhealthy)}; {_grace_note(desired, observed)}"
+        return Restart(blocked=(Blocker(head, _grace_note(desired, observed)),))
+    return Restart(f"{head}: {_explain(unhealthy)}; {_grace_note(desired, observed)}")
 
 
 def unhealthy_grace(desired: Desired, observed: Observed) -> float:
     """The grace before a restart for health: serving.unhealthy_grace, doubled per restart that did not hold."""
     health = observed.node(desired.head.name).serving
-    restarts = health.health_restarts if health else 0
-    return desired.serving.unhealthy_grace * 2 ** min(restarts, MAX_GRACE_DOUBLINGS)
+    return health_grace(desired.serving.unhealthy_grace, health.health_restarts if health else 0)
 
 
 def _wedged_for(desired: Desired, observed: Observed) -> bool | None:

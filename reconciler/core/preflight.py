@@ -488,14 +488,16 @@ def _disk_needs(desired: Desired, name: str, observed: Observed) -> dict[str, in
 
 
 def _port_state(node: Node, link: Link | None) -> str | None:
-    """Why the node's first fabric port cannot carry the hop now, or None (up, carrier, its address)."""
+    """Why the node's first fabric port cannot carry the hop now, or None (`Link.up`, its address)."""
     if link is None or not link.exists:
         return "no such interface"
     if not link.admin_up:
         return "down"
     if str(node.fabric.address) not in link.addresses:
         return f"no address {node.fabric.address}"
-    return None if link.carrier else "no carrier"
+    if not link.carrier:
+        return "no carrier"
+    return None if link.up else f"operstate {link.operstate}"
 
 
 def hop_check(desired: Desired, source: str, target: str, facts: Mapping[str, NodeFacts]) -> Check | None:

@@ -92,7 +92,7 @@ def observed_text(observed: Observed) -> str:
             lines.append(f"  container {c.name:<20} {c.state:<8} {c.image}{' [managed]' if c.managed else ''}")
         for f in n.links():
             rdma = f", rdma {f.rdma.state} / {f.rdma.phys_state}" if f.rdma else ""
-            lines.append(f"  fabric {f.name}: {'up' if f.admin_up and f.carrier else 'DOWN'}, mtu {f.mtu}, "
+            lines.append(f"  fabric {f.name}: {'up' if f.up else 'DOWN'}, mtu {f.mtu}, "
                          f"{', '.join(f.addresses) or 'no address'}{rdma}")
         if n.memory:
             lines.append(f"  memory {n.memory.available_bytes / gib:.1f} GiB available of "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reconciler.core.observed import LABEL_INSTANCE, LABEL_WEIGHTS, Container, CopyRecord, NodeObservation, Observed
+from reconciler.core.observed import LABEL_WEIGHTS, Container, CopyRecord, NodeObservation, Observed, whose
 from reconciler.core.ownership import Owner
 from reconciler.core.spec import Desired
 
@@ -56,7 +56,7 @@ def _mounts(container: Container, root: str, ours: frozenset[str]) -> bool:
     (LABEL_WEIGHTS) counts only on this cluster's own containers: a label on anyone else's is a claim, not a fact."""
     if container.mounts is None:
         return True
-    own = container.managed and container.labels.get(LABEL_INSTANCE, "") in ours
+    own = whose(container.labels, ours) == "ours"  # one from before the instance label claims nothing here
     serves = container.labels.get(LABEL_WEIGHTS) if own else None
     return any(mounts_tree(source, root, serves) for source in container.mounts)
 
@@ -84,7 +84,7 @@ def removals(desired: Desired, observed: Observed, owner: Owner, reference: str 
     out = []
     for node in desired.nodes:
         obs = observed.node(node.name)
-        if obs.copies is None or not obs.reachable or obs.probe_error is not None or not obs.docker_reachable:
+        if obs.copies is None or not obs.usable:
             continue
         mine = _newest_first([r for r in obs.copies if r.by == owner.label])
         current = desired.weights_root(node.name)

@@ -1,9 +1,13 @@
-"""What each step promises to change, applied to an observed state. Pure.
+"""What each step kind promises to change, applied to an observed state. Pure.
 
-It is the written-down contract of every step: the property tests apply a plan's effects and check that the plan
-of the result is empty (convergence; a plan that stages, downloading the weights or pulling the image, leaves the
-copies and the start to the next pass, as `apply` and the daemon do: `settle`). A step
-whose real effect differs from its promise here fails verification, because verification re-observes and diffs.
+It is the written-down contract of every step kind: a new step kind adds its promised effect here (`_effect`,
+docs/architecture.md "Where a change goes"). Only the tests apply it: the property tests
+(tests/unit/test_core_properties.py with the oracle) apply a plan's effects and check that the plan of the result
+is empty (convergence; a plan that stages, downloading the weights or pulling the image, leaves the copies and the
+start to the next pass, as `apply` and the daemon do: `settle`), and the plan-case tests build the state a deploy
+leaves with it. The product never calls it: `plan` and `apply --dry-run` print the plan, not the state it would
+leave, and `apply` and the daemon judge a step by observing the nodes again. So a step whose real effect differs
+from its promise here shows only there: the next observation still differs and the next plan is not empty.
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
     elif step.kind == "link":
         fabric = desired.node(step.node).fabric
         update = {}
-        for field, want in zip(("fabric", "fabric_twin"), fabric.ports(), strict=False):
-            link = getattr(node, field) or Link(name=want.interface)
+        seen = {"fabric": node.fabric, "fabric_twin": node.fabric_twin}
+        for (field, link_seen), want in zip(seen.items(), fabric.ports(), strict=False):
+            link = link_seen or Link(name=want.interface)
             addresses = list(link.addresses) + ([str(want.address)] if str(want.address) not in link.addresses
                                                 else [])
             rdma = RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp") if link.rdma is not None else None

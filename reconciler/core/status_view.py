@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from io import StringIO
+from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -26,6 +27,9 @@ from rich.table import Table
 from rich.text import Text
 
 from reconciler.core.text import printable
+
+#: A JSON object of the /status document, as the daemon sent it: read field by field, trusted in nothing.
+Doc = dict[str, Any]
 
 #: Conditions whose True is the news (a step held, vLLM's queue full); for every other one, a status but True is.
 TRUE_IS_NEWS = frozenset({"StepsHeld", "ServingBusy"})
@@ -99,7 +103,7 @@ def size(count: float) -> str:
     return f"{value / 1024:.1f} TiB"
 
 
-def progress(op: dict) -> str:
+def progress(op: Doc) -> str:
     """An operation's progress: bytes of the total, the percentage, the rate and the time left (the weight sync,
     the image copy); the stage, percent and detail a cold start reports (vLLM's own loading line); `-` when the
     step says nothing."""
@@ -191,7 +195,7 @@ class View:
         return "".join(f"{line.rstrip()}\n" for line in self.out.getvalue().splitlines())
 
 
-def status_text(doc: dict, width: int, now: float, wide: bool = False) -> str:
+def status_text(doc: Doc, width: int, now: float, wide: bool = False) -> str:
     """`reconciler status` for the /status document `doc`, no line wider than `width`, ages counted to `now`
     (unix time). `wide`: every condition and every line of every message, wrapped at word boundaries."""
     view = View(width, now, wide)
@@ -210,12 +214,12 @@ def status_text(doc: dict, width: int, now: float, wide: bool = False) -> str:
     return view.rendered()
 
 
-def operation_row(op: dict) -> tuple[str, ...]:
+def operation_row(op: Doc) -> tuple[str, ...]:
     return (op["step"], op["state"], human_duration(float(op["seconds"])),
             f"in {human_duration(float(op['deadlineIn']))}", progress(op))
 
 
-def verify_row(request: dict, now: float) -> tuple[str, ...]:
+def verify_row(request: Doc, now: float) -> tuple[str, ...]:
     """A verify asked of the daemon that waits for its turn (a low-priority operation): since when, and why."""
     todo = ", ".join(map(str, request.get("todo") or []))
     why = request.get("waiting") or "waiting for its turn"
@@ -223,13 +227,13 @@ def verify_row(request: dict, now: float) -> tuple[str, ...]:
             f"{why} (request {request['id']})")
 
 
-def condition(c: dict) -> dict:
+def condition(c: Doc) -> Doc:
     """A condition's fields, all read here: one without them is not a status document."""
     return {"node": c["node"], "type": c["type"], "status": c["status"], "reason": c["reason"],
             "message": c["message"], "lastTransitionTime": c.get("lastTransitionTime")}
 
 
-def summary(doc: dict, now: float) -> list[str]:
+def summary(doc: Doc, now: float) -> list[str]:
     """The header's items: phase, generations, when it last converged and last reconciled, the file, vLLM."""
     items = [f"phase {doc['phase']}"]
     if doc.get("generation") is not None:
@@ -251,7 +255,7 @@ def summary(doc: dict, now: float) -> list[str]:
     return items
 
 
-def nodes_table(view: View, doc: dict, conditions: list[dict]) -> None:
+def nodes_table(view: View, doc: Doc, conditions: list[Doc]) -> None:
     """One row per node: reachable (or why not), memory (short, as the plan's memory drift says), then each
     summarized condition's good word or its reason."""
     by = {(c["node"], c["type"]): c for c in conditions}
@@ -261,12 +265,12 @@ def nodes_table(view: View, doc: dict, conditions: list[dict]) -> None:
                [node_row(node, by, short) for node in dict.fromkeys(c["node"] for c in conditions if c["node"])])
 
 
-def node_row(node: str, by: dict[tuple[str, str], dict], short: dict[str, str]) -> tuple[str, ...]:
+def node_row(node: str, by: dict[tuple[str, str], Doc], short: dict[str, str]) -> tuple[str, ...]:
     reached = by.get((node, "Reachable"))
     down = next((c for t in ("Reachable", "Probed", "DockerReachable")
                  if (c := by.get((node, t))) and c["status"] != "True"), None)
     if reached is None or down is not None:
-        reachable, memory = ("-", "-") if down is None else (SHORT.get(down["reason"], down["reason"]), "unknown")
+        reachable, memory = ("-", "-") if down is None else (_short(down["reason"]), "unknown")
     else:
         reachable, memory = "yes", (f"short: {short[node]}" if node in short else "ok")
     serving = word(by.get((node, "ServingRunning")), "running")
@@ -275,21 +279,26 @@ def node_row(node: str, by: dict[tuple[str, str], dict], short: dict[str, str]) 
     return (node, reachable, memory, *(word(by.get((node, t)), good) for _, t, good in NODE_COLUMNS[:-1]), serving)
 
 
-def word(condition: dict | None, good: str) -> str:
+def word(condition: Doc | None, good: str) -> str:
     if condition is None:
         return "-"
     status = condition["status"]
     if status == "True":
         return good
-    return "unknown" if status == "Unknown" else SHORT.get(condition["reason"], condition["reason"])
+    return "unknown" if status == "Unknown" else _short(condition["reason"])
 
 
-def is_news(condition: dict) -> bool:
+def _short(reason: str) -> str:
+    return SHORT.get(reason, reason)
+
+
+def is_news(condition: Doc) -> bool:
     """A node condition worth a row in the compact form: not as it should be (or True where True is the news)."""
-    return (condition["status"] == "True") == (condition["type"] in TRUE_IS_NEWS)
+    status: str = condition["status"]
+    return (status == "True") == (condition["type"] in TRUE_IS_NEWS)
 
 
-def conditions_table(view: View, conditions: list[dict]) -> None:
+def conditions_table(view: View, conditions: list[Doc]) -> None:
     """The cluster's conditions, then the nodes' (compact: only those not as they should be, and how many are)."""
     shown = [c for c in conditions if view.wide or not c["node"] or is_news(c)]
     view.table("CONDITIONS", (Column("NODE"), Column("TYPE"), Column("STATUS"), Column("AGE"), Column("REASON"),
@@ -300,7 +309,7 @@ def conditions_table(view: View, conditions: list[dict]) -> None:
         view.lines([f"({hidden} more node conditions as they should be: --wide shows every one)"])
 
 
-def blockers(doc: dict) -> list[tuple[str, str, str]]:
+def blockers(doc: Doc) -> list[tuple[str, str, str]]:
     """What keeps the cluster from converging, as the document holds it: the plan's blockers, the steps in a
     hold (with their last error) and the drift only the operator can fix (a node unreachable, memory short)."""
     plan = doc.get("lastPlan") or {}
@@ -317,7 +326,7 @@ def _node_of(step_id: str) -> str:
     return parts[1] if len(parts) > 1 else str(step_id)
 
 
-def last_error(view: View, doc: dict) -> None:
+def last_error(view: View, doc: Doc) -> None:
     """The last error under its title, indented like a message (a line of it cannot pass for a row), unless it
     is a held step's (BLOCKERS shows that one already)."""
     error = doc.get("lastError")

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -62,7 +63,7 @@ class Failed(Exception):
 
 
 def exit_code(results: Sequence[Mapping[str, Any]]) -> Exit:
-    """The verify's exit code from its per-node results (reconciler/loop/verify.py: `outcome`): an error of any kind
+    """The verify's exit code from its per-node results (reconciler/edge/verify.py: `outcome`): an error of any kind
     first (a tree not fully compared, a failed command, a cancelled verify), then a node not reached, then files that
     differ (repaired or not: a repair only removes them, the daemon's next sync copies them again), else 0."""
     outcomes = {r.get("outcome") for r in results}
@@ -75,7 +76,7 @@ def exit_code(results: Sequence[Mapping[str, Any]]) -> Exit:
 
 def verify_by_daemon(url: str, state_dir: Path, file: str, *, repair: bool, only: str | None, wait: float = WAIT,
                      say: Callable[[str], None] = lambda line: None, sleep: Callable[[float], None] = time.sleep,
-                     monotonic: Callable[[], float] = time.monotonic) -> list[dict]:
+                     monotonic: Callable[[], float] = time.monotonic) -> list[dict[str, Any]]:
     """Have the daemon at `url` (keeping `state_dir`) verify `file`'s weights and return its per-node results;
     `say` gets a line whenever the request's state changes (waiting, running on a node). NoDaemon, Declined or
     Failed otherwise (module docstring)."""
@@ -93,7 +94,7 @@ def verify_by_daemon(url: str, state_dir: Path, file: str, *, repair: bool, only
     return _wait(base, state_dir, request, monotonic() + wait, say, sleep, monotonic)
 
 
-def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(url, data=body, method="POST",
                                      headers={"Content-Type": "application/json", **headers})
     try:
@@ -102,13 +103,13 @@ def _post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
     except urllib.error.HTTPError as exc:  # it answered, with a refusal: the body says why
         return exc.code, _json(exc.read())
     except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = exc.reason if isinstance(exc, (urllib.error.URLError, ssl.SSLError)) else exc  # what says why
         if isinstance(reason, ConnectionRefusedError):
             raise NoDaemon(f"nothing listens at {url}") from None
         raise Failed(f"cannot reach the daemon at {url}: {reason}", Exit.UNREACHABLE) from None
 
 
-def _json(body: bytes) -> dict:
+def _json(body: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError):
@@ -137,7 +138,7 @@ def _key(state_dir: Path, base: str) -> bytes:
                      "(or name its state dir: --state-dir)", Exit.ERROR) from None
 
 
-def _accepted(base: str, code: int, answer: dict) -> str:
+def _accepted(base: str, code: int, answer: dict[str, Any]) -> str:
     """The request's id, or why there is none: Declined (verify here) or Failed."""
     request = answer.get("id")
     if code == 202 and isinstance(request, str):
@@ -151,7 +152,7 @@ def _accepted(base: str, code: int, answer: dict) -> str:
 
 
 def _wait(base: str, state_dir: Path, request: str, deadline: float, say: Callable[[str], None],
-          sleep: Callable[[float], None], monotonic: Callable[[], float]) -> list[dict]:
+          sleep: Callable[[float], None], monotonic: Callable[[], float]) -> list[dict[str, Any]]:
     """Poll the proven /status until the request is done; Failed when the daemon stops answering for LOST_AFTER,
     forgets the request (it restarted), or the deadline passes first."""
     lost_since: float | None = None
@@ -181,7 +182,7 @@ def _wait(base: str, state_dir: Path, request: str, deadline: float, say: Callab
         sleep(POLL)
 
 
-def _record(doc: object, request: str) -> dict:
+def _record(doc: object, request: str) -> dict[str, Any]:
     records = doc.get("verifyRequests") if isinstance(doc, dict) else None
     found = next((r for r in records or [] if isinstance(r, dict) and r.get("id") == request), None)
     if found is None:
@@ -190,7 +191,7 @@ def _record(doc: object, request: str) -> dict:
     return found
 
 
-def _progress(request: str, record: dict) -> str:
+def _progress(request: str, record: dict[str, Any]) -> str:
     if record.get("running"):
         return f"verify request {request}: verifying {printable(str(record['running']))}"
     waiting = record.get("waiting")

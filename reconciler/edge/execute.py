@@ -8,19 +8,27 @@ failure means over time (holds, backoff across reconciles).
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from reconciler.core.planning import Plan, Step
+from reconciler.core.spec import Timeouts
 from reconciler.edge import log
 from reconciler.edge.ssh import RemoteError
-from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, runner
+from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, runner
 
-LONG_STEPS = {"weights": "weights_sync", "image": "image_sync", "download": "weights_sync", "pull-image": "image_sync"}
+#: The long steps' own deadlines (a weights sync or download, an image copy or pull), read from policy.timeouts.
+LONG_STEPS: dict[str, Callable[[Timeouts], float]] = {
+    "weights": lambda t: t.weights_sync, "download": lambda t: t.weights_sync,
+    "image": lambda t: t.image_sync, "pull-image": lambda t: t.image_sync,
+}
 
 
 @dataclass(frozen=True)
@@ -44,15 +52,16 @@ class Outcome:
 def step_timeout(ctx: StepContext, step: Step) -> float:
     """Long steps (weight sync, image copy, a cold start) have their own deadlines, not the short step timeout."""
     t = ctx.desired.policy.timeouts
-    if step.kind in LONG_STEPS:
-        return getattr(t, LONG_STEPS[step.kind])
+    if (long := LONG_STEPS.get(step.kind)) is not None:
+        return long(t)
     if step.kind == "await-health":
         return ctx.desired.serving.health_timeout
     return t.step
 
 
 def _transient(exc: BaseException) -> bool:
-    return bool(getattr(exc, "transient", False))
+    """A node's passing trouble (a dropped connection, a refused channel, a timeout): worth another attempt."""
+    return isinstance(exc, RemoteError | StepFailed) and exc.transient
 
 
 def _interruptible(ctx: StepContext) -> Callable[[float], None]:
@@ -62,14 +71,16 @@ def _interruptible(ctx: StepContext) -> Callable[[float], None]:
     return sleep
 
 
-def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict], None]) -> StepResult:
+def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict[str, Any]], None],
+             cancel: threading.Event | None = None) -> StepResult:
+    """One step under its own deadline, transient errors retried. `cancel`: this step's own (a new generation
+    that makes it wrong ends it and nothing else); by default the batch's (`ctx.cancel`)."""
     logger = log.get().bind(step=step.id, node=step.node, kind=step.kind, generation=ctx.generation)
     retries = ctx.desired.policy.retries
     start = time.monotonic()
     attempts = 0
-    step_ctx = StepContext(desired=ctx.desired, sessions=ctx.sessions, observed=ctx.observed,
-                           generation=ctx.generation, progress=ctx.progress, cancel=ctx.cancel,
-                           deadline=start + step_timeout(ctx, step))
+    ctx = dataclasses.replace(ctx, cancel=cancel if cancel is not None else ctx.cancel)
+    step_ctx = dataclasses.replace(ctx, deadline=start + step_timeout(ctx, step))
     on_event("step.start", {"step": step})
     logger.info("step.start", reason=step.reason)
     try:
@@ -99,13 +110,16 @@ def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict], None]
     return outcome
 
 
-def execute(plan: Plan, ctx: StepContext, on_event: Callable[[str, dict], None] = lambda e, f: None,
-            max_parallel: int = 4, skip: Callable[[Step], str | None] = lambda s: None) -> Outcome:
-    """Run the plan's steps; `skip(step)` may veto a step (a hold) with a reason, failing its dependants."""
+def execute(plan: Plan, ctx: StepContext, on_event: Callable[[str, dict[str, Any]], None] = lambda e, f: None,
+            max_parallel: int = 4, skip: Callable[[Step], str | None] = lambda s: None,
+            cancel_of: Callable[[Step], threading.Event] | None = None) -> Outcome:
+    """Run the plan's steps; `skip(step)` may veto a step (a hold) with a reason, failing its dependants;
+    `cancel_of(step)` is the step's own cancel event (default: the batch's, `ctx.cancel`, which also stops the
+    batch from starting anything more)."""
     outcome = Outcome()
     finished: dict[str, StepResult] = {}
     pending = list(plan.steps)
-    running: dict[Future, Step] = {}
+    running: dict[Future[StepResult], Step] = {}
     with ThreadPoolExecutor(max_workers=max_parallel) as pool:
         while pending or running:
             for step in list(pending):
@@ -121,7 +135,7 @@ def execute(plan: Plan, ctx: StepContext, on_event: Callable[[str, dict], None] 
                     outcome.results.append(result)
                     on_event("step.end", {"result": result})
                     continue
-                running[pool.submit(run_step, ctx, step, on_event)] = step
+                running[pool.submit(run_step, ctx, step, on_event, cancel_of(step) if cancel_of else None)] = step
             if not running:
                 for step in pending:  # unreachable dependencies: cannot happen for a valid plan, never hang
                     result = StepResult(step, "skipped", 0.0, "dependency not in the plan")

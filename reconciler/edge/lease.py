@@ -38,7 +38,7 @@ from pathlib import Path
 
 from reconciler.core.spec import Desired
 from reconciler.core.text import printable
-from reconciler.edge.ssh import CommandTimeout, Companion, RemoteError, Sessions
+from reconciler.edge.ssh import CommandTimeout, Companion, RemoteError, Result, Sessions
 
 #: The daemon looks at its lease at least this often while it holds it (Controller._requeue_after): a lease lost
 #: (its companion ended) is noticed within a minute, and taken again before anything else starts.
@@ -176,7 +176,7 @@ class Lease:
         return False
 
 
-def _ended(result) -> str:
+def _ended(result: Result) -> str:
     return (f"the lease script on the head ended without an answer (exit {result.exit_code}): "
             f"{printable(result.stderr.strip()[-200:])}")
 

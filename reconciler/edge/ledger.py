@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 
 from reconciler.core.observed import CopyRecord
-from reconciler.edge.probes import Section, node_output
-from reconciler.edge.ssh import RemoteError, Session, quote
+from reconciler.edge.probes import Fact, Section, node_output
+from reconciler.edge.ssh import quote
 
 LEDGER = ".spark-reconciler/copies"  # under the SSH user's home, beside the lease
 MAX_LINES = 5000  # the newest lines the probe reads: years of model changes
@@ -103,19 +103,20 @@ def _valid(node: str, by: str, entry: Entry) -> bool:
             and bool(_BY.fullmatch(by)) and (action != "copied" or bool(_DETAIL[kind].fullmatch(detail))))
 
 
-def record(session: Session, node: str, by: str, entries: list[Entry], *, timeout: float) -> str | None:
-    """Append lines in one exec, stamped with the node's clock (the ledger's times are only ever compared on that
-    node). Every value is checked here, the one writer, so nothing that would not parse back is written. None when
-    the lines are written; otherwise why not (the caller decides whether that stops it)."""
+def append(node: str, by: str, entries: list[Entry]) -> tuple[tuple[str, ...], bytes]:
+    """The one command that appends lines, as (argv, stdin): a script fed to `sh -s`, stamped with the node's clock
+    (the ledger's times are only ever compared on that node). Every value is checked here, the one writer, so
+    nothing that would not parse back is written: ValueError otherwise."""
     if bad := [e for e in entries if not _valid(node, by, e)]:
-        return f"not a ledger line: {node!r} {by!r} {bad[0][:3]!r}"
+        raise ValueError(f"not a ledger line: {node!r} {by!r} {bad[0][:3]!r}")
     script = ('umask 077; d="$HOME/.spark-reconciler"; mkdir -p "$d" || exit 70; now=$(date +%s); node=$1 by=$2; '
               'shift 2; while [ $# -ge 4 ]; do '
               'printf \'%s\\t%s\\t%s\\t%s\\t%s\\t%s\\t%s\\n\' "$1" "$node" "$2" "$3" "$now" "$by" "$4"; shift 4; '
               f'done >> "$HOME/{LEDGER}"')
     args = quote([node, by, *(word for entry in entries for word in entry)])
-    try:
-        result = session.run_script(f"set -- {args}\n{script}\n", timeout=timeout)
-    except RemoteError as exc:
-        return str(exc)
-    return None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr.strip()[-200:]}"
+    return ("sh", "-s"), f"set -- {args}\n{script}\n".encode()
+
+
+def copies_fact(node: str) -> Fact[list[CopyRecord] | None]:
+    """`node`'s ledger as it is now (`ledger_script`, `parse_copies`): what a step re-reads before it removes."""
+    return Fact("copies", tuple(ledger_script()), lambda sections: parse_copies(sections.get("copies"), node))

@@ -259,7 +259,8 @@ def _redact_event(logger: Any, name: str, event: MutableMapping[str, Any]) -> Mu
     traceback of its own), then everything, the rendered `exception` included, is redacted."""
     if "exc_info" in event:
         event = structlog.processors.format_exc_info(logger, name, event)
-    return _redact(event, stringify=True)
+    redacted: MutableMapping[str, Any] = _redact(event, stringify=True)
+    return redacted
 
 
 # -- the other writers of tracebacks -------------------------------------------------------------------------------
@@ -377,12 +378,13 @@ def configure(json_lines: bool | None = None, level: str = "info", journal: bool
                     structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info,
                     # redaction last before the renderer: after anything that renders text
                     _redact_event, _with_priority(renderer) if _journal else renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     _redact_other_writers()
 
 
-def get(name: str = "reconciler"):
-    return structlog.get_logger(name)
+def get(name: str = "reconciler") -> structlog.typing.FilteringBoundLogger:
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    return logger

@@ -12,7 +12,7 @@ import posixpath
 from dataclasses import dataclass
 
 from reconciler.core.observed import WeightFile, Weights
-from reconciler.edge.probes import Section, node_output
+from reconciler.edge.probes import Fact, Section, node_output
 from reconciler.edge.ssh import quote_word
 
 PARTIAL_DIR = ".rsync-partial"
@@ -240,3 +240,19 @@ def parse_weights(root: str, sec: Section | None) -> Weights:
     return read_listing(root, sec).weights
 
 
+def listing_fact(root: str) -> Fact[Listing]:
+    """The tree at `root` as the probe lists it (`manifest_script`, `read_listing`), with what each regular file
+    resolves to (the hash cache's keys): what the weights step re-reads on both ends."""
+    return Fact("weights", tuple(manifest_script(root).split("\n", 1)),
+                lambda sections: read_listing(root, sections.get("weights")))
+
+
+def tree_fact(root: str) -> Fact[Weights | None]:
+    """The tree as `listing_fact` reads it, None when it is gone (the script's exit 2: no such directory): what
+    retention re-reads before it removes a tree."""
+    def parse(sections: dict[str, Section]) -> Weights | None:
+        section = sections.get("weights")
+        if section is not None and section.rc == 2:
+            return None
+        return read_listing(root, section).weights
+    return Fact(f"tree {root}", tuple(manifest_script(root).split("\n", 1)), parse)

@@ -20,10 +20,11 @@ import json
 import math
 import re
 import secrets
+import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from reconciler.core.observed import (
     MAX_KNOWN_AS,
@@ -143,7 +144,7 @@ _DOCKER_SOCKET = 'sock=/var/run/docker.sock; case "${DOCKER_HOST:-}" in unix://*
 
 _INSPECT = ('{"name":{{json .Name}},"id":{{json .Id}},"image":{{json .Config.Image}},"image_id":{{json .Image}},'
             '"state":{{json .State.Status}},"labels":{{json .Config.Labels}},"started_at":{{json .State.StartedAt}},'
-            '"restart_count":{{json .RestartCount}},"mounts":{{json .Mounts}}}')
+            '"mounts":{{json .Mounts}}}')
 
 
 def containers_script() -> list[str]:
@@ -169,7 +170,7 @@ def _bind_sources(mounts: object) -> list[str] | None:
                    and isinstance(m.get("Source"), str)})
 
 
-def _created(raw: dict) -> str | None:
+def _created(raw: dict[str, Any]) -> str | None:
     """The API's `Created` (unix seconds: the list has no `State.StartedAt`) as the RFC 3339 time the CLI path
     reads from inspect. For the serving containers it is their start: `docker run` creates and starts in one, with
     `--restart no`, and they are never started again in place (a stopped one is removed before the next run). So
@@ -180,7 +181,7 @@ def _created(raw: dict) -> str | None:
     return datetime.fromtimestamp(created, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _api_container(raw: dict) -> Container:
+def _api_container(raw: dict[str, Any]) -> Container:
     return Container(name=(raw.get("Names") or ["/"])[0].lstrip("/"), id=raw["Id"], image=raw.get("Image", ""),
                      image_id=raw.get("ImageID", ""), state=raw["State"], labels=raw.get("Labels") or {},
                      mounts=_bind_sources(raw.get("Mounts")), started_at=_created(raw))
@@ -283,7 +284,7 @@ def link_script(node: Node) -> list[str]:
     return lines
 
 
-def _link(name: str, info: dict, rdma: RdmaPort | None) -> Link:
+def _link(name: str, info: dict[str, Any], rdma: RdmaPort | None) -> Link:
     """One interface of `ip -j addr` as a Link: the one reading of iproute2's JSON (flags, mtu, IPv4)."""
     flags = info.get("flags", [])
     addresses = [f"{a['local']}/{a['prefixlen']}" for a in info.get("addr_info", []) if a.get("family") == "inet"]
@@ -356,7 +357,7 @@ def parse_rdma_devices(sec: Section | None) -> list[RdmaDevice]:
     """The `dev`/`state`/`phys_state`/`net` lines of `interfaces_script`'s `rdma_sysfs` section."""
     if sec is None or sec.rc != 0:
         return []
-    devices: list[dict] = []
+    devices: list[dict[str, Any]] = []
     for line in sec.body.splitlines():
         key, _, value = line.partition(" ")
         if key == "dev":
@@ -572,11 +573,6 @@ def parse_memory(sec: Section | None) -> Memory | None:
     return Memory(total_bytes=values["MemTotal"], available_bytes=values["MemAvailable"])
 
 
-def read_memory(session: Session, timeout: float) -> Memory | None:
-    """The node's memory now (None when /proc/meminfo did not answer)."""
-    return parse_memory(read_sections(session, memory_script(), timeout).get("meminfo"))
-
-
 COMPLETION_DEADLINE = 5  # seconds: one token of a loaded model answers in milliseconds; a wedged rank never does
 
 
@@ -735,13 +731,6 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
                       engine=parse_engine(engine) if healthy else None)
 
 
-def read_api(session: Session, desired: Desired, timeout: float) -> ServingApi:
-    """The head's API now: health, the served names and one completion, as the probe reads them."""
-    sections = read_sections(session, api_script(desired), timeout)
-    return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
-                         sections.get("engine"), sections.get("port_owner"))
-
-
 def ray_script(container: str) -> list[str]:
     """The `ray` section: `ray status` inside the head's serving container (`count_ray_nodes`)."""
     return ["sec ray", f"docker exec {quote_word(container)} ray status 2>&1; rc $?"]
@@ -750,3 +739,273 @@ def ray_script(container: str) -> list[str]:
 def count_ray_nodes(status: str) -> int:
     """Nodes alive in `ray status` output: one `1 node_<id>` line per node under "Active:"."""
     return sum(1 for line in status.splitlines() if line.strip().split(" ")[-1].startswith("node_"))
+
+
+# -- the facts a step re-reads right before it acts (edge/steps/actions.py `Read`) --------------------------------
+
+
+@dataclass(frozen=True)
+class Fact(Generic[R]):
+    """One fact a step re-reads on a node right before it acts: a probe fragment and its parser, named by `key`
+    (`container vllm`), the name the step cases (tests/unit/step_cases/) give its recorded answer. The fragments
+    and parsers are the probe's own, so a step and the plan can never read a node differently."""
+
+    key: str
+    lines: tuple[str, ...] = field(repr=False)
+    parse: Callable[[dict[str, Section]], R] = field(repr=False, compare=False)
+
+    def read(self, session: Session, timeout: float) -> R:
+        return self.parse(read_sections(session, list(self.lines), timeout))
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    """One container as `docker inspect` tells it: the probe's model of it and the exit code its state has (the
+    list of containers carries no exit code; a step's failure message does)."""
+
+    container: Container
+    exit_code: int | None
+
+
+_INSPECT_ONE = _INSPECT[:-1] + ',"exit_code":{{json .State.ExitCode}}}'
+
+
+@node_output("container")
+def parse_container(sec: Section | None) -> ContainerState | None:
+    """None when there is no such container; any other failure of `docker inspect` is a ProbeError (the step
+    cannot judge what it cannot see)."""
+    if sec is None:
+        raise ProbeError("docker inspect did not answer")
+    if sec.rc != 0:
+        if "no such" in sec.body.lower():
+            return None
+        raise ProbeError(f"docker inspect failed: {sec.body.strip()[-300:]}")
+    raw = json.loads(sec.body)
+    exit_code = raw.pop("exit_code", None)
+    raw["name"] = str(raw["name"]).lstrip("/")
+    raw["labels"] = raw.get("labels") or {}
+    raw["mounts"] = _bind_sources(raw.get("mounts"))
+    return ContainerState(Container.model_validate(raw), exit_code if isinstance(exit_code, int) else None)
+
+
+def container_fact(name: str) -> Fact[ContainerState | None]:
+    """One container by name, running or not (None: no such container)."""
+    return Fact(f"container {name}",
+                ("sec container", f"docker inspect --type container --format {quote_word(_INSPECT_ONE)} "
+                                  f"{quote_word(name)} 2>&1; rc $?"),
+                lambda sections: parse_container(sections.get("container")))
+
+
+# -- the copies' facts (images, staging, weights) ---------------------------------------------------------------
+
+@node_output("image")
+def parse_image_inspect(ref: str, sec: Section | None) -> Image | None:
+    """`docker image inspect REF` as a step re-reads it: None only when the engine says it has no such image; any
+    other failure is a ProbeError (a broken engine is no reason to copy 20 GB)."""
+    if sec is None:
+        raise ProbeError(f"`docker image inspect {ref}` did not answer")
+    if sec.rc != 0:
+        if "no such image" in sec.body.lower():
+            return None
+        raise ProbeError(f"`docker image inspect {ref}` failed (exit {sec.rc}): {sec.body.strip()[-300:]}")
+    found = json.loads(sec.body)
+    if not isinstance(found, list) or not found:
+        raise ProbeError(f"`docker image inspect {ref}` printed no image")
+    return image_from_inspect(found[0])
+
+
+def image_fact(ref: str) -> Fact[Image | None]:
+    """One image by reference (None: the engine has none by that name)."""
+    return Fact(f"image {ref}", ("sec image", f"docker image inspect {quote_word(ref)} 2>&1; rc $?"),
+                lambda sections: parse_image_inspect(ref, sections.get("image")))
+
+
+@dataclass(frozen=True)
+class HubSize:
+    """The Hub's size of a revision (`bytes`), or why it gave none (`problem`, and curl's `exit`)."""
+
+    bytes: int | None
+    problem: str = ""
+    exit: int = 0
+
+
+def hub_size(payload: str) -> int:
+    """Total bytes of a revision from the Hub's model-info answer (`siblings[].size`). A sibling without a size
+    (an answer without `blobs=true`) makes the size unknown: ValueError, and nothing is downloaded."""
+    doc = json.loads(payload)
+    siblings = doc.get("siblings") if isinstance(doc, dict) else None
+    if not isinstance(siblings, list) or not siblings:
+        raise ValueError("the Hub's answer lists no files")
+    sizes = [s.get("size") if isinstance(s, dict) else None for s in siblings]
+    counted = [n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+    if len(counted) != len(sizes):
+        raise ValueError("the Hub's answer gives no size for some files")
+    return sum(counted)
+
+
+def parse_hub_size(sec: Section | None) -> HubSize:
+    if sec is None:
+        return HubSize(None, "no answer", -1)
+    if sec.rc != 0:
+        return HubSize(None, sec.body.strip()[-300:], sec.rc)
+    try:
+        return HubSize(hub_size(sec.body))
+    except ValueError as exc:  # json's errors are ValueErrors too
+        return HubSize(None, str(exc))
+
+
+def hub_size_fact(model_id: str, revision: str, token: str | None, timeout: float) -> Fact[HubSize]:
+    """The Hub's size of `model_id` at `revision` (`GET /api/models/ID/revision/REV?blobs=true`, what
+    `HfApi.model_info(files_metadata=True)` asks), asked from the node (HF_ENDPOINT as its owner set it). The
+    token, when there is one, is in the script (stdin of `sh -s`) and reaches curl through a builtin's pipe
+    (`-H @-`): never an argv."""
+    header = f"Authorization: Bearer {token}\n" if token else "Accept: application/json\n"
+    path = f"/api/models/{model_id}/revision/{urllib.parse.quote(revision, safe='')}?blobs=true"
+    return Fact(f"hub-size {model_id}@{revision}",
+                ("sec hub_size",
+                 f"printf %s {quote_word(header)} | curl -fsS --max-time {int(timeout)} -H @- "
+                 f'"${{HF_ENDPOINT:-https://huggingface.co}}"{quote_word(path)} 2>&1; rc $?'),
+                lambda sections: parse_hub_size(sections.get("hub_size")))
+
+
+def parse_avail(sec: Section | None) -> int | None:
+    """`df --output=avail`'s number (None: df did not say)."""
+    words = sec.body.split() if sec is not None and sec.rc == 0 else []
+    return int(words[-1]) if words and words[-1].isdigit() else None
+
+
+def avail_fact(path: str) -> Fact[int | None]:
+    """Bytes available to the SSH user on the filesystem of `path` (a failed copy's explanation)."""
+    return Fact(f"df {path}", ("sec avail", f"df -B1 --output=avail {quote_word(path)} 2>/dev/null; rc $?"),
+                lambda sections: parse_avail(sections.get("avail")))
+
+
+@node_output("ssh_connection")
+def parse_session_address(sec: Section | None) -> str | None:
+    """The node's own address the SSH session arrived on: `$SSH_CONNECTION`'s third field (client address, client
+    port, server address, server port); None when sshd did not set it as documented."""
+    words = sec.body.split() if sec is not None else []
+    return words[2] if len(words) == 4 else None
+
+
+SESSION_ADDRESS: Fact[str | None] = Fact(
+    "session-address", ("sec ssh_connection", 'printf "%s\\n" "${SSH_CONNECTION:-}"; rc 0'),
+    lambda sections: parse_session_address(sections.get("ssh_connection")))
+
+
+@node_output("vllm_serve")
+def parse_serve_processes(sec: Section | None) -> int:
+    """How many `vllm serve` processes the container runs; 0 when that cannot be read (a container without `ps`,
+    one not running): the launch then runs, and a second `vllm serve` fails on the taken port, loudly."""
+    body = sec.body.strip() if sec is not None else ""
+    return int(body) if body.isdigit() else 0
+
+
+_SERVE_COUNT = "ps -eo args | grep -c '[v]llm serve'"
+
+
+def serve_processes_fact(container: str) -> Fact[int]:
+    """The `vllm serve` processes inside `container` (the Ray launcher's exec: already launched?)."""
+    return Fact(f"vllm-serve {container}",
+                ("sec vllm_serve", f"docker exec {quote_word(container)} sh -c {quote_word(_SERVE_COUNT)} "
+                                   "2>/dev/null; rc $?"),
+                lambda sections: parse_serve_processes(sections.get("vllm_serve")))
+
+
+def links_fact(node: Node) -> Fact[tuple[Link, Link | None]]:
+    """The node's declared fabric ports as they are now (`link_script`, `parse_links`)."""
+    return Fact("links", tuple(link_script(node)), lambda sections: parse_links(node, sections))
+
+
+MEMORY: Fact[Memory | None] = Fact("meminfo", tuple(memory_script()),
+                                   lambda sections: parse_memory(sections.get("meminfo")))
+
+
+def ray_nodes_fact(container: str) -> Fact[int | None]:
+    """Nodes alive in the head container's `ray status`; None when it did not answer."""
+    def parse(sections: dict[str, Section]) -> int | None:
+        status = sections.get("ray")
+        return count_ray_nodes(status.body) if status is not None and status.rc == 0 else None
+    return Fact(f"ray {container}", tuple(ray_script(container)), parse)
+
+
+def api_fact(desired: Desired) -> Fact[ServingApi]:
+    """The head's API now: health, the served names and one completion, as the probe reads them."""
+    def parse(sections: dict[str, Section]) -> ServingApi:
+        return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
+                             sections.get("engine"), sections.get("port_owner"))
+    return Fact("api", tuple(api_script(desired)), parse)
+
+
+# -- facts of the serving and retention steps (steps/serving.py, steps/retention.py) ------------------------------
+
+
+def _all_containers(sections: dict[str, Section]) -> list[Container]:
+    ok, error, found = parse_containers(sections.get("containers"))
+    if not ok:
+        raise ProbeError(f"the containers could not be read: {error}")
+    return found
+
+
+#: Every container on the node now, with its bind mounts; unreadable is a ProbeError (a step cannot judge what it
+#: cannot see).
+CONTAINERS: Fact[list[Container]] = Fact("containers", tuple(containers_script()), _all_containers)
+
+
+@node_output("realpath")
+def parse_canonical(sec: Section | None, count: int) -> list[str]:
+    """`realpath -m`'s answer, one line per path asked, in order; anything else is a ProbeError."""
+    if sec is None or sec.rc != 0:
+        raise ProbeError(f"realpath failed: {sec.body.strip()[-200:] if sec else 'no answer'}")
+    lines = sec.body.splitlines()
+    if len(lines) != count:
+        raise ProbeError(f"`realpath` answered {len(lines)} lines for {count} paths")
+    return lines
+
+
+def canonical_fact(paths: list[str]) -> Fact[list[str]]:
+    """The node's own answer to where each path leads (`realpath -m`: symlinks, `.` and `..` resolved; a path
+    that does not exist yet resolves as far as it does)."""
+    return Fact("realpath", ("sec realpath", f"realpath -m -- {quote(paths)} 2>&1; rc $?"),
+                lambda sections: parse_canonical(sections.get("realpath"), len(paths)))
+
+
+LOG_TAIL_CHARS = 1500  # of a failed container's last lines, in the step's failure message
+
+
+def log_tail_fact(container: str, lines: int = 15) -> Fact[str]:
+    """A container's last `lines` log lines (stdout and stderr), for the message of a start that failed."""
+    return Fact(f"logs {container}",
+                ("sec logs", f"docker logs --tail {lines} {quote_word(container)} 2>&1 | tail -c {LOG_TAIL_CHARS}; "
+                             "rc 0"),
+                lambda sections: (sections["logs"].body if "logs" in sections else "").strip()[-LOG_TAIL_CHARS:])
+
+
+@dataclass(frozen=True)
+class StartSeen:
+    """One poll of a cold start on the head, in one round trip: its serving container, the API, and the tail of
+    the container's log (`core.vllm_log.start_progress` reads where the start is from it; "" when unread)."""
+
+    container: ContainerState | None
+    api: ServingApi
+    log: str
+
+
+START_LOG_LINES = 200  # the head's last log lines each poll of the health wait reads, at most MAX_TEXT bytes of them
+START_LOG_DEADLINE = 10  # seconds: a `docker logs` that hangs leaves the poll's other sections answered
+
+
+def start_fact(desired: Desired, container: str) -> Fact[StartSeen]:
+    """The head while it starts (`container_fact`, `api_fact` and its log's tail, cut on the node: tqdm redraws a
+    bar on one ever longer line)."""
+    from reconciler.core.vllm_log import MAX_TEXT
+
+    one, api = container_fact(container), api_fact(desired)
+
+    def parse(sections: dict[str, Section]) -> StartSeen:
+        log = sections.get("start_log")
+        return StartSeen(one.parse(sections), api.parse(sections), log.body if log is not None else "")
+    return Fact(f"start {container}",
+                (*one.lines, *api.lines, "sec start_log",
+                 f"timeout {START_LOG_DEADLINE} docker logs --tail {START_LOG_LINES} {quote_word(container)} 2>&1 | "
+                 f"tail -c {MAX_TEXT}; rc 0"), parse)

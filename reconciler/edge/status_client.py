@@ -17,13 +17,14 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -75,7 +76,7 @@ def fetch(url: str, key: bytes | None, state_dir: Path, timeout: float = TIMEOUT
     except http.client.HTTPException as exc:  # something answered that does not speak HTTP (an sshd on the port)
         raise StatusError(f"{where} did not answer HTTP ({type(exc).__name__}: {exc})", Exit.ERROR) from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = exc.reason if isinstance(exc, (urllib.error.URLError, ssl.SSLError)) else exc  # what says why
         if isinstance(reason, OSError):  # refused, timed out, no route: nobody answers there
             raise StatusError(f"cannot reach the daemon at {url}: {reason}", Exit.UNREACHABLE) from exc
         raise StatusError(f"cannot ask {where}: {reason}", Exit.ERROR) from exc  # a URL urllib cannot ask
@@ -112,7 +113,7 @@ def render(where: str, doc: object, width: int, now: float, wide: bool = False) 
                       "(policy.listen)? docs/cli.md shows the document", Exit.ERROR)
 
 
-def code_of(doc: dict) -> Exit:
+def code_of(doc: dict[str, Any]) -> Exit:
     return Exit.OK if doc.get("phase") == "Converged" else Exit.CHANGES
 
 
@@ -151,7 +152,7 @@ class Watch:
 
     def __init__(self, url: str, key: bytes | None, state_dir: Path, *, wide: bool, as_json: bool) -> None:
         self.url, self.key, self.state_dir, self.wide, self.as_json = url, key, state_dir, wide, as_json
-        self.last: tuple[dict, float] | None = None  # the last good answer and when it came
+        self.last: tuple[dict[str, Any], float] | None = None  # the last good answer and when it came
         self.code = Exit.UNREACHABLE  # until a frame says otherwise
 
     def run(self, interval: float) -> int:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import click
 from rich.console import Console
@@ -61,7 +62,7 @@ class _Report:
     estimate: bool = False
 
 
-def _report(event: str, fields: dict) -> _Report | None:
+def _report(event: str, fields: dict[str, Any]) -> _Report | None:
     """A step's progress event as a report; None for the events the view does not show."""
     family, _, what = event.partition(".")
     node = fields.get("node", "")
@@ -109,7 +110,7 @@ class _ProgressView:
         self.first: dict[str, tuple[float, int]] = {}  # key -> (when, bytes) of the first report: the rate's start
         self.lock = threading.Lock()
 
-    def __call__(self, event: str, fields: dict) -> None:
+    def __call__(self, event: str, fields: dict[str, Any]) -> None:
         report = _report(event, fields)
         if report is None:
             return
@@ -225,7 +226,7 @@ def _outcome(observed: Observed, current: Plan, dry_run: bool) -> Exit:
     return Exit.CHANGES if dry_run else Exit.ERROR
 
 
-def _echo(event: str, fields: dict) -> None:
+def _echo(event: str, fields: dict[str, Any]) -> None:
     """A step's start and end, one line each; printable: step ids name containers and a step's message quotes
     what the node answered (reconciler/core/text.py)."""
     if event == "step.start":

@@ -40,7 +40,7 @@ class Backoff:
         base = min(self.retries.backoff_max, self.retries.backoff_initial * 2 ** max(0, failures - 1))
         if failures >= self.retries.hold_after:
             base = self.retries.backoff_max
-        return base * (0.8 + 0.4 * self.rng.random())
+        return float(base) * (0.8 + 0.4 * self.rng.random())
 
     def failed(self, step_id: str, message: str, now: float) -> None:
         rec = self.records.setdefault(step_id, _Record())

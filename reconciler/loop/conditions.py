@@ -3,15 +3,28 @@
 Conditions carry type, status (True/False/Unknown), reason (CamelCase), message, lastTransitionTime (kept while
 the status does not flip) and observedGeneration, so `reconciler status`, /status, the metrics and the alerts all
 tell the same story.
+
+A node's conditions come from its drift by the condition each drift kind declares (`drift.CONDITION_OF`), never
+from a list of kinds kept here: a new kind shows in /status the day it is declared.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Literal, NotRequired, TypedDict
 
-from reconciler.core.drift import Drift
-from reconciler.core.observed import Observed
+from reconciler.core.drift import (
+    CONDITION_OF,
+    DOCKER_REACHABLE,
+    DRIFT_CONDITIONS,
+    FABRIC_LINK_UP,
+    PROBED,
+    REACHABLE,
+    Drift,
+    NodeCondition,
+)
+from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import Plan, kind_and_node
 
 
@@ -35,51 +48,64 @@ def _iso(now: float) -> str:
     return datetime.fromtimestamp(now, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _cond(node: str, type_: str, ok: bool | None, reason: str, message: str = "") -> dict:
-    status = "Unknown" if ok is None else ("True" if ok else "False")
+class Condition(TypedDict):
+    """One condition as /status carries it; `conditions` adds when its status last flipped and the generation."""
+
+    node: str  # "" for the cluster's own
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+    lastTransitionTime: NotRequired[str]
+    observedGeneration: NotRequired[int]
+
+
+def _cond(node: str, type_: str, ok: bool | None, reason: str, message: str = "") -> Condition:
+    status: Literal["True", "False", "Unknown"] = "Unknown" if ok is None else ("True" if ok else "False")
     return {"node": node, "type": type_, "status": status, "reason": reason, "message": message}
 
 
-def _node_conditions(name: str, snap: Snapshot) -> list[dict]:
-    obs = snap.observed.node(name) if snap.observed else None
-    drift = [d for d in (snap.plan.drift if snap.plan else []) if d.node == name]
+def _said(found: list[Drift]) -> str:
+    return "; ".join(f"{d.resource}: expected {d.expected}, observed {d.observed}" for d in found)
 
-    def about(kinds: tuple[str, ...]) -> list[Drift]:
-        return [d for d in drift if d.kind in kinds and (d.actionable or d.blocking)]
 
-    def from_drift(type_: str, kinds: tuple[str, ...], good: str, bad: str) -> dict:
-        if obs is None or not obs.reachable:
-            return _cond(name, type_, None, "NodeUnreachable")
-        if obs.probe_error is not None:
-            return _cond(name, type_, None, "ProbeFailed")
-        found = about(kinds)
-        text = "; ".join(f"{d.resource}: expected {d.expected}, observed {d.observed}" for d in found)
-        return _cond(name, type_, not found, bad if found else good, text)
-
-    out = []
+def _reachability(name: str, obs: NodeObservation | None) -> list[Condition]:
+    """Reachable, Probed, DockerReachable: from the observation itself, which says why (the `unreachable`,
+    `probe` and `docker` drifts say the same)."""
     if obs is None:
-        out.append(_cond(name, "Reachable", None, "NotObserved"))
-    else:
-        out.append(_cond(name, "Reachable", obs.reachable, "SshOk" if obs.reachable else "Unreachable",
-                         obs.error or ""))
-    reached = obs is not None and obs.reachable
-    probed = reached and obs is not None and obs.probe_error is None
-    out.append(_cond(name, "Probed", probed if reached else None, "ProbeOk" if probed else "ProbeFailed",
-                     (obs.probe_error or "") if obs else ""))
-    out.append(_cond(name, "DockerReachable", obs.docker_reachable if probed and obs else None,
-                     "DockerOk" if obs and obs.docker_reachable else "DockerUnreachable",
-                     (obs.docker_error or "") if obs else ""))
-    fabric = from_drift("FabricLinkUp", ("link", "rdma"), "LinkUp", "LinkDrift")
-    said = [d for d in drift if d.kind in ("link", "rdma") and not (d.actionable or d.blocking)]
-    if said and fabric["status"] == "True":  # nothing to do, nothing blocked, and still not the link declared
-        fabric = _cond(name, "FabricLinkUp", False, "PortDegraded", "; ".join(
-            f"{d.resource}: expected {d.expected}, observed {d.observed}" for d in said)
-            + " (not the reconciler's to fix: the peer's port, the cable or the firmware)")
-    out.append(fabric)
-    out.append(from_drift("WeightsInSync", ("weights",), "InSync", "WeightsDrift"))
-    out.append(from_drift("GpuReady", ("gpu",), "GpuAnswers", "GpuStackFailing"))
-    out.append(from_drift("ImageInSync", ("image",), "InSync", "ImageDrift"))
-    out.append(from_drift("ServingRunning", ("serving", "memory"), "Running", "ServingDrift"))
+        return [_cond(name, REACHABLE.type, None, "NotObserved"), _cond(name, PROBED.type, None, PROBED.bad),
+                _cond(name, DOCKER_REACHABLE.type, None, DOCKER_REACHABLE.bad)]
+    docker = DOCKER_REACHABLE.good if obs.docker_reachable else DOCKER_REACHABLE.bad
+    return [_cond(name, REACHABLE.type, obs.reachable, REACHABLE.good if obs.reachable else REACHABLE.bad,
+                  obs.error or ""),
+            _cond(name, PROBED.type, obs.probed if obs.reachable else None,
+                  PROBED.good if obs.probed else PROBED.bad, obs.probe_error or ""),
+            _cond(name, DOCKER_REACHABLE.type, obs.docker_reachable if obs.probed else None, docker,
+                  obs.docker_error or "")]
+
+
+def _from_drift(name: str, obs: NodeObservation | None, drift: list[Drift], which: NodeCondition) -> Condition:
+    """One condition from the node's drift of the kinds that declare it (`drift.CONDITION_OF`): False with what
+    needs action or blocks, else True; Unknown while the node cannot be read. FabricLinkUp also says a port that
+    no step can fix (the peer's port, the cable, the firmware): PortDegraded."""
+    if obs is None or not obs.reachable:
+        return _cond(name, which.type, None, "NodeUnreachable")
+    if obs.probe_error is not None:
+        return _cond(name, which.type, None, PROBED.bad)
+    mine = [d for d in drift if CONDITION_OF[d.kind] == which]
+    found = [d for d in mine if d.actionable or d.blocking]
+    said = [d for d in mine if not (d.actionable or d.blocking)]
+    if which == FABRIC_LINK_UP and said and not found:  # nothing to do, nothing blocked, still not as declared
+        return _cond(name, which.type, False, "PortDegraded", _said(said) + " (not the reconciler's to fix: the "
+                     "peer's port, the cable or the firmware)")
+    return _cond(name, which.type, not found, which.bad if found else which.good, _said(found))
+
+
+def _node_conditions(name: str, snap: Snapshot) -> list[Condition]:
+    obs = snap.observed.nodes.get(name) if snap.observed else None  # None: a node this reconcile did not observe
+    drift = [d for d in (snap.plan.drift if snap.plan else []) if d.node == name]
+    out = _reachability(name, obs)
+    out += [_from_drift(name, obs, drift, which) for which in DRIFT_CONDITIONS]
     if obs is not None and obs.serving is not None:  # the head: vLLM at capacity is said, never drift
         engine = obs.serving.engine
         load = f"{engine.running:g} running, {engine.waiting:g} waiting" if engine else ""
@@ -107,12 +133,12 @@ def phase_of(snap: Snapshot) -> str:
     return "Converging"
 
 
-def _uniform_gpu_stack(snap: Snapshot, nodes: list[str]) -> dict:
+def _uniform_gpu_stack(snap: Snapshot, nodes: list[str]) -> Condition:
     """The nodes run the same driver, kernel and DGX OS. A warning, not drift: NCCL across two drivers or
     kernels may still work, but an update that reached one node only (an OTA run on one Spark, a reboot still
     pending on the other) is the usual cause of a tensor-parallel start that hangs or a rank that fails alone."""
-    stacks = {n: s for n in nodes if snap.observed and n in snap.observed.nodes
-              and (s := snap.observed.node(n).gpu_stack) is not None}
+    seen = snap.observed.nodes if snap.observed else {}
+    stacks = {n: s for n in nodes if n in seen and (s := seen[n].gpu_stack) is not None}
     if not stacks:
         return _cond("", "GpuStackUniform", None, "NotRead")
     differ = []
@@ -124,7 +150,7 @@ def _uniform_gpu_stack(snap: Snapshot, nodes: list[str]) -> dict:
     return _cond("", "GpuStackUniform", not differ, "StackSkew" if differ else "SameStack", "; ".join(differ))
 
 
-def conditions(snap: Snapshot, nodes: list[str], previous: list[dict], now: float) -> list[dict]:
+def conditions(snap: Snapshot, nodes: list[str], previous: list[Condition], now: float) -> list[Condition]:
     plan = snap.plan
     ready = plan is not None and not plan.changes and snap.file_error is None
     drift_count = sum(1 for d in plan.drift if d.actionable or d.blocking) if plan else 0

@@ -8,38 +8,48 @@ included. What it keeps between reconciles, each in its own small piece:
   keeps being enforced and DesiredStateInvalid says what is wrong, with line and column;
 - generations (`generations.GenerationStore`), holds and backoff per step (`backoff.Backoff`), the health history of the
   head's serving (`health_watch`), the operations in flight, the image's flag list (`operations.FlagsQuery`);
-- the SSH sessions and the per-node event streams, rebuilt when the desired state changes them.
+- nothing of the lifecycle: the SSH sessions, the lease, the event streams and the metrics' view of the operations
+  are the manager's (`reconciler.loop.manager`), which it receives. A new generation cancels only the operations it
+  makes wrong (`operations.stale`, `verify.verify_stale`), then the manager adopts it.
 
 A reconcile that raises still publishes: the status then says Degraded with the error, never the last Converged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reconciler.core import planning, spec
 from reconciler.core.observed import NodeObservation, Observed, ServeFlags
 from reconciler.core.planning import STEP_KINDS, Blocker, Plan, Step, unhealthy_grace
 from reconciler.edge import log, trusted_files
+from reconciler.edge.execute import StepResult
 from reconciler.edge.image_flags import ask_serve_flags, flags_wanted
-from reconciler.edge.lease import RENEW_AFTER, Holder, Lease
+from reconciler.edge.lease import RENEW_AFTER
 from reconciler.edge.observe import observe
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 from reconciler.edge.trusted_files import Secrets
+from reconciler.edge.verify import NodeResult, targets, verify_node
 from reconciler.loop import conditions, metrics
 from reconciler.loop.backoff import Backoff, vetoes
 from reconciler.loop.generations import GenerationStore, observe_only
 from reconciler.loop.health_watch import HealthWatch
-from reconciler.loop.operations import FlagsQuery, Operations, admit, verify_conflict, verify_waits
+from reconciler.loop.manager import Manager, SessionsFactory
+from reconciler.loop.operations import FlagsQuery, Operations, admit, stale, verify_conflict, verify_waits
 from reconciler.loop.status import StatusPublisher
-from reconciler.loop.triggers import ReconcileRequests, stream_events
-from reconciler.loop.verify import Busy, Verifier, targets, verify_node
+from reconciler.loop.triggers import ReconcileRequests
+from reconciler.loop.verify import Busy, Verifier, verify_stale
+
+ObserveFn = Callable[..., tuple[Observed, dict[str, float]]]
+VerifyFn = Callable[[spec.Desired, Sessions, str, bool, threading.Event], NodeResult]
 
 #: While serving that served fails its health check (within the grace), reconcile again after at most this long.
 UNHEALTHY_RECHECK = 5.0
@@ -64,18 +74,19 @@ class Result:
 
 
 class Controller:
+    """`manager`: the daemon's (its sessions, lease, streams); a controller made without one (tests, `events` and
+    `sessions_factory` then shape it) makes its own."""
+
     def __init__(self, path: Path, state_dir: Path, requests: ReconcileRequests, cancel: threading.Event,
-                 events: bool = True, observe_fn=observe, sessions_factory=Sessions,
+                 events: bool = True, observe_fn: ObserveFn = observe, sessions_factory: SessionsFactory = Sessions,
                  operations: Operations | None = None, clock: Callable[[], float] | None = None,
-                 monotonic: Callable[[], float] | None = None, verify_fn=verify_node,
-                 secrets: Callable[[], Secrets] | None = None) -> None:
+                 monotonic: Callable[[], float] | None = None, verify_fn: VerifyFn = verify_node,
+                 secrets: Callable[[], Secrets] | None = None, manager: Manager | None = None) -> None:
         self.path = Path(path)
         #: Where serving.secrets' values come from, asked at every load (`run --env-file`: the file over this
         #: process's environment, so a rotated key is an edit and a reload); by default the environment alone.
         self.secrets = secrets or (lambda: Secrets(os.environ, spec.ENVIRONMENT))
-        self.holder = Holder.of("daemon", self.path)
-        self.lease: Lease | None = None
-        self.lease_sessions: Sessions | None = None  # the lease's own connection to the head (edge/lease.py)
+        self.manager = manager or Manager(self.path, requests, events=events, sessions_factory=sessions_factory)
         # Two clocks, never mixed: unix time only for timestamps people and Grafana read (lastConverged, /status),
         # the monotonic clock for every duration the daemon measures (backoff, health graces, operations), which a
         # step of the wall clock must not move (issue 31, finding 10). Tests pass fakes of both.
@@ -84,7 +95,6 @@ class Controller:
         self.read_only: str | None = None  # the fingerprint observed, not enforced, while no generation is recorded
         self.requests = requests
         self.cancel = cancel
-        self.use_events = events
         self.log = log.get().bind(file=str(self.path))
         self.store = GenerationStore(Path(state_dir), self.path)
         if self.store.last_converged > 0:
@@ -92,6 +102,7 @@ class Controller:
         self.publisher = StatusPublisher(self.path)
         self.operations = operations or Operations(on_end=lambda: requests.request("operation"),
                                                    clock=self.monotonic)
+        self.manager.follow(self.operations.view)
         self.health = HealthWatch(wall=self.clock)
         self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
         # `reconciler verify` asks through the listener (verify_request); the verify runs beside the loop
@@ -101,26 +112,29 @@ class Controller:
         self._troubles: dict[str, tuple[str, str]] = {}  # node -> what was wrong at the last look (said once)
         self._wanted: list[Step] = []  # the steps this reconcile would start, a verify aside: none starts beside
         self._observe_fn = observe_fn
-        self._sessions_factory = sessions_factory
         self.desired: spec.Desired | None = None
         self.file_error: str | None = None
         self.backoff: Backoff | None = None
-        self.sessions: Sessions | None = None
-        self.streams: dict[str, threading.Event] = {}
         self.reconciles = 0
         self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
         self.image_answer: ServeFlags | None = None  # what the serving image said of itself (FlagsQuery)
 
     @property
-    def status(self) -> dict:
+    def sessions(self) -> Sessions | None:
+        """The manager's: the controller runs commands on them, never opens, rebuilds or closes them."""
+        return self.manager.sessions
+
+    @property
+    def status(self) -> dict[str, object]:
         """/status: the last reconcile's status, with the operations (a verify among them) as they are right now,
         and the verify requests with their results (what `reconciler verify` waits for)."""
         flags = self.image_answer
         image = None if flags is None else {"id": flags.image_id, "vllm_version": flags.version,
                                             "pending": flags.pending, "error": flags.error}
-        return log.redact({**self.publisher.status, "operations": self.operations.view() + self.verifier.view(),
-                           "image": image, "verifyRequests": self.verifier.requests(),
-                           "lastConverged": self.store.last_converged})
+        doc: dict[str, object] = log.redact({
+            **self.publisher.status, "operations": self.operations.view() + self.verifier.view(), "image": image,
+            "verifyRequests": self.verifier.requests(), "lastConverged": self.store.last_converged})
+        return doc
 
     # -- the desired state ------------------------------------------------------------------------------------
 
@@ -157,55 +171,32 @@ class Controller:
             desired, self.read_only = observe_only(desired), digest
             self.log.warning("state.read_only", error=self.store.pending)
         if self.desired is not None:
-            self._end_generation()
+            self._end_generation(self.desired, desired)
         self.desired = desired
         metrics.desired_state_generation.set(self.store.generation)
         self.backoff = Backoff(desired.policy.retries)  # a new generation: try everything again now
-        if self.sessions is None or self.lease_sessions is None:
-            self.sessions, self.lease_sessions = self._sessions_factory(desired), self._sessions_factory(desired)
-        else:
-            self.sessions.update(desired)
-            self.lease_sessions.update(desired)
-        if self.lease is not None and self.lease.desired.instance != desired.instance:
-            # Another head address: maybe another cluster now. The sessions were updated above, so the release
-            # reaches the head at its new address. A renumbered head (the same machine under a new ssh.host, issue
-            # 29 finding 7) is fine: the lease is the same file in the SSH user's ~/.spark-reconciler, our holder
-            # token names this daemon's machine and file (not the head's address), so the release drops our own
-            # lease and the next act takes it back at once (tests/unit/test_lease.py); which containers are ours
-            # is the head's cluster id, not the address (core.ownership), so nothing restarts. A really different
-            # head gets a release that finds nothing of ours there; the old head's lease ended with its connection.
-            self.lease.release()
-            self.lease = None
-        if self.lease is None:
-            self.lease = Lease(desired, self.lease_sessions, self.holder)
-        else:  # the same head: the lock our companion holds there stays ours across generations
-            self.lease.desired = desired
+        self.manager.adopt(desired)
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
                       paused=desired.policy.paused)
-        if self.use_events:
-            self._restart_streams()
         return True
 
-    def _end_generation(self) -> None:
-        """Steps of the old generation must not hold the new one (a 12 h sync of the old model): cancelled, they end
-        at their next check; all steps are idempotent and rsync resumes from its partial data. A verify of the old
-        generation's trees says nothing of the new one's: cancelled too."""
-        if cancelled := self.operations.cancel_all():
-            self.log.info("operations.cancelled", batches=cancelled, reason="new generation")
-        self.verifier.cancel_all("a new generation of the desired state")
+    def _end_generation(self, old: spec.Desired, new: spec.Desired) -> None:
+        """Steps of the old generation that the new one makes wrong (a 12 h sync of a model no longer wanted) must
+        not hold it: cancelled, they end at their next check; all steps are idempotent and rsync resumes from its
+        partial data. The others run on: an edit of max_model_len keeps the weight sync (`operations.stale`). A
+        verify goes on unless the weights it checks changed (`verify.verify_stale`)."""
+        def judge(step: Step) -> str | None:
+            try:
+                return stale(step, old, new)
+            except Exception as exc:  # noqa: BLE001 - the generation is recorded already: it must be taken in
+                return f"not judged ({type(exc).__name__}: {exc}): cancelled to be safe"
 
-    def _restart_streams(self) -> None:
-        self.stop_streams()
-        assert self.desired is not None and self.sessions is not None
-        for node in self.desired.nodes:
-            stop = threading.Event()
-            self.streams[node.name] = stop
-            stream_events(self.sessions[node.name], node.fabric.interface, self.requests, stop)
-
-    def stop_streams(self) -> None:
-        for stop in self.streams.values():
-            stop.set()
-        self.streams = {}
+        for step, why in self.operations.cancel_stale(judge).items():
+            self.log.info("operation.cancelled", step=step, reason=why)
+        request = self.verifier.pending()
+        if request is not None and (wrong := verify_stale(old, new, self.verifier.nodes(), request.repair)):
+            self.log.info("verify.cancelled", request=request.id, reason=wrong)
+            self.verifier.cancel_all(wrong)
 
     # -- one reconcile ----------------------------------------------------------------------------------------
 
@@ -230,8 +221,7 @@ class Controller:
                 if self.cancel.is_set():
                     return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
                 self._say_troubles(observed)
-                current = planning.plan(desired, observed)
-                started = self._start(desired, observed, current, trigger)
+                current, started = self._start(desired, observed, planning.plan(desired, observed), trigger)
                 self._verify_next(desired, current)
                 if not current.changes and self.read_only is None:  # observing only: no generation to reach
                     self.store.converged(self.clock())
@@ -289,31 +279,33 @@ class Controller:
         StatusPublisher.observation(desired, observed, durations)
         return observed
 
-    def _ask_flags(self, holder: str, image_id: str):
+    def _ask_flags(self, holder: str, image_id: str) -> ServeFlags:
         assert self.desired is not None and self.sessions is not None
         return ask_serve_flags(self.desired, self.sessions, holder, image_id)
 
-    def _start(self, desired: spec.Desired, observed: Observed, current: Plan, trigger: list[str]) -> int:
-        """Launch the plan's steps that may start now (not held, not conflicting with one in flight)."""
+    def _start(self, desired: spec.Desired, observed: Observed, current: Plan, trigger: list[str]
+               ) -> tuple[Plan, int]:
+        """Launch the plan's steps that may start now (not held, not conflicting with one in flight). Returns the
+        plan as published (a new one when the lease is held elsewhere: that blocker added) and how many started."""
         self._wanted = []
+        lease = self.manager.lease
         if current.mode != "enforce":  # observing or paused: the cluster is free for `apply`
-            if (self.lease is not None and self.lease.holding and not self.operations.busy()
-                    and self.verifier.verifying() is None):
-                self.lease.release()
-            return 0
-        assert self.sessions is not None and self.backoff is not None and self.lease is not None
-        if (taken := self.lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
-            current.blocked.append(Blocker(desired.head.name, f"nothing starts: {taken}"))
-            return 0
+            if lease is not None and lease.holding and not self.operations.busy() and self.verifier.verifying() is None:
+                lease.release()
+            return current, 0
+        assert self.sessions is not None and self.backoff is not None and lease is not None
+        if (taken := lease.renew_if_due()) is not None:  # held while enforcing, renewed at most every minute
+            blocked = [*current.blocked, Blocker(desired.head.name, f"nothing starts: {taken}")]
+            return dataclasses.replace(current, blocked=blocked), 0
         runnable, waiting = self._admit(desired, current)
         if not runnable:
-            return 0
+            return current, 0
         self.log.info("reconcile.plan", generation=self.store.generation, trigger=trigger,
                       steps=[s.id for s in runnable], waiting=waiting or None, drift=len(current.drift))
         ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
                           generation=self.store.generation, progress=self._progress, cancel=self.cancel)
         self.operations.launch(runnable, ctx, on_event=self._on_step)
-        return len(runnable)
+        return current, len(runnable)
 
     def _admit(self, desired: spec.Desired, current: Plan) -> tuple[list[Step], dict[str, str]]:
         """The plan's steps that may start now, and why the others wait. A step that needs the trees a verify is
@@ -338,7 +330,8 @@ class Controller:
         request = self.verifier.pending()
         if request is None or self.verifier.verifying() is not None:
             return
-        if request.repair and not (current.mode == "enforce" and self.lease is not None and self.lease.holding):
+        lease = self.manager.lease
+        if request.repair and not (current.mode == "enforce" and lease is not None and lease.holding):
             self.verifier.wait("a repair waits until the daemon enforces and holds the cluster's lease")
             return
         busy, source = self.operations.busy(), desired.source_node
@@ -350,10 +343,11 @@ class Controller:
             self.verifier.wait("; ".join(f"{n}: {why}" for n, why in waits.items()))
             return
         sessions, repair, verify = self.sessions, request.repair, self._verify_fn
+        assert sessions is not None, "a valid desired state opens the sessions"
         if self.verifier.start(node, lambda cancel: verify(desired, sessions, node, repair, cancel)):
             self.log.info("verify.start", request=request.id, node=node, repair=repair)
 
-    def verify_request(self, doc: dict) -> tuple[int, dict]:
+    def verify_request(self, doc: dict[str, object]) -> tuple[int, dict[str, object]]:
         """`POST /verify`, authenticated by the listener (server._verify), on one of its threads: take a verify of
         this daemon's desired state (202 and the request's id), or say why not (reconciler/edge/daemon_client.py
         reads the reasons)."""
@@ -383,7 +377,7 @@ class Controller:
         self.requests.request("verify-request")
         return 202, {"id": request.id, "joined": joined, "targets": nodes, "pid": pid}
 
-    def _record(self, results) -> list[str]:
+    def _record(self, results: list[StepResult]) -> list[str]:
         """Finished steps into the holds (only the loop writes them); returns the failures, one line each."""
         failures = []
         for r in results:
@@ -404,7 +398,8 @@ class Controller:
         event the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
         due = [(EVENT_SETTLE, "event-settle")] if settle else []
         now = self.monotonic()
-        if (self.lease is not None and self.lease.holding and self.desired is not None
+        lease = self.manager.lease
+        if (lease is not None and lease.holding and self.desired is not None
                 and self.desired.policy.resync_interval > RENEW_AFTER):
             due.append((RENEW_AFTER, "lease-renewal"))
         if self.backoff is not None and (when := self.backoff.next_due(now)) is not None:
@@ -422,11 +417,10 @@ class Controller:
         seconds, why = min(due)
         return max(0.0, seconds), why
 
-    def _progress(self, event: str, fields: dict) -> None:
+    def _progress(self, event: str, fields: dict[str, Any]) -> None:
         """Steps report here (from their threads): bytes, or a cold start's stage and line, into the operation
-        (which /status and the progress metrics read: metrics.operation_progress follows these operations), the
-        sync counter, then the log."""
-        metrics.operation_progress.follow(self.operations.view)
+        (which /status and the progress metrics read: the manager has metrics.operation_progress follow these
+        operations), the sync counter, then the log."""
         node = fields.get("node", "")
         if event == "weights.progress":
             done = fields["bytes_done"]
@@ -443,10 +437,10 @@ class Controller:
             self.operations.progress("download", node, fields.get("bytes_done", 0), fields["bytes_total"])
         elif event in ("serving.stage", "serving.progress"):
             self.operations.stage("await-health", node, fields["stage"], fields["percent"], fields["line"])
-        level = getattr(self.log, progress_level(event))
-        level(event, **{k: v for k, v in fields.items() if k != "step"})
+        levels = {"debug": self.log.debug, "info": self.log.info, "warning": self.log.warning}
+        levels[progress_level(event)](event, **{k: v for k, v in fields.items() if k != "step"})
 
-    def _on_step(self, event: str, fields: dict) -> None:
+    def _on_step(self, event: str, fields: dict[str, Any]) -> None:
         if event == "step.end":
             r = fields["result"]
             metrics.steps.labels(kind=r.step.kind, result=r.result).inc()

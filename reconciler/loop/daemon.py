@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from reconciler.core import spec
 from reconciler.edge import log
@@ -31,7 +32,8 @@ from reconciler.edge.trusted_files import Secrets
 from reconciler.loop import metrics, systemd
 from reconciler.loop.controller import Controller
 from reconciler.loop.generations import path_key
-from reconciler.loop.server import ListenMismatch, make_status_key, serve
+from reconciler.loop.manager import Manager
+from reconciler.loop.server import Listener, ListenMismatch, make_status_key, serve
 from reconciler.loop.triggers import ReconcileRequests, watch_file
 
 # From SIGTERM to the process's end, whatever a thread is stuck in (docs/reliability.md). systemd's TimeoutStopSec
@@ -89,8 +91,11 @@ def heartbeat_fresh(heartbeat: float, now: float, stale_after: float = STALE_AFT
 
 
 class Daemon:
+    """The process: it builds the manager (sessions, lease, event streams, metrics registration) and hands it to
+    the controller, then only schedules reconciles."""
+
     def __init__(self, path: Path, state_dir: Path, listen: str | None = None, events: bool = True,
-                 controller: Controller | None = None, secrets: Callable[[], Secrets] | None = None):
+                 controller: Controller | None = None, secrets: Callable[[], Secrets] | None = None) -> None:
         self.path = Path(path)
         self.state_dir = Path(state_dir)
         self.listen_override = listen
@@ -99,8 +104,9 @@ class Daemon:
         self.cancel = threading.Event()
         self.stopped = threading.Event()
         self.log = log.get().bind(file=str(self.path))
-        self.controller = controller or Controller(self.path, self.state_dir, self.requests, self.cancel,
-                                                   events=events, secrets=secrets)
+        self.controller = controller or Controller(
+            self.path, self.state_dir, self.requests, self.cancel, secrets=secrets,
+            manager=Manager(self.path, self.requests, events=events))
         self.heartbeat = time.monotonic()
         self.ready_sent = False
 
@@ -109,12 +115,12 @@ class Daemon:
         the log writer's (structlog's PrintLogger), a metric's. Taking such a lock again deadlocks the process for
         good (the cause of a SIGTERM that never ended the daemon). So the handlers only set events and wake the
         loop (ReconcileRequests' lock is re-entrant); the loop logs and counts."""
-        def term(_sig, _frame) -> None:
+        def term(_sig: int, _frame: FrameType | None) -> None:
             self.stop.set()
             self.cancel.set()
             self.requests.request("signal")
 
-        def hup(_sig, _frame) -> None:
+        def hup(_sig: int, _frame: FrameType | None) -> None:
             self.requests.request("sighup")
 
         signal.signal(signal.SIGTERM, term)
@@ -145,10 +151,11 @@ class Daemon:
         faulthandler.dump_traceback(file=sys.stderr.fileno(), all_threads=True)
         os._exit(0)
 
-    def _shutdown(self, server, deadline: float = CLOSE_DEADLINE) -> None:
+    def _shutdown(self, server: Listener, deadline: float = CLOSE_DEADLINE) -> None:
         """Cancelled operations end, then streams, the listener and the sessions close; never let a half-dead SSH
         transport hold the exit past the deadline: everything left is a daemon thread and dies with the process."""
-        self.controller.stop_streams()
+        manager = self.controller.manager
+        manager.stop_streams()
         self.controller.operations.cancel_all()
         self.controller.verifier.cancel_all("the daemon is stopping")
 
@@ -158,14 +165,9 @@ class Daemon:
             ended = self.controller.verifier.join(max(0.0, end - time.monotonic())) and ended  # a repair's removals
             if not ended:
                 self.log.warning("daemon.operations_still_running", seconds=deadline)
-            elif self.controller.lease is not None:  # nothing of ours runs any more: another actor may act now
-                self.controller.lease.release()
             server.shutdown()
             server.server_close()
-            if self.controller.sessions:
-                self.controller.sessions.close()
-            if ended and self.controller.lease_sessions:  # else the lease ends with the process, after its threads
-                self.controller.lease_sessions.close()
+            manager.close(ended)
 
         closer = threading.Thread(target=close, name="shutdown", daemon=True)
         closer.start()

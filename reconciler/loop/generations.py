@@ -12,6 +12,9 @@ fails leaves the store as it was and says why (`unsaved`); the controller keeps 
 again every reconcile. A state dir that cannot be written does not keep the daemon from starting: content whose
 number is already on disk needs no write, and anything else is observed, never enforced (`observe_only`), until
 its number can be recorded.
+
+A state file that cannot be read or parsed once became generation 0 in silence (issue 34): now it is logged
+(`state.corrupt`, at error) and moved aside to `NAME.corrupt` before the numbers restart (`read_record`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from reconciler.core.spec import Desired
+from reconciler.edge import log
+
+_log = log.get("reconciler.state")
 
 
 def path_key(path: Path) -> str:
@@ -63,26 +71,69 @@ def write_durably(file: Path, text: str) -> None:
         os.close(directory)
 
 
+@dataclass(frozen=True)
+class Record:
+    """What the state file holds: the content in force (its hash), its generation, the generation the cluster
+    reached and when (unix time; 0: never, or a file from before the time was kept)."""
+
+    hash: str | None = None
+    generation: int = 0
+    observed_generation: int = 0
+    last_converged: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"hash": self.hash, "generation": self.generation,
+                           "observedGeneration": self.observed_generation, "lastConverged": self.last_converged})
+
+    @classmethod
+    def from_json(cls, text: str) -> Record:
+        """The record `to_json` wrote, or ValueError naming what is wrong: a file cut short, written over or by
+        something else is not read as numbers it happens to contain."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        digest, last = data.get("hash"), data.get("lastConverged") or 0.0
+        numbers = [data.get("generation", 0), data.get("observedGeneration", 0)]
+        if digest is not None and not isinstance(digest, str):
+            raise ValueError("hash is not a string")
+        if not all(type(n) is int and n >= 0 for n in numbers):
+            raise ValueError("generation and observedGeneration are not counts")
+        if type(last) not in (int, float) or not math.isfinite(last) or last < 0:
+            raise ValueError("lastConverged is not a time")
+        return cls(digest, numbers[0], numbers[1], float(last))
+
+
+def read_record(file: Path) -> Record | None:
+    """The record in `file`; None when there is none (the first daemon for this desired state). A file that
+    cannot be read or parsed is never taken for "no file" in silence: it is logged and moved aside to
+    `NAME.corrupt` (the last one kept), so the generations that restart at 0 say why and the evidence stays."""
+    try:
+        return Record.from_json(file.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and json's errors are ValueErrors
+        aside = file.with_name(file.name + ".corrupt")
+        try:
+            os.replace(file, aside)
+        except OSError as moved:
+            _log.error("state.corrupt", file=str(file), error=str(exc), kept=None, move_error=str(moved),
+                       generation=0)
+        else:
+            _log.error("state.corrupt", file=str(file), error=str(exc), kept=str(aside), generation=0)
+        return None
+
+
 class GenerationStore:
     def __init__(self, state_dir: Path, path: Path) -> None:
         self.file = Path(state_dir) / f"state-{path_key(path)}.json"
         self.content_hash: str | None = None  # of the desired state in force (None: none recorded yet)
-        self.generation = self.observed_generation = 0
-        self.last_converged = 0.0
         self.pending: str | None = None  # why the content last offered is not recorded (None: nothing waits)
         self._not_converged: str | None = None  # why "converged" is known in memory only
-        self._on_disk: dict | None = None  # the record the file holds, as read or last written
-        self._stored_hash: str | None = None
-        try:
-            data = json.loads(self.file.read_text())
-            self._stored_hash = data.get("hash")
-            self.generation = int(data.get("generation", 0))
-            self.observed_generation = int(data.get("observedGeneration", 0))
-            self.last_converged = float(data.get("lastConverged") or 0.0)
-            self._on_disk = self._record(self._stored_hash, self.generation)
-        except (OSError, ValueError, TypeError, AttributeError):
-            self.generation = self.observed_generation = 0
-            self.last_converged = 0.0
+        self._on_disk = read_record(self.file)  # the record the file holds, as read or last written
+        stored = self._on_disk or Record()
+        self._stored_hash = stored.hash
+        self.generation, self.observed_generation = stored.generation, stored.observed_generation
+        self.last_converged = stored.last_converged
 
     def take(self, digest: str) -> bool:
         """A valid content was loaded; True when it is a new generation, recorded. The content stored by the
@@ -116,9 +167,8 @@ class GenerationStore:
         """What the state dir does not hold, in words (None: it holds everything): for /status."""
         return self.pending or self._not_converged
 
-    def _record(self, digest: str | None, generation: int) -> dict:
-        return {"hash": digest, "generation": generation, "observedGeneration": self.observed_generation,
-                "lastConverged": self.last_converged}
+    def _record(self, digest: str | None, generation: int) -> Record:
+        return Record(digest, generation, self.observed_generation, self.last_converged)
 
     def _save(self, digest: str | None, generation: int, what: str, meanwhile: str) -> str | None:
         """Write the record unless the file holds it already. None when it is on disk; else what could not be
@@ -126,7 +176,7 @@ class GenerationStore:
         record = self._record(digest, generation)
         if record != self._on_disk:
             try:
-                write_durably(self.file, json.dumps(record))
+                write_durably(self.file, record.to_json())
             except OSError as exc:
                 return f"cannot record {what} in {self.file.parent}: {exc.strerror or exc}; {meanwhile}"
             self._on_disk = record

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from reconciler.core.observed import Container, Observed, ServingApi
-from reconciler.core.planning import MAX_GRACE_DOUBLINGS
+from reconciler.core.planning import MAX_GRACE_DOUBLINGS, health_grace
 from reconciler.core.spec import Desired
 
 
@@ -65,10 +65,10 @@ class HealthWatch:
     def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
         """`now`: the monotonic clock's reading for this observation."""
         head = desired.head.name
-        node = observed.node(head)
-        serving = node.serving
-        container = node.container(desired.serving.container_name)
-        if serving is None or container is None or not container.running:
+        node = observed.nodes.get(head)  # None: an observation without the head (a snapshot's): nothing serves
+        serving = node.serving if node else None
+        container = node.container(desired.serving.container_name) if node else None
+        if node is None or serving is None or container is None or not container.running:
             self.unhealthy_since = self.serving_since = None
             return observed
         if container.id != self.container_id:
@@ -81,7 +81,7 @@ class HealthWatch:
         if serving.serves(desired.served_name) or busy:
             self.served, self.unhealthy_since = True, None
             self.serving_since = self.serving_since if self.serving_since is not None else now
-            if now - self.serving_since >= grace * 2 ** MAX_GRACE_DOUBLINGS:
+            if now - self.serving_since >= health_grace(grace, MAX_GRACE_DOUBLINGS):
                 self.restarts = 0
         else:
             self.serving_since = None

@@ -7,7 +7,7 @@ and low-cardinality labels only (node, kind, step kind, result, condition type):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -170,7 +170,7 @@ def set_phase(current: str) -> None:
         phase.labels(phase=p).set(1 if p == current else 0)
 
 
-def set_conditions(conditions: list[dict]) -> None:
+def set_conditions(conditions: Sequence[Mapping[str, object]]) -> None:
     """Export conditions as one series per (node, type, status) with 1 on the current status."""
     for c in conditions:
         for status in ("True", "False", "Unknown"):

@@ -7,6 +7,8 @@ other (level-triggered: the next reconcile re-observes and decides).
 
 What may run next to what is one pure function, `admit`: never the same step twice, never two parts of an ordered
 serving restart at once (the chain runs as one), and never a step whose dependency is still in flight.
+What a new generation of the desired state makes wrong is another, `stale`: only those steps are cancelled
+(`Operations.cancel_stale`), so an edit of `max_model_len` leaves a 12-hour weight sync running.
 Results are handed back to the loop (`drain`), which alone records them in the holds: the loop stays the only
 writer of its state.
 """
@@ -18,9 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from reconciler.core.observed import ServeFlags
 from reconciler.core.planning import Plan, Step
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import launch_specs
 from reconciler.edge.execute import Outcome, StepResult, execute, step_timeout
 from reconciler.edge.steps import StepContext
 from reconciler.loop.backoff import SERVING_CHAIN
@@ -72,6 +77,124 @@ def verify_waits(target: str, source: str, busy: Iterable[Step]) -> str | None:
     return None if blocker is None else f"{blocker} is in flight"
 
 
+def connection(desired: Desired, name: str) -> tuple[object, ...]:
+    """Everything that decides how `name` is reached: its ssh settings and, through a jump host, that host's own
+    connection. Equal for two desired states exactly when `Sessions.update` keeps the node's session (the same
+    settings, the same gateway), so a step or an event stream on it may run on across the edit."""
+    ssh = desired.node(name).ssh
+    return (ssh, connection(desired, ssh.jump) if ssh.jump else None)
+
+
+def _declared(desired: Desired) -> set[str]:
+    return {n.name for n in desired.nodes}
+
+
+def _model_tree(desired: Desired, node: str) -> str | None:
+    """The model's tree on `node`; None where a per-node `model.path` names no path for it."""
+    path = desired.model.path
+    return desired.weights_root(node) if isinstance(path, str) or node in path else None
+
+
+def model_on(desired: Desired, node: str) -> tuple[str | None, ...]:
+    """What a copy or a download of the weights to `node` produces: the model, its revision and layout, and the
+    tree it writes (the source's tree too, for a copy: that is what it reads)."""
+    m, source = desired.model, desired.source_node
+    return m.id, m.revision, m.layout, source, _model_tree(desired, node), _model_tree(desired, source)
+
+
+def _image(desired: Desired) -> tuple[str, str | None, tuple[str, ...]]:
+    return desired.serving.image, desired.serving.image_id, tuple(desired.image_sources)
+
+
+def _launch(desired: Desired) -> dict[str, str]:
+    return {spec.node: spec.spec_hash for spec in launch_specs(desired)}
+
+
+def _moved(step: Step, old: Desired, new: Desired) -> str | None:
+    """Why a copy (weights, image) or a fetch (download, pull-image) can no longer run as it began: its target no
+    longer serves, the fabric it copies over changed at either end, or the node fetching lost the internet."""
+    if step.kind in ("download", "pull-image"):
+        return None if new.node(step.node).internet else f"{step.node} may no longer reach the internet"
+    if step.node not in {n.name for n in new.serving_nodes}:
+        return f"{step.node} no longer serves the model"
+    changed = [n for n in (step.node, step.source) if n and old.node(n).fabric != new.node(n).fabric]
+    return f"the fabric of {changed[0]} changed" if changed else None
+
+
+def _stale_weights(step: Step, old: Desired, new: Desired) -> str | None:  # weights, download
+    if why := _moved(step, old, new):
+        return why
+    if model_on(old, step.node) != model_on(new, step.node):
+        return "the model (id, revision, layout, source or path) is no longer the desired one"
+    return None
+
+
+def _stale_image(step: Step, old: Desired, new: Desired) -> str | None:  # image, pull-image
+    if why := _moved(step, old, new):
+        return why
+    if _image(old) != _image(new):
+        return "the serving image (reference, pinned id or sources) is no longer the desired one"
+    return None
+
+
+def _stale_serving(step: Step, old: Desired, new: Desired) -> str | None:  # the serving chain: one unit
+    if (before := _launch(old)) == (after := _launch(new)):
+        return None
+    changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    return f"the launch spec changed (spec hash of {', '.join(changed)})"
+
+
+def _stale_co_tenant(step: Step, old: Desired, new: Desired) -> str | None:  # stop-container
+    name, tenants = step.container or "", new.co_tenants
+    if tenants.unlisted != "stop" or tenants.is_allowed(step.node, name) or tenants.is_protected(step.node, name):
+        return f"{name} may now run on {step.node} (co_tenants)"
+    return None
+
+
+def _stale_link(step: Step, old: Desired, new: Desired) -> str | None:
+    return f"the fabric of {step.node} changed" if old.node(step.node).fabric != new.node(step.node).fabric else None
+
+
+def _stale_retention(step: Step, old: Desired, new: Desired) -> str | None:  # prune-weights, prune-images
+    if (old.policy.retention, model_on(old, step.node), _image(old)) != (
+            new.policy.retention, model_on(new, step.node), _image(new)):
+        return "what retention keeps changed (policy.retention, the model or the image)"
+    return None
+
+
+#: Per step kind, what makes one in flight wrong under a new desired state (every StepKind has one: a test says so).
+STALE_BY_KIND: dict[str, Callable[[Step, Desired, Desired], str | None]] = {
+    "weights": _stale_weights, "download": _stale_weights, "image": _stale_image, "pull-image": _stale_image,
+    **dict.fromkeys(SERVING_CHAIN, _stale_serving), "stop-container": _stale_co_tenant, "link": _stale_link,
+    "prune-weights": _stale_retention, "prune-images": _stale_retention}
+
+
+def stale(step: Step, old: Desired, new: Desired) -> str | None:
+    """Why the new desired state makes a step admitted under the old one wrong (it is cancelled), or None: it
+    keeps running. Pure: the same step and states always give the same answer.
+
+    A step is wrong when what it produces is no longer wanted: the weights of another model, an image no longer
+    declared, a serving chain whose launch spec changed, a co-tenant now allowed, a link whose fabric changed, a
+    removal whose retention changed; or when it can no longer run as it began: its node (or the node it copies
+    from) is no longer declared or is reached another way (its session is rebuilt), a copy's fabric changed, a
+    fetch's node lost the internet. Everything else keeps running:
+    an edit of `max_model_len` changes the launch spec, not the weights or the image. A desired state that no
+    longer enforces (observe, paused), or names another head (the lease is given back), cancels everything:
+    nothing may act for it."""
+    if new.policy.mode != "enforce" or new.policy.paused:
+        return "the desired state no longer enforces (policy.mode observe or policy.paused)"
+    if old.instance != new.instance:
+        return f"the head is now {new.instance}: the cluster's lease is given back"
+    for node in (step.node, step.source):
+        if node is None:
+            continue
+        if node not in _declared(new):
+            return f"{node} is no longer declared"
+        if connection(old, node) != connection(new, node):
+            return f"the connection to {node} changed"
+    return STALE_BY_KIND[step.kind](step, old, new)
+
+
 @dataclass
 class Operation:
     """One step in flight: what, where, since when, until when, and how far: bytes (of a total, when the step
@@ -80,7 +203,9 @@ class Operation:
     step: Step
     started: float  # unix time the batch was launched
     deadline: float  # unix time the step's own timeout ends (a queued step: from launch)
+    cancel: threading.Event  # its own: setting it ends this step at its next check, and nothing else
     state: str = "queued"  # queued (its dependencies in the batch run first) | running
+    released: bool = False  # the executor let it start: from then on only its cancel stops it
     bytes_done: int = 0
     bytes_total: int | None = None
     first_bytes: tuple[float, int] | None = None  # (when, bytes) of the first progress: the rate's start
@@ -104,16 +229,27 @@ class Operation:
         return round((self.bytes_done - at_first) / (now - since))
 
 
+OnEvent = Callable[[str, dict[str, Any]], None]
+Run = Callable[..., Outcome]
+
+
 class Operations:
-    """The steps in flight and the results not yet handed to the loop. Thread-safe; the clock is passed in."""
+    """The steps in flight and the results not yet handed to the loop. Thread-safe; the clock is passed in.
+
+    A batch (the steps one reconcile admitted) runs in one executor call; each step has its own cancel event
+    (`execute`'s `cancel_of`), the batch one more that a shutdown sets. So a step is cancelled on its own: while it
+    waits in its batch the executor's `skip` vetoes it (and the steps after it are skipped: they come after a step
+    that did not run); once it runs its own event ends it, and the batch's other steps go on (a 12-hour weight
+    sync admitted beside an image copy outlives an edit of the image)."""
 
     def __init__(self, on_end: Callable[[], None], clock: Callable[[], float] = time.time,
-                 run: Callable[..., Outcome] = execute) -> None:
+                 run: Run = execute) -> None:
         self._lock = threading.Lock()
         self._running: dict[str, Operation] = {}
         self._finished: list[StepResult] = []
         self._threads: list[threading.Thread] = []
         self._cancels: list[threading.Event] = []
+        self._vetoed: dict[str, str] = {}  # step id -> why it must not start (cancel_stale), until its batch ends
         self._on_end = on_end
         self._clock = clock
         self._run = run
@@ -129,21 +265,23 @@ class Operations:
         with self._lock:
             return [op.as_dict(now) for op in self._running.values()]
 
-    def launch(self, steps: list[Step], ctx: StepContext, on_event: Callable[[str, dict], None]) -> None:
+    def launch(self, steps: list[Step], ctx: StepContext, on_event: OnEvent) -> None:
         """Run `steps` (in their `after` order, independent ones in parallel) in a thread of their own."""
         now = self._clock()
-        cancel = threading.Event()  # this batch's own: a new generation or a shutdown cancels every batch
+        cancel = threading.Event()  # this batch's own: what a shutdown sets (no more starts)
+        own = {step.id: threading.Event() for step in steps}  # each step's: what cancel_stale or a shutdown sets
         if ctx.cancel.is_set():
-            cancel.set()
+            for flag in (cancel, *own.values()):
+                flag.set()
         ctx = dataclasses.replace(ctx, cancel=cancel)
         with self._lock:
-            self._cancels = [c for c in self._cancels if not c.is_set()] + [cancel]
+            self._cancels = [c for c in self._cancels if not c.is_set()] + [cancel, *own.values()]
             for step in steps:
-                self._running[step.id] = Operation(step, now, now + step_timeout(ctx, step))
+                self._running[step.id] = Operation(step, now, now + step_timeout(ctx, step), own[step.id])
 
         reported: set[str] = set()
 
-        def event(name: str, fields: dict) -> None:
+        def event(name: str, fields: dict[str, Any]) -> None:
             if name == "step.end":
                 reported.add(fields["result"].step.id)
             self._event(name, fields)
@@ -151,7 +289,8 @@ class Operations:
 
         def batch() -> None:
             try:
-                results = self._run(Plan([], steps, [], "enforce"), ctx, on_event=event).results
+                results = self._run(Plan([], steps, [], "enforce"), ctx, on_event=event, skip=self._release,
+                                    cancel_of=lambda step: own[step.id]).results
             except Exception as exc:  # noqa: BLE001 - an executor bug must still free the steps and say why
                 results = [StepResult(s, "failed", 0.0, f"executor crashed: {exc!r}") for s in steps]
             with self._lock:
@@ -160,6 +299,7 @@ class Operations:
                         self._finished.append(result)
                 for step in steps:
                     self._running.pop(step.id, None)
+                    self._vetoed.pop(step.id, None)
             self._on_end()
 
         thread = threading.Thread(target=batch, name=f"operations-{steps[0].id}", daemon=True)
@@ -167,7 +307,18 @@ class Operations:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
-    def _event(self, name: str, fields: dict) -> None:
+    def _release(self, step: Step) -> str | None:
+        """The executor asks before it starts a step: the reason a cancel_stale gave it, or None (it starts, and
+        from now on only its own cancel stops it). One lock with cancel_stale, so a step is either vetoed
+        here or seen released there, never neither."""
+        with self._lock:
+            if (why := self._vetoed.get(step.id)) is not None:
+                return why
+            if (op := self._running.get(step.id)) is not None:
+                op.released = True
+            return None
+
+    def _event(self, name: str, fields: dict[str, Any]) -> None:
         with self._lock:
             if name == "step.start" and (op := self._running.get(fields["step"].id)):
                 op.state = "running"
@@ -175,14 +326,31 @@ class Operations:
             elif name == "step.end" and self._running.pop(fields["result"].step.id, None) is not None:
                 self._finished.append(fields["result"])
 
+    def cancel_stale(self, judge: Callable[[Step], str | None]) -> dict[str, str]:
+        """Cancel the steps in flight that `judge` (`stale`, over the old and the new desired state) says are
+        wrong now: a waiting one is vetoed (the executor skips it and what comes after it), a started one is
+        cancelled alone. Returns step id -> why, for what was cancelled."""
+        cancelled: dict[str, str] = {}
+        with self._lock:
+            for op in self._running.values():
+                if (why := judge(op.step)) is None:
+                    continue
+                cancelled[op.step.id] = why
+                if op.released:
+                    op.cancel.set()
+                else:
+                    self._vetoed[op.step.id] = f"cancelled: {why}"
+        return cancelled
+
     def cancel_all(self) -> int:
-        """Cancel every batch in flight (its steps stop at their next check; rsync is sent SIGTERM and keeps its
-        partial data). Returns how many were running."""
+        """Cancel every batch in flight and each of its steps (they stop at their next check; rsync is sent
+        SIGTERM and keeps its partial data): the daemon is stopping. Returns how many batches were running."""
         with self._lock:
             cancels, self._cancels = self._cancels, []
+            batches = len({id(t) for t in self._threads if t.is_alive()})
         for cancel in cancels:
             cancel.set()
-        return len(cancels)
+        return batches
 
     def progress(self, kind: str, node: str, done: int, total: int | None = None) -> None:
         """Bytes moved so far by the `kind` step on `node` (the weight sync's rsync, the image stream)."""

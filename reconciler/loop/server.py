@@ -98,7 +98,8 @@ def make_status_key(state_dir: Path) -> bytes | None:
 
 
 #: A verify request's answer: HTTP status and JSON document (the controller's `verify_request`).
-VerifyHandler = Callable[[dict], tuple[int, dict]]
+Json = dict[str, object]
+VerifyHandler = Callable[[Json], tuple[int, Json]]
 CHALLENGE_LIFE = 60.0  # seconds a verify challenge is good for (the command uses it at once)
 CHALLENGES = 64  # outstanding verify challenges; beyond, the oldest is forgotten
 
@@ -129,7 +130,7 @@ class Challenges:
 
 
 def _verify(environ: dict[str, Any], key: bytes | None, challenges: Challenges,
-            handler: VerifyHandler | None) -> tuple[int, dict]:
+            handler: VerifyHandler | None) -> tuple[int, Json]:
     """`POST /verify`: the handler's answer for a request proven with the status key; a refusal otherwise."""
     if handler is None or key is None:
         return 503, {"error": "this daemon takes no verify request: it has no status key (its state dir is not "
@@ -149,12 +150,12 @@ def _verify(environ: dict[str, Any], key: bytes | None, challenges: Challenges,
     return handler(doc)
 
 
-def _refused(why: str) -> tuple[int, dict]:
+def _refused(why: str) -> tuple[int, Json]:
     _log.warning("verify.refused", reason=why)
     return 401, {"error": why}
 
 
-def _answer(environ: dict[str, Any], status: Callable[[], dict], key: bytes | None, challenges: Challenges,
+def _answer(environ: dict[str, Any], status: Callable[[], Json], key: bytes | None, challenges: Challenges,
             verify: VerifyHandler | None) -> tuple[int, str, bytes] | None:
     """The answer to one request (status, content type, body); None for /metrics, which prometheus answers."""
     path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
@@ -178,7 +179,7 @@ def _answer(environ: dict[str, Any], status: Callable[[], dict], key: bytes | No
     return 404, "text/plain", b"not found\n"
 
 
-def _app(status: Callable[[], dict], key: bytes | None = None, verify: VerifyHandler | None = None,
+def _app(status: Callable[[], Json], key: bytes | None = None, verify: VerifyHandler | None = None,
          challenges: Challenges | None = None) -> Callable[..., Iterable[bytes]]:
     metrics = make_wsgi_app(REGISTRY)
     challenges = challenges or Challenges()
@@ -188,7 +189,8 @@ def _app(status: Callable[[], dict], key: bytes | None = None, verify: VerifyHan
         try:
             answer = _answer(environ, status, key, challenges, verify)
             if answer is None:
-                return metrics(environ, start_response)
+                served: Iterable[bytes] = metrics(environ, start_response)
+                return served
         except Exception as exc:  # noqa: BLE001 - a bug answering (status() raised): one line, a 500, go on
             frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
             _log.error("http.error", path=printable(path), error=printable(f"{type(exc).__name__}: {exc}"),
@@ -257,7 +259,7 @@ def _bound_head_time(server: Any) -> None:
 class Listener:
     """The running server: `server_address`, then `.shutdown()` and `.server_close()` as with socketserver."""
 
-    def __init__(self, listen: str, status: Callable[[], dict], named: str = "policy.listen",
+    def __init__(self, listen: str, status: Callable[[], Json], named: str = "policy.listen",
                  key: bytes | None = None, verify: VerifyHandler | None = None):
         _route_waitress_log()
         passed = passed_socket(listen, named)
@@ -296,7 +298,7 @@ class Listener:
         pass  # shutdown() closed the socket already
 
 
-def serve(listen: str, status: Callable[[], dict], named: str = "policy.listen",
+def serve(listen: str, status: Callable[[], Json], named: str = "policy.listen",
           key: bytes | None = None, verify: VerifyHandler | None = None) -> Listener:
     """Listen on `listen` (HOST:PORT, IPv6 as [::1]:PORT; `named`: where it was given) in a thread of its own;
     `key` proves its /status answers (`status_proof`) and authenticates the verify requests `verify` answers."""

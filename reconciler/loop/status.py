@@ -10,6 +10,7 @@ generation shown is then the one recorded and in force, never one that a restart
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from reconciler.core.drift import DRIFT_KINDS
 from reconciler.core.fabric import carries, ports_seen
@@ -24,8 +25,8 @@ from reconciler.loop.health_watch import started_timestamp
 class StatusPublisher:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.status: dict = {"phase": "Converging", "conditions": [], "generation": 0, "observedGeneration": 0,
-                             "lastPlan": None, "lastError": None}
+        self.status: dict[str, Any] = {"phase": "Converging", "conditions": [], "generation": 0,
+                                       "observedGeneration": 0, "lastPlan": None, "lastError": None}
         self._held: set[tuple[str, str]] = set()  # (kind, node) shown as 1 on the step_hold gauge
         self._failing: set[tuple[str, str]] = set()  # (kind, node) above 0 on the step_failures gauge
         self._roles: set[tuple[str, str]] = set()  # (node, role) on the node_role gauge
@@ -48,7 +49,7 @@ class StatusPublisher:
             "held": snap.held, "time": now, "stateSaved": state_error is None, "stateError": state_error,
         })
         metrics.set_phase(phase)
-        metrics.set_conditions(conds)
+        metrics.set_conditions([{"node": c["node"], "type": c["type"], "status": c["status"]} for c in conds])
         counts: dict[tuple[str, str], int] = {}
         for d in drift:
             if d.actionable or d.blocking:
@@ -101,25 +102,27 @@ class StatusPublisher:
         for name, obs in observed.nodes.items():
             metrics.node_reachable.labels(node=name).set(1 if obs.reachable else 0)
             if obs.links():
-                seen = ports_seen(desired.node(name), obs)
-                metrics.fabric_link_up.labels(node=name).set(1 if carries(*seen[0]) else 0)
-                for port, link in seen:  # a twin down halves the link and stops nothing
+                ports = ports_seen(desired.node(name), obs)
+                metrics.fabric_link_up.labels(node=name).set(1 if carries(*ports[0]) else 0)
+                for port, link in ports:  # a twin down halves the link and stops nothing
                     metrics.fabric_port_up.labels(node=name, interface=port.interface).set(
                         1 if carries(port, link) else 0)
             if obs.memory is not None:
                 metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
-        source = observed.node(desired.source_node).weights
+        seen = observed.nodes  # a node missing (an observation from before the file named it) shows nothing
+        source = seen[desired.source_node].weights if desired.source_node in seen else None
         if source is not None and source.present:
             for node in desired.serving_nodes:
                 metrics.weights_bytes.labels(node=node.name, state="expected").set(source.total_bytes)
-                mine = observed.node(node.name).weights
+                mine = seen[node.name].weights if node.name in seen else None
                 metrics.weights_bytes.labels(node=node.name, state="synced").set(
                     min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
-        head = observed.node(desired.head.name).serving
+        head = seen.get(desired.head.name)
         want = desired.served_name
-        metrics.serving_healthy.set(1 if head and head.working(want) else 0)
-        metrics.serving_busy.set(1 if head and head.busy else 0)
+        serving = head.serving if head else None
+        metrics.serving_healthy.set(1 if serving and serving.working(want) else 0)
+        metrics.serving_busy.set(1 if serving and serving.busy else 0)
         metrics.serving_health_timeout.set(desired.serving.health_timeout)
-        container = observed.node(desired.head.name).container(desired.serving.container_name)
+        container = head.container(desired.serving.container_name) if head else None
         started = started_timestamp(container.started_at) if container is not None and container.running else None
         metrics.serving_started.set(started or 0)

@@ -42,7 +42,7 @@ def watch_file(path: Path, requests: ReconcileRequests, stop: threading.Event) -
     inode are all seen; a short debounce folds the burst of events one save makes."""
     target = path.resolve()
 
-    def interesting(_change, changed: str) -> bool:
+    def interesting(_change: watchfiles.Change, changed: str) -> bool:
         return Path(changed).resolve() == target or Path(changed).name == target.name
 
     def loop() -> None:

@@ -3,7 +3,8 @@
 The weekly timer runs `reconciler verify --repair`; a repair deletes files on the nodes, so it needs the cluster's
 lease, which the daemon holds while it enforces: beside a running daemon the timer could only exit 4. So the command
 asks the running daemon (reconciler/edge/daemon_client.py, authenticated by the daemon's status key), and the daemon
-runs the verify here, as a low-priority operation beside its loop, under the lease it holds anyway:
+schedules the verify here (its SSH work is `reconciler.edge.verify`), as a low-priority operation beside its loop,
+under the lease it holds anyway:
 
 - one node at a time (two targets hashed at once would both rewrite the source's hash cache), each only while no
   step that writes or loads the trees it hashes is in flight (`operations.verify_waits`: a sync to that node, a
@@ -14,74 +15,47 @@ runs the verify here, as a low-priority operation beside its loop, under the lea
   be an outage of its own, and a verify taken while a sync rewrites the tree says nothing;
 - it shows in /status: a running verify among the operations (`verify/NODE`), each request with its state and
   per-node results in `verifyRequests`, which the command polls for its own;
-- a new generation of the desired state, or the daemon's stop, cancels it (its results say so: exit 1).
+- a new generation of the desired state that changes the weights it checks (`verify_stale`: the model, the source,
+  a tree, a node no longer to verify), or the daemon's stop, cancels it (its results say so: exit 1).
 
-Without a daemon the command verifies by itself, as before (`verify_here`). Either way a node's result is one dict
-(what `verify --json` prints and /status keeps): `Verification`'s fields, `outcome` (match, differ, problem,
-unreachable, error, cancelled), `message` and `error`.
+Without a daemon the command verifies by itself, as before (`reconciler.edge.verify.verify_here`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 from reconciler.core.spec import Desired
-from reconciler.edge.lease import Holder, held
-from reconciler.edge.ssh import Cancelled, RemoteError, Sessions, Unreachable
-from reconciler.edge.steps.weights import Verification, verify_weights
+from reconciler.edge.ssh import Cancelled
+from reconciler.edge.verify import HASH_TIMEOUT, NodeResult, failed_result, targets
+from reconciler.loop.operations import connection, model_on
 
-#: Bound of each hashing command (the target's tree, then the source's files not in its cache).
-HASH_TIMEOUT = 3600.0
 #: Finished requests /status keeps (each command polls for its own; a second one asking the same joins the first).
 KEEP = 5
 
 
-def targets(desired: Desired, only: str | None = None) -> list[str]:
-    """The nodes a verify compares with the source: every serving node but the source, or `only` among them."""
-    return [n.name for n in desired.serving_nodes if n.name != desired.source_node and only in (None, n.name)]
+def _weights(desired: Desired, node: str) -> tuple[object, ...]:
+    """What a verify of `node` compares: the model, the source and the two trees, and how both are reached."""
+    return *model_on(desired, node), connection(desired, node), connection(desired, desired.source_node)
 
 
-def node_result(v: Verification) -> dict:
-    outcome = "match" if v.ok else ("problem" if v.problem else "differ")
-    return {**asdict(v), "outcome": outcome, "message": v.message(), "error": None}
-
-
-def failed_result(node: str, outcome: str, why: str) -> dict:
-    return {"node": node, "outcome": outcome, "message": f"{node}: not verified: {why}", "error": why}
-
-
-def verify_node(desired: Desired, sessions: Sessions, node: str, repair: bool,
-                cancel: threading.Event | None = None) -> dict:
-    """One target's verification as its result: a node that cannot be reached, or a command that fails, is that
-    node's result, never an exception that loses the others'. Cancelled (`cancel` set) is raised: the caller
-    decides whether that node is verified later (a yield) or not at all."""
-    try:
-        return node_result(verify_weights(desired, sessions, node, repair=repair, timeout=HASH_TIMEOUT,
-                                          cancel=cancel))
-    except Cancelled:
-        raise
-    except Unreachable as exc:
-        return failed_result(node, "unreachable", exc.message)
-    except RemoteError as exc:
-        return failed_result(node, "error", exc.message)
-
-
-def verify_here(desired: Desired, holder: Holder, only: str | None, repair: bool) -> list[dict]:
-    """The command's own verify, without a daemon: a repair takes the cluster's lease first (LeaseHeld otherwise:
-    nothing is hashed or removed)."""
-    sessions = Sessions(desired)
-    try:
-        with contextlib.ExitStack() as stack:
-            if repair:  # repairing deletes files on the nodes: one actor at a time (reconciler.edge.lease)
-                stack.enter_context(held(desired, sessions, holder))
-            return [verify_node(desired, sessions, node, repair) for node in targets(desired, only)]
-    finally:
-        sessions.close()
+def verify_stale(old: Desired, new: Desired, nodes: Collection[str], repair: bool) -> str | None:
+    """Why the new desired state makes a verify of `nodes` (asked under the old one) wrong, or None: it goes on.
+    Pure. Only the weights it checks matter: another model, revision, source or tree, a node no longer to verify,
+    or one reached another way; an edit of `max_model_len` leaves a weekly verify running. A repair (it removes
+    files) also ends when the new state no longer enforces: nothing may act for it."""
+    if repair and (new.policy.mode != "enforce" or new.policy.paused):
+        return "a repair ends: the desired state no longer enforces (policy.mode observe or policy.paused)"
+    wanted = set(targets(new))
+    if gone := sorted(n for n in nodes if n not in wanted):
+        return f"{', '.join(gone)} no longer to verify in the new desired state"
+    if changed := sorted(n for n in nodes if _weights(old, n) != _weights(new, n)):
+        return f"the weights to verify on {', '.join(changed)} changed in the new desired state"
+    return None
 
 
 class Busy(Exception):
@@ -97,7 +71,7 @@ class Request:
     only: str | None
     requested: float  # unix time
     todo: list[str]
-    results: list[dict] = field(default_factory=list)
+    results: list[NodeResult] = field(default_factory=list)
     running: str | None = None
     waiting: str | None = None
     finished: float | None = None  # unix time
@@ -163,6 +137,15 @@ class Verifier:
             request = self.pending_locked()
             return request if request is not None and request.cancelled is None else None
 
+    def nodes(self) -> list[str]:
+        """The nodes the unfinished request still verifies: the one running and those to do (what a new generation
+        is judged against, `verify_stale`)."""
+        with self._lock:
+            request = self.pending_locked()
+            if request is None or request.cancelled:
+                return []
+            return [*([request.running] if request.running else []), *request.todo]
+
     def verifying(self) -> str | None:
         """The node a verify runs on now (also while it is yielding)."""
         with self._lock:
@@ -174,7 +157,7 @@ class Verifier:
             if (request := self.pending_locked()) is not None and request.running is None:
                 request.waiting = why
 
-    def start(self, node: str, work: Callable[[threading.Event], dict]) -> bool:
+    def start(self, node: str, work: Callable[[threading.Event], NodeResult]) -> bool:
         """Run `work(cancel)` for `node` of the unfinished request in a thread of its own; False when that request
         ended meanwhile (cancelled) or a verify runs already."""
         with self._lock:
@@ -190,8 +173,8 @@ class Verifier:
         thread.start()
         return True
 
-    def _body(self, node: str, work: Callable[[threading.Event], dict], cancel: threading.Event) -> None:
-        result: dict | None
+    def _body(self, node: str, work: Callable[[threading.Event], NodeResult], cancel: threading.Event) -> None:
+        result: NodeResult | None
         try:
             result = work(cancel)
         except Cancelled:

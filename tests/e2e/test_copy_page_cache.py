@@ -105,7 +105,7 @@ def copy_beside_serving(tb, desired_path: Path) -> tuple[list[bool], int]:
         watcher.start()
         ctx = StepContext(desired=desired, sessions=sessions, observed=Observed(nodes={}),
                           deadline=time.monotonic() + 600)
-        sync_weights(ctx, Step(kind="weights", node="worker", reason="e2e", source="head"))
+        ctx.perform(sync_weights(ctx.given, Step(kind="weights", node="worker", reason="e2e", source="head")))
     finally:
         done.set()
         watcher.join(30)

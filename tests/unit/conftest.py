@@ -194,9 +194,9 @@ def nodes(tmp_path, monkeypatch):
     from reconciler.edge.steps import hop
     from tests.unit.test_weights_tree import Local
 
-    monkeypatch.setattr(hop, "trust_target_on_source", lambda ctx, source, target: None)
-    monkeypatch.setattr(hop, "ssh_options", lambda ctx, target: ["ssh"])
-    monkeypatch.setattr(hop, "address", lambda ctx, target: "spark@192.0.2.1")
+    monkeypatch.setattr(hop, "trust_target_on_source", lambda desired, source, target: iter(()))
+    monkeypatch.setattr(hop, "ssh_options", lambda desired, target: ["ssh"])
+    monkeypatch.setattr(hop, "address", lambda desired, target: "spark@192.0.2.1")
     return {"src": Local(tmp_path / "home-src"), "dst": Local(tmp_path / "home-dst")}
 
 

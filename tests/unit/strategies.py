@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 from reconciler.core import spec
 from reconciler.core.observed import (
     LABEL_INSTANCE,
+    LABEL_LAUNCH,
+    LABEL_SPEC_HASH,
     ClusterIdentity,
     Container,
     Image,
@@ -19,7 +21,7 @@ from reconciler.core.observed import (
     WeightFile,
     Weights,
 )
-from reconciler.core.vllm import launch_specs
+from reconciler.core.vllm import LaunchSpec, launch_label, launch_specs
 
 GIB = 2**30
 IMAGE = "vllm-standin:latest"
@@ -124,8 +126,7 @@ def containers(draw, desired: spec.Desired, node: str, image_id: str, label: str
             good = specs.get(node)
             owner = draw(often("ours", "legacy", "other", "stranger"))
             if owner != "stranger":
-                labels = {"spark-reconciler.managed": "true",
-                          "spark-reconciler.spec-hash": good.spec_hash if good and draw(st.booleans()) else "stale"}
+                labels = {"spark-reconciler.managed": "true", **launched(draw, good)}
             if owner == "ours":
                 labels[LABEL_INSTANCE] = draw(often(label, desired.instance, CLUSTER_ID, FORMER))
             elif owner == "other":
@@ -134,6 +135,25 @@ def containers(draw, desired: spec.Desired, node: str, image_id: str, label: str
                              image_id=draw(often(image_id, "sha256:old")),
                              state=draw(often("running", "exited", "created")), labels=labels))
     return out
+
+
+#: Fields a stale container's launch label may hold where the file says otherwise (or nothing).
+STALE_FIELDS = [{"serving.gpu_memory_utilization": "0.93"}, {"serving.max_model_len": "4096"},
+                {"serving.tensor_parallel_size": "9"}, {"serving.served_model_name": "older"},
+                {"serving.env.VLLM_LOGGING_LEVEL": "INFO"}]
+
+
+def launched(draw, good: LaunchSpec | None) -> dict[str, str]:
+    """The spec hash and launch label (`spark-reconciler.launch`) of a container started from the file (`good`,
+    its node's launch now), from an older file (a stale hash, a label with a field the file has otherwise) or
+    before field labels existed (a stale hash, no label). The two labels always agree, as a reconciler writes
+    them: the oracle judges by the label, the plan by the hash."""
+    if good is not None and draw(st.booleans()):
+        return {LABEL_SPEC_HASH: good.spec_hash, LABEL_LAUNCH: launch_label(good.inputs) or ""}
+    if good is None or draw(st.booleans()):
+        return {LABEL_SPEC_HASH: "stale"}
+    return {LABEL_SPEC_HASH: "stale", LABEL_LAUNCH: launch_label(good.inputs | draw(st.sampled_from(STALE_FIELDS)))
+            or ""}
 
 
 def _weights(draw, desired: spec.Desired, node: str, files: list[WeightFile]) -> Weights:
@@ -153,7 +173,7 @@ def _weights(draw, desired: spec.Desired, node: str, files: list[WeightFile]) ->
     return Weights(root=root, present=True, files=list(files))
 
 
-def _health(draw, desired: spec.Desired) -> ServingApi:
+def api_state(draw, desired: spec.Desired) -> ServingApi:
     want = desired.serving.served_model_name or desired.model.id
     healthy = draw(st.booleans())
     return ServingApi(reachable=draw(often(True, False)), healthy=healthy,
@@ -206,5 +226,5 @@ def observations(draw, desired: spec.Desired, all_reachable: bool = False) -> Ob
             fabric=links[0], fabric_twin=links[1] if len(links) > 1 else None,
             memory=Memory(total_bytes=128 * GIB, available_bytes=draw(often(120, 10)) * GIB),
             weights=_weights(draw, desired, node.name, files),
-            serving=_health(draw, desired) if node.role == "head" else None)
+            serving=api_state(draw, desired) if node.role == "head" else None)
     return Observed(nodes=nodes)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -28,7 +28,7 @@ from reconciler.core.observed import (
     Observed,
 )
 from reconciler.core.ownership import CLUSTER_ID_FILE, owner
-from reconciler.core.planning import Step, plan
+from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, load, loads
 from reconciler.edge.observe import observe_node, probe_script
 from reconciler.edge.probes import (
@@ -41,13 +41,15 @@ from reconciler.edge.probes import (
     split_sections,
 )
 from reconciler.edge.ssh import Result
-from reconciler.edge.steps import StepContext, StepFailed
-from reconciler.edge.steps.containers import stop_serving
+from reconciler.edge.steps import StepFailed
+from reconciler.edge.steps.actions import Given
 from reconciler.edge.steps.serving import start_serving
 from testbed.recordings import answer
 from tests.unit.conftest import converged_in_simulator
 from tests.unit.recorded import parsed
-from tests.unit.test_ownership import FakeDocker
+from tests.unit.step_cases import inspected, no_such
+from tests.unit.step_driver import Driver, Raw
+from tests.unit.test_ownership import stop_serving_on
 
 ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 OTHER_ID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
@@ -255,12 +257,12 @@ def test_a_start_labels_the_containers_with_the_id(desired_sample, converged):
     result = plan(desired_sample, observed)
     starts = [s for s in result.steps if s.kind == "start-serving"]
     assert {s.node for s in starts} == {HEAD, WORKER}
+    meminfo = Raw(f"MemTotal: {128 << 20} kB\nMemAvailable: {127 << 20} kB")  # nothing of ours runs: free
     for step in starts:
-        docker = _StartingDocker()
-        ctx = StepContext(desired=desired_sample, sessions={step.node: docker},  # type: ignore[dict-item]
-                          observed=observed)
-        start_serving(ctx, step)
-        [run] = [argv for argv in docker.calls if argv[1:2] == ["run"]]
+        driver = Driver(facts={f"{step.node} container {name}": [no_such(name), inspected(name)],
+                               f"{step.node} meminfo": [meminfo]})
+        assert driver.drive(start_serving(Given(desired_sample, observed), step)) is None
+        [run] = [shlex.split(line) for line in driver.transcript if line.startswith(f"run {step.node} docker run ")]
         assert f"{LABEL_INSTANCE}={ID}" in run
     after = apply_plan(desired_sample, observed, result)
     assert {c.labels[LABEL_INSTANCE] for o in after.nodes.values() for c in o.containers if c.managed} == {ID}
@@ -271,15 +273,14 @@ def test_the_stop_step_judges_ownership_by_the_plans_identity(desired_sample):
     name = desired_sample.serving.container_name
     observed = Observed(nodes={HEAD: NodeObservation(name=HEAD, reachable=True,
                                                      identity=ClusterIdentity(id=ID, known_as=["10.0.0.1:22"]))})
-    step = Step("stop-serving", HEAD, "test", (), container=name)
     for label in (ID, "10.0.0.1:22"):
-        ours = FakeDocker({name: {LABEL_MANAGED: "true", LABEL_INSTANCE: label}})
-        stop_serving(StepContext(desired=desired_sample, sessions={HEAD: ours}, observed=observed), step)  # type: ignore[dict-item]
-        assert ["docker", "rm", name] in ours.calls, label
-    theirs = FakeDocker({name: {LABEL_MANAGED: "true", LABEL_INSTANCE: OTHER_ID}})
-    with pytest.raises(StepFailed, match=f"add the line `{OTHER_ID}` to ~/.spark-reconciler/cluster-id on {HEAD}"):
-        stop_serving(StepContext(desired=desired_sample, sessions={HEAD: theirs}, observed=observed), step)  # type: ignore[dict-item]
-    assert theirs.calls == []
+        ran, error = stop_serving_on(desired_sample, name, {LABEL_MANAGED: "true", LABEL_INSTANCE: label}, observed,
+                                     node=HEAD)
+        assert error is None and f"docker rm {name}" in ran, label
+    ran, error = stop_serving_on(desired_sample, name, {LABEL_MANAGED: "true", LABEL_INSTANCE: OTHER_ID}, observed,
+                                 node=HEAD)
+    assert ran == [] and isinstance(error, StepFailed)
+    assert f"add the line `{OTHER_ID}` to ~/.spark-reconciler/cluster-id on {HEAD}" in str(error)
 
 
 def test_an_old_snapshot_plans_as_before_and_a_new_one_round_trips(desired_sample, seed_snapshot, converged):
@@ -298,29 +299,3 @@ def test_an_old_snapshot_plans_as_before_and_a_new_one_round_trips(desired_sampl
     back = Observed.model_validate_json(new.model_dump_json())
     assert back == new and back.node(HEAD).identity == ClusterIdentity(id=ID, known_as=[desired_sample.instance])
     assert plan(desired_sample, back).as_dict() == plan(desired_sample, new).as_dict()
-
-
-class _StartingDocker:
-    """What `start_serving` asks of one node: no container yet, memory enough, then `docker run` and inspects."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-        self.started = False
-
-    def run(self, argv, timeout=None, check=True, stdin=None, sudo=False):
-        self.calls.append(list(argv))
-        if argv[1:2] == ["run"]:
-            self.started = True
-        if argv[1:2] == ["inspect"]:
-            if not self.started:
-                return Result("", "Error: No such container", 1)
-            return Result(json.dumps([{"State": {"Running": True, "Status": "running"}}]), "", 0)
-        return Result("", "", 0)
-
-    def run_script(self, script, timeout, cancel=None):
-        if ".spark-reconciler/copies" in script:  # the copy ledger's `served` lines (edge/ledger.py)
-            return SimpleNamespace(stdout="", stderr="", exit_code=0)
-        assert "/proc/meminfo" in script
-        return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {128 << 20} kB\n"
-                                                     f"MemAvailable: {127 << 20} kB\n@@rc 0\n"),
-                               exit_code=0)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -30,21 +31,35 @@ HEAD, WORKER = "spark-1a32", "spark-5be3"
 
 
 class Gate:
-    """A fake executor: each batch blocks until released; steps fail when their kind is in `failing`."""
+    """A fake executor: each batch blocks until released (or until each of its steps is cancelled); steps fail
+    when their kind is in `failing`. Like the real one, it asks `skip` before it starts a step, and each step
+    has its own cancel event (`cancel_of`, else the batch's)."""
 
     def __init__(self, failing: tuple[str, ...] = ()):
         self.release = threading.Event()
         self.batches: list[list[str]] = []
+        self.contexts: list = []  # each batch's StepContext: its cancel is what a shutdown sets
+        self.cancels: dict[str, threading.Event] = {}  # step id -> its own cancel event
         self.failing = failing
 
-    def __call__(self, plan_, ctx, on_event):
+    def cancelled(self, step_id: str) -> bool:
+        return self.cancels[step_id].is_set()
+
+    def __call__(self, plan_, ctx, on_event, skip=lambda step: None, cancel_of=None):
         from reconciler.edge.execute import Outcome, StepResult
 
         self.batches.append([s.id for s in plan_.steps])
+        self.contexts.append(ctx)
+        own = {s.id: cancel_of(s) if cancel_of else ctx.cancel for s in plan_.steps}
+        self.cancels.update(own)
         for step in plan_.steps:
+            assert skip(step) is None, "a step vetoed before it started: not what these tests do"
             on_event("step.start", {"step": step})
-        assert self.release.wait(20), "the test never released the batch"
-        results = [StepResult(s, "failed" if s.kind in self.failing else "success", 0.1, "rsync exited 23")
+        deadline = time.monotonic() + 20
+        while not self.release.wait(0.01) and not all(e.is_set() for e in own.values()):
+            assert time.monotonic() < deadline, "the test never released the batch"
+        results = [StepResult(s, "cancelled" if own[s.id].is_set() else
+                              "failed" if s.kind in self.failing else "success", 0.1, "rsync exited 23")
                    for s in plan_.steps]
         for r in results:
             on_event("step.end", {"result": r})
@@ -289,7 +304,7 @@ def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_pat
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 1h"))
     c, _ = _controller(desired_path, tmp_path, Script(converged), lambda *a, **k: None)
     result = c.reconcile({"start"})
-    assert c.lease is not None and c.lease.holding
+    assert c.manager.lease is not None and c.manager.lease.holding
     assert result.requeue_after == RENEW_AFTER
 
 

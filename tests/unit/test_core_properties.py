@@ -1,9 +1,11 @@
 """Property tests for the pure core (drift, plan, simulate): convergence, idempotence, safety, order, determinism.
 
-The result of a plan is judged by an independent oracle (tests/unit/oracle.py), never by the plan itself: the
-state after the plan's promised effects must hold nothing the file forbids, except what the oracle excuses from
-the state before (an unreachable node, hardware, a missing source, a full node). Order is judged on the
-transitive closure of `after`, which is what the executor runs by, not on list positions."""
+The result of a plan is judged by an independent oracle (tests/unit/oracle.py), never by the plan itself nor by
+the core's own predicates: the state after the plan's promised effects (`core.simulate`, the system's promise)
+must hold nothing the file forbids, except what the oracle excuses from the state before (an unreachable node,
+hardware, a missing source, a full node), and the plan must have stopped or removed nothing the file or ownership
+protects (`harm`). Order is judged on the transitive closure of `after`, which is what the executor runs by, not
+on list positions."""
 
 from __future__ import annotations
 
@@ -15,8 +17,21 @@ from reconciler.core.drift import diff
 from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan, settle
 from tests.unit.examples import examples
-from tests.unit.oracle import excuse, serving_cannot_restart, usable, violations
-from tests.unit.strategies import desired_dict, desireds, observations
+from tests.unit.oracle import (
+    excuse,
+    harm,
+    head,
+    managed,
+    may_stop,
+    named,
+    ours,
+    runs,
+    serving_cannot_restart,
+    serving_nodes,
+    usable,
+    violations,
+)
+from tests.unit.strategies import api_state, desired_dict, desireds, observations
 
 SETTINGS = settings(**examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -50,6 +65,7 @@ def test_a_plan_leaves_only_what_the_reconciler_cannot_fix(case):
     left = violations(desired, after)
     unexcused = [v for v in left if excuse(desired, observed, v) is None]
     assert unexcused == [], (unexcused, planned.blocked)
+    assert harm(desired, observed, after) == [], [s.id for s in planned.steps]
     event("converged" if not left else "left only excused violations")
     for v in violations(desired, observed):
         event(f"before: {v.what}")
@@ -61,10 +77,29 @@ def test_fully_reachable_cluster_converges_unless_the_oracle_says_why_not(case):
     desired, observed, planned, after = planned_and_after(case)
     left = violations(desired, after)
     assert all(excuse(desired, observed, v) for v in left), (left, planned.blocked)
+    assert harm(desired, observed, after) == [], [s.id for s in planned.steps]
     blocked = serving_cannot_restart(desired, observed)
     event(f"serving blocked: {blocked.split(':')[-1].strip() if blocked else 'no'}")
     if not blocked and any(v.what == "serving" for v in violations(desired, observed)):
         event("an ordered restart that converges")
+
+
+@SETTINGS
+@given(cases(all_reachable=True), st.data())
+def test_a_settled_cluster_whose_api_then_fails_is_repaired_or_excused(case, data):
+    """Health judged on its own: the state a plan leaves, then the head's API in any state the probe may see
+    (wedged, slow, another model, a completion that fails). A settled cluster is where health is the only
+    difference, which arbitrary observations seldom are: there a plan that misjudges health does nothing."""
+    desired, observed = case
+    settled = settle(desired, observed)
+    name = head(desired).name
+    api = api_state(data.draw, desired)
+    broken = settled.model_copy(update={"nodes": settled.nodes | {name: settled.nodes[name].model_copy(
+        update={"serving": api})}})
+    after = settle(desired, broken)
+    unexcused = [v for v in violations(desired, after) if excuse(desired, broken, v) is None]
+    assert unexcused == [], (unexcused, api, [s.id for s in plan(desired, broken).steps])
+    event("health left" if any(v.what == "health" for v in violations(desired, after)) else "health fine after")
 
 
 @SETTINGS
@@ -80,20 +115,19 @@ def test_converged_state_plans_nothing_twice(case):
 @SETTINGS
 @given(cases())
 def test_never_stops_allowed_protected_or_foreign_managed_containers(case):
+    """Each stop step, judged by the oracle on the state the plan saw: a co-tenant stop only for a running
+    container no reconciler made that the file lets it stop; a serving stop only for this cluster's own."""
     desired, observed = case
-    ct = desired.co_tenants
     for step in plan(desired, observed).steps:
+        if step.kind not in ("stop-container", "stop-serving"):
+            continue
+        container = named(observed.nodes[step.node], step.params["container"])
+        assert container is not None, step.id
+        assert may_stop(desired, observed, step.node, container) is None, (step.id, container.labels)
         if step.kind == "stop-container":
-            name = step.params["container"]
-            container = observed.node(step.node).container(name)
-            assert container is not None and container.running
-            assert not ct.is_allowed(step.node, name)
-            assert not ct.is_protected(step.node, name)
-            assert not container.managed
-            assert ct.unlisted == "stop"
-        if step.kind == "stop-serving":
-            container = observed.node(step.node).container(step.params["container"])
-            assert container is not None and container.managed, "only containers the reconciler created"
+            assert runs(container) and not managed(container), (step.id, container)
+        else:
+            assert ours(desired, observed, container), ("only this cluster's containers", step.id, container.labels)
 
 
 def closure(steps) -> dict[str, set[str]]:
@@ -128,20 +162,20 @@ def test_every_step_waits_for_what_it_needs(case):
         missing = [s.id for s in of("stop-container", "link", "image", "weights", "stop-serving")
                    if s.id not in waits[start.id]]
         assert not missing, f"{start.id} does not wait for {missing}"
-    serving_nodes = {n.name for n in desired.serving_nodes}
+    spans = {n.name for n in serving_nodes(desired)}
     for stop in of("stop-serving"):
-        if stop.node in serving_nodes and stop.params["container"] == desired.serving.container_name:
+        if stop.node in spans and stop.params["container"] == desired.serving.container_name:
             early = [s.id for s in of("link", "image", "weights") if s.id not in waits[stop.id]]
             assert not early, f"{stop.id} stops the running generation before {early} is in place"
     starts = {s.node: s.id for s in of("start-serving")}
     if not starts:
         return
-    head = desired.head.name
-    workers = [sid for node, sid in starts.items() if node != head]
+    rank0 = head(desired).name
+    workers = [sid for node, sid in starts.items() if node != rank0]
     if desired.serving.launcher == "native":
-        assert all(w in waits[starts[head]] for w in workers), "rank 0 starts after the headless workers"
+        assert all(w in waits[starts[rank0]] for w in workers), "rank 0 starts after the headless workers"
     else:
-        assert all(starts[head] in waits[w] for w in workers), "Ray: the workers join the head's GCS"
+        assert all(starts[rank0] in waits[w] for w in workers), "Ray: the workers join the head's GCS"
         launch = of("launch-model")[0].id
         assert set(starts.values()) <= waits[launch], "vllm serve once every node joined"
     health = of("await-health")
@@ -155,7 +189,7 @@ def test_every_step_says_what_where_and_why(case):
     """`plan --json` shows each step's id (`KIND/NODE[/NAME]`, docs/cli.md), reason and params: a serving start
     carries its node's rank, the position of the node in the file's serving order (vLLM's --node-rank)."""
     desired, observed = case
-    ranks = {n.name: str(i) for i, n in enumerate(desired.serving_nodes)}
+    ranks = {n.name: str(i) for i, n in enumerate(serving_nodes(desired))}
     result = plan(desired, observed)
     for s in result.steps:
         assert s.id.split("/")[:2] == [s.kind, s.node], s.id
@@ -194,11 +228,11 @@ def test_nothing_acts_through_a_node_that_cannot_be_asked(case):
     desired, observed = case
     steps = plan(desired, observed).steps
     for s in steps:
-        obs = observed.node(s.node)
+        obs = observed.nodes[s.node]
         assert obs.reachable and obs.probe_error is None, s.id
         if s.kind in ("stop-container", "image", "stop-serving", "start-serving", "launch-model"):
             assert obs.docker_reachable, f"{s.id} on a node whose docker engine does not answer"
-    if not all(usable(observed.node(n.name)) for n in desired.serving_nodes):
+    if not all(usable(observed, n.name) for n in serving_nodes(desired)):
         assert not [s.id for s in steps if s.kind in ("start-serving", "launch-model", "await-health")], \
             "serving is neither started nor awaited while a serving node cannot be reached"
 
@@ -228,10 +262,10 @@ def test_unreachable_worker_blocks_serving_and_keeps_the_cotenant_it_would_make_
     from reconciler.core.observed import Container, NodeObservation, Observed
 
     desired = spec.Desired.model_validate(desired_dict())
-    head = NodeObservation(name="head", reachable=True, docker_reachable=True,
-                           containers=[Container(name="rogue-1", id="x", image="i", state="running")])
-    observed = Observed(nodes={"head": head, "worker1": NodeObservation(name="worker1", reachable=False,
-                                                                       error="connection timed out")})
+    seen_head = NodeObservation(name="head", reachable=True, docker_reachable=True,
+                                containers=[Container(name="rogue-1", id="x", image="i", state="running")])
+    observed = Observed(nodes={"head": seen_head, "worker1": NodeObservation(name="worker1", reachable=False,
+                                                                            error="connection timed out")})
     result = plan(desired, observed)
     # the head stages what it lacks (the weights, the image): harmless to what runs, and ready for the start; the
     # rogue container is not stopped for a start that cannot happen (issue 32: the seed's GLM was)

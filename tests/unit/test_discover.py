@@ -77,3 +77,13 @@ def test_what_the_command_line_names_is_written_as_given_and_validates():
         line = next(line for line in text.splitlines() if marker in line)
         assert "GUESS" not in line, line
     assert "`reconciler apply` downloads it there" in text and "`reconciler apply` pulls it there" in text
+
+
+def test_the_script_reads_only_what_discover_uses():
+    """Every section of discover's script feeds a fact the render reads: a node's listening ports were read,
+    parsed and never used (issue 34), so the `listen` section is not in it."""
+    from reconciler.edge.discover.facts import SCRIPT_LINES
+
+    sections = {line.split()[1] for line in "\n".join(SCRIPT_LINES).splitlines() if line.startswith("sec ")}
+    assert "listen" not in sections
+    assert {"containers", "meminfo", "gpu"} <= sections, "the shared fragments are still joined"

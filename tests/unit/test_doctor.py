@@ -478,8 +478,7 @@ def test_the_hop_doctor_tries_is_the_hop_the_image_copy_runs(tmp_path):
     desired = DESIRED.model_copy(update={"nodes": nodes})
     script = edge.doctor_script(desired, desired.node("head")).script
     line = next(x for x in script.splitlines() if "ssh -F /dev/null" in x)
-    ctx = type("Ctx", (), {"desired": desired})()
-    step = hop.ssh_options(ctx, "worker")  # type: ignore[arg-type]
+    step = hop.ssh_options(desired, "worker")
     mine = shlex.split(line[line.index("timeout 15 ") + len("timeout 15 "):line.index(" 2>&1")])
     assert [w for w in mine if "UserKnownHostsFile" not in w] == [w for w in step if "UserKnownHostsFile" not in w] + \
         ["spark@10.232.0.11", "true"]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 import yaml
 
@@ -176,6 +177,18 @@ def test_cli_prints_the_same_manifest():
     out = subprocess.run([str(Path(sys.executable).with_name("reconciler")), "export", str(TESTBED), "--format",
                           "lws"], capture_output=True, text=True, check=True).stdout
     assert yaml.safe_load(out) == lws_manifest(spec.load(TESTBED)) == yaml.safe_load(lws_yaml(spec.load(TESTBED)))
+
+
+def test_the_format_option_is_read(monkeypatch, capsys):
+    """`--format` picks the renderer (it was once accepted and ignored: every format printed LWS). A second
+    format, registered here, renders through its own renderer, and the choices offered are the renderers'."""
+    from reconciler import cli
+
+    monkeypatch.setitem(cli.EXPORT_FORMATS, "names", lambda desired, name: f"{desired.served_name} {name}\n")
+    cli.export.callback(str(TESTBED), "names", "x")
+    assert capsys.readouterr().out == f"{spec.load(TESTBED).served_name} x\n"
+    choice = next(p for p in cli.export.params if p.name == "fmt").type
+    assert isinstance(choice, click.Choice) and list(choice.choices) == ["lws"]
 
 
 # ------------------------------------------------------------------------------------------ discover parsers

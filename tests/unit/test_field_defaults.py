@@ -1,16 +1,13 @@
 """The launch carries what the field learned on GB10 (docs/troubleshooting.md "Field lessons"): eugr's memory
-defaults on every node, NGC's ulimits, no --shm-size beside --ipc host, sync before drop_caches."""
+defaults on every node, NGC's ulimits, no --shm-size beside --ipc host, sync before drop_caches (on by default; the
+commands, a sync past its deadline and a sudoers without the line: tests/unit/step_cases/serving.py)."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 from reconciler.core.loader import load_file
 from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
-from reconciler.edge.steps import serving
-from testbed.recordings import answer
 
 
 def _desired(cluster_yaml, **serving_fields) -> Desired:
@@ -53,7 +50,6 @@ def test_a_partial_ulimits_merges_over_the_defaults_and_null_removes_one(cluster
 def test_the_plan_shows_the_effective_ulimits_with_every_start(cluster_yaml, seed_snapshot):
     import json
 
-    from reconciler.core.observed import Observed
     from reconciler.core.planning import plan
     from reconciler.core.render import plan_text
 
@@ -69,34 +65,6 @@ def test_shm_size_only_where_docker_honours_it(cluster_yaml):
     private = launch_specs(_desired(cluster_yaml, docker={"ipc": "private", "shm_size": "64g"}))
     assert all("--shm-size" not in s.docker_flags for s in host)
     assert all(_flag_values(s.docker_flags, "--shm-size") == ["64g"] for s in private)
-
-
-def test_dirty_pages_are_written_and_the_cache_dropped_before_every_start(cluster_yaml):
-    """The trigger is the cache, not a shortage (issue 30, finding 3): with MemAvailable ample, the cache is still
-    dropped first, because on GB10 the GPU cannot use what MemAvailable counts as free. On by default."""
-    data = load_file(cluster_yaml).data
-    data["policy"].pop("drop_caches", None)
-    desired = Desired.model_validate(data)
-    assert desired.policy.drop_caches, "on by default"
-    calls = []
-    free = iter([100])  # GiB available: plenty, and one read only (after the drop)
-
-    class Session:
-        def run(self, argv, timeout, sudo=False, check=True):
-            calls.append((argv, sudo))
-            return SimpleNamespace(stdout="", exit_code=0)
-
-        def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
-            assert "/proc/meminfo" in script
-            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n"), exit_code=0)
-
-    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
-                          observed=Observed(nodes={}))
-    serving.memory_preflight(ctx, "n")
-    ran = [argv[0] for argv, _ in calls]
-    assert ran == ["sync", "/usr/sbin/sysctl"]
-    assert [sudo for argv, sudo in calls if argv[0] == "sync"] == [False], "sync needs no root (no sudo rule)"
 
 
 def test_compile_caches_are_kept_per_node_in_the_ssh_users_home(cluster_yaml):
@@ -123,69 +91,9 @@ def test_sleep_mode_gets_no_expandable_segments(cluster_yaml):
         assert all(s.env["NCCL_IGNORE_CPU_AFFINITY"] == "1" for s in specs)
 
 
-def test_a_sync_past_its_deadline_does_not_hold_the_start(cluster_yaml):
-    from reconciler.edge.ssh import CommandTimeout
-
+def test_the_cache_is_dropped_before_every_start_by_default(cluster_yaml):
+    """The trigger is the cache, not a shortage (issue 30, finding 3): on GB10 the GPU cannot use what MemAvailable
+    counts as free, so the drop is on unless the file turns it off."""
     data = load_file(cluster_yaml).data
-    data["policy"]["drop_caches"] = True
-    desired = Desired.model_validate(data)
-    free = iter([100])
-    ran, events = [], []
-
-    class Session:
-        def run(self, argv, timeout, sudo=False, check=True):
-            ran.append(argv[0])
-            if argv[0] == "sync":
-                assert argv[1:] == ["-f", desired.model.path_on("n")], "only the weights' filesystem"
-                raise CommandTimeout("n", "sync did not finish")
-            return SimpleNamespace(stdout="", exit_code=0)
-
-        def run_script(self, script, timeout):  # the meminfo fragment of reconciler.edge.probes
-            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                          f"MemAvailable: {next(free) << 20} kB\n@@rc 0\n"), exit_code=0)
-
-    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
-                          progress=lambda event, fields: events.append(event), observed=Observed(nodes={}))
-    serving.memory_preflight(ctx, "n")
-    assert ran == ["sync", "/usr/sbin/sysctl"] and events == ["serving.sync-skipped"]
-
-
-def test_a_node_whose_sudoers_refuses_the_drop_is_said_and_starts(cluster_yaml):
-    from reconciler.edge.ssh import CommandFailed
-
-    desired = Desired.model_validate(load_file(cluster_yaml).data)
-    events = []
-
-    class Session:
-        def run(self, argv, timeout, sudo=False, check=True):
-            if sudo:
-                raise CommandFailed("n", ["sudo", "-n", *argv], 1, "",
-                                    "sudo: a password is required")
-            return SimpleNamespace(stdout="", exit_code=0)
-
-        def run_script(self, script, timeout):
-            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                                                f"MemAvailable: {100 << 20} kB\n@@rc 0\n"), exit_code=0)
-
-    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
-                          progress=lambda event, fields: events.append(event), observed=Observed(nodes={}))
-    serving.memory_preflight(ctx, "n")
-    assert events == ["serving.drop-caches-refused"]
-
-
-def test_without_drop_caches_nothing_is_dropped(cluster_yaml):
-    data = load_file(cluster_yaml).data
-    data["policy"]["drop_caches"] = False
-    desired = Desired.model_validate(data)
-
-    class Session:
-        def run(self, argv, timeout, sudo=False, check=True):
-            raise AssertionError(f"nothing but meminfo is run: {argv}")
-
-        def run_script(self, script, timeout):
-            return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {120 << 20} kB\n"
-                                                                f"MemAvailable: {100 << 20} kB\n@@rc 0\n"), exit_code=0)
-
-    ctx = SimpleNamespace(desired=desired, sessions={"n": Session()}, command_timeout=5, remaining=lambda t=None: 60,
-                          observed=Observed(nodes={}))
-    serving.memory_preflight(ctx, "n")
+    data["policy"].pop("drop_caches", None)
+    assert Desired.model_validate(data).policy.drop_caches

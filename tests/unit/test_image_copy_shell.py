@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-from types import SimpleNamespace
 
 import pytest
 
 from reconciler.core.loader import load_file
+from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired
+from reconciler.edge.steps.actions import Given
 from reconciler.edge.steps.images import ByteCount, copy_argv
 
 DOCKER = """#!/bin/sh
@@ -38,9 +39,8 @@ def stubs(tmp_path):
 
 def _argv(cluster_yaml) -> list[str]:
     desired = Desired.model_validate(load_file(cluster_yaml).data)
-    ctx = SimpleNamespace(desired=desired)
     worker = next(n.name for n in desired.nodes if n.role == "worker")
-    return copy_argv(ctx, desired.serving.image, worker, 60)
+    return list(copy_argv(Given(desired, Observed(nodes={})), desired.serving.image, worker, 60))
 
 
 def test_bytes_flow_to_the_load_and_are_counted(cluster_yaml, stubs):

@@ -164,22 +164,16 @@ def test_an_inspect_without_layers_is_an_image_not_a_probe_failure():
     ("Error response from daemon: No such image: nvcr.io/nvidia/vllm:26.05-py3", True),
     ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock", False),
 ])
-def test_only_a_missing_image_is_absent(cluster_yaml, stderr, absent):
-    from types import SimpleNamespace
+def test_only_a_missing_image_is_absent(stderr, absent):
+    """A step's re-read of an image (`probes.image_fact`): a broken engine is no reason to copy 20 GB."""
+    from reconciler.edge.probes import ProbeError, Section, image_fact
 
-    from reconciler.edge.steps import StepFailed
-    from reconciler.edge.steps.images import inspect_image
-
-    class Session:
-        def run(self, argv, timeout, check=True):
-            return SimpleNamespace(ok=False, stdout="[]", stderr=stderr, exit_code=1)
-
-    ctx = SimpleNamespace(sessions={"n": Session()}, command_timeout=5)
+    fact = image_fact("img")
     if absent:
-        assert inspect_image(ctx, "n", "img") is None
+        assert fact.parse({"image": Section(stderr, 1)}) is None
     else:
-        with pytest.raises(StepFailed, match="Cannot connect"):
-            inspect_image(ctx, "n", "img")
+        with pytest.raises(ProbeError, match="Cannot connect"):
+            fact.parse({"image": Section(stderr, 1)})
 
 
 # ---------------------------------------------------------------------------------------------- issue 16, finding 3

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from reconciler.core.observed import Observed
+from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import Step
 from reconciler.edge import execute
-from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, serving
+from reconciler.edge.ssh import Result
+from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, serving
 from testbed.recordings import answer
 from tests.unit.recorded import load
 
@@ -27,21 +27,26 @@ class Node:
     def __init__(self, *available: int):
         self.available, self.reads, self.ran = list(available), 0, []
 
-    def run(self, argv, timeout, sudo=False, check=True):  # the drop before the start (policy.drop_caches)
+    def run(self, argv, *, timeout, sudo=False, stdin=None, check=True, on_output=None, cancel=None,
+            supervised=False):  # the drop before the start (policy.drop_caches)
         self.ran.append(argv[0])
-        return SimpleNamespace(stdout="", stderr="", exit_code=0)
+        return Result("", "", 0)
 
     def run_script(self, script, timeout, cancel=None):
         assert "/proc/meminfo" in script
         value = self.available[min(self.reads, len(self.available) - 1)]
         self.reads += 1
-        return SimpleNamespace(stdout=answer(script, f"@@meminfo\nMemTotal: {8 * GIB_KB} kB\n"
-                                                     f"MemAvailable: {value * GIB_KB} kB\n@@rc 0\n"), exit_code=0)
+        return Result(answer(script, f"@@meminfo\nMemTotal: {8 * GIB_KB} kB\nMemAvailable: {value * GIB_KB} kB\n"
+                                     "@@rc 0\n"), "", 0)
 
 
-def _ctx(node: Node) -> StepContext:
-    return StepContext(desired=load(), sessions={"worker1": node}, observed=Observed(nodes={}),
-                       deadline=time.monotonic() + 300)  # the start's own 70 s fit after the wait
+def _preflight(node: Node, after_stop: bool, seconds: float = 300, cancel: threading.Event | None = None) -> None:
+    """The preflight through the one executor (`StepContext.perform`): its waits under the step's real deadline."""
+    desired = load()
+    answered = Observed(nodes={n.name: NodeObservation(name=n.name, reachable=True) for n in desired.nodes})
+    ctx = StepContext(desired=desired, sessions={"worker1": node}, observed=answered,
+                      deadline=time.monotonic() + seconds, cancel=cancel or threading.Event())
+    ctx.perform(serving.memory_preflight(ctx.given, "worker1", after_stop))
 
 
 @pytest.fixture(autouse=True)
@@ -51,20 +56,30 @@ def quick_polls(monkeypatch):
 
 def test_memory_that_comes_back_after_the_stop_lets_the_start_go_on():
     node = Node(0, 0, 0, 7)  # the recorded cluster needs 1.4 GiB; the fourth read has it
-    serving.memory_preflight(_ctx(node), "worker1", settle=30)
+    _preflight(node, after_stop=True)
     assert node.reads == 4
 
 
-def test_memory_that_does_not_come_back_in_time_defers_the_start():
+def test_memory_that_does_not_come_back_in_time_defers_the_start(monkeypatch):
+    monkeypatch.setattr(serving, "MEMORY_SETTLE", 0.05)
     with pytest.raises(StepDeferred, match="after the stop on worker1"):
-        serving.memory_preflight(_ctx(Node(0)), "worker1", settle=0.05)
+        _preflight(Node(0), after_stop=True)
 
 
 def test_without_a_stop_before_it_a_short_node_blocks_at_once():
     node = Node(0, 7)
     with pytest.raises(StepBlocked) as blocked:
-        serving.memory_preflight(_ctx(node), "worker1")
+        _preflight(node, after_stop=False)
     assert not isinstance(blocked.value, StepDeferred) and node.reads == 1
+
+
+def test_a_shutdown_during_the_settle_is_no_deferral():
+    """The executor ends the wait on a shutdown; the step says so (cancelled), never `deferred`."""
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(StepFailed, match="cancelled while waiting for memory") as failed:
+        _preflight(Node(0), after_stop=True, cancel=cancel)
+    assert not isinstance(failed.value, StepBlocked)
 
 
 def test_the_settle_applies_to_a_start_after_a_stop_on_its_node():
@@ -106,11 +121,9 @@ def test_the_controller_holds_nothing_for_a_deferred_start(tmp_path):
 
 
 def test_a_step_with_no_time_left_for_the_wait_defers_at_once():
-    """The settle never eats the time the start itself needs (`START_RESERVE`): with less left, no wait, and the
-    start is deferred, not failed."""
-    node = Node(0, 7)
-    ctx = StepContext(desired=load(), sessions={"worker1": node}, observed=Observed(nodes={}),
-                      deadline=time.monotonic() + 30)
+    """The settle never eats the time the start itself needs (`START_RESERVE`, the wait's `reserve`): with less
+    left, the wait reads once more (a memory back by then is used) and the start is deferred, not failed."""
+    node = Node(0)
     with pytest.raises(StepDeferred):
-        serving.memory_preflight(ctx, "worker1", settle=90)
-    assert node.reads == 1
+        _preflight(node, after_stop=True, seconds=30)
+    assert node.reads == 2, "the first read, and the wait's one read (no time for a second)"

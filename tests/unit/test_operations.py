@@ -69,7 +69,7 @@ class Gate:
         self.batches: list[list[str]] = []
         self.entered = threading.Semaphore(0)
 
-    def __call__(self, plan, ctx, on_event):
+    def __call__(self, plan, ctx, on_event, skip=lambda step: None, cancel_of=None):
         self.batches.append(ids(plan.steps))
         for step in plan.steps:
             on_event("step.start", {"step": step})
@@ -130,7 +130,7 @@ def test_an_executor_that_crashes_still_frees_its_steps_with_a_failure(tracked):
     _, _, _, clock = tracked
     ended = threading.Event()
 
-    def broken(plan, ctx, on_event):
+    def broken(plan, ctx, on_event, skip, cancel_of):
         raise RuntimeError("bug")
 
     ops = Operations(on_end=ended.set, clock=lambda: clock[0], run=broken)
@@ -206,11 +206,11 @@ def test_an_answer_that_could_not_be_had_is_asked_again_with_backoff_never_kept(
     assert query.get(("h", "sha256:3")).flags == ["--port"] and len(calls) == 3, "a real answer is kept"
 
 
-def test_cancel_all_reaches_every_batch_through_its_own_context():
+def test_cancel_all_reaches_every_batch_and_each_of_its_steps():
     ended, seen = threading.Event(), []
 
-    def waits_for_cancel(plan, ctx, on_event):
-        seen.append(ctx.cancel.wait(10))
+    def waits_for_cancel(plan, ctx, on_event, skip, cancel_of):
+        seen.append(ctx.cancel.wait(10) and all(cancel_of(s).is_set() for s in plan.steps))
         return Outcome([StepResult(s, "cancelled", 0.0, "shutting down") for s in plan.steps])
 
     ops = Operations(on_end=ended.set, run=waits_for_cancel)

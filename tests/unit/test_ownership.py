@@ -2,12 +2,12 @@
 
 Owned = the managed label and this cluster's instance label (or no instance label: created before it existed).
 Protected wins over everything; a container under any name but the configured serving name is never removed.
-The plan is judged against the observation, and the step against a fake docker that records what it was asked.
+The plan is judged against the observation, and the step over recorded `docker inspect` answers
+(tests/unit/step_driver.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -15,10 +15,12 @@ import pytest
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED, Container, Observed
 from reconciler.core.planning import Step, plan
 from reconciler.core.spec import Desired, load, loads
-from reconciler.edge.ssh import Result
-from reconciler.edge.steps import StepContext, StepFailed
+from reconciler.edge.steps import StepFailed
+from reconciler.edge.steps.actions import Given
 from reconciler.edge.steps.containers import stop_serving
 from tests.unit.conftest import converged_in_simulator
+from tests.unit.step_cases import inspected, no_such, reachable
+from tests.unit.step_driver import drive
 
 NODE = "spark-1a32"  # the sample's head
 
@@ -75,9 +77,8 @@ def test_another_reconcilers_container_is_left_alone_and_blocks_our_name(desired
 def test_our_container_under_a_former_name_is_stopped_never_removed(desired, converged):
     result = plan(desired, _with(converged, _managed("vllm_serving_old", instance=desired.instance)))
     assert _touching(result, "vllm_serving_old") == [f"stop-serving/{NODE}/vllm_serving_old"]
-    docker = FakeDocker({"vllm_serving_old": {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance}})
-    stop_serving(_ctx(desired, docker), _step("vllm_serving_old"))
-    assert docker.calls == [["docker", "stop", "-t", "30", "vllm_serving_old"]]
+    ran, error = stop_serving_on(desired, "vllm_serving_old", {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance})
+    assert (ran, error) == (["docker stop -t 30 vllm_serving_old"], None)
 
 
 def test_the_step_checks_ownership_again_on_the_node(desired):
@@ -88,20 +89,16 @@ def test_the_step_checks_ownership_again_on_the_node(desired):
     }
     name = desired.serving.container_name
     for why, labels in cases.items():
-        docker = FakeDocker({name: labels})
-        with pytest.raises(StepFailed):
-            stop_serving(_ctx(desired, docker), _step(name))
-        assert docker.calls == [], why
-    ours = FakeDocker({name: {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance}})
-    stop_serving(_ctx(desired, ours), _step(name))
-    assert ours.calls == [["docker", "stop", "-t", "30", name], ["docker", "rm", name]]
+        ran, error = stop_serving_on(desired, name, labels)
+        assert isinstance(error, StepFailed) and ran == [], why
+    ran, error = stop_serving_on(desired, name, {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance})
+    assert (ran, error) == ([f"docker stop -t 30 {name}", f"docker rm {name}"], None)
 
 
 def test_a_container_made_before_the_instance_label_is_still_ours(desired):
     name = desired.serving.container_name
-    legacy = FakeDocker({name: {LABEL_MANAGED: "true"}})
-    stop_serving(_ctx(desired, legacy), _step(name))
-    assert ["docker", "rm", name] in legacy.calls
+    ran, error = stop_serving_on(desired, name, {LABEL_MANAGED: "true"})
+    assert error is None and f"docker rm {name}" in ran
 
 
 def test_new_containers_carry_the_instance(desired):
@@ -112,34 +109,18 @@ def test_new_containers_carry_the_instance(desired):
         assert f"{LABEL_INSTANCE}={desired.instance}" in argv and desired.instance == "10.1.230.180:22"
 
 
-# ---------------------------------------------------------------------------------------------- a fake docker
+# ------------------------------------------------------------------------------------ the step, from recorded facts
 
 
-class FakeDocker:
-    """`docker inspect/stop/rm` over an in-memory table; records the commands that change something."""
-
-    def __init__(self, containers: dict[str, dict[str, str]]):
-        self.containers = {n: {"labels": labels, "running": True} for n, labels in containers.items()}
-        self.calls: list[list[str]] = []
-
-    def run(self, argv, timeout=None, check=True, stdin=None):
-        name = argv[-1]
-        c = self.containers.get(name)
-        if argv[1] == "inspect":
-            if c is None:
-                return Result("", f"Error: No such container: {name}", 1)
-            return Result(json.dumps([{"Config": {"Labels": c["labels"]}, "State": {"Running": c["running"]}}]),
-                          "", 0)
-        self.calls.append(list(argv))
-        if argv[1] == "stop" and c is not None:
-            c["running"] = False
-        elif argv[1] == "rm":
-            self.containers.pop(name, None)
-        return Result("", "", 0)
-
-
-def _ctx(desired: Desired, docker: FakeDocker) -> StepContext:
-    return StepContext(desired=desired, sessions={NODE: docker}, observed=Observed(nodes={}))  # type: ignore[arg-type]
+def stop_serving_on(desired: Desired, name: str, labels: dict[str, str], observed: Observed | None = None,
+                    node: str = NODE) -> tuple[list[str], BaseException | None]:
+    """Drive the stop-serving step over a container with `labels` that stops and goes when asked: the commands
+    it ran (`docker ...`) and what it ended with."""
+    facts = {f"{node} container {name}": [inspected(name, labels=labels), inspected(name, "exited", labels=labels),
+                                          no_such(name)]}
+    step = Step("stop-serving", node, "test", (), container=name)
+    transcript, error = drive(stop_serving(Given(desired, observed or reachable(), 1), step), facts)
+    return [line.split(" ", 2)[2] for line in transcript if line.startswith("run ")], error
 
 
 def _step(name: str) -> Step:

@@ -15,27 +15,29 @@ from __future__ import annotations
 import io
 import json
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from reconciler.core.observed import Observed
+from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import Step
 from reconciler.core.vllm_log import MAX_DETAIL, STAGES, StartProgress, start_progress
 from reconciler.edge.execute import Outcome, StepResult
-from reconciler.edge.probes import image_from_inspect
-from reconciler.edge.ssh import CommandTimeout, Result
+from reconciler.edge.probes import START_LOG_DEADLINE, START_LOG_LINES, image_from_inspect, start_fact
+from reconciler.edge.ssh import Result
 from reconciler.edge.steps import StepContext, images, serving
+from reconciler.edge.steps.actions import Given, Report
 from reconciler.loop.apply import _ProgressView
 from reconciler.loop.controller import Controller
 from reconciler.loop.metrics import REGISTRY, progress_ratio
 from reconciler.loop.operations import Operations
 from reconciler.loop.triggers import ReconcileRequests
 from tests.unit.recorded import load
+from tests.unit.step_driver import Driver
 
 FIXTURES = Path(__file__).with_name("fixtures")
 COMPILE = (FIXTURES / "vllm-0.32.0-cpu-cold-start-compile.log").read_bytes().decode()
@@ -198,38 +200,37 @@ def test_the_testbeds_vllm_stand_in_logs_its_start_as_vllm_does(tmp_path, flags,
 # ------------------------------------------------------------------------------------ the health wait's log
 
 
-class Head:
-    """The head as the health wait sees it: `docker logs` answers the next log in turn (an exception is raised)."""
+@dataclass
+class Watching(Driver):
+    """The step driver, keeping each report's fields (what `apply`, /status and the metrics are given)."""
 
-    def __init__(self, *logs):
-        self.logs, self.asked = list(logs), []
+    reports: list[tuple[str, dict]] = field(default_factory=list)
 
-    def run(self, argv, *, timeout, check=True):
-        self.asked.append((list(argv), timeout))
-        log = self.logs.pop(0) if len(self.logs) > 1 else self.logs[0]
-        if isinstance(log, Exception):
-            raise log
-        return Result(log, "", 0)
+    def do(self, action):
+        if isinstance(action, Report):
+            self.reports.append((action.event, action.fields))
+        return super().do(action)
 
 
-def _await(monkeypatch, head: Head, polls_until_serving: int) -> list[tuple[str, dict]]:
+def _await(*logs: str) -> list[tuple[str, dict]]:
+    """await-health over the recorded testbed: the head's log at each poll (`probes.start_fact`), its API serving
+    at the last one; the reports it made."""
+    from tests.unit.step_cases.serving import NAME, RUNNING, head
+
     desired = load()
-    events: list[tuple[str, dict]] = []
-    answers = iter([False] * polls_until_serving + [True])
-    monkeypatch.setattr(serving, "HEALTH_POLL", 0.001)
-    monkeypatch.setattr(serving, "inspect", lambda ctx, node, name: {"State": {"Running": True}})
-    monkeypatch.setattr(serving, "read_api", lambda s, d, t: SimpleNamespace(serves=lambda name: next(answers)))
-    ctx = StepContext(desired=desired, sessions={desired.head.name: head}, observed=Observed(nodes={}),
-                      progress=lambda e, f: events.append((e, f)))
-    serving.await_health(ctx, Step("await-health", desired.head.name, "health"))
-    return events
+    driver = Watching(facts={**RUNNING, f"head start {NAME}": [*(head(api="down", log=log) for log in logs[:-1]),
+                                                             head(log=logs[-1])]})
+    given = Given(desired, Observed(nodes={n.name: NodeObservation(name=n.name, reachable=True)
+                                           for n in desired.nodes}))
+    assert driver.drive(serving.await_health(given, Step("await-health", desired.head.name, "health"))) is None
+    return driver.reports
 
 
-def test_the_health_wait_reports_each_change_of_the_heads_log(monkeypatch):
+def test_the_health_wait_reports_each_change_of_the_heads_log():
     loading = "(EngineCore_DP0 pid=9) \rLoading safetensors checkpoint shards:  45% Completed | 9/20\n"
     more = loading + "\rLoading safetensors checkpoint shards:  90% Completed | 18/20\n"
     graphs = more + "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  10%|#| 7/67\n"
-    events = _await(monkeypatch, Head(loading, loading, more, CommandTimeout("head", "docker hung"), graphs), 6)
+    events = _await("", loading, loading, more, "", graphs, graphs)  # "": `docker logs` did not answer in time
     said = [(e, f["stage"], f["percent"]) for e, f in events]
     assert said == [("serving.stage", "waiting", None), ("serving.stage", "loading-weights", 45),
                     ("serving.progress", "loading-weights", 90), ("serving.stage", "cuda-graphs", 10),
@@ -237,59 +238,78 @@ def test_the_health_wait_reports_each_change_of_the_heads_log(monkeypatch):
     assert events[2][1]["line"] == "Loading safetensors checkpoint shards:  90% Completed | 18/20"
 
 
-def test_the_log_read_is_bounded_on_the_node_and_in_time(monkeypatch):
-    head = Head("")
-    _await(monkeypatch, head, 1)
-    [(argv, timeout)] = head.asked
-    assert argv[:2] == ["sh", "-c"] and "docker logs --tail" in argv[2] and "tail -c" in argv[2]
-    assert argv[3:] == ["sh", str(serving.START_LOG_LINES), load().serving.container_name, "65536"]
-    assert timeout <= serving.START_LOG_DEADLINE
+def test_the_log_read_is_bounded_on_the_node_and_in_time():
+    """Its last START_LOG_LINES lines, at most vLLM_log.MAX_TEXT bytes of them (cut on the node: tqdm redraws a bar
+    on one ever longer line), under a deadline of its own: a hung `docker logs` leaves the poll answered."""
+    fact = start_fact(load(), "vllm_serving")
+    read = f"timeout {START_LOG_DEADLINE} docker logs --tail {START_LOG_LINES} vllm_serving 2>&1 | tail -c 65536; rc 0"
+    assert read in fact.lines
+    assert START_LOG_DEADLINE <= 10
 
 
 # ----------------------------------------------------------------------------------------- the image copy
 
 
-class Pair:
-    """The image source and the target: inspect answers (the target has the image once the copy ran), the copy
-    streams dd's records as the source's shell prints them."""
-
-    def __init__(self, inspect: dict):
-        self.inspect, self.loaded = inspect, False
-
-    def node(self, source: bool) -> SimpleNamespace:
-        def run(argv, *, timeout, check=True, on_output=None, cancel=None, supervised=False):
-            if argv[:3] == ["docker", "image", "inspect"]:
-                if source or self.loaded:
-                    return Result(json.dumps([self.inspect]), "", 0)
-                return Result("", "Error: No such image: x", 1)
-            for record in (b"4194304 bytes (4.2 MB, 4.0 MiB) copied, 1 s, 4.2 MB/s\r",
-                           b"25165824 bytes (25 MB, 24 MiB) copied, 2 s, 12 MB/s\r"):
-                on_output(record)
-            self.loaded = True
-            return Result("", f"Loaded image: {argv[4]}\n", 0)
-
-        return SimpleNamespace(run=run)
-
-
-def test_the_image_copy_reports_its_bytes_of_the_sources_size(monkeypatch, cluster_yaml):
+def test_the_image_copy_reports_its_bytes_of_the_sources_size(cluster_yaml):
+    """The image copy's progress: its total is the source's inspect `Size`, its count dd's records as they come
+    (driven from recorded facts: tests/unit/step_driver.py)."""
     from reconciler.core.loader import load_file
     from reconciler.core.spec import Desired
+    from reconciler.edge.steps.actions import Given
+    from tests.unit.step_cases.images import COPY, inspect_of, trusted
+    from tests.unit.step_driver import Driver, Raw
 
-    desired = Desired.model_validate(load_file(cluster_yaml).data)
+    desired = trusted()
+    assert desired.serving.image == Desired.model_validate(load_file(cluster_yaml).data).serving.image
     raw = json.loads((FIXTURES / "docker-20.10-overlay2-image-inspect.json").read_text())[0]
     head, worker = desired.head.name, next(n.name for n in desired.nodes if n.role == "worker")
-    pair = Pair(raw)
-    monkeypatch.setattr(images.hop, "trust_target_on_source", lambda ctx, s, t: None)
-    monkeypatch.setattr(images, "note_copy", lambda *a: None)
-    events: list[tuple[str, dict]] = []
-    ctx = StepContext(desired=desired, sessions={head: pair.node(True), worker: pair.node(False)},
-                      observed=Observed(nodes={}), progress=lambda e, f: events.append((e, f)))
-    images.copy_image(ctx, Step("image", worker, "missing", image=desired.serving.image, source=head))
+    ref = desired.serving.image
+    events: list[Report] = []
+    driver = Driver(facts={f"{head} image {ref}": [inspect_of(raw)],
+                           f"{worker} image {ref}": [Raw(f"Error: No such image: {ref}", 1), inspect_of(raw)]},
+                    results={COPY(desired, head, worker, ref): [Result("", f"Loaded image: {ref}\n", 0)]},
+                    outputs={COPY(desired, head, worker, ref): [
+                        b"4194304 bytes (4.2 MB, 4.0 MiB) copied, 1 s, 4.2 MB/s\r",
+                        b"25165824 bytes (25 MB, 24 MiB) copied, 2 s, 12 MB/s\r"]})
+    body = images.copy_image(Given(desired, Observed(nodes={})), Step("image", worker, "missing", image=ref,
+                                                                     source=head))
+    assert driver.drive(_reports(body, events)) is None
     size = image_from_inspect(raw).size
     assert size == raw["Size"] > 0
-    said = [(e, f["bytes_done"], f["bytes_total"]) for e, f in events]
+    said = [(r.event, r.fields["bytes_done"], r.fields["bytes_total"]) for r in events if r.event.startswith("image")]
     assert said == [("image.start", 0, size), ("image.progress", 4194304, size), ("image.progress", 25165824, size),
                     ("image.done", 25165824, size)]
+
+
+def _reports(actions, into):
+    """The step's actions passed through, every Report it makes (yielded, or returned by a Run's `on_output`)
+    kept in `into`."""
+    import dataclasses
+
+    from reconciler.edge.steps.actions import Report, Run
+
+    def tee(feed):
+        def seen(chunk):
+            report = feed(chunk)
+            if report is not None:
+                into.append(report)
+            return report
+        return seen
+
+    value, error = None, None
+    while True:
+        try:
+            action = actions.throw(error) if error is not None else actions.send(value)
+        except StopIteration:
+            return
+        if isinstance(action, Report):
+            into.append(action)
+        if isinstance(action, Run) and action.on_output is not None:
+            action = dataclasses.replace(action, on_output=tee(action.on_output))
+        try:
+            value, error = (yield action), None
+        except Exception as exc:  # noqa: BLE001 - back into the step, as the driver raised it
+            value, error = None, exc
 
 
 def test_an_image_of_unknown_size_has_no_total():
@@ -305,7 +325,7 @@ class Gate:
     def __init__(self):
         self.release = threading.Event()
 
-    def __call__(self, plan_, ctx, on_event):
+    def __call__(self, plan_, ctx, on_event, skip=lambda step: None, cancel_of=None):
         for step in plan_.steps:
             on_event("step.start", {"step": step})
         assert self.release.wait(20)

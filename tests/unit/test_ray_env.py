@@ -6,15 +6,16 @@ head's HCA and interface (spark-arena/sparkrun #135, fixed in #137 the same way)
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import shlex
 
 from reconciler.core.loader import load_file
-from reconciler.core.observed import Observed
-from reconciler.core.ownership import owner
+from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.steps import serving
-from testbed.recordings import answer
+from reconciler.edge.steps.actions import Given
+from tests.unit.step_driver import Driver, Raw
 
 
 def _asymmetric(cluster_yaml, launcher: str) -> Desired:
@@ -40,47 +41,33 @@ def test_native_launches_are_unchanged(cluster_yaml):
     assert all(s.keep_local == () for s in specs)
 
 
+def _launched(desired: Desired, wrapper: tuple[str, ...] | None = None) -> Driver:
+    """launch-model on the head, both nodes joined and no `vllm serve` yet, through the step driver."""
+    head = launch_specs(desired)[0]
+    name = head.container_name
+    driver = Driver(facts={f"{head.node} ray {name}": [Raw("Active:\n 1 node_a\n 1 node_b\n")],
+                           f"{head.node} vllm-serve {name}": [Raw("0")]})
+    given = Given(desired, Observed(nodes={n.name: NodeObservation(name=n.name, reachable=True)
+                                           for n in desired.nodes}))
+    assert driver.drive(serving.launch_model(given, Step("launch-model", head.node, "missing", (),
+                                                         wrapper=wrapper))) is None
+    return driver
+
+
 def test_the_list_is_written_in_the_head_container_before_vllm_serve(cluster_yaml):
     desired = _asymmetric(cluster_yaml, "ray")
     head = launch_specs(desired)[0]
-    calls = []
-
-    class Session:
-        def run(self, argv, timeout, check=True, stdin=None):
-            calls.append((argv, stdin))
-            return SimpleNamespace(stdout="0\n", exit_code=0)
-
-        def run_script(self, script, timeout):  # the probe's `ray` fragment (reconciler.edge.probes.ray_script)
-            assert "ray status" in script
-            return SimpleNamespace(stdout=answer(script, "@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n"), exit_code=0)
-
-    ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
-                          remaining=lambda t=None: 60, observed=Observed(nodes={}),
-                          owner=owner(desired, Observed(nodes={})))
-    serving.launch_model(ctx, SimpleNamespace(node=head.node, wrapper=None))
-    writes = [i for i, (argv, _) in enumerate(calls) if argv[-1] == serving.NON_CARRY_OVER_WRITE]
-    serves = [i for i, (argv, _) in enumerate(calls) if "-d" in argv and "vllm serve" in " ".join(argv)]
+    driver = _launched(desired)
+    runs = [line for line in driver.transcript if line.startswith("run ")]
+    writes = [i for i, line in enumerate(runs) if line.endswith(shlex.quote(serving.NON_CARRY_OVER_WRITE))]
+    serves = [i for i, line in enumerate(runs) if " -d " in line and "vllm serve" in line]
     assert len(writes) == 1 and len(serves) == 1 and writes[0] < serves[0]
-    assert json.loads(calls[writes[0]][1]) == list(head.keep_local)
+    [written] = [stdin for key, stdin in driver.stdin.items() if serving.NON_CARRY_OVER_WRITE in key]
+    assert json.loads(written) == list(head.keep_local)
 
 
 def test_vllm_serve_is_exec_d_under_the_images_entrypoint_wrapper(cluster_yaml):
     """`docker exec` bypasses the Entrypoint; NGC's sets up CUDA forward compatibility (core.vllm.serve_wrapper)."""
-    desired = _asymmetric(cluster_yaml, "ray")
-    head = launch_specs(desired)[0]
-    calls = []
-
-    class Session:
-        def run(self, argv, timeout, check=True, stdin=None):
-            calls.append(argv)
-            return SimpleNamespace(stdout="0\n", exit_code=0)
-
-        def run_script(self, script, timeout):
-            return SimpleNamespace(stdout=answer(script, "@@ray\nActive:\n 1 node_a\n 1 node_b\n@@rc 0\n"), exit_code=0)
-
-    ctx = SimpleNamespace(desired=desired, sessions={head.node: Session()}, command_timeout=5, cancel=None,
-                          remaining=lambda t=None: 60, observed=Observed(nodes={}),
-                          owner=owner(desired, Observed(nodes={})))
-    serving.launch_model(ctx, SimpleNamespace(node=head.node, wrapper=("/opt/nvidia/nvidia_entrypoint.sh",)))
-    [serve] = [argv[-1] for argv in calls if "-d" in argv]
+    driver = _launched(_asymmetric(cluster_yaml, "ray"), ("/opt/nvidia/nvidia_entrypoint.sh",))
+    [serve] = [shlex.split(line)[-1] for line in driver.transcript if " -d " in line]
     assert serve.startswith("exec /opt/nvidia/nvidia_entrypoint.sh vllm serve ")

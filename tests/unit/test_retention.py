@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler.core.observed import LABEL_WEIGHTS, ClusterIdentity, CopyRecord, Observed
+from reconciler.core.observed import LABEL_WEIGHTS, ClusterIdentity, Container, CopyRecord, Observed
 from reconciler.core.planning import Step, plan
 from reconciler.core.render import plan_text
 from reconciler.core.retention import removals
 from reconciler.core.simulate import apply_plan
 from reconciler.edge import ledger
-from reconciler.edge.probes import Section
+from reconciler.edge.probes import Fact, Section
 from reconciler.edge.steps import StepContext
 from reconciler.edge.steps import retention as prune
 from tests.unit.examples import examples
@@ -216,12 +216,45 @@ def test_the_ledger_folds_to_what_is_copied_and_not_removed_since():
     assert ledger.parse_copies(Section("", 0), "worker1") == []
 
 
+def test_a_start_notes_its_weights_and_image_as_used(tmp_path):
+    """The `served` lines a start writes before its `docker run` (serving._note_use, through ledger.append) are
+    what orders the copies by last use: run by a real sh, they move the weights' and the image's use forward."""
+    import os
+    import subprocess
+
+    from reconciler.core.vllm import launch_specs
+    from reconciler.edge.steps import serving
+    from reconciler.edge.steps.actions import Given
+    from tests.unit.recorded import RAW, observe, sections_of
+    from tests.unit.step_cases import inspected, no_such
+    from tests.unit.step_driver import Driver, Raw
+
+    desired, node = load(), "worker1"
+    observed = observe(desired)  # the head holds the serving image: its content is the reference
+    spec = next(s for s in launch_specs(desired) if s.node == node)
+    content = observed.node("head").images[desired.serving.image].content
+    book = tmp_path / ledger.LEDGER
+    book.parent.mkdir(parents=True)
+    book.write_text(f"copied\t{node}\tweights\t{spec.weights}\t100\t{CLUSTER_ID}\t{DIGEST}\n"
+                    f"copied\t{node}\timage\t{content}\t100\t{CLUSTER_ID}\tsha256:{7:064x}\n")
+    name = spec.container_name
+    driver = Driver(facts={f"{node} container {name}": [no_such(name), inspected(name)],
+                           f"{node} meminfo": [Raw(sections_of(RAW["outputs"][node])["meminfo"].body)]})
+    step = Step("start-serving", node, "missing", (), rank=1)
+    assert driver.drive(serving.start_serving(Given(desired, observed), step)) is None
+    subprocess.run(["sh", "-s"], input=driver.stdin[f"{node} sh -s"], check=True, timeout=30,
+                   env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]})
+    records = ledger.parse_copies(Section(book.read_text(), 0), node)
+    assert [(r.kind, r.key, r.used_at > 100) for r in records] == [("image", content, True),
+                                                                    ("weights", spec.weights, True)]
+
+
 # -- the steps, on real files (a node that is this machine: tests/unit/test_weights_tree.Local) ----------------
 
 def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp_path, nodes, monkeypatch):
     from tests.unit.test_weights_tree import _desired, hf_tree, probe, sync
 
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    containers_now(monkeypatch)
     repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
     sync(tmp_path, nodes)
     dst = tmp_path / "dst" / "hub" / repo.name
@@ -229,7 +262,7 @@ def test_a_copied_tree_is_recorded_then_removed_once_it_is_no_longer_current(tmp
     assert (record.kind, record.key, record.detail, record.by) == ("weights", str(dst), probe(dst).digest(),
                                                                    "head:22"), "no cluster id read: the address"
     ctx = _prune_ctx(tmp_path, nodes, _desired)
-    prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
+    prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
     assert not dst.exists() and (tmp_path / "src" / "hub" / repo.name).is_dir()
     assert ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst") == []
 
@@ -238,14 +271,14 @@ def test_a_tree_changed_since_the_copy_is_kept_released_and_said(tmp_path, nodes
     """Kept, never forced: and released (never proposed again), so a person's edit cannot hold the next copy."""
     from tests.unit.test_weights_tree import _desired, hf_tree, sync
 
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    containers_now(monkeypatch)
     repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
     sync(tmp_path, nodes)
     dst = tmp_path / "dst" / "hub" / repo.name
     (dst / "my-notes.txt").write_text("a person's file")
     events: list = []
     ctx = _prune_ctx(tmp_path, nodes, _desired, events)
-    prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
+    prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(dst),)))
     assert (dst / "my-notes.txt").read_text() == "a person's file"
     assert [f["why"] for e, f in events if e == "retention.kept"][0].startswith("unreadable, or changed since")
     assert ledger.parse_copies(Section((nodes["dst"].home / ledger.LEDGER).read_text(), 0), "dst") == []
@@ -253,7 +286,6 @@ def test_a_tree_changed_since_the_copy_is_kept_released_and_said(tmp_path, nodes
 
 def test_a_tree_a_container_mounts_under_another_name_is_kept(tmp_path, nodes, monkeypatch):
     """The container mounts the tree through a symlinked parent: the same directory, as the node resolves it."""
-    from reconciler.core.observed import Container
     from tests.unit.test_weights_tree import _desired, hf_tree, sync
 
     repo = hf_tree(tmp_path / "src", shards=2, shard_bytes=10_000)
@@ -261,9 +293,9 @@ def test_a_tree_a_container_mounts_under_another_name_is_kept(tmp_path, nodes, m
     dst = tmp_path / "dst" / "hub" / repo.name
     (tmp_path / "alias").symlink_to(tmp_path / "dst" / "hub")
     user = Container(name="notebook", id="c1", image="x", state="exited", mounts=[str(tmp_path / "alias" / repo.name)])
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [user])
+    containers_now(monkeypatch, user)
     events: list = []
-    prune.prune_weights(_prune_ctx(tmp_path, nodes, _desired, events),
+    prune_weights(_prune_ctx(tmp_path, nodes, _desired, events),
                         Step("prune-weights", "dst", "test", remove=(str(dst),)))
     assert dst.is_dir() and [f["why"] for e, f in events if e == "retention.kept"] == [
         "a container on the node mounts it"]
@@ -272,13 +304,24 @@ def test_a_tree_a_container_mounts_under_another_name_is_kept(tmp_path, nodes, m
 def test_a_tree_the_ledger_does_not_name_is_never_removed(tmp_path, nodes, monkeypatch):
     from tests.unit.test_weights_tree import _desired
 
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    containers_now(monkeypatch)
     mine = tmp_path / "dst" / "hub" / "models--someone--else"
     mine.mkdir(parents=True)
     (mine / "weights.safetensors").write_bytes(b"x" * 100)
     ctx = _prune_ctx(tmp_path, nodes, _desired)
-    prune.prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(mine),)))
+    prune_weights(ctx, Step("prune-weights", "dst", "test", remove=(str(mine),)))
     assert (mine / "weights.safetensors").stat().st_size == 100
+
+
+def containers_now(monkeypatch, *containers: Container) -> None:
+    """The node's containers as `containers`: the node is this machine, whose docker is not the test's."""
+    monkeypatch.setattr(prune, "CONTAINERS", Fact("containers", ("sec containers", "rc 0"),
+                                                  lambda sections: list(containers)))
+
+
+def prune_weights(ctx: StepContext, step: Step) -> None:
+    """The step through the one executor, on the ctx's nodes."""
+    ctx.perform(prune.prune_weights(ctx.given, step))
 
 
 def _prune_ctx(tmp_path, nodes, make_desired, events: list | None = None) -> StepContext:

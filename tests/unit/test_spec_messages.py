@@ -283,3 +283,39 @@ def test_the_exception_reads_as_its_lines_and_a_nameless_text_is_called_string()
     assert str(info.value) == "\n".join(info.value.lines())
     assert info.value.lines() == ["<string>:63:9: serving.port: must be greater than or equal to 1",
                                   "<string>:97:9: policy.mode: must be 'enforce' or 'observe'"]
+
+
+# ----------------------------------------------------- a union field broken (issue 34: placing's swallowing except)
+
+PATH = "  path: /home/spark/.cache/huggingface/hub"
+TP3 = ("tensor_parallel_size: 2 ", "tensor_parallel_size: 3 ")
+TP3_LINE = ("X:63:25: serving.tensor_parallel_size: tensor_parallel_size x pipeline_parallel_size = 3 exceeds the "
+            "cluster's 2 GPUs")
+
+
+@pytest.mark.parametrize(("value", "read"), [("5", "5 was read as int"), ("[/srv/a]", "['/srv/a'] was read as list")])
+def test_a_value_that_fits_no_branch_of_a_union_is_reported(value, read):
+    """`model.path` is a string or a mapping; a value that is neither once raised InvalidDesiredState with no
+    line at all (every branch's "wrong type" was dropped as noise)."""
+    assert validate((PATH, f"  path: {value}")) == [f"X:55:9: model.path: must be a string or a mapping ({read})"]
+
+
+def test_a_broken_mapping_branch_keeps_the_cross_field_problems_and_no_noise():
+    """A per-node path that is refused, and a cross-field problem elsewhere: both reported, and not the string
+    branch's "must be a string". The re-check of the rules once walked into the path the string branch's error
+    had dropped, and a broad `except (KeyError, IndexError, TypeError)` turned that into "no cross-field problem"."""
+    per_node = "  path:\n    spark-1a32: /etc\n    spark-5be3: /home/spark/models"
+    assert validate((PATH, per_node), TP3) == [
+        "X:56:17: model.path.spark-1a32: /etc is under /etc: not a data directory", TP3_LINE]
+
+
+def test_a_rule_that_fails_is_not_read_as_no_problem(monkeypatch):
+    """The re-check of the rules over a broken file catches nothing: a rule that raises is a bug, and it shows."""
+    from reconciler.core.spec import models
+
+    def broken_rule(desired):
+        raise TypeError("a bug in a rule")
+
+    monkeypatch.setattr(models, "consistency_problems", broken_rule)
+    with pytest.raises(TypeError, match="a bug in a rule"):
+        validate(("port: 8000", "port: 99999"))

@@ -5,6 +5,8 @@ and, once both are there, copies to the worker while the GLM co-tenant still ser
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
 
@@ -12,7 +14,7 @@ from reconciler.core import spec
 from reconciler.core.observed import Observed, Weights
 from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan
-from reconciler.edge.steps.staging import hub_size
+from reconciler.edge.probes import hub_size
 
 HEAD, WORKER = "spark-1a32", "spark-5be3"
 
@@ -90,6 +92,7 @@ def test_the_hubs_size_is_the_sum_of_its_files(payload, total):
     [1, 2],
     {"siblings": [{"rfilename": "a", "size": -1}]},
     {"siblings": [{"rfilename": "a", "size": "10"}]},
+    {"siblings": [{"rfilename": "a", "size": True}]},  # JSON's true is no size (Python's bool is an int)
 ])
 def test_an_answer_without_every_size_downloads_nothing(payload):
     with pytest.raises(ValueError):
@@ -117,29 +120,13 @@ def test_apply_shows_the_download_as_a_bar_of_the_hubs_size():
 # ------------------------------------------------------------------------------------ the steps' commands
 
 
-class FakeHead:
-    """The source's SSH session: answers the Hub size query with `hub`, runs nothing else; records what was sent."""
-
-    def __init__(self, hub: dict, hf_exit: int = 0):
-        self.hub, self.hf_exit = hub, hf_exit
-        self.calls: list[tuple[list[str], bytes | None]] = []
-
-    def run(self, argv, *, timeout, stdin=None, check=True, on_output=None, cancel=None, supervised=False):
-        from reconciler.edge.ssh import CommandFailed, Result
-
-        self.calls.append((list(argv), stdin))
-        if "api/models" in argv[2]:
-            return Result(json.dumps(self.hub), "", 0)
-        if on_output is not None:
-            on_output(b"bytes 1024\nbytes 4096\n")
-        if self.hf_exit:
-            raise CommandFailed("head", argv, self.hf_exit, "", "hf: command not found")
-        return Result("", "", 0)
-
-
 def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_exit: int = 0):
-    from reconciler.edge.steps import StepContext
-    from reconciler.edge.steps.staging import download
+    """The download step driven from recorded answers (tests/unit/step_driver.py): the Hub's size answer, the
+    fetch's output (`bytes N` lines) and exit. Returns the driver, the fetch's command line and the step's body."""
+    from reconciler.edge.ssh import Result
+    from reconciler.edge.steps.actions import Given
+    from reconciler.edge.steps.staging import download, download_argv
+    from tests.unit.step_driver import Driver, Raw
 
     desired, observed = seed
     data = desired.model_dump(mode="json")
@@ -148,11 +135,14 @@ def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_e
     fresh = _fresh_head(desired, observed)
     node = fresh.node(HEAD).model_copy(update={"disk_free": {"weights": free, "image": free}})
     fresh = fresh.model_copy(update={"nodes": {**fresh.nodes, HEAD: node}})
-    head, events = FakeHead(hub, hf_exit), []
-    ctx = StepContext(desired=desired, sessions={HEAD: head}, observed=fresh,  # type: ignore[arg-type]
-                      progress=lambda e, f: events.append((e, f)))
     step = next(s for s in plan(desired, fresh).steps if s.kind == "download")
-    return head, events, lambda: download(ctx, step)
+    given = Given(desired, fresh)
+    fetch = f"{HEAD} " + shlex.join(download_argv(given, step))
+    model = desired.model
+    driver = Driver(facts={f"{HEAD} hub-size {model.id}@{model.revision}": [Raw(json.dumps(hub))]},
+                    results={fetch: [Result("", "hf: command not found" if hf_exit else "", hf_exit)]},
+                    outputs={fetch: [b"bytes 1024\nbytes 4096\n"]})
+    return driver, fetch, lambda: download(given, step)
 
 
 HUB = {"sha": "1" * 40, "siblings": [{"rfilename": "model.safetensors", "size": 3 << 30}]}
@@ -161,36 +151,57 @@ HUB = {"sha": "1" * 40, "siblings": [{"rfilename": "model.safetensors", "size": 
 def test_the_download_refuses_before_fetching_when_the_disk_cannot_hold_it(seed):
     from reconciler.edge.steps import StepBlocked
 
-    head, _, run = _download(seed, free=(3 << 30) + (512 << 20), hub=HUB)  # the tree fits, not with the margin
-    with pytest.raises(StepBlocked, match=r"needs 4\.0 GiB free .* only 3\.5 GiB"):
-        run()
-    assert len(head.calls) == 1, "only the Hub was asked: nothing was downloaded"
+    driver, _, body = _download(seed, free=(3 << 30) + (512 << 20), hub=HUB)  # the tree fits, not with the margin
+    error = driver.drive(body())
+    assert isinstance(error, StepBlocked) and re.search(r"needs 4\.0 GiB free .* only 3\.5 GiB", str(error))
+    assert [line.split()[0] for line in driver.transcript] == ["read"], "only the Hub was asked: nothing downloaded"
 
 
 def test_the_download_runs_hf_with_the_token_on_stdin_only(seed):
-    head, events, run = _download(seed, free=8 << 30, hub=HUB)
-    run()
-    (size_argv, size_stdin), (fetch_argv, fetch_stdin) = head.calls
-    assert size_stdin == b"Authorization: Bearer hf_secret\n" and fetch_stdin == b"hf_secret\n"
-    assert not any("hf_secret" in a for a in size_argv + fetch_argv)
+    from reconciler.edge.probes import hub_size_fact
+
+    driver, fetch, body = _download(seed, free=8 << 30, hub=HUB)
+    assert driver.drive(body()) is None
     desired, _ = seed
-    assert fetch_argv[-5:] == [desired.model.id, "--revision", desired.model.revision, "--cache-dir",
-                               desired.model.path_on(HEAD)]
-    assert ("download.progress", {"node": HEAD, "bytes_done": 4096, "bytes_total": 3 << 30}) in events
+    model = desired.model
+    assert driver.transcript == [f"read {HEAD} hub-size {model.id}@{model.revision}", "report download.start",
+                                 f"run {fetch}", "report download.progress", "report download.done"]
+    assert driver.stdin == {fetch: b"hf_secret\n"} and "hf_secret" not in fetch
+    assert shlex.split(fetch)[-5:] == [model.id, "--revision", model.revision, "--cache-dir", model.path_on(HEAD)]
+    # the size query: the token in the script on sh's stdin, handed to curl by the printf builtin (`-H @-`)
+    (section, line) = hub_size_fact(model.id, model.revision, "hf_secret", 30).lines
+    assert line.startswith("printf %s 'Authorization: Bearer hf_secret\n' | curl -fsS --max-time 30 -H @- ")
+    assert line.count("hf_secret") == 1
+
+
+def test_the_download_reports_its_bytes_of_the_hubs_size(seed):
+    from tests.unit.test_progress import _reports
+
+    driver, _, body = _download(seed, free=8 << 30, hub=HUB)
+    events: list = []
+    assert driver.drive(_reports(body(), events)) is None
+    assert [(r.event, r.fields.get("bytes_done"), r.fields["bytes_total"]) for r in events] == [
+        ("download.start", None, 3 << 30), ("download.progress", 4096, 3 << 30), ("download.done", None, 3 << 30)]
 
 
 def test_a_token_scoped_to_the_head_is_not_the_downloads(seed):
-    head, _, run = _download(seed, free=8 << 30, hub=HUB, token_scope="head")
-    run()
-    assert [stdin for _, stdin in head.calls] == [b"Accept: application/json\n", b"\n"]
+    from reconciler.edge.probes import hub_size_fact
+
+    driver, fetch, body = _download(seed, free=8 << 30, hub=HUB, token_scope="head")
+    assert driver.drive(body()) is None
+    assert driver.stdin == {fetch: b"\n"}
+    desired, _ = seed
+    (_, line) = hub_size_fact(desired.model.id, desired.model.revision, None, 30).lines
+    assert line.startswith("printf %s 'Accept: application/json\n' | curl ")
 
 
 def test_no_hf_on_the_source_says_how_to_install_it(seed):
     from reconciler.edge.steps import StepFailed
 
-    _, _, run = _download(seed, free=8 << 30, hub=HUB, hf_exit=127)
-    with pytest.raises(StepFailed, match="pipx install huggingface_hub"):
-        run()
+    driver, _, body = _download(seed, free=8 << 30, hub=HUB, hf_exit=127)
+    error = driver.drive(body())
+    assert isinstance(error, StepFailed) and "pipx install huggingface_hub" in str(error)
+    assert "after 4096 bytes" in str(error)
 
 
 def test_with_our_generation_running_a_cotenant_stops_at_once(seed):

@@ -176,31 +176,24 @@ def test_the_trusted_paths_are_the_file_the_keys_and_the_known_hosts(base_yaml, 
         str(tmp_path / "c.yaml"), "/etc/spark-reconciler/known_hosts", "/etc/spark-reconciler/id_ed25519"]
 
 
-def test_the_mtu_of_the_interface_carrying_the_ssh_session_is_never_changed(base_yaml, monkeypatch):
+def test_the_mtu_of_the_interface_carrying_the_ssh_session_is_never_changed(base_yaml):
     """A fabric interface that is in fact the management port: MTU 9000 there could cut the node off."""
-    from types import SimpleNamespace
-
-    from reconciler.core.observed import Link
+    from reconciler.core.observed import Link, NodeObservation, Observed
     from reconciler.core.planning import Step
-    from reconciler.edge.ssh import Result
-    from reconciler.edge.steps import StepFailed, link
+    from reconciler.edge.steps import link
+    from reconciler.edge.steps.actions import Given
+    from tests.unit.step_driver import Driver, Raw
 
     desired = spec.loads(base_yaml)
-    sent: list[list[str]] = []
-
-    class Node:
-        def run(self, argv, timeout=None, check=True, sudo=False):
-            sent.append(list(argv))
-            return Result("10.0.0.5 51234 192.168.200.13 22", "", 0)
-
     at_1500 = Link(name="enp1s0f1np1", exists=True, admin_up=True, carrier=True, mtu=1500,
                    addresses=["192.168.200.13/24"])
-    monkeypatch.setattr(link, "read_links", lambda ctx, node: [at_1500])
-    ctx = SimpleNamespace(desired=desired, sessions={"worker-b": Node()}, command_timeout=5,
-                          remaining=lambda t=None: 5, cancel=None)
-    with pytest.raises(StepFailed, match="the reconciler's SSH session arrives on it"):
-        link.converge_link(ctx, Step("link", "worker-b", "test", ()))
-    assert sent == [["sh", "-c", 'printf "%s" "$SSH_CONNECTION"']]  # nothing was sent with sudo
+    driver = Driver(facts={"worker-b links": [(at_1500, at_1500)],
+                           "worker-b session-address": [Raw("10.0.0.5 51234 192.168.200.13 22")]})
+    given = Given(desired, Observed(nodes={n.name: NodeObservation(name=n.name, reachable=True)
+                                           for n in desired.nodes}))
+    error = driver.drive(link.converge_link(given, Step("link", "worker-b", "test", ())))
+    assert "the reconciler's SSH session arrives on it" in str(error)
+    assert driver.transcript == ["read worker-b links", "read worker-b session-address"], "nothing was run"
 
 
 def test_every_plan_lists_what_the_file_trusts(base_yaml, seed_snapshot):

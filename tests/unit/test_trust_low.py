@@ -29,6 +29,7 @@ from reconciler.edge import ledger, trusted_files
 from reconciler.edge.probes import Section
 from reconciler.edge.steps import hop
 from reconciler.edge.steps import retention as prune
+from tests.unit.test_retention import containers_now
 
 # ---------------------------------------------------------------------------------------------- 11: secrets
 
@@ -161,11 +162,11 @@ def _synced_tree(tmp_path: Path, nodes) -> Path:
 
 def _prune(tmp_path, nodes, root: Path) -> list[str]:
     """Retention's step on `root` as the plan would start it; the reasons it kept anything."""
-    from tests.unit.test_retention import _prune_ctx
+    from tests.unit.test_retention import _prune_ctx, prune_weights
     from tests.unit.test_weights_tree import _desired
 
     events: list = []
-    prune.prune_weights(_prune_ctx(tmp_path, nodes, _desired, events),
+    prune_weights(_prune_ctx(tmp_path, nodes, _desired, events),
                         Step("prune-weights", "dst", "test", remove=(str(root),)))
     return [f["why"] for e, f in events if e == "retention.kept"]
 
@@ -177,7 +178,7 @@ def _listing(tree: Path) -> list[tuple[str, int]]:
 def test_retention_never_removes_through_a_linked_parent(tmp_path, nodes, monkeypatch):
     """The copy's hub became a link to another directory holding a tree that lists the same (another person's
     copy of the model): `rm -rf` on the recorded path removed *that* tree, through the link."""
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    containers_now(monkeypatch)
     dst = _synced_tree(tmp_path, nodes)
     theirs = tmp_path / "theirs" / "hub"
     theirs.parent.mkdir()
@@ -193,7 +194,7 @@ def test_retention_never_removes_through_a_linked_parent(tmp_path, nodes, monkey
 def test_retention_keeps_a_tree_that_became_a_link(tmp_path, nodes, monkeypatch):
     """The recorded tree itself is a link now: the listing (`cd -P`) read the tree it leads to, its digest
     matched, and the step said `removed` for a tree it never touched (only the link went)."""
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    containers_now(monkeypatch)
     dst = _synced_tree(tmp_path, nodes)
     moved = tmp_path / "moved" / dst.name
     moved.parent.mkdir()
@@ -205,7 +206,7 @@ def test_retention_keeps_a_tree_that_became_a_link(tmp_path, nodes, monkeypatch)
 
 
 def test_retention_still_removes_a_tree_reached_without_a_link(tmp_path, nodes, monkeypatch):
-    monkeypatch.setattr(prune, "node_containers", lambda ctx, node: [])
+    containers_now(monkeypatch)
     dst = _synced_tree(tmp_path, nodes)
     assert _prune(tmp_path, nodes, dst) == []
     assert not dst.exists() and (tmp_path / "dst" / "hub").is_dir()
@@ -267,7 +268,7 @@ def test_the_fabric_hop_reads_no_configuration_of_the_source_and_still_offers_it
     (home / ".ssh" / "config").chmod(0o600)
     target = SimpleNamespace(ssh=SimpleNamespace(port=22, connect_timeout=10.0))
     ctx = SimpleNamespace(desired=SimpleNamespace(node=lambda name: target))
-    seen = _evaluated([*hop.ssh_options(ctx, "worker1"), "spark@192.168.200.13", "true"], home)
+    seen = _evaluated([*hop.ssh_options(ctx.desired, "worker1"), "spark@192.168.200.13", "true"], home)
     assert "proxycommand" not in seen, seen.get("proxycommand")
     assert seen["globalknownhostsfile"] == ["/dev/null"]
     assert seen["userknownhostsfile"] == [f"{pwd.getpwuid(0).pw_dir}/.ssh/spark-reconciler_fabric_known_hosts_worker1"]
@@ -385,15 +386,11 @@ def test_status_on_a_nesting_bomb_says_it_cannot_read_the_answer(console_script,
 def test_the_compile_cache_directories_are_the_ssh_user_s_alone(tmp_path):
     """Issue 31, item 18: no `nosuid` for a bind mount in Docker, so the host directories a root container writes
     into are 0700, new or already there (the real command, by a real sh)."""
-    from reconciler.edge.steps.serving import make_cache_dirs
-
-    class Here:
-        def run(self, argv, timeout):
-            subprocess.run(argv, check=True, timeout=timeout)
+    from reconciler.edge.steps.serving import cache_dirs_argv
 
     old = tmp_path / "home" / ".triton"
     old.mkdir(parents=True, mode=0o755)
     old.chmod(0o755)
     new = tmp_path / "home" / ".cache" / "vllm"
-    make_cache_dirs(Here(), [str(old), str(new)], 30)
+    subprocess.run(cache_dirs_argv([str(old), str(new)]), check=True, timeout=30)
     assert [oct(d.stat().st_mode & 0o777) for d in (old, new)] == ["0o700", "0o700"]

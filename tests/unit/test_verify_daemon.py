@@ -140,7 +140,9 @@ def test_a_running_verify_yields_to_a_serving_restart_and_runs_again_after_it(de
     assert [r["outcome"] for r in record(c)["results"]] == ["match"]
 
 
-def test_a_new_generation_cancels_the_verify_and_says_so(desired_path, tmp_path, converged):
+def test_a_new_generation_that_changes_the_weights_cancels_the_verify_and_says_so(desired_path, tmp_path, converged):
+    """Issue 34: only an edit of what the verify checks ends it; an edit of resync_interval (or max_model_len) is a
+    new generation too, and the verify goes on."""
     verify = FakeVerify("block")
     c, requests = controller(desired_path, tmp_path, Script(converged), Gate(), verify)
     c.reconcile({"start"})
@@ -149,10 +151,13 @@ def test_a_new_generation_cancels_the_verify_and_says_so(desired_path, tmp_path,
     assert verify.running.wait(5) and verify.calls == [(WORKER, True)]
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 45s"))
     c.reconcile({"file"})
+    assert c.verifier.verifying() == WORKER and record(c)["state"] == "running", "another generation, same weights"
+    desired_path.write_text(desired_path.read_text().replace("revision: main", "revision: 0123abc"))
+    c.reconcile({"file"})
     end_of_verify(c, requests)
     done = record(c)
     assert done["state"] == "done" and done["results"][0]["outcome"] == "cancelled"
-    assert "new generation" in done["results"][0]["message"]
+    assert f"the weights to verify on {WORKER} changed in the new desired state" in done["results"][0]["message"]
     assert exit_code(done["results"]) == Exit.ERROR
 
 

@@ -380,7 +380,7 @@ def _desired(tmp_path: Path, layout: str = "hf-cache", streams: int = 2, transpo
     model = SimpleNamespace(id=MODEL, layout=layout, path_on=paths.__getitem__)
     policy = SimpleNamespace(weights=SimpleNamespace(parallel_streams=streams, bandwidth_limit=None,
                                                      transport=transport, drop_behind=True),
-                             timeouts=SimpleNamespace(command=60))
+                             timeouts=SimpleNamespace(command=60, weights_sync=120))
     loopback = SimpleNamespace(fabric=SimpleNamespace(address=SimpleNamespace(ip="127.0.0.1")))
     hub_tree = "models--" + MODEL.replace("/", "--")
     return SimpleNamespace(model=model, policy=policy, source_node="src", node=lambda name: loopback,
@@ -396,8 +396,7 @@ def sync(tmp_path, nodes, streams=2, events=None, transport="rsync-daemon", drop
                       observed=Observed(nodes={}),
                       progress=lambda e, f: (events if events is not None else []).append((e, f)),
                       deadline=time.monotonic() + 120)
-    step.sync_weights(ctx, Step(kind="weights", node="dst", reason="test",
-                                source="src"))
+    ctx.perform(step.sync_weights(ctx.given, Step(kind="weights", node="dst", reason="test", source="src")))
 
 
 @pytest.mark.parametrize("streams,transport", [(1, "rsync-daemon"), (3, "rsync-daemon"), (1, "ssh"), (3, "ssh")])
@@ -629,3 +628,22 @@ def test_repair_never_removes_through_a_linked_model_root(tmp_path):
     assert credentials.read_text() == '{"auths": {"registry.example": {"auth": "c2VjcmV0"}}}', (
         "verify --repair removed a file through a linked model root")
     assert found.repaired == () and "goes through a link: nothing removed" in (found.problem or "")
+
+
+def test_the_daemon_s_secret_goes_on_stdin_only_to_it_and_to_each_stream():
+    """The one-time daemon's secret: made for the step, fed to the helper and to each rsync client on stdin
+    (`--password-file=-`), in no command line; a new one for every copy."""
+    from reconciler.edge.steps.actions import Given
+    from tests.unit.step_cases.weights import FRESH, HELPERS, STEP, _daemon, _observed, daemon, recorded
+    from tests.unit.step_driver import Driver
+
+    seen = []
+    for _ in range(2):
+        driver = Driver(facts=FRESH, results={**HELPERS, **_daemon()})
+        assert driver.drive(step.sync_weights(Given(recorded(), _observed()), STEP)) is None
+        secret = driver.stdin[f"start {daemon(4)}"]
+        streams = {key: fed for key, fed in driver.stdin.items() if key.startswith("head rsync ")}
+        assert len(secret) > 40 and secret.endswith(b"\n") and list(streams.values()) == [secret] * 4
+        assert not any(secret.strip().decode() in line for line in driver.transcript)
+        seen.append(secret)
+    assert seen[0] != seen[1]

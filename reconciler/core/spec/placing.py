@@ -44,27 +44,45 @@ def _message(err: ErrorDetails) -> str:
         return msg.removeprefix("Value error, ")
     if kind == "string_type":
         return f"must be a string; quote the value ({err.get('input')!r} was read as {type(err.get('input')).__name__})"
-    if kind == "literal_error":
-        return msg.replace("Input should be", "must be")
     return msg.replace("Input should be", "must be")
 
 
-_BRANCH_MISMATCH = {"dict_type", "string_type", "list_type", "int_type", "none_required"}
+#: A union branch's "wrong type" errors, and how the combined message names each type the field takes.
+_BRANCH_MISMATCH = {"dict_type": "a mapping", "string_type": "a string", "list_type": "a list",
+                    "int_type": "an integer", "none_required": "null"}
 
 
 def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, ErrorDetails]]:
     """(path, is-about-the-key, error) per problem, without pydantic's union-branch noise: for `str | dict`
-    fields keep the branch that fits the input."""
+    fields keep the branch that fits the input. A "wrong type" error is noise when another error sits at its path
+    or under it (the branch that fits said what is wrong); when every branch says "wrong type" they become one
+    error naming the types the field takes. Once a value that fit no branch (`path: 5`) reported nothing at all,
+    and a string-branch error above a mapping's own left a path the broken-value walk could not follow."""
     errs = []
     for err in exc.errors(include_url=False):
         at_key = KEY in err["loc"]
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         errs.append((loc, at_key, err))
-    by_loc: dict[Loc, int] = {}
-    for loc, _, _ in errs:
-        by_loc[loc] = by_loc.get(loc, 0) + 1
-    return [(loc, at_key, err) for loc, at_key, err in errs
-            if not (by_loc[loc] > 1 and err["type"] in _BRANCH_MISMATCH)]
+    out: list[tuple[Loc, bool, ErrorDetails]] = []
+    for i, (loc, at_key, err) in enumerate(errs):
+        if err["type"] not in _BRANCH_MISMATCH:
+            out.append((loc, at_key, err))
+            continue
+        related = [j for j, (other, _, _) in enumerate(errs) if j != i and other[:len(loc)] == loc]
+        if not related:
+            out.append((loc, at_key, err))  # a plain wrong type
+        elif i < min(related) and all(errs[j][2]["type"] in _BRANCH_MISMATCH and len(errs[j][0]) == len(loc)
+                                      for j in related):  # every branch says "wrong type": the first speaks for all
+            out.append((loc, at_key, _no_branch_fits(err, [errs[j][2] for j in related])))
+        # else another branch fits the input and says what is wrong at or under this path
+    return out
+
+
+def _no_branch_fits(first: ErrorDetails, others: list[ErrorDetails]) -> ErrorDetails:
+    kinds = " or ".join(_BRANCH_MISMATCH[e["type"]] for e in (first, *others))
+    value = first["input"]
+    return ErrorDetails(type="union_type", loc=first["loc"], input=value,
+                        msg=f"Input should be {kinds} ({value!r} was read as {type(value).__name__})")
 
 
 def _place(doc: loader.Document, loc: Loc, at_key: bool) -> loader.Position:
@@ -86,13 +104,17 @@ def problems_from_validation(doc: loader.Document, exc: ValidationError) -> list
     return out
 
 
-def _without(data: Any, loc: Loc) -> None:
-    """Delete the value at `loc` from nested dicts/lists (used to re-check the rest of a broken file)."""
+def _without(data: object, loc: Loc) -> None:
+    """Delete the value at `loc` from nested dicts/lists (used to re-check the rest of a broken file); nothing when
+    the path is not in the data (a path under a value already dropped)."""
     for part in loc[:-1]:
-        data = data[part]
+        children = dict(enumerate(data)) if isinstance(data, list) else data
+        if not isinstance(children, dict) or part not in children:
+            return
+        data = children[part]
     if isinstance(data, dict):
         data.pop(loc[-1], None)
-    elif isinstance(data, list) and isinstance(loc[-1], int) and loc[-1] < len(data):
+    elif isinstance(data, list) and isinstance(loc[-1], int) and 0 <= loc[-1] < len(data):
         data[loc[-1]] = None
 
 
@@ -116,13 +138,11 @@ def _consistency_without(data: Any, broken: list[Loc]) -> list[tuple[Loc, str]]:
 def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader.Problem]:
     """Cross-field rules normally run only on valid fields. To still report every error at once, drop the broken
     values and validate again; keep only the cross-field problems that do not touch a dropped value, so a default
-    never produces an error the operator did not write."""
-    try:
-        problems = _consistency_without(doc.data, broken)
-    except (KeyError, IndexError, TypeError):
-        return []
+    never produces an error the operator did not write. Nothing is caught here: the walk to a dropped value is
+    total (`_without`), so an exception is a bug in a rule and surfaces (it once read as "no cross-field problem",
+    which hid the rule's problems whenever a union field was broken too)."""
     out = []
-    for loc, message in problems:
+    for loc, message in _consistency_without(doc.data, broken):
         at_key = loc[-1:] == (KEY,)  # placed at the key, as when the file has no other error
         loc = loc[:-1] if at_key else loc
         if any(loc[: len(b) - 1] == b[:-1] or b[: len(loc)] == loc for b in broken):

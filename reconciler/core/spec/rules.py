@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -243,16 +243,17 @@ def _model_path_for_the_source(f: _Facts) -> list[_Problem]:
     return []
 
 
-def _co_tenant_keys_are_nodes(f: _Facts, table: str) -> list[_Problem]:
+def _co_tenant_keys_are_nodes(f: _Facts, table: str, patterns: Mapping[str, list[str]]) -> list[_Problem]:
     return [(("co_tenants", table, key, KEY), f"{key!r} is not a node")
-            for key in getattr(f.d.co_tenants, table) if key != "*" and key not in f.index]
+            for key in patterns if key != "*" and key not in f.index]
 
 
-def _co_tenants_spare_the_serving_container(f: _Facts, table: str) -> list[_Problem]:
+def _co_tenants_spare_the_serving_container(f: _Facts, table: str,
+                                            patterns: Mapping[str, list[str]]) -> list[_Problem]:
     name = f.d.serving.container_name
     return [(("co_tenants", table, key, j), f"{p!r} matches the managed serving container {name!r}")
-            for key, patterns in getattr(f.d.co_tenants, table).items()
-            for j, p in enumerate(patterns) if fnmatch.fnmatchcase(name, p)]
+            for key, listed in patterns.items()
+            for j, p in enumerate(listed) if fnmatch.fnmatchcase(name, p)]
 
 
 # What a serving container may have without `trust`: the RDMA devices and locked memory NCCL's RoCE transport
@@ -317,8 +318,10 @@ def _secret_twice(f: _Facts) -> list[_Problem]:
 
 
 def _co_tenants(f: _Facts) -> list[_Problem]:
-    return [problem for table in ("allowed", "protected")
-            for problem in _co_tenant_keys_are_nodes(f, table) + _co_tenants_spare_the_serving_container(f, table)]
+    tables = {"allowed": f.d.co_tenants.allowed, "protected": f.d.co_tenants.protected}
+    return [problem for table, patterns in tables.items()
+            for problem in (_co_tenant_keys_are_nodes(f, table, patterns)
+                            + _co_tenants_spare_the_serving_container(f, table, patterns))]
 
 
 # (rule, runs only when every rule before it found nothing), in the order the problems are reported.

@@ -11,7 +11,8 @@ import ipaddress
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 # ---------------------------------------------------------------------------------------------- safe patterns
@@ -31,10 +32,11 @@ class _pattern:
             raise ValueError(f"{value!r} is not a valid {self.what}")
         return value
 
-    def __get_pydantic_core_schema__(self, source, handler):
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
         return core_schema.no_info_after_validator_function(self.check, handler(source))
 
-    def __get_pydantic_json_schema__(self, schema, handler):
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
         out = handler(schema)
         out["pattern"] = f"^(?:{self.regex})$"
         if self.max_len:
@@ -125,7 +127,7 @@ class Duration(float):
     """Seconds, written in YAML as `30s`/`5m`; keeps the readable form for `model_dump` and the schema."""
 
     @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
         return core_schema.no_info_plain_validator_function(
             lambda v: v if isinstance(v, Duration) else cls(parse_duration(v)),
             json_schema_input_schema=core_schema.str_schema(pattern=r"^(\d+(ms|s|m|h|d))+$"),
@@ -219,12 +221,11 @@ def has_control_characters(value: str) -> bool:
 
 
 def _extra_arg(value: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError("must be a string")
+    """After pydantic's str check. vLLM reads `--a_b` as `--a-b`, and no reserved flag has a `_`."""
     if has_control_characters(value):
         raise ValueError(f"{value!r} contains control characters")
     flag = value.split("=", 1)[0]
-    canonical = flag if flag in _RESERVED_SERVE_FLAGS else flag.replace("_", "-")  # vLLM reads --a_b as --a-b
+    canonical = flag.replace("_", "-")
     if canonical in _RESERVED_SERVE_FLAGS:
         raise ValueError(f"{flag} is set by the reconciler; use {_RESERVED_SERVE_FLAGS[canonical]} instead")
     return value

@@ -29,13 +29,11 @@ from reconciler.edge.probes import (
     containers_script,
     gpu_script,
     interfaces_script,
-    listen_script,
     memory_script,
     node_output,
     parse_containers,
     parse_gpu_stack,
     parse_interfaces,
-    parse_listening,
     parse_memory,
     parse_rdma_devices,
 )
@@ -89,8 +87,7 @@ done; rc 0
 
 #: The script, run by `probes.read_sections` (which puts `export LC_ALL=C` and `sec` first). Read-only, no
 #: interpolated value (nothing to quote). Sections as everywhere: `sec NAME` ... `rc N`.
-SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(), *listen_script(),
-                           *gpu_script(),
+SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(), *gpu_script(),
                            *_DISCOVER_ONLY.splitlines()]
 
 #: Never a fabric: loopback, docker's and libvirt's bridges and veths, Wi-Fi, VPN and CNI interfaces.
@@ -156,7 +153,6 @@ class NodeFacts:
     mem_available: int = 0
     nofile_hard: int | None = None
     memlock_unlimited: bool = False
-    listening: set[int] = field(default_factory=set)
     hf_home: str = ""
     model_roots: list[str] = field(default_factory=list)
     models: list[ModelDir] = field(default_factory=list)
@@ -316,7 +312,6 @@ def facts_from_sections(host: str, sections: dict[str, Section]) -> NodeFacts:
     facts.gpu_hook = stack is not None and stack.hook
     facts.mem_total, facts.mem_available = read(lambda: parse_meminfo(body("meminfo")), (0, 0))
     _parse_ulimits(facts, body("ulimit"))
-    facts.listening = set(read(lambda: parse_listening(sections.get("listen")) or [], list[int]()))
     facts.hf_home = body("hf_home").strip()
     facts.model_roots, facts.models = read(lambda: parse_models(body("models")),
                                                  (list[str](), list[ModelDir]()))

@@ -48,7 +48,8 @@ COMMENT_TEXT_MAX = 300
 
 def quoted(value: object) -> DoubleQuotedScalarString:
     """Node or operator text as a double-quoted scalar of printable text: a `#` or a quote stays inside the value."""
-    return DoubleQuotedScalarString(printable(str(value)))
+    scalar: DoubleQuotedScalarString = DoubleQuotedScalarString(printable(str(value)))
+    return scalar
 
 
 def comment_text(text: object) -> str:

@@ -356,7 +356,7 @@ class Session:
         if not self._alive():
             self.close()
 
-    def stream_lines(self, command: str, stop, idle: float = 1.0):
+    def stream_lines(self, command: str, stop: threading.Event, idle: float = 1.0) -> Iterator[str]:
         """Yield stdout lines of a long-running command (an event stream) until `stop` is set or the channel
         ends; a dropped session raises Unreachable so the caller can reconnect with backoff."""
         with self.channel(command, timeout=10) as channel:
@@ -364,7 +364,7 @@ class Session:
         if not stop.is_set():
             raise Unreachable(self.name, "event stream ended")
 
-    def _lines(self, channel: paramiko.Channel, stop, idle: float):
+    def _lines(self, channel: paramiko.Channel, stop: threading.Event, idle: float) -> Iterator[str]:
         buffer = b""
         try:
             while not stop.is_set():
@@ -388,7 +388,8 @@ class Session:
         return self._live_transport() is not None
 
     def run(self, argv: Sequence[str], *, timeout: float, sudo: bool = False, stdin: bytes | None = None,
-            check: bool = True, on_output=None, cancel=None, supervised: bool = False) -> Result:
+            check: bool = True, on_output: Callable[[bytes], None] | None = None,
+            cancel: threading.Event | None = None, supervised: bool = False) -> Result:
         """Run one argv on the node; raise CommandFailed on a non-zero exit when `check`.
 
         `on_output(bytes)` sees stdout as it arrives (rsync progress); `cancel` (a threading.Event) closes the

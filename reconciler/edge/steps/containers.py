@@ -2,46 +2,26 @@
 container is stopped only when this reconciler created it (its managed and instance labels, Container.owned_by,
 judged against `core.ownership.owner` of the observation the plan was made from) and it is not protected; it is
 removed only when it also bears the configured serving name, to free that name for a re-creation (fixed names +
-asynchronous removal is a known source of "name already in use"). Each is checked again on the node right before
-acting: the plan may be minutes old.
+asynchronous removal is a known source of "name already in use"). Each is read again on the node right before
+acting (`probes.container_fact`): the plan may be minutes old.
 """
 
 from __future__ import annotations
 
-import json
-
 from reconciler.core.observed import LABEL_INSTANCE, Container
 from reconciler.core.planning import Step
-from reconciler.edge.steps import StepContext, StepFailed, wait_for
+from reconciler.edge.probes import container_fact
+from reconciler.edge.steps.actions import Actions, Given, Read, Run, StepFailed, read, run, wait
+
+#: How long a stopped container may take to show as stopped, and a removed one as gone, after docker said so.
+STOPPED_WITHIN = 15.0
+REMOVED_WITHIN = 30.0
 
 
-def inspect(ctx: StepContext, node: str, name: str) -> dict | None:
-    """`docker inspect NAME` as a dict, None when there is no such container."""
-    result = ctx.sessions[node].run(["docker", "inspect", "--type", "container", name],
-                                    timeout=ctx.command_timeout, check=False)
-    if result.exit_code != 0:
-        if "No such" in result.stderr or "no such" in result.stderr:
-            return None
-        raise StepFailed(f"docker inspect {name} on {node} failed: {result.stderr.strip()}")
-    return json.loads(result.stdout)[0]
-
-
-def _labelled(info: dict) -> Container:
-    """The labels of `docker inspect NAME` judged by the observed model's own rules (`Container.managed`,
-    `owned_by`), so a step and the plan can never disagree on whose a container is."""
-    return Container(name=info.get("Name", "").lstrip("/"), id=info.get("Id", ""), image="", state="created",
-                     labels=(info.get("Config") or {}).get("Labels") or {})
-
-
-def is_managed(info: dict) -> bool:
-    return _labelled(info).managed
-
-
-def owner_problem(ctx: StepContext, node: str, name: str, info: dict) -> str | None:
-    """Why this reconciler must not stop `name` on `node` as its own serving container, if it must not."""
-    container = _labelled(info)
-    ours = ctx.owner
-    if ctx.desired.co_tenants.is_protected(node, name):
+def owner_problem(given: Given, node: str, container: Container) -> str | None:
+    """Why this reconciler must not stop or replace `container` on `node` as its own serving, if it must not."""
+    name, ours = container.name, given.owner
+    if given.desired.co_tenants.is_protected(node, name):
         return f"{name} on {node} is protected (co_tenants.protected); never stopped"
     if not container.managed:
         return f"{name} on {node} was not created by the reconciler; it is never stopped or removed"
@@ -53,42 +33,44 @@ def owner_problem(ctx: StepContext, node: str, name: str, info: dict) -> str | N
     return None
 
 
-def _stop(ctx: StepContext, node: str, name: str) -> None:
-    grace = int(ctx.desired.policy.timeouts.stop_grace)
-    ctx.sessions[node].run(["docker", "stop", "-t", str(grace), name], timeout=ctx.remaining(grace + 30))
-    wait_for(lambda: not ((inspect(ctx, node, name) or {}).get("State", {}).get("Running")), timeout=15,
-             what=f"{name} to stop on {node}", cancel=ctx.cancel)
+def _stop(given: Given, node: str, name: str) -> Actions:
+    """`docker stop` with the policy's grace, then the container seen stopped."""
+    grace = int(given.desired.policy.timeouts.stop_grace)
+    yield Run(node, ("docker", "stop", "-t", str(grace), name), timeout=grace + 30)
+    yield from wait(Read(node, container_fact(name)), lambda seen: seen is None or not seen.container.running,
+                    timeout=STOPPED_WITHIN, what=f"{name} to stop on {node}")
 
 
-def stop_container(ctx: StepContext, step: Step) -> None:
-    """Stop a co-tenant that is not allowed. Re-checks that it is still running, unmanaged and not allowed."""
+def stop_container(given: Given, step: Step) -> Actions:
+    """Stop a co-tenant that is not allowed. Re-checks that the file still disallows it and that it is still
+    running and not the reconciler's own (a co-tenant stop never touches a managed container)."""
     name, node = step.container, step.node
     assert name is not None, "the plan sets it for a stop step"
-    ct = ctx.desired.co_tenants
-    if ct.is_allowed(node, name) or ct.is_protected(node, name):
+    co_tenants = given.desired.co_tenants
+    if co_tenants.is_allowed(node, name) or co_tenants.is_protected(node, name):
         return  # the file changed since the plan: nothing to do
-    info = inspect(ctx, node, name)
-    if info is None or not info["State"]["Running"]:
+    seen = yield from read(node, container_fact(name))
+    if seen is None or not seen.container.running:
         return
-    if is_managed(info):
+    if seen.container.managed:
         raise StepFailed(f"{name} on {node} is managed by the reconciler; co-tenant stop refused")
-    _stop(ctx, node, name)
+    yield from _stop(given, node, name)
 
 
-def stop_serving(ctx: StepContext, step: Step) -> None:
+def stop_serving(given: Given, step: Step) -> Actions:
     """Stop one of our serving containers (ordered restart or no longer wanted); remove it only when it bears
     the configured serving name (a container under a former name is stopped and left for the operator)."""
     name, node = step.container, step.node
     assert name is not None, "the plan sets it for a stop step"
-    info = inspect(ctx, node, name)
-    if info is None:
+    seen = yield from read(node, container_fact(name))
+    if seen is None:
         return
-    if (problem := owner_problem(ctx, node, name, info)) is not None:
+    if (problem := owner_problem(given, node, seen.container)) is not None:
         raise StepFailed(problem)
-    if info["State"]["Running"]:
-        _stop(ctx, node, name)
-    if name != ctx.desired.serving.container_name:
+    if seen.container.running:
+        yield from _stop(given, node, name)
+    if name != given.desired.serving.container_name:
         return
-    ctx.sessions[node].run(["docker", "rm", name], timeout=ctx.command_timeout)
-    wait_for(lambda: inspect(ctx, node, name) is None, timeout=30, what=f"{name} to be removed on {node}",
-             cancel=ctx.cancel)
+    yield from run(node, "docker", "rm", name)
+    yield from wait(Read(node, container_fact(name)), lambda gone: gone is None, timeout=REMOVED_WITHIN,
+                    what=f"{name} to be removed on {node}")

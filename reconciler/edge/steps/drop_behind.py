@@ -5,34 +5,37 @@ GPU's driver does not count that cache as free (docs/weights-transport.md "Page 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
-from reconciler.edge.steps import StepContext, StepFailed
+from reconciler.edge.steps.actions import Action, Actions, Given, Report, Start, StepFailed, Stop
 
 _HELPER = Path(__file__).with_name("drop_behind_helper.py").read_text()
 
 
-@contextlib.contextmanager
-def drop_behind(ctx: StepContext, node: str, root: str) -> Iterator[None]:
-    """While the block runs, keep `root`'s files on `node` out of the page cache; on leaving it, one last pass
-    (after the caller's `sync -f`, the copy's last pages are clean and leave too). A helper that cannot start
-    stops the copy before its first byte: a copy beside a serving generation is bounded or not made."""
-    if not ctx.desired.policy.weights.drop_behind:
-        yield
+def start_bound(given: Given, node: str, root: str) -> Generator[Action, Any, Start | None]:
+    """Keep `root`'s files on `node` out of the page cache from now on (None: `policy.weights.drop_behind` is off).
+    A helper that cannot start stops the copy before its first byte: a copy beside a serving generation is
+    bounded or not made. Its lifetime is the weights' deadline (the executor also ends it with the step)."""
+    if not given.desired.policy.weights.drop_behind:
+        return None
+    helper = Start(node, ("python3", "-c", _HELPER, root, str(int(given.desired.policy.timeouts.weights_sync))))
+    first = yield helper
+    if first != "ready":
+        said = yield Stop(helper, "finish")
+        raise StepFailed(f"the page-cache bound for the copy could not start on {node} (exit {said.exit_code}): "
+                         f"{(said.stderr or first or 'no output').strip()[-400:]}; it needs python3 there "
+                         "(or set policy.weights.drop_behind: false)")
+    return helper
+
+
+def end_bound(helper: Start | None) -> Actions:
+    """One last pass and the helper's end (after the caller's `sync -f`, the copy's last pages are clean and leave
+    too). A helper that ended badly is said, not a failure: the copy is good, only its cache may have grown."""
+    if helper is None:
         return
-    argv = ["python3", "-c", _HELPER, root, str(int(ctx.remaining()))]
-    with ctx.sessions[node].companion(argv, timeout=ctx.remaining(), stdin=b"",
-                                      open_timeout=ctx.command_timeout) as helper:
-        first = helper.line(ctx.command_timeout)
-        if first != "ready":
-            said = helper.finish(ctx.command_timeout)
-            raise StepFailed(f"the page-cache bound for the copy could not start on {node} (exit {said.exit_code}): "
-                             f"{(said.stderr or first or 'no output').strip()[-400:]}; it needs python3 there "
-                             "(or set policy.weights.drop_behind: false)")
-        yield
-        said = helper.end(ctx.command_timeout)
-        if said.exit_code != 0:  # the copy is good; only its cache may have grown: said, not failed
-            ctx.progress("weights.drop-behind-ended", {"node": node, "exit": said.exit_code,
-                                                      "stderr": said.stderr.strip()[-300:]})
+    said = yield Stop(helper, "end")
+    if said.exit_code != 0:
+        yield Report("weights.drop-behind-ended", {"node": helper.node, "exit": said.exit_code,
+                                                   "stderr": said.stderr.strip()[-300:]})

@@ -17,6 +17,8 @@ O_NONBLOCK (a FIFO someone left in the tree cannot block it), and any error on o
 unreadable) only skips that file. It prints `ready` once it made its first pass, and `passes N` at the end.
 """
 
+from __future__ import annotations
+
 import os
 import select
 import stat
@@ -27,7 +29,7 @@ INTERVAL = 0.1  # seconds between passes: the cache a copy builds in between is 
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
-def drop(root: str, sizes: dict) -> None:
+def drop(root: str, sizes: dict[str, int]) -> None:
     """One pass: every regular file below `root` (links not followed) out of the page cache. A file that grew
     since the last pass is being written: its dirty pages are written back first (`fdatasync`, which waits for
     them, where DONTNEED alone only starts their writeback and leaves them cached), so a writer faster than the
@@ -55,7 +57,7 @@ def drop(root: str, sizes: dict) -> None:
     sizes.update(seen)
 
 
-def main(argv: list) -> int:
+def main(argv: list[str]) -> int:
     try:
         root, lifetime = argv[0], float(argv[1])
     except (IndexError, ValueError) as exc:
@@ -63,7 +65,7 @@ def main(argv: list) -> int:
         return 2
     end = time.monotonic() + lifetime
     stdin = sys.stdin.fileno()
-    sizes: dict = {}
+    sizes: dict[str, int] = {}
     drop(root, sizes)
     print("ready", flush=True)
     passes = 1

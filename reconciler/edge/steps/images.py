@@ -10,14 +10,14 @@ by `dd status=progress` for the step's progress."""
 
 from __future__ import annotations
 
-import json
 import re
 
 from reconciler.core.observed import Image
 from reconciler.core.planning import Step
-from reconciler.edge.probes import image_from_inspect
-from reconciler.edge.ssh import CommandFailed, bounded, quote
-from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
+from reconciler.edge.probes import image_fact
+from reconciler.edge.ssh import CommandFailed, Result, bounded, quote
+from reconciler.edge.steps import hop, note
+from reconciler.edge.steps.actions import Actions, Given, Report, Run, StepFailed, read
 
 # bash for pipefail: a failed `docker save` or `docker load` fails the copy, not only the last stage. dd's report
 # goes to stdout (fd 3) where the step reads progress; docker load's own output to stderr.
@@ -52,25 +52,12 @@ def archive_estimate(image: Image) -> int | None:
     return image.size or None
 
 
-def inspect_image(ctx: StepContext, node: str, ref: str) -> Image | None:
-    """The image on `node`; None only when the engine says it has none (a broken engine is an error, not a reason
-    to copy 20 GB)."""
-    result = ctx.sessions[node].run(["docker", "image", "inspect", ref], timeout=ctx.command_timeout, check=False)
-    if not result.ok:
-        if "no such image" in result.stderr.lower():
-            return None
-        raise StepFailed(f"`docker image inspect {ref}` on {node} failed (exit {result.exit_code}): "
-                         f"{result.stderr.strip()[-300:]}")
-    try:
-        return image_from_inspect(json.loads(result.stdout)[0])
-    except (ValueError, LookupError, TypeError) as exc:
-        raise StepFailed(f"`docker image inspect {ref}` on {node} printed no image: {exc}") from None
-
-
-def copy_argv(ctx: StepContext, ref: str, target: str, timeout: float) -> list[str]:
-    """The source's command: save | count | ssh target 'docker load' (bounded on the target as well)."""
+def copy_argv(given: Given, ref: str, target: str, timeout: float) -> tuple[str, ...]:
+    """The source's command: save | count | ssh target 'docker load' (bounded on the target at `timeout`, the
+    image copy's own deadline; the whole pipeline is bounded on the source by the step's)."""
     load = quote(bounded(["docker", "load"], timeout))
-    return ["bash", "-c", _COPY, "bash", ref, *hop.ssh_options(ctx, target), hop.address(ctx, target), load]
+    return ("bash", "-c", _COPY, "bash", ref, *hop.ssh_options(given.desired, target),
+            hop.address(given.desired, target), load)
 
 
 _LOADED = re.compile(r"^Loaded image: (\S+)\s*$", re.M)
@@ -90,50 +77,51 @@ def unexpected_tags(load_output: str, ref: str) -> list[str]:
     return [t for t in _LOADED.findall(load_output) if _familiar(t) != _familiar(ref)]
 
 
-def copy_image(ctx: StepContext, step: Step) -> None:
+def copy_image(given: Given, step: Step) -> Actions:
     """The target must end up with the content the plan saw on the image source (the head unless listed
     otherwise); the archive may name no other tag. Checked on the target after the load, not taken from the
-    stream's sender."""
+    stream's sender. Re-checks first: the source still has it, with the planned content and the pinned id; the
+    target does not already hold that content."""
     ref, source, node = step.image, step.source, step.node
     assert ref is not None and source is not None, "the plan sets both for an image step"
-    expect = step.content
-    want = inspect_image(ctx, source, ref)
+    want = yield from read(source, image_fact(ref))
     if want is None:
         raise StepFailed(f"{ref} is no longer present on {source}")
-    if expect and want.content != expect:
+    if step.content and want.content != step.content:
         raise StepFailed(f"{ref} on {source} changed since the plan (content {want.content[:19]}, planned "
-                         f"{expect[:19]}): nothing is copied; the next reconcile plans again")
-    pin = ctx.desired.serving.image_id
+                         f"{step.content[:19]}): nothing is copied; the next reconcile plans again")
+    pin = given.desired.serving.image_id
     if pin and not want.matches_pin(pin):
         raise StepFailed(f"{ref} on {source} is {want.id[:19]}, not the pinned {pin[:19]}: nothing is copied")
-    have = inspect_image(ctx, node, ref)
+    have = yield from read(node, image_fact(ref))
     if have is not None and have.content == want.content:
         return
-    hop.trust_target_on_source(ctx, source, node)
+    yield from hop.trust_target_on_source(given.desired, source, node)
     moved = ByteCount()
     total = archive_estimate(want)
-    ctx.progress("image.start", {"node": node, "source": source, "bytes_done": 0, "bytes_total": total})
+    yield Report("image.start", {"node": node, "source": source, "bytes_done": 0, "bytes_total": total})
 
-    def seen(chunk: bytes) -> None:
-        if moved.feed(chunk):
-            ctx.progress("image.progress", {"node": node, "bytes_done": moved.done, "bytes_total": total})
+    def seen(chunk: bytes) -> Report | None:
+        if not moved.feed(chunk):
+            return None
+        return Report("image.progress", {"node": node, "bytes_done": moved.done, "bytes_total": total})
 
-    timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
+    timeout = given.desired.policy.timeouts.image_sync
     try:
-        copied = ctx.sessions[source].run(copy_argv(ctx, ref, node, timeout), timeout=timeout, on_output=seen,
-                                          cancel=ctx.cancel, supervised=True)
+        copied: Result = yield Run(source, copy_argv(given, ref, node, timeout), timeout=timeout, long=True,
+                                   on_output=seen)
     except CommandFailed as exc:
         raise StepFailed(f"copying {ref} {source} -> {node} over the fabric failed (exit {exc.exit_code}) "
                          f"after {moved.done} bytes: {exc.stderr.strip()[-600:]}") from None
     if extra := unexpected_tags(copied.stderr, ref):
         raise StepFailed(f"the archive from {source} also loaded {', '.join(extra)} on {node}: only {ref} was "
                          "asked for; check the source (docs/security.md \"Images\")")
-    got = inspect_image(ctx, node, ref)
+    got = yield from read(node, image_fact(ref))
     if got is None or got.content != want.content:
         raise StepFailed(f"after loading {moved.done} bytes, {ref} on {node} has content "
                          f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
     if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
         raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
-    ctx.progress("image.done", {"node": node, "bytes_done": moved.done, "bytes_total": total, "image_id": got.id,
+    yield Report("image.done", {"node": node, "bytes_done": moved.done, "bytes_total": total, "image_id": got.id,
                                 "content": want.content})
-    note_copy(ctx, node, ("copied", "image", want.content, got.id))
+    yield from note(given, node, ("copied", "image", want.content, got.id))

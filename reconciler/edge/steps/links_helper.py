@@ -12,6 +12,8 @@ link with another value); an existing directory at the path is refused. Prints `
 could not be made (each named on stderr), 2 on bad arguments.
 """
 
+from __future__ import annotations
+
 import os
 import stat
 import sys
@@ -19,7 +21,7 @@ import sys
 TEMP_SUFFIX = ".spark-reconciler-link"
 
 
-def parent_fd(root_fd: int, parts: list) -> int:
+def parent_fd(root_fd: int, parts: list[str]) -> int:
     """An fd of the directory holding the link, walked from the root without following any link."""
     fd = os.dup(root_fd)
     for name in parts:
@@ -59,7 +61,7 @@ def make(root_fd: int, path: str, value: str) -> None:
         os.close(fd)
 
 
-def main(argv: list) -> int:
+def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: ROOT (PATH\\0VALUE\\0 pairs on stdin)", file=sys.stderr)
         return 2

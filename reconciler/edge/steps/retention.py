@@ -21,16 +21,17 @@ the next model's copy to this node, which waits for this step.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
-from reconciler.core.observed import Container, CopyRecord
+from reconciler.core.observed import CopyRecord
 from reconciler.core.planning import Step
 from reconciler.core.retention import mounts_tree, overlaps
 from reconciler.edge import ledger
-from reconciler.edge.manifest import manifest_script, read_listing
-from reconciler.edge.probes import containers_script, parse_containers, read_sections
+from reconciler.edge.manifest import tree_fact
+from reconciler.edge.probes import CONTAINERS, canonical_fact
 from reconciler.edge.ssh import RemoteError
-from reconciler.edge.steps import StepContext, StepFailed
+from reconciler.edge.steps.actions import Action, Actions, Given, Report, Run, StepFailed, read
 
 LINK_ON_THE_WAY = 3  # the exit status of IN_UNLINKED_DIR (and of _REMOVE_TREE) for a link on the path
 # `sh -c` words that enter the directory "$1" (absolute, normalized) only when no component of that path is a link,
@@ -44,83 +45,66 @@ IN_UNLINKED_DIR = f'cd -P -- "$1" 2>/dev/null || exit 2; [ "$(pwd -P)" = "$1" ] 
 _REMOVE_TREE = (f'{IN_UNLINKED_DIR}; if [ -L "$2" ]; then exit {LINK_ON_THE_WAY}; fi; [ -e "$2" ] || exit 0; '
                 'exec rm -rf --one-file-system -- "$2"')
 
+Outcome = Generator[Action, Any, str | None]  # a removal's actions; returns None (gone) or why the item is kept
 
-def remove_tree(ctx: StepContext, node: str, root: str) -> bool:
-    """Remove the directory `root` on `node`, links inside it removed, never followed, and other mounts below it
-    left alone (`rm --one-file-system`); False, and nothing removed, when `root` or a directory above it is a
-    link. A root already gone counts as removed."""
+
+def remove_tree_argv(root: str) -> tuple[str, ...]:
+    """The command that removes the directory `root`, links inside it removed, never followed, and other mounts
+    below it left alone (`rm --one-file-system`); it exits LINK_ON_THE_WAY, and removes nothing, when `root` or a
+    directory above it is a link, 2 when the parent is gone (and the tree with it), 0 when removed or already gone."""
     parent, name = posixpath.split(posixpath.normpath(root))
-    result = ctx.sessions[node].run(["sh", "-c", _REMOVE_TREE, "sh", parent, name], timeout=ctx.command_timeout,
-                                    check=False)
-    if result.exit_code == LINK_ON_THE_WAY:
-        return False
-    if result.exit_code not in (0, 2):  # 2: the parent is gone, and the tree with it
-        raise StepFailed(f"removing {root} on {node} failed (exit {result.exit_code}): "
-                         f"{result.stderr.strip()[-200:]}")
-    return True
+    return ("sh", "-c", _REMOVE_TREE, "sh", parent, name)
 
 
-def _records(ctx: StepContext, node: str, kind: str) -> dict[str, CopyRecord]:
-    """The ledger as it is now (not as the plan saw it): the records of `kind` this cluster wrote under its id."""
-    section = read_sections(ctx.sessions[node], ledger.ledger_script(), ctx.command_timeout).get("copies")
-    records = ledger.parse_copies(section, node) or []
-    return {r.key: r for r in records if r.kind == kind and r.by == ctx.owner.label}
+def write_ledger(given: Given, node: str, *entries: ledger.Entry) -> Generator[Action, Any, str | None]:
+    """Append `entries` to the node's copy ledger in one exec (`ledger.append`) as this cluster; None when written,
+    else why not (the caller decides whether that stops it)."""
+    try:
+        argv, script = ledger.append(node, given.owner.label, list(entries))
+    except ValueError as exc:
+        return str(exc)
+    try:
+        result = yield Run(node, argv, stdin=script, check=False)
+    except RemoteError as exc:
+        return str(exc)
+    return None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr.strip()[-200:]}"
 
 
-def _write(ctx: StepContext, node: str, action: str, kind: str, key: str) -> None:
-    if (why := ledger.record(ctx.sessions[node], node, ctx.owner.label, [(action, kind, key, "-")],
-                             timeout=ctx.command_timeout)) is not None:
+def _write(given: Given, node: str, action: str, kind: str, key: str) -> Actions:
+    if (why := (yield from write_ledger(given, node, (action, kind, key, "-")))) is not None:
         raise StepFailed(f"{key} on {node}: the ledger could not say `{action}` ({why})")
 
 
-def _prune(ctx: StepContext, step: Step, kind: str, remove: Callable[[CopyRecord], str | None]) -> None:
+def _prune(given: Given, step: Step, kind: str, remove: Callable[[CopyRecord], Outcome]) -> Actions:
     """Each item the ledger still names as this cluster's goes through `remove` (None: gone; else why it is kept,
     and it is released). An item no longer in the ledger is left alone: someone else decided since the plan."""
     node = step.node
-    records = _records(ctx, node, kind)
+    records = {r.key: r for r in (yield from read(node, ledger.copies_fact(node))) or []
+               if r.kind == kind and r.by == given.owner.label}
     for key in step.remove or ():
         record = records.get(key)
         if record is None:
             continue
-        why = remove(record)
+        why = yield from remove(record)
         if why is None:
-            _write(ctx, node, "removed", kind, key)
+            yield from _write(given, node, "removed", kind, key)
         else:
-            ctx.progress("retention.kept", {"node": node, kind: key, "why": why})
-            _write(ctx, node, "released", kind, key)
+            yield Report("retention.kept", {"node": node, kind: key, "why": why})
+            yield from _write(given, node, "released", kind, key)
 
 
-def node_containers(ctx: StepContext, node: str) -> list[Container]:
-    """Every container on the node now, with its bind mounts (a container started since the plan counts)."""
-    ok, error, containers = parse_containers(read_sections(ctx.sessions[node], containers_script(),
-                                                           ctx.command_timeout).get("containers"))
-    if not ok:
-        raise StepFailed(f"the containers on {node} could not be read: {error}")
-    return containers
-
-
-def _canonical(ctx: StepContext, node: str, paths: list[str]) -> list[str]:
-    """The node's own answer to where each path leads (`realpath -m`: symlinks, `.` and `..` resolved; a path
-    that does not exist yet resolves as far as it does)."""
-    result = ctx.sessions[node].run(["realpath", "-m", "--", *paths], timeout=ctx.command_timeout)
-    out = result.stdout.splitlines()
-    if len(out) != len(paths):
-        raise StepFailed(f"`realpath` on {node} answered {len(out)} lines for {len(paths)} paths")
-    return out
-
-
-def prune_weights(ctx: StepContext, step: Step) -> None:
+def prune_weights(given: Given, step: Step) -> Actions:
     """The containers and the canonical paths are read once for the step, right before its removals."""
     node, roots = step.node, list(step.remove or ())
-    containers = node_containers(ctx, node)
+    containers = yield from read(node, CONTAINERS)
     sources = sorted({m for c in containers for m in c.mounts or []})
     unread = [c.name for c in containers if c.mounts is None]
-    current = [ctx.desired.weights_root(node), ctx.desired.model.path_on(node)]
-    canon = _canonical(ctx, node, [*roots, *current, *sources])
+    current = [given.desired.weights_root(node), given.desired.model.path_on(node)]
+    canon = yield from read(node, canonical_fact([*roots, *current, *sources]))
     n = len(roots)
     where, now, mounted = dict(zip(roots, canon[:n], strict=True)), canon[n:n + 2], canon[n + 2:]
 
-    def remove(record: CopyRecord) -> str | None:
+    def remove(record: CopyRecord) -> Outcome:
         root = record.key
         here = where[root]
         if unread:
@@ -129,34 +113,36 @@ def prune_weights(ctx: StepContext, step: Step) -> None:
             return "it is, holds or lies in the current model's directory"
         if any(mounts_tree(src, here) for src in mounted):
             return "a container on the node mounts it"
-        section = read_sections(ctx.sessions[node], [manifest_script(root)], ctx.command_timeout).get("weights")
-        if section is not None and section.rc == 2:  # the script's word for "no such directory"
+        tree = yield from read(node, tree_fact(root))
+        if tree is None:
             return None
-        tree = read_listing(root, section).weights
         if not tree.present or tree.truncated or tree.unsafe_count or tree.digest() != record.detail:
             return ("unreadable, or changed since this cluster copied it (files added, removed or resized, links "
                     "that leave it): released, remove it yourself if it is not needed")
-        if not remove_tree(ctx, node, root):
+        removed = yield Run(node, remove_tree_argv(root), check=False)
+        if removed.exit_code == LINK_ON_THE_WAY:
             return ("it, or a directory above it, is a link now: never removed through a link; released, remove "
                     "it yourself by its real path if it is not needed")
-        ctx.progress("retention.remove", {"node": node, "weights": root, "bytes": tree.total_bytes})
+        if removed.exit_code not in (0, 2):  # 2: the parent is gone, and the tree with it
+            raise StepFailed(f"removing {root} on {node} failed (exit {removed.exit_code}): "
+                             f"{removed.stderr.strip()[-200:]}")
+        yield Report("retention.remove", {"node": node, "weights": root, "bytes": tree.total_bytes})
         return None
 
-    _prune(ctx, step, "weights", remove)
+    yield from _prune(given, step, "weights", remove)
 
 
-def prune_images(ctx: StepContext, step: Step) -> None:
+def prune_images(given: Given, step: Step) -> Actions:
     node = step.node
 
-    def remove(record: CopyRecord) -> str | None:
+    def remove(record: CopyRecord) -> Outcome:
         try:
-            result = ctx.sessions[node].run(["docker", "image", "rm", record.detail], timeout=ctx.command_timeout,
-                                            check=False)
+            result = yield Run(node, ("docker", "image", "rm", record.detail), check=False)
         except RemoteError as exc:
             raise StepFailed(f"`docker image rm` on {node}: {exc}") from None
         if not result.ok and "no such image" not in result.stderr.lower():
             return f"docker refused to remove {record.detail[:19]} ({result.stderr.strip()[-200:]}): released"
-        ctx.progress("retention.remove", {"node": node, "image": record.detail})
+        yield Report("retention.remove", {"node": node, "image": record.detail})
         return None
 
-    _prune(ctx, step, "image", remove)
+    yield from _prune(given, step, "image", remove)

@@ -14,14 +14,13 @@ docs/research/weights-transport.md has the reasons, from rsync's source.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from reconciler.edge.ssh import Companion
-from reconciler.edge.steps import StepContext, StepFailed
+from reconciler.edge.steps.actions import Action, Actions, Given, Report, Start, StepFailed, Stop
 from reconciler.edge.steps.rsyncd_helper import MODULE, USER
 
 _HELPER = Path(__file__).with_name("rsyncd_helper.py").read_text()
@@ -50,28 +49,41 @@ def _port(line: str | None) -> int | None:
     return None
 
 
-class Daemon:
-    """The running helper of one step: its `door`, and `confirm` once every stream's client succeeded."""
+def start_daemon(given: Given, source: str, target: str, root: str,
+                 streams: int) -> Generator[Action, Any, tuple[Start, Door]]:
+    """Run the one-time daemon on `target` for `streams` connections from `source`, writing below `root`: the
+    helper and the door its clients use. Its secret is made here for this step alone and travels on stdin only.
+    Stopping it with `close` (or the step's end) ends whatever still runs there (partial data kept for the
+    resume); `confirm` it once every client succeeded."""
+    bind, peer = (str(given.desired.node(n).fabric.address.ip) for n in (target, source))
+    secret = secrets.token_urlsafe(32)
+    helper = Start(target, ("python3", "-c", _HELPER, bind, peer, str(streams), root,
+                            str(int(given.desired.policy.timeouts.weights_sync))), stdin=f"{secret}\n".encode())
+    first = yield helper
+    port = _port(first)
+    if port is None:
+        said = yield Stop(helper, "finish")
+        raise StepFailed(f"the rsync daemon on {target} did not start (exit {said.exit_code}): "
+                         f"{(said.stderr or first or 'no output').strip()[-600:]}")
+    return helper, Door(bind, port, secret)
 
-    def __init__(self, ctx: StepContext, target: str, helper: Companion, door: Door):
-        self._ctx, self._target, self._helper, self.door = ctx, target, helper, door
 
-    def confirm(self) -> None:
-        """Wait for the helper to report that every daemon ended well (they exit right after their client)."""
-        said = self._helper.finish(self._ctx.command_timeout)
-        if said.exit_code != 0:
-            raise StepFailed(f"the rsync daemon on {self._target} ended with exit {said.exit_code}: "
-                             f"{said.stderr.strip()[-800:]}")
-        strangers = refused_from(said.stderr)
-        if strangers:  # the step went on; the operator still hears that someone knocked (one log line)
-            self._ctx.progress("weights.refused", {"node": self._target, "connections": len(strangers),
-                                                   "from": sorted(set(strangers))[:10]})
+def confirm(helper: Start) -> Actions:
+    """Wait for the helper to report that every daemon ended well (they exit right after their client)."""
+    said = yield Stop(helper, "finish")
+    if said.exit_code != 0:
+        raise StepFailed(f"the rsync daemon on {helper.node} ended with exit {said.exit_code}: "
+                         f"{said.stderr.strip()[-800:]}")
+    strangers = refused_from(said.stderr)
+    if strangers:  # the step went on; the operator still hears that someone knocked (one log line)
+        yield Report("weights.refused", {"node": helper.node, "connections": len(strangers),
+                                         "from": sorted(set(strangers))[:10]})
 
 
 def refused_from(stderr: str) -> list[str]:
     """The addresses the helper refused (`refused a connection from ADDR (N refused)`), one per connection; only
     dotted IPv4 addresses are taken from a node's text."""
-    out = []
+    out: list[str] = []
     for line in stderr.splitlines():
         words = line.split()
         if line.startswith("refused a connection from ") and len(words) > 4:
@@ -79,22 +91,3 @@ def refused_from(stderr: str) -> list[str]:
             if len(addr) <= 15 and addr.count(".") == 3 and all(p.isdigit() for p in addr.split(".")):
                 out.append(addr)
     return out
-
-
-@contextlib.contextmanager
-def rsync_daemon(ctx: StepContext, source: str, target: str, root: str, streams: int) -> Iterator[Daemon]:
-    """Run the one-time daemon on `target` for `streams` connections from `source`, writing below `root`. Leaving
-    the block closes the helper's channel, which ends whatever still runs there (partial data kept for the
-    resume); call `confirm` first when the clients all succeeded."""
-    bind, peer = (str(ctx.desired.node(n).fabric.address.ip) for n in (target, source))
-    secret = secrets.token_urlsafe(32)
-    argv = ["python3", "-c", _HELPER, bind, peer, str(streams), root, str(int(ctx.remaining()))]
-    with ctx.sessions[target].companion(argv, timeout=ctx.remaining(), stdin=f"{secret}\n".encode(),
-                                        open_timeout=ctx.command_timeout) as helper:
-        first = helper.line(ctx.command_timeout)
-        port = _port(first)
-        if port is None:
-            said = helper.finish(ctx.command_timeout)
-            raise StepFailed(f"the rsync daemon on {target} did not start (exit {said.exit_code}): "
-                             f"{(said.stderr or first or 'no output').strip()[-600:]}")
-        yield Daemon(ctx, target, helper, Door(bind, port, secret))

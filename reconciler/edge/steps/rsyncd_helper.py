@@ -28,6 +28,8 @@ ended with 0; 2 on bad arguments, 3 when the lifeline closed or LIFETIME passed 
 cannot be confined (too old, or `/rsyncd-munged` exists). A stranger at the door is refused and counted on stderr.
 """
 
+from __future__ import annotations
+
 import os
 import select
 import shutil
@@ -96,7 +98,7 @@ def hand_secret(fifo: str, line: bytes) -> None:
         pass  # the daemon went away before it asked: its client fails the authentication
 
 
-def main(argv: list) -> int:
+def main(argv: list[str]) -> int:
     try:
         bind, peer, streams, root, lifetime = argv[0], argv[1], int(argv[2]), argv[3], float(argv[4])
         socket.inet_aton(bind), socket.inet_aton(peer)
@@ -119,8 +121,8 @@ def main(argv: list) -> int:
         f.write(config(root, peer, log_path))
     end = time.monotonic() + lifetime
     accept_end = time.monotonic() + min(lifetime, ACCEPT_WINDOW)
-    children: list = []
-    stopping: list = []
+    children: list[subprocess.Popen[bytes]] = []
+    stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGHUP, lambda *_: stopping.append("SIGHUP"))
     listener = socket.create_server((bind, 0), backlog=streams)
@@ -140,8 +142,8 @@ def main(argv: list) -> int:
         shutil.rmtree(rundir, ignore_errors=True)
 
 
-def serve(listener, stdin: int, peer: str, streams: int, rundir: str, config_path: str, line: bytes,
-          children: list, stopping: list, end: float, accept_end: float) -> int:
+def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: str, config_path: str, line: bytes,
+          children: list[subprocess.Popen[bytes]], stopping: list[str], end: float, accept_end: float) -> int:
     """Serve connections from `peer`, one daemon each, until `streams` daemons ended well. Returns the exit status.
 
     Neither a stranger nor a failed daemon ends the step (issue 31): a connection from any other address (a local
@@ -160,7 +162,8 @@ def serve(listener, stdin: int, peer: str, streams: int, rundir: str, config_pat
             print("lifetime over" if now > end else "not all streams connected in time", file=sys.stderr)
             return 3
         # while every slot has a live daemon, a connection waits in the backlog: a slot may free up
-        ready, _, _ = select.select([stdin, listener] if waiting else [stdin], [], [], 0.2)
+        watched: list[int | socket.socket] = [stdin, listener] if waiting else [stdin]
+        ready, _, _ = select.select(watched, [], [], 0.2)
         if stdin in ready and not os.read(stdin, 4096):
             good += reap(children)
             if good >= streams:
@@ -179,19 +182,20 @@ def serve(listener, stdin: int, peer: str, streams: int, rundir: str, config_pat
     return 0
 
 
-def start_daemon(conn, rundir: str, config_path: str, line: bytes, index: int) -> subprocess.Popen:
+def start_daemon(conn: socket.socket, rundir: str, config_path: str, line: bytes,
+                 index: int) -> subprocess.Popen[bytes]:
     """An `rsync --daemon` serving `conn`, its secret handed through a FIFO of its own."""
     fifo = os.path.join(rundir, f"secret-{index}")
     os.mkfifo(fifo, 0o600)
     threading.Thread(target=hand_secret, args=(fifo, line), daemon=True).start()
     child = subprocess.Popen(["rsync", "--daemon", f"--config={config_path}", f"--dparam=secretsfile={fifo}"],
-                             stdin=conn, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             stdin=conn.fileno(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     conn.close()
     return child
 
 
-def reap(children: list) -> int:
+def reap(children: list[subprocess.Popen[bytes]]) -> int:
     """The daemons that ended well since the last look; each that ended is reported as `daemon EXIT`."""
     good = 0
     for child in children:
@@ -201,7 +205,7 @@ def reap(children: list) -> int:
     return good
 
 
-def end_all(children: list) -> None:
+def end_all(children: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM each daemon's whole session (rsync's receiver forks a generator), SIGKILL after GRACE."""
     live = [c for c in children if c.poll() is None]
     for child in live:

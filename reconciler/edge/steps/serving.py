@@ -11,6 +11,9 @@ A container that exits while we wait fails the step at once with its last log li
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from typing import Any
+
 from reconciler.core.drift import image_holder
 from reconciler.core.fabric import carrying_rdma_devices
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
@@ -24,11 +27,34 @@ from reconciler.core.vllm import (
     memory_words,
     weights_size,
 )
-from reconciler.core.vllm_log import MAX_TEXT, StartProgress, start_progress
-from reconciler.edge.probes import count_ray_nodes, ray_script, read_api, read_memory, read_sections
+from reconciler.core.vllm_log import StartProgress, start_progress
+from reconciler.edge.probes import (
+    MEMORY,
+    ContainerState,
+    StartSeen,
+    container_fact,
+    log_tail_fact,
+    ray_nodes_fact,
+    serve_processes_fact,
+    start_fact,
+)
 from reconciler.edge.ssh import RemoteError, quote
-from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, note_copy, wait_for
-from reconciler.edge.steps.containers import inspect, owner_problem
+from reconciler.edge.steps import note
+from reconciler.edge.steps.actions import (
+    Action,
+    Actions,
+    Given,
+    Read,
+    Report,
+    Run,
+    StepBlocked,
+    StepDeferred,
+    StepFailed,
+    StepTimedOut,
+    read,
+    wait,
+)
+from reconciler.edge.steps.containers import owner_problem
 
 GIB = 2**30
 # Where vLLM's Ray executor looks for the names it must not copy from the driver to the workers:
@@ -36,26 +62,22 @@ GIB = 2**30
 NON_CARRY_OVER_WRITE = ('d="${VLLM_CONFIG_ROOT:-${XDG_CONFIG_HOME:-$HOME/.config}/vllm}"; mkdir -p "$d" && '
                         'cat > "$d/ray_non_carry_over_env_vars.json"')
 
-
-def spec_for(ctx: StepContext, node: str) -> LaunchSpec:
-    """The launch of `node`, labelled with this cluster's instance label (the head's cluster id when the plan's
-    observation read it)."""
-    return next(s for s in launch_specs(ctx.desired, ctx.owner.label) if s.node == node)
-
-
-def _memory(ctx: StepContext, node: str) -> Memory:
-    memory = read_memory(ctx.sessions[node], ctx.command_timeout)
-    if memory is None:
-        raise StepFailed(f"/proc/meminfo on {node} did not answer")
-    return memory
-
-
 #: How long a start waits for memory a stop on its node just released. GB10 hands a stopped generation's memory
 #: back with a lag of up to a minute (sovgrid.org, "SGLang Restart OOM Fix"); past this the start is deferred to
 #: the next reconcile, not failed.
 MEMORY_SETTLE = 90.0
 SETTLE_POLL = 2.0  # seconds between the reads of MemAvailable meanwhile
 START_RESERVE = 70.0  # what the start needs of its step after the wait: `docker run` and 60 s to see it running
+RUNNING_WITHIN = 60.0  # seconds for a started container to show as running
+JOINED_WITHIN = 120.0  # seconds for every node to join the head's Ray cluster
+HEALTH_POLL = 1.0  # seconds between the health wait's polls
+WORKERS_EVERY = 5  # polls of the head between two reads of the other nodes' containers in the health wait
+
+
+def spec_for(given: Given, node: str) -> LaunchSpec:
+    """The launch of `node`, labelled with this cluster's instance label (the head's cluster id when the plan's
+    observation read it)."""
+    return next(s for s in launch_specs(given.desired, given.owner.label) if s.node == node)
 
 
 def _after_a_stop(step: Step) -> bool:
@@ -63,14 +85,14 @@ def _after_a_stop(step: Step) -> bool:
     return any(kind_and_node(a) in (("stop-serving", step.node), ("stop-container", step.node)) for a in step.after)
 
 
-def make_cache_dirs(session, dirs: list[str], timeout: float) -> None:
+def cache_dirs_argv(dirs: list[str]) -> tuple[str, ...]:
     """The kept compile caches' host directories, made by the SSH user (`docker run` would make them as root) and
     0700: the serving container's root writes into them, and Docker offers no `nosuid` for a bind mount, so a
     setuid file it left there must be out of every other local user's reach (issue 31, item 18)."""
-    session.run(["sh", "-c", 'mkdir -p -- "$@" && chmod 0700 -- "$@"', "sh", *dirs], timeout=timeout)
+    return ("sh", "-c", 'mkdir -p -- "$@" && chmod 0700 -- "$@"', "sh", *dirs)
 
 
-def _drop_caches(ctx: StepContext, node: str) -> None:
+def _drop_caches(given: Given, node: str) -> Actions:
     """Write the weights' filesystem back, then drop the clean page cache: before every start, not only when
     MemAvailable is short. On GB10 MemAvailable counts the clean cache as free while the GPU driver does not
     (vllm-project/vllm#35313: vLLM's startup check fails; NV_ERR_NO_MEMORY, vllm-project/vllm#56824), so the cache
@@ -81,190 +103,203 @@ def _drop_caches(ctx: StepContext, node: str) -> None:
     start; past its deadline, go on). A node whose sudoers lacks the line (`reconciler sudoers FILE`) is said and
     the start goes on: the preflight and vLLM's own check still guard it."""
     try:
-        ctx.sessions[node].run(["sync", "-f", ctx.desired.model.path_on(node)], timeout=ctx.command_timeout)
+        yield Run(node, ("sync", "-f", given.desired.model.path_on(node)))
     except RemoteError as exc:
-        ctx.progress("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
+        yield Report("serving.sync-skipped", {"node": node, "error": exc.message[:200]})
     try:
-        ctx.sessions[node].run(["/usr/sbin/sysctl", "-w", "vm.drop_caches=3"], sudo=True, timeout=ctx.command_timeout)
+        yield Run(node, ("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"), sudo=True)
     except RemoteError as exc:
-        ctx.progress("serving.drop-caches-refused", {"node": node, "error": exc.message[:200]})
+        yield Report("serving.drop-caches-refused", {"node": node, "error": exc.message[:200]})
 
 
-def memory_preflight(ctx: StepContext, node: str, settle: float = 0.0) -> None:
+def _memory(node: str, memory: Memory | None) -> Memory:
+    if memory is None:
+        raise StepFailed(f"/proc/meminfo on {node} did not answer")
+    return memory
+
+
+def memory_preflight(given: Given, node: str, after_stop: bool) -> Actions:
     """MemAvailable must cover `memory_needed` (`memory_terms`), after the page cache is dropped (policy.drop_caches,
-    on by default: `_drop_caches`). With `settle`
-    (a stop on this node just ran), MemAvailable is read again every 2 s up to that many seconds before the start
-    is deferred (StepDeferred: not counted toward holds); without, a short node blocks at once."""
-    policy = ctx.desired.policy
-    if policy.drop_caches:
-        _drop_caches(ctx, node)
-    memory = _memory(ctx, node)
-    weights = weights_size(ctx.desired, ctx.observed)
-    need = memory_needed(ctx.desired, memory.total_bytes, weights)
-    after_stop, settle = settle > 0, min(settle, ctx.remaining() - START_RESERVE)  # the start must fit after it
-    if memory.available_bytes < need and settle > 0:
+    on by default: `_drop_caches`). After a stop on this node, MemAvailable is read again every SETTLE_POLL s up to
+    MEMORY_SETTLE s (never into the START_RESERVE the start itself needs) before the start is deferred
+    (StepDeferred: not counted toward holds); without one, a short node blocks at once."""
+    desired = given.desired
+    if desired.policy.drop_caches:
+        yield from _drop_caches(given, node)
+    memory = _memory(node, (yield from read(node, MEMORY)))
+    weights = weights_size(desired, given.observed)
+    need = memory_needed(desired, memory.total_bytes, weights)
+    if memory.available_bytes < need and after_stop:
         seen = [memory]
 
-        def returned() -> bool:
-            seen.append(_memory(ctx, node))
+        def returned(now: Memory | None) -> bool:
+            seen.append(_memory(node, now))
             return seen[-1].available_bytes >= need
 
         try:
-            wait_for(returned, timeout=settle, interval=SETTLE_POLL, what="memory", cancel=ctx.cancel)
-        except StepFailed:
-            if ctx.cancel.is_set():
-                raise  # a shutdown is no deferral
+            yield from wait(Read(node, MEMORY), returned, timeout=MEMORY_SETTLE, interval=SETTLE_POLL,
+                            reserve=START_RESERVE, what="memory")
+        except StepTimedOut:
+            pass  # decided below on the last read (a cancel, StepCancelled, is no deferral: it goes on up)
         memory = seen[-1]
     if memory.available_bytes < need:
         short = (f"{node}: {memory.available_bytes / GIB:.1f} GiB available, but "
-                 f"{memory_words(ctx.desired, memory.total_bytes, weights)} is needed")
+                 f"{memory_words(desired, memory.total_bytes, weights)} is needed")
         if after_stop:
-            raise StepDeferred(f"{short}, {max(settle, 0):.0f} s after the stop on {node} (GB10 returns a stopped "
-                               "generation's memory with a lag); tried again at the next reconcile")
+            raise StepDeferred(f"{short}, up to {MEMORY_SETTLE:.0f} s after the stop on {node} (GB10 returns a "
+                               "stopped generation's memory with a lag); tried again at the next reconcile")
         raise StepBlocked(short)
 
 
-def logs_tail(ctx: StepContext, node: str, name: str, lines: int = 15) -> str:
-    result = ctx.sessions[node].run(["docker", "logs", "--tail", str(lines), name], timeout=ctx.command_timeout,
-                                    check=False)
-    return (result.stdout + result.stderr).strip()[-1500:]
+def _failed(node: str, name: str, why: str) -> Generator[Action, Any, None]:
+    """Fail the step saying `why`, with the container's last log lines."""
+    tail = yield from read(node, log_tail_fact(name))
+    raise StepFailed(f"{name} on {node} {why}:\n{tail}")
 
 
-def start_serving(ctx: StepContext, step: Step) -> None:
-    node = step.node
-    spec = at_start(spec_for(ctx, node), carrying_rdma_devices(ctx.desired.node(node), ctx.observed.node(node)))
-    info = inspect(ctx, node, spec.container_name)
-    if info is not None:
-        if (problem := owner_problem(ctx, node, spec.container_name, info)) is not None:
-            raise StepBlocked(f"{spec.container_name} exists and is not ours to replace: {problem}")
-        labels = info["Config"].get("Labels") or {}
-        if info["State"]["Running"] and labels.get(LABEL_SPEC_HASH) == spec.spec_hash:
+def _not_running(node: str, name: str, seen: ContainerState | None) -> Generator[Action, Any, None]:
+    state, code = (seen.container.state, seen.exit_code) if seen is not None else ("missing", None)
+    yield from _failed(node, name, f"is {state} (exit {code}) while waiting for health")
+
+
+def start_serving(given: Given, step: Step) -> Actions:
+    """`docker run` of this node's launch, after re-reading the container that holds its name (the plan may be
+    minutes old): one already running with this spec is left alone, ours stopped is removed first, anyone else's
+    blocks the start; then the memory preflight, the ledger's `served` lines and the kept caches' directories."""
+    node, desired = step.node, given.desired
+    spec = at_start(spec_for(given, node), carrying_rdma_devices(desired.node(node), given.observed.node(node)))
+    name = spec.container_name
+    seen = yield from read(node, container_fact(name))
+    if seen is not None:
+        if (problem := owner_problem(given, node, seen.container)) is not None:
+            raise StepBlocked(f"{name} exists and is not ours to replace: {problem}")
+        if seen.container.running and seen.container.labels.get(LABEL_SPEC_HASH) == spec.spec_hash:
             return  # already what we want (a crash after `docker run`, before the step was recorded)
-        if info["State"]["Running"]:
-            raise StepFailed(f"{spec.container_name} on {node} runs another spec; the plan stops it first")
-        ctx.sessions[node].run(["docker", "rm", spec.container_name], timeout=ctx.command_timeout)
-    memory_preflight(ctx, node, MEMORY_SETTLE if _after_a_stop(step) else 0.0)
-    _note_use(ctx, node, spec)
-    session = ctx.sessions[node]
-    if dirs := cache_dirs(ctx.desired, ctx.desired.node(node)):
-        make_cache_dirs(session, list(dirs.values()), ctx.command_timeout)
+        if seen.container.running:
+            raise StepFailed(f"{name} on {node} runs another spec; the plan stops it first")
+        yield Run(node, ("docker", "rm", name))
+    yield from memory_preflight(given, node, _after_a_stop(step))
+    yield from _note_use(given, node, spec)
+    if dirs := cache_dirs(desired, desired.node(node)):
+        yield Run(node, cache_dirs_argv(list(dirs.values())))
     # The environment reaches the docker CLI on its stdin: `--env-file /dev/stdin` (the CLI opens the path like
     # any file, and sshd hands a command's stdin over as a pipe). So no value is on a command line (`ps`, error
     # messages) and none is ever on a node's disk, where a daemon killed between writing and removing a temp file
     # would leave the secret behind.
-    session.run(["docker", *spec.run_argv(ctx.generation, env_file="/dev/stdin")],
-                stdin=spec.env_file_text().encode(), timeout=ctx.command_timeout)
-
-    def running() -> bool:
-        state = (inspect(ctx, node, spec.container_name) or {}).get("State", {})
-        if state.get("Status") in ("exited", "dead"):
-            raise StepFailed(f"{spec.container_name} on {node} exited with {state.get('ExitCode')} at start:\n"
-                             + logs_tail(ctx, node, spec.container_name))
-        return bool(state.get("Running"))
-
-    wait_for(running, timeout=ctx.remaining(60), what=f"{spec.container_name} to run on {node}", cancel=ctx.cancel)
+    yield Run(node, ("docker", *spec.run_argv(given.generation, env_file="/dev/stdin")),
+              stdin=spec.env_file_text().encode())
+    started = yield from wait(Read(node, container_fact(name)),
+                              lambda now: now is not None and (now.container.running
+                                                               or now.container.state in ("exited", "dead")),
+                              timeout=RUNNING_WITHIN, what=f"{name} to run on {node}")
+    if not started.container.running:
+        yield from _failed(node, name, f"exited with {started.exit_code} at start")
 
 
-def _note_use(ctx: StepContext, node: str, spec: LaunchSpec) -> None:
+def _note_use(given: Given, node: str, spec: LaunchSpec) -> Actions:
     """The copy ledger's `served` lines, before the start (a crash after it still counts as a use): the last use
     orders what retention keeps for a rollback (core/retention.py). The image is the plan's reference content: the
-    image step before this one made the node's copy that content, or the start would not run."""
-    holder = image_holder(ctx.desired, ctx.observed)
-    image = ctx.observed.node(holder).images.get(spec.image) if holder else None
-    note_copy(ctx, node, ("served", "weights", spec.weights, "-"),
-              *([("served", "image", image.content, "-")] if image else []))
+    image step before this one made the node's copy that content, or the start would not run. Lines that cannot be
+    written are reported, never a failure of the start: unrecorded, a copy is only kept longer (retention never
+    removes what the ledger does not name)."""
+    holder = image_holder(given.desired, given.observed)
+    image = given.observed.node(holder).images.get(spec.image) if holder else None
+    yield from note(given, node, ("served", "weights", spec.weights, "-"),
+                    *([("served", "image", image.content, "-")] if image else []))
 
 
-def launch_model(ctx: StepContext, step: Step) -> None:
-    """Ray launcher: once every node joined the head's Ray cluster, run `vllm serve` inside the head container."""
-    node, spec = step.node, spec_for(ctx, step.node)
-    nodes = len(ctx.desired.serving_nodes)
-    session = ctx.sessions[node]
-
-    def joined() -> bool:
-        status = read_sections(session, ray_script(spec.container_name), ctx.command_timeout).get("ray")
-        return status is not None and status.rc == 0 and count_ray_nodes(status.body) >= nodes
-
-    wait_for(joined, timeout=ctx.remaining(120), interval=0.5, what=f"{nodes} nodes in `ray status`",
-             cancel=ctx.cancel)
-    running = session.run(["docker", "exec", spec.container_name, "sh", "-c", "ps -eo args | grep -c '[v]llm serve'"],
-                          timeout=ctx.command_timeout, check=False).stdout.strip()
-    if running not in ("", "0"):
+def launch_model(given: Given, step: Step) -> Actions:
+    """Ray launcher: once every node joined the head's Ray cluster, run `vllm serve` inside the head container,
+    unless it already runs there (a crash after the exec, before the step was recorded)."""
+    node, spec = step.node, spec_for(given, step.node)
+    name, nodes = spec.container_name, len(given.desired.serving_nodes)
+    yield from wait(Read(node, ray_nodes_fact(name)), lambda joined: joined is not None and joined >= nodes,
+                    timeout=JOINED_WITHIN, interval=0.5, what=f"{nodes} nodes in `ray status`")
+    if (yield from read(node, serve_processes_fact(name))) > 0:
         return
-    assert spec.serve_exec is not None
+    assert spec.serve_exec is not None, "a Ray launch has its `vllm serve`"
     # Before `vllm serve` imports vllm.ray.ray_env, which reads the file once (path: vllm/envs.py VLLM_CONFIG_ROOT).
-    session.run(["docker", "exec", "-i", spec.container_name, "sh", "-c", NON_CARRY_OVER_WRITE],
-                stdin=spec.non_carry_over_json().encode(), timeout=ctx.command_timeout)
+    yield Run(node, ("docker", "exec", "-i", name, "sh", "-c", NON_CARRY_OVER_WRITE),
+              stdin=spec.non_carry_over_json().encode())
     # Under the image's Entrypoint (`Step.wrapper`, from the plan): `docker exec` would bypass NGC's CUDA setup.
     argv = (*(step.wrapper or ()), *spec.serve_exec)
-    session.run(["docker", "exec", "-d", spec.container_name, "sh", "-c",
-                 f"exec {quote(argv)} >/proc/1/fd/1 2>/proc/1/fd/2"], timeout=ctx.command_timeout)
-
-
-#: The head's log read each poll of the health wait: its last lines, at most MAX_TEXT bytes of them
-#: (cut on the node: tqdm redraws a bar on one ever longer line), under a deadline of its own.
-START_LOG_LINES = 200
-START_LOG_DEADLINE = 10.0
-HEALTH_POLL = 1.0  # seconds between the health wait's polls
-_START_LOG = 'docker logs --tail "$1" "$2" 2>&1 | tail -c "$3"'
+    yield Run(node, ("docker", "exec", "-d", name, "sh", "-c", f"exec {quote(argv)} >/proc/1/fd/1 2>/proc/1/fd/2"))
 
 
 class StartWatch:
     """The cold start as the head's log tells it: reported when it changes, `serving.stage` on a new stage (logged
     at info), `serving.progress` on a new line or percent within it. A log that cannot be read or says nothing
-    vLLM would is no failure of the wait: the last report stands."""
+    vLLM would is no failure of the wait: the last report stands. Pure state over the log's text."""
 
-    def __init__(self, ctx: StepContext, node: str, container: str):
-        self.ctx, self.node, self.container = ctx, node, container
+    def __init__(self, node: str):
+        self.node = node
         self.last = StartProgress("waiting", None, "")
-        self._report("serving.stage")
 
-    def poll(self) -> None:
-        try:
-            result = self.ctx.sessions[self.node].run(
-                ["sh", "-c", _START_LOG, "sh", str(START_LOG_LINES), self.container, str(MAX_TEXT)],
-                timeout=min(START_LOG_DEADLINE, self.ctx.command_timeout), check=False)
-        except RemoteError:
-            return
-        seen = start_progress(result.stdout)
+    def changed(self, log: str) -> bool:
+        seen = start_progress(log)
+        return seen is not None and seen != self.last
+
+    def seen(self, log: str) -> Report | None:
+        """The report of what the log says now, if it says something new."""
+        seen = start_progress(log)
         if seen is None or seen == self.last:
-            return
+            return None
         event = "serving.stage" if seen.stage != self.last.stage else "serving.progress"
         self.last = seen
-        self._report(event)
+        return self.report(event)
 
-    def served(self) -> None:
+    def served(self) -> Report:
         """The API serves: the wait is over (the last line read may be older than that)."""
         self.last = StartProgress("serving", None, "")
-        self._report("serving.done")
+        return self.report("serving.done")
 
-    def _report(self, event: str) -> None:
-        self.ctx.progress(event, {"node": self.node, "stage": self.last.stage, "percent": self.last.percent,
-                                  "line": self.last.line})
+    def report(self, event: str) -> Report:
+        return Report(event, {"node": self.node, "stage": self.last.stage, "percent": self.last.percent,
+                              "line": self.last.line})
 
 
-def await_health(ctx: StepContext, step: Step) -> None:
+def _poll_ends(watch: StartWatch, want: str, every: int | None) -> Callable[[StartSeen], bool]:
+    """When a poll of the head ends the health wait's current round: the head's container is no longer running,
+    the API serves, the log says something new, or (`every` polls) the other nodes' containers are due."""
+    polls = [0]
+
+    def ends(seen: StartSeen) -> bool:
+        polls[0] += 1
+        return (seen.container is None or not seen.container.container.running or seen.api.serves(want)
+                or watch.changed(seen.log) or (every is not None and polls[0] >= every))
+    return ends
+
+
+def await_health(given: Given, step: Step) -> Actions:
     """Wait for /health == 200, the served name in /v1/models and one answered completion (the whole
-    tensor-parallel group works, not only the API process), under serving.health_timeout. The API is read by the
-    probe's own fragment and parser (`probes.read_api`); until it serves, each poll reports where the cold start
-    is (`StartWatch`)."""
-    d = ctx.desired
+    tensor-parallel group works, not only the API process), under serving.health_timeout (the step's own
+    deadline: each round's wait is capped by what is left of it). Each poll reads the head's container, API and
+    log in one round trip (`probes.start_fact`); a change of the log is reported (`StartWatch`); the other nodes'
+    containers are read every WORKERS_EVERY polls. A container that is not running fails the step with its last
+    log lines."""
+    d = given.desired
     head, want = step.node, d.served_name
-    session = ctx.sessions[head]
-    watch = StartWatch(ctx, head, spec_for(ctx, head).container_name)
-
-    def healthy() -> bool:
-        for spec in launch_specs(d):
-            state = (inspect(ctx, spec.node, spec.container_name) or {}).get("State", {})
-            if not state.get("Running"):
-                raise StepFailed(f"{spec.container_name} on {spec.node} is {state.get('Status', 'missing')} "
-                                 f"(exit {state.get('ExitCode')}) while waiting for health:\n"
-                                 + logs_tail(ctx, spec.node, spec.container_name))
-        if read_api(session, d, ctx.command_timeout).serves(want):
-            return True
-        watch.poll()
-        return False
-
-    wait_for(healthy, timeout=min(d.serving.health_timeout, ctx.remaining()), interval=HEALTH_POLL, cancel=ctx.cancel,
-             what=f"http://127.0.0.1:{d.serving.port}/health on {head}, {want!r} in /v1/models and one completion")
-    watch.served()
+    specs = launch_specs(d)
+    others = [s for s in specs if s.node != head]
+    name = next(s.container_name for s in specs if s.node == head)
+    watch = StartWatch(head)
+    yield watch.report("serving.stage")
+    what = f"http://127.0.0.1:{d.serving.port}/health on {head}, {want!r} in /v1/models and one completion"
+    while True:
+        for spec in others:
+            other = yield from read(spec.node, container_fact(spec.container_name))
+            if other is None or not other.container.running:
+                yield from _not_running(spec.node, spec.container_name, other)
+        try:
+            seen = yield from wait(Read(head, start_fact(d, name)),
+                                   _poll_ends(watch, want, WORKERS_EVERY if others else None),
+                                   timeout=d.serving.health_timeout, interval=HEALTH_POLL, what=what)
+        except StepTimedOut:  # a round's wait is capped by the step's deadline: say the whole allowance
+            raise StepTimedOut(f"timed out after {d.serving.health_timeout:g}s waiting for {what}") from None
+        if seen.container is None or not seen.container.container.running:
+            yield from _not_running(head, name, seen.container)
+        if seen.api.serves(want):
+            yield watch.served()
+            return
+        if (report := watch.seen(seen.log)) is not None:
+            yield report

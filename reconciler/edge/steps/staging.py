@@ -11,25 +11,21 @@ The disk preflight: before a byte is fetched, the Hub says how large the revisio
 /api/models/ID/revision/REV?blobs=true`, what `HfApi.model_info(files_metadata=True)` asks; each sibling's
 `size`), and the download goes ahead only when the observation's free bytes at the model path hold what is
 missing plus the margin every copy keeps (core/drift.DISK_MARGIN). The token, when the file scopes `HF_TOKEN` to
-`internet`, travels on stdin only: a header line for curl (`-H @-`), one line read by the shell for `hf`."""
+`internet`, travels on stdin only: in the size read's script for curl (`probes.hub_size_fact`), one line read by
+the shell for `hf`."""
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.parse
 
 from reconciler.core.drift import DISK_MARGIN, gib
 from reconciler.core.planning import Step
+from reconciler.edge.probes import hub_size_fact
 from reconciler.edge.ssh import CommandFailed
-from reconciler.edge.steps import StepBlocked, StepContext, StepFailed
+from reconciler.edge.steps.actions import Actions, Given, Report, Run, StepBlocked, StepFailed, read
 
 #: The one secret the download may carry, and only when the file scopes it to `internet` (docs/security.md).
 TOKEN = "HF_TOKEN"
-
-# The Hub's size of a revision. `-H @-`: the headers (the token's, when there is one) from stdin, never argv.
-_SIZE = ('curl -fsS --max-time "$1" -H @- "${HF_ENDPOINT:-https://huggingface.co}/api/models/$2/revision/$3'
-         '?blobs=true"')
 
 # `hf download` in the background, its tree's size printed every 2 s for the step's progress. The token is the
 # first line of stdin (empty: none); ~/.local/bin is where `pipx install huggingface_hub` puts `hf`. Progress
@@ -49,58 +45,52 @@ HF_FIX = ("install the Hub's CLI for the SSH user there: `pipx install huggingfa
           "install --user huggingface_hub`); `reconciler doctor` checks it")
 
 
-def _token(ctx: StepContext) -> str | None:
+def _token(given: Given) -> str | None:
     """HF_TOKEN's value only when the file scopes it to `internet`: the scope that says which nodes may hold it
     (docs/security.md, "Secrets"); a token scoped otherwise is not the download's to use."""
-    return ctx.desired.secret(TOKEN) if ctx.desired.serving.secrets.get(TOKEN) == "internet" else None
+    desired = given.desired
+    return desired.secret(TOKEN) if desired.serving.secrets.get(TOKEN) == "internet" else None
 
 
-def _headers(token: str | None) -> bytes:
-    return (f"Authorization: Bearer {token}\n" if token else "Accept: application/json\n").encode()
-
-
-def hub_size(payload: str) -> int:
-    """Total bytes of a revision from the Hub's model-info answer (`siblings[].size`). A sibling without a size
-    (an answer without `blobs=true`) makes the size unknown: ValueError, and nothing is downloaded."""
-    doc = json.loads(payload)
-    siblings = doc.get("siblings") if isinstance(doc, dict) else None
-    if not isinstance(siblings, list) or not siblings:
-        raise ValueError("the Hub's answer lists no files")
-    sizes = [s.get("size") if isinstance(s, dict) else None for s in siblings]
-    if not all(isinstance(n, int) and n >= 0 for n in sizes):
-        raise ValueError("the Hub's answer gives no size for some files")
-    return sum(sizes)  # type: ignore[arg-type]
-
-
-def download_argv(ctx: StepContext, step: Step, timeout: float) -> list[str]:
+def download_argv(given: Given, step: Step) -> tuple[str, ...]:
     """The source's command: `hf download ID --revision REV` into the declared cache (`--cache-dir`, hf-cache
     layout) or directory (`--local-dir`, plain), its tree's bytes reported as it grows."""
-    model = ctx.desired.model
+    model = given.desired.model
     assert step.path is not None, "the plan sets the path of a download"
-    into = ["--cache-dir", step.path] if model.layout == "hf-cache" else ["--local-dir", step.path]
-    root = ctx.desired.weights_root(step.node)
-    return ["sh", "-c", _FETCH, "sh", root, model.id, "--revision", model.revision, *into]
+    into = ("--cache-dir", step.path) if model.layout == "hf-cache" else ("--local-dir", step.path)
+    root = given.desired.weights_root(step.node)
+    return ("sh", "-c", _FETCH, "sh", root, model.id, "--revision", model.revision, *into)
 
 
-def download(ctx: StepContext, step: Step) -> None:
+class Grown:
+    """The largest tree size the download's `bytes N` lines reported: the progress only grows."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def feed(self, chunk: bytes) -> bool:
+        sizes = [int(m) for m in _BYTES.findall(chunk.decode(errors="replace"))]
+        if not sizes or max(sizes) <= self.done:
+            return False
+        self.done = max(sizes)
+        return True
+
+
+def download(given: Given, step: Step) -> Actions:
     """Fetch the declared revision on the source, behind the disk preflight; the next observation lists the tree
     and plans the copies from it."""
-    node, model = step.node, ctx.desired.model
-    session = ctx.sessions[node]
-    token = _token(ctx)
-    asked = session.run(["sh", "-c", _SIZE, "sh", str(int(ctx.command_timeout)), model.id,
-                         urllib.parse.quote(model.revision, safe="")],
-                        stdin=_headers(token), timeout=ctx.command_timeout, check=False)
-    if not asked.ok:
+    node, model, desired = step.node, given.desired.model, given.desired
+    token = _token(given)
+    size = yield from read(node, hub_size_fact(model.id, model.revision, token, desired.policy.timeouts.command))
+    if size.bytes is None and size.exit:
         raise StepFailed(f"the Hub did not say how large {model.id} at {model.revision} is, asked from {node} "
-                         f"(curl exit {asked.exit_code}: {asked.stderr.strip()[-300:]}); a gated model needs "
-                         f"{TOKEN} in serving.secrets scoped `internet`; nothing was downloaded")
-    try:
-        total = hub_size(asked.stdout)
-    except ValueError as exc:
-        raise StepFailed(f"the Hub's answer for {model.id} at {model.revision}: {exc}; nothing was "
-                         "downloaded") from None
-    obs = ctx.observed.node(node)
+                         f"(curl exit {size.exit}: {size.problem}); a gated model needs {TOKEN} in serving.secrets "
+                         "scoped `internet`; nothing was downloaded")
+    if size.bytes is None:
+        raise StepFailed(f"the Hub's answer for {model.id} at {model.revision}: {size.problem}; nothing was "
+                         "downloaded")
+    total = size.bytes
+    obs = given.observed.node(node)
     have = obs.weights.total_bytes if obs.weights is not None else 0
     free = (obs.disk_free or {}).get("weights")
     need = max(0, total - have)
@@ -108,32 +98,46 @@ def download(ctx: StepContext, step: Step) -> None:
         raise StepBlocked(f"{model.id} at {model.revision} needs {gib(need + DISK_MARGIN)} free on "
                           f"{step.path} on {node} (the Hub lists {gib(total)}; the margin is {gib(DISK_MARGIN)}), "
                           f"only {gib(free)} is: free room there; nothing was downloaded")
-    grown = [0]
+    grown = Grown()
 
-    def seen(chunk: bytes) -> None:
-        sizes = [int(m) for m in _BYTES.findall(chunk.decode(errors="replace"))]
-        if sizes and max(sizes) > grown[0]:
-            grown[0] = max(sizes)
-            ctx.progress("download.progress", {"node": node, "bytes_done": grown[0], "bytes_total": total})
+    def seen(chunk: bytes) -> Report | None:
+        if not grown.feed(chunk):
+            return None
+        return Report("download.progress", {"node": node, "bytes_done": grown.done, "bytes_total": total})
 
-    ctx.progress("download.start", {"node": node, "model": model.id, "revision": model.revision,
+    yield Report("download.start", {"node": node, "model": model.id, "revision": model.revision,
                                     "bytes_total": total})
-    timeout = ctx.remaining(ctx.desired.policy.timeouts.weights_sync)
     try:
-        session.run(download_argv(ctx, step, timeout), stdin=f"{token or ''}\n".encode(), timeout=timeout,
-                    on_output=seen, cancel=ctx.cancel, supervised=True)
+        yield Run(node, download_argv(given, step), stdin=f"{token or ''}\n".encode(),
+                  timeout=desired.policy.timeouts.weights_sync, long=True, on_output=seen)
     except CommandFailed as exc:
         why = HF_FIX if exc.exit_code == 127 else exc.stderr.strip()[-600:]
         raise StepFailed(f"`hf download {model.id} --revision {model.revision}` on {node} failed (exit "
-                         f"{exc.exit_code}) after {grown[0]} bytes: {why}") from None
-    ctx.progress("download.done", {"node": node, "bytes": grown[0], "bytes_total": total})
+                         f"{exc.exit_code}) after {grown.done} bytes: {why}") from None
+    yield Report("download.done", {"node": node, "bytes": grown.done, "bytes_total": total})
 
 
 _LAYER_DONE = re.compile(r"^([0-9a-f]{12}): (?:Pull complete|Already exists)\s*$", re.M)
 _LAYER = re.compile(r"^([0-9a-f]{12}): ", re.M)
 
 
-def pull_image(ctx: StepContext, step: Step) -> None:
+class Layers:
+    """The layers `docker pull` printed, and those landed (pulled, or already there)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.done: set[str] = set()
+
+    def feed(self, chunk: bytes) -> bool:
+        """True when a layer landed."""
+        text = chunk.decode(errors="replace")
+        self.seen.update(_LAYER.findall(text))
+        landed = set(_LAYER_DONE.findall(text)) - self.done
+        self.done.update(landed)
+        return bool(landed)
+
+
+def pull_image(given: Given, step: Step) -> Actions:
     """`docker pull IMAGE` on the image source, with the user's registry logins (the CLI reads ~/.docker); the
     layers reported as they land. The next observation sees the image and plans the copies from it. Its disk
     preflight is a floor only (the margin free in docker's data root): the image's size is not known before the
@@ -141,28 +145,23 @@ def pull_image(ctx: StepContext, step: Step) -> None:
     pull that meets a full disk fails without harm to what runs."""
     node, ref = step.node, step.image
     assert ref is not None, "the plan names the image of a pull"
-    free = (ctx.observed.node(node).disk_free or {}).get("image")
+    free = (given.observed.node(node).disk_free or {}).get("image")
     if free is not None and free < DISK_MARGIN:
         raise StepBlocked(f"only {gib(free)} free in docker's data root on {node}: the pull of {ref} would fill "
                           f"it; free at least {gib(DISK_MARGIN)} plus the image there; nothing was pulled")
-    layers: set[str] = set()
-    done: set[str] = set()
+    layers = Layers()
 
-    def seen(chunk: bytes) -> None:
-        text = chunk.decode(errors="replace")
-        layers.update(_LAYER.findall(text))
-        landed = set(_LAYER_DONE.findall(text)) - done
-        if landed:
-            done.update(landed)
-            ctx.progress("pull.progress", {"node": node, "image": ref, "layers_done": len(done),
-                                           "layers_seen": len(layers)})
+    def seen(chunk: bytes) -> Report | None:
+        if not layers.feed(chunk):
+            return None
+        return Report("pull.progress", {"node": node, "image": ref, "layers_done": len(layers.done),
+                                        "layers_seen": len(layers.seen)})
 
-    timeout = ctx.remaining(ctx.desired.policy.timeouts.image_sync)
     try:
-        ctx.sessions[node].run(["docker", "pull", ref], timeout=timeout, on_output=seen, cancel=ctx.cancel,
-                               supervised=True)
+        yield Run(node, ("docker", "pull", ref), timeout=given.desired.policy.timeouts.image_sync, long=True,
+                  on_output=seen)
     except CommandFailed as exc:
-        raise StepFailed(f"`docker pull {ref}` on {node} failed (exit {exc.exit_code}) after {len(done)} layers: "
-                         f"{exc.stderr.strip()[-600:]} (a private registry needs `docker login` as the SSH user "
-                         "there)") from None
-    ctx.progress("pull.done", {"node": node, "image": ref, "layers": len(done)})
+        raise StepFailed(f"`docker pull {ref}` on {node} failed (exit {exc.exit_code}) after {len(layers.done)} "
+                         f"layers: {exc.stderr.strip()[-600:]} (a private registry needs `docker login` as the SSH "
+                         "user there)") from None
+    yield Report("pull.done", {"node": node, "image": ref, "layers": len(layers.done)})

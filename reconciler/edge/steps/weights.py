@@ -28,25 +28,29 @@ Large models go in several parallel rsync streams (files split by size).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import posixpath
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reconciler.core.drift import weights_difference
 from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
+from reconciler.core.spec import Desired
 from reconciler.edge import ledger
-from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, manifest_script, read_listing
-from reconciler.edge.probes import read_sections
-from reconciler.edge.ssh import MAX_CHANNELS, CommandFailed, Session, quote
-from reconciler.edge.steps import StepContext, StepFailed, hop, note_copy
-from reconciler.edge.steps.drop_behind import drop_behind
+from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, listing_fact
+from reconciler.edge.probes import Fact, avail_fact
+from reconciler.edge.ssh import MAX_CHANNELS, CommandFailed, Session, Sessions, quote
+from reconciler.edge.steps import hop, note
+from reconciler.edge.steps.actions import Action, Actions, Given, Parallel, Report, Run, StepFailed, Stop, read
+from reconciler.edge.steps.drop_behind import end_bound, start_bound
 from reconciler.edge.steps.retention import IN_UNLINKED_DIR, LINK_ON_THE_WAY
-from reconciler.edge.steps.rsyncd import Door, rsync_daemon
+from reconciler.edge.steps.rsyncd import Door, confirm, start_daemon
 
 _LINKS_HELPER = Path(__file__).with_name("links_helper.py").read_text()
 
@@ -61,12 +65,15 @@ BULK_STREAMS = MAX_CHANNELS // 2
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
 
-def _listing(session: Session, root: str, timeout: float) -> Listing:
-    return read_listing(root, read_sections(session, [manifest_script(root)], timeout).get("weights"))
+def read_manifest(given: Given, node: str) -> Generator[Action, Any, Weights]:
+    """The weights tree on `node` as the probe lists it now."""
+    return (yield from read(node, listing_fact(given.desired.weights_root(node)))).weights
 
 
-def read_manifest(ctx: StepContext, node: str) -> Weights:
-    return _listing(ctx.sessions[node], ctx.desired.weights_root(node), ctx.command_timeout).weights
+def started_fact(node: str, by: str) -> Fact[set[str]]:
+    """The weights trees whose copy `by` began on `node` (the ledger's `started` lines: `ledger.started`)."""
+    return Fact("copies", tuple(ledger.ledger_script()),
+                lambda sections: ledger.started(sections.get("copies"), node, by))
 
 
 # -- links: which rsync keeps, which are copied as files, which trees are refused ---------------------------------
@@ -111,13 +118,12 @@ def links_to_make(expected: Weights) -> list[tuple[str, str]]:
                   and inside_tree(f.path) and rsync_keeps_link(f.path, f.link_target))
 
 
-def make_links(ctx: StepContext, target: str, root: str, links: list[tuple[str, str]]) -> None:
+def make_links(target: str, root: str, links: list[tuple[str, str]]) -> Actions:
     """Make `links` below `root` on `target`, never through a link on the way (`links_helper`)."""
     if not links:
         return
-    said = ctx.sessions[target].run(["python3", "-c", _LINKS_HELPER, root],
-                                    stdin=b"".join(p.encode() + b"\0" + v.encode() + b"\0" for p, v in links),
-                                    timeout=ctx.command_timeout, check=False)
+    said = yield Run(target, ("python3", "-c", _LINKS_HELPER, root),
+                     stdin=b"".join(p.encode() + b"\0" + v.encode() + b"\0" for p, v in links), check=False)
     if not said.ok:
         raise StepFailed(f"making the model's links on {target} failed (exit {said.exit_code}): "
                          f"{said.stderr.strip()[-800:]}")
@@ -165,8 +171,8 @@ def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
     return [sorted(members) for _, members in groups if members]
 
 
-def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_root: str,
-                files_from: str | None, follow: bool = False, door: Door | None = None) -> list[str]:
+def _rsync_argv(desired: Desired, source: str, target: str, files_from: str | None, follow: bool = False,
+                door: Door | None = None) -> tuple[str, ...]:
     """The source's rsync for one stream: to the one-time daemon at `door` (its secret on stdin, bound to the
     source's fabric address, which is the only peer the daemon accepts), or over ssh (`policy.weights.transport:
     ssh`)."""
@@ -175,33 +181,34 @@ def _rsync_argv(ctx: StepContext, source: str, target: str, src_root: str, dst_r
     # Links: only a run of links checked to land on a file inside copies what they point to (--copy-links: nothing
     # else is in its list); every other run lists no link. Never --copy-unsafe-links: it copies whatever an outside
     # link points to (a link to / copies the whole disk).
+    src_root, dst_root = desired.weights_root(source), desired.weights_root(target)
     argv = ["rsync", *COPY_OPTIONS, *(["--copy-links"] if follow else []), f"--partial-dir={PARTIAL_DIR}",
             "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}"]
     if door is not None:
-        argv += ["--password-file=-", f"--address={ctx.desired.node(source).fabric.address.ip}"]
+        argv += ["--password-file=-", f"--address={desired.node(source).fabric.address.ip}"]
     else:
-        argv += ["-e", quote(hop.ssh_options(ctx, target))]
-    limit = ctx.desired.policy.weights.bandwidth_limit
+        argv += ["-e", quote(hop.ssh_options(desired, target))]
+    limit = desired.policy.weights.bandwidth_limit
     if limit:
         argv.append(f"--bwlimit={max(1, limit // 1024)}")
     if files_from:
         argv += [f"--files-from={files_from}", "--from0"]
-    return argv + [f"{src_root}/", door.url() if door is not None else f"{hop.address(ctx, target)}:{dst_root}/"]
+    return (*argv, f"{src_root}/", door.url() if door is not None else f"{hop.address(desired, target)}:{dst_root}/")
 
 
-def _explain_failure(ctx: StepContext, target: str, dst_root: str, exc: CommandFailed, expected: Weights,
-                     copied: set[str]) -> str:
+def _explain_failure(given: Given, target: str, exc: CommandFailed, expected: Weights,
+                     copied: set[str]) -> Generator[Action, Any, str]:
     text = exc.stderr + exc.stdout
-    if "No space left" in text:
-        df = ctx.sessions[target].run(["df", "-B1", "--output=avail", dst_root], timeout=ctx.command_timeout,
-                                      check=False)
-        avail = df.stdout.split()[-1] if df.ok and df.stdout.split() else "unknown"
-        # from the target's files, not the sender's progress: a sender counts what it sent, and the socket's
-        # buffers held much of that when the receiver's disk filled up
-        missing = sum(size for _, size in _files_to_copy(expected, read_manifest(ctx, target), copied))
-        return (f"{target}: no space left on the filesystem of {dst_root}: {missing} bytes still to copy, "
-                f"{avail} bytes available; partial data kept in {PARTIAL_DIR} for resume")
-    return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
+    if "No space left" not in text:
+        return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
+    dst_root = given.desired.weights_root(target)
+    avail = yield from read(target, avail_fact(dst_root))
+    # from the target's files, not the sender's progress: a sender counts what it sent, and the socket's buffers
+    # held much of that when the receiver's disk filled up
+    missing = sum(size for _, size in _files_to_copy(expected, (yield from read_manifest(given, target)), copied))
+    return (f"{target}: no space left on the filesystem of {dst_root}: {missing} bytes still to copy, "
+            f"{avail if avail is not None else 'unknown'} bytes available; partial data kept in {PARTIAL_DIR} "
+            "for resume")
 
 
 def _files_to_copy(expected: Weights, before: Weights, copied: set[str] | None = None) -> list[tuple[str, int]]:
@@ -237,34 +244,29 @@ def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int,
     return runs
 
 
-def _upload_file_list(ctx: StepContext, source: str, target: str, index: int, files: list[str]) -> str:
+def _upload_file_list(source: str, target: str, index: int, files: list[str]) -> Generator[Action, Any, str]:
     """Write a stream's file list on the source; returns its path relative to $HOME (rsync's cwd). A file, not
     stdin: the supervised rsync's stdin is the channel watch."""
     listing = f".cache/spark-reconciler/rsync-{target}-{index}.list"
-    ctx.sessions[source].run(["sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"',
-                              listing], stdin=b"\0".join(f.encode() for f in files) + b"\0",
-                             timeout=ctx.command_timeout)
+    yield Run(source, ("sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"', listing),
+              stdin=b"\0".join(f.encode() for f in files) + b"\0")
     return listing
 
 
-def _run_streams(run: Callable[[int, tuple[list[str], bool]], None],
-                 groups: list[tuple[list[str], bool]]) -> list[BaseException]:
-    """One `run` per group, in parallel threads; returns what they raised, for the caller to re-raise in the
-    step's thread."""
-    errors: list[BaseException] = []
+class StreamMeter:
+    """The bytes all streams moved, from each one's `--info=progress2` lines: the progress report of the copy.
+    Fed one chunk at a time (the executor serialises the streams' output)."""
 
-    def guarded(i: int, group: tuple[list[str], bool]) -> None:
-        try:
-            run(i, group)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller, in the step's thread
-            errors.append(exc)
+    def __init__(self, node: str, total: int, streams: int):
+        self.node, self.total, self.done = node, total, [0] * streams
 
-    threads = [threading.Thread(target=guarded, args=(i, g), daemon=True) for i, g in enumerate(groups)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    def feed(self, index: int, chunk: bytes) -> Report | None:
+        matches = _PROGRESS.findall(chunk)
+        if not matches:
+            return None
+        self.done[index] = int(matches[-1].replace(b",", b""))
+        return Report("weights.progress", {"node": self.node, "bytes_done": min(sum(self.done), self.total),
+                                           "bytes_total": self.total})
 
 
 def _refuse_target(before: Weights, target: str) -> None:
@@ -275,88 +277,89 @@ def _refuse_target(before: Weights, target: str) -> None:
         raise StepFailed(f"{blocked} (a copy into it could be led out of the tree)")
 
 
-def sync_weights(ctx: StepContext, step: Step) -> None:
+def _streams(given: Given, step: Step, groups: list[tuple[list[str], bool]], meter: StreamMeter,
+             door: Door | None) -> Generator[Action, Any, None]:
+    """Each stream's file list written on the source, then all its rsyncs at once on the source's bulk
+    connection (every one runs to its end; the first failure is raised once all ended)."""
+    target, source = step.node, step.source
+    assert source is not None
+    runs = []
+    for index, (files, follow) in enumerate(groups):
+        listing = yield from _upload_file_list(source, target, index, files)
+        runs.append(Run(source, _rsync_argv(given.desired, source, target, listing, follow, door),
+                        stdin=f"{door.secret}\n".encode() if door is not None else None,
+                        timeout=given.desired.policy.timeouts.weights_sync, long=True, bulk=True,
+                        on_output=functools.partial(meter.feed, index)))
+    yield Parallel(tuple(runs))
+
+
+def sync_weights(given: Given, step: Step) -> Actions:
+    """Re-checks first: the source's tree is there and safe to copy from, the target's differs and is safe to
+    copy into. Then the copy between the page-cache bounds, the links, `sync -f` and the manifests compared."""
     target, source = step.node, step.source
     assert source is not None, "the plan sets it for a weights step"
-    src_root, dst_root = ctx.desired.weights_root(source), ctx.desired.weights_root(target)
-    expected = read_manifest(ctx, source)
+    desired = given.desired
+    src_root, dst_root = desired.weights_root(source), desired.weights_root(target)
+    expected = yield from read_manifest(given, source)
     if not expected.present:
         raise StepFailed(f"the weights are not present on the source {source} at {src_root}")
     refused = refusal(expected, source)
     if refused:
         raise StepFailed(refused)
-    before = read_manifest(ctx, target)
+    before = yield from read_manifest(given, target)
     if weights_difference(expected, before) is None:
         return
     _refuse_target(before, target)
-    over_daemon = ctx.desired.policy.weights.transport == "rsync-daemon"
     # only a tree this cluster began is its copy (retention may remove it later): one it topped up may be a person's
     fresh = not before.present
     if fresh:
-        note_copy(ctx, target, ("started", "weights", dst_root, "-"))
+        yield from note(given, target, ("started", "weights", dst_root, "-"))
     copied = links_to_copy(expected)
     todo = _files_to_copy(expected, before, copied)
     total = sum(size for _, size in todo)
-    ctx.sessions[target].run(["mkdir", "-p", dst_root], timeout=ctx.command_timeout)
-    groups = _stream_groups(expected, todo, min(ctx.desired.policy.weights.parallel_streams, BULK_STREAMS), copied)
-    done = [0] * len(groups)
-    door: Door | None = None
-    lock = threading.Lock()
-    ctx.progress("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
+    yield Run(target, ("mkdir", "-p", dst_root))
+    groups = _stream_groups(expected, todo, min(desired.policy.weights.parallel_streams, BULK_STREAMS), copied)
+    yield Report("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
                                    "streams": len(groups)})
-
-    def run(index: int, group: tuple[list[str], bool]) -> None:
-        def seen(chunk: bytes) -> None:
-            matches = _PROGRESS.findall(chunk)
-            if matches:
-                with lock:
-                    done[index] = int(matches[-1].replace(b",", b""))
-                    ctx.progress("weights.progress", {"node": target, "bytes_done": min(sum(done), total),
-                                                      "bytes_total": total})
-
-        files, follow = group
-        listing = _upload_file_list(ctx, source, target, index, files)
-        ctx.sessions[source].bulk().run(_rsync_argv(ctx, source, target, src_root, dst_root, listing, follow,
-                                                    door),
-                                 timeout=ctx.remaining(), on_output=seen, cancel=ctx.cancel, supervised=True,
-                                 stdin=f"{door.secret}\n".encode() if door is not None else None)
-
-    with drop_behind(ctx, source, src_root), drop_behind(ctx, target, dst_root):
-        if over_daemon:
-            with rsync_daemon(ctx, source, target, dst_root, len(groups)) as daemon:
-                door = daemon.door
-                errors = _run_streams(run, groups)
-                if not errors:
-                    daemon.confirm()
-        else:
-            hop.trust_target_on_source(ctx, source, target)
-            errors = _run_streams(run, groups)
-        if errors:
-            first = errors[0]
-            if isinstance(first, CommandFailed):
-                raise StepFailed(_explain_failure(ctx, target, dst_root, first, expected, copied)) from None
-            raise first
-        make_links(ctx, target, dst_root, links_to_make(expected))
-        after = _check_copy(ctx, expected, source, target, dst_root)
-    ctx.progress("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
-    _record_copy(ctx, target, dst_root, after, fresh)
+    src_bound = yield from start_bound(given, source, src_root)
+    dst_bound = yield from start_bound(given, target, dst_root)
+    daemon, door = None, None
+    if desired.policy.weights.transport == "rsync-daemon":
+        daemon, door = yield from start_daemon(given, source, target, dst_root, len(groups))
+    else:
+        yield from hop.trust_target_on_source(desired, source, target)
+    try:
+        yield from _streams(given, step, groups, StreamMeter(target, total, len(groups)), door)
+    except CommandFailed as exc:
+        if daemon is not None:
+            yield Stop(daemon, "close")
+        raise StepFailed((yield from _explain_failure(given, target, exc, expected, copied))) from None
+    if daemon is not None:
+        yield from confirm(daemon)
+    yield from make_links(target, dst_root, links_to_make(expected))
+    after = yield from _check_copy(given, expected, source, target)
+    yield from end_bound(dst_bound)
+    yield from end_bound(src_bound)
+    yield Report("weights.done", {"node": target, "bytes_total": total, "files": len(expected.files)})
+    yield from _record_copy(given, target, after, fresh)
 
 
-def _record_copy(ctx: StepContext, target: str, dst_root: str, after: Weights, fresh: bool) -> None:
+def _record_copy(given: Given, target: str, after: Weights, fresh: bool) -> Actions:
     """The copy into the ledger (retention may remove it later), when this cluster began the tree: in this step,
     or in one interrupted before it (its `started` line)."""
+    dst_root = given.desired.weights_root(target)
     if not fresh:
-        began = read_sections(ctx.sessions[target], ledger.ledger_script(), ctx.command_timeout).get("copies")
-        fresh = dst_root in ledger.started(began, target, ctx.owner.label)
+        fresh = dst_root in (yield from read(target, started_fact(target, given.owner.label)))
     if fresh:
-        note_copy(ctx, target, ("copied", "weights", dst_root, after.digest()))
+        yield from note(given, target, ("copied", "weights", dst_root, after.digest()))
 
 
-def _check_copy(ctx: StepContext, expected: Weights, source: str, target: str, dst_root: str) -> Weights:
+def _check_copy(given: Given, expected: Weights, source: str, target: str) -> Generator[Action, Any, Weights]:
     """Make the copy durable (before it is called done: the page cache still holds much of it, and a power cut
     would lose that), then require the target's manifest to equal the source's."""
-    ctx.sessions[target].run(["sync", "-f", dst_root], timeout=ctx.remaining())
-    after = read_manifest(ctx, target)
+    dst_root = given.desired.weights_root(target)
+    yield Run(target, ("sync", "-f", dst_root), timeout=given.desired.policy.timeouts.weights_sync)
+    after = yield from read_manifest(given, target)
     problem = weights_difference(expected, after)
     if problem:
         raise StepFailed(f"after rsync, the weights on {target} still differ from {source}: {problem}")
@@ -403,7 +406,7 @@ class Verification:
 def _sha256_lines(out: str) -> dict[str, str]:
     """`sha256sum` output -> {relative path: hex}; names with a newline or backslash come escaped with a
     leading backslash and are skipped (never produced by a model tree; the manifest check covers them)."""
-    hashes = {}
+    hashes: dict[str, str] = {}
     for line in out.splitlines():
         if len(line) < 67 or line.startswith("\\"):
             continue
@@ -412,7 +415,12 @@ def _sha256_lines(out: str) -> dict[str, str]:
     return hashes
 
 
-def _hash_files(session, root: str, paths: list[str], timeout: float, cancel=None) -> dict[str, str]:
+def _listing(session: Session, root: str, timeout: float) -> Listing:
+    return listing_fact(root).read(session, timeout)
+
+
+def _hash_files(session: Session, root: str, paths: list[str], timeout: float,
+                cancel: threading.Event | None = None) -> dict[str, str]:
     if not paths:
         return {}
     stdin = b"".join(f"./{p}".encode() + b"\0" for p in paths)
@@ -427,7 +435,8 @@ def _cache_path(root: str) -> str:
     return f"{HASH_CACHE_DIR}/sha256-{hashlib.sha256(root.encode()).hexdigest()[:16]}.tsv"
 
 
-def source_hashes(session, root: str, paths: list[str], timeout: float, cancel=None,
+def source_hashes(session: Session, root: str, paths: list[str], timeout: float,
+                  cancel: threading.Event | None = None,
                   stats: dict[str, tuple[int, str]] | None = None) -> tuple[dict[str, str], int]:
     """sha256 of `paths` (relative to root) on the source node, from the cache in ~/.cache/spark-reconciler/
     where (path, size, mtime) did not change; the cache is rewritten (0600). Only what the manifest resolved
@@ -476,7 +485,7 @@ _REMOVE = (f'{IN_UNLINKED_DIR}; shift; for p; do d=; rest=$p; ok=1; '
            'if [ $ok = 1 ] && [ -f "$p" ] && [ ! -L "$p" ] && rm -f -- "$p"; then printf \'%s\\n\' "$p"; fi; done')
 
 
-def remove_files(session, root: str, paths: list[str], timeout: float) -> tuple[str, ...] | None:
+def remove_files(session: Session, root: str, paths: list[str], timeout: float) -> tuple[str, ...] | None:
     """Remove the regular files `paths` (relative to `root`) on a node, never anything outside the tree: a path
     failing `inside_tree`, or reaching its file through a link, is left alone. Returns the paths removed; None
     when nothing was, because `root` or a directory above it is a link."""
@@ -493,8 +502,8 @@ def remove_files(session, root: str, paths: list[str], timeout: float) -> tuple[
     return tuple(p for p in wanted if p in removed)
 
 
-def verify_weights(desired, sessions, node: str, *, repair: bool = False, timeout: float = 3600,
-                   cancel=None) -> Verification:
+def verify_weights(desired: Desired, sessions: Sessions, node: str, *, repair: bool = False,
+                   timeout: float = 3600, cancel: threading.Event | None = None) -> Verification:
     """Full verification of one target: sha256 of every regular file of the model tree on `node` against the
     source's (cached there by path, size and mtime). With `repair`, the differing files are removed from the
     target (only inside its tree: `remove_files`), so the next reconcile sees them missing and re-syncs exactly

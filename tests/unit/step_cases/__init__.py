@@ -1,0 +1,77 @@
+"""Data-driven cases of every step (reconciler/edge/steps/), one per case, in the manner of pyinfra's
+`tests/operations/*/*.json`: the step, the facts its re-reads see (recorded node output, parsed by the fact's own
+parser), and the exact commands it must run, or the refusal it must end with. tests/unit/test_step_cases.py runs
+them all through tests/unit/step_driver.py.
+
+A module per step family (containers.py, link.py, ...) holds a `CASES` list; `ALL` joins them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+
+from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.planning import Step
+from reconciler.core.spec import Desired
+from reconciler.edge.ssh import Result
+from tests.unit.step_driver import Raw
+
+HEAD, WORKER = "spark-1a32", "spark-5be3"  # the sample's nodes (desired-state/cluster.yaml)
+
+
+@cache
+def sample() -> Desired:
+    """The sample desired state (desired-state/cluster.yaml), with the unit tests' secret in the environment."""
+    from reconciler.core.spec import load
+    from tests.unit.conftest import REPO
+
+    return load(REPO / "desired-state" / "cluster.yaml", environ={"VLLM_API_KEY": "sk-unit-tests-0123456789"})
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step case: `step` run over `facts` (and `results` for the commands that answer something) must run
+    exactly `commands`, then end with nothing raised or with `raises` (a regex of the message, and `error` its
+    type's name)."""
+
+    name: str
+    step: Step
+    commands: Sequence[str]
+    facts: Mapping[str, Sequence[object]] = field(default_factory=dict)
+    results: Mapping[str, Sequence[Result]] = field(default_factory=dict)
+    raises: str | None = None
+    error: str = "StepFailed"
+    desired: Callable[[], Desired] = sample
+    observed: Callable[[], Observed] = lambda: reachable()
+    generation: int = 1
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def reachable(*names: str) -> Observed:
+    """An observation in which the nodes answered and told nothing else (no cluster id: the head's ssh host:port
+    names the cluster)."""
+    return Observed(nodes={n: NodeObservation(name=n, reachable=True) for n in names or (HEAD, WORKER)})
+
+
+def inspected(name: str, state: str = "running", labels: Mapping[str, str] | None = None,
+              exit_code: int = 0) -> Raw:
+    """`docker inspect --format` of one container (`probes.container_fact`), as a node prints it."""
+    return Raw(json.dumps({"name": f"/{name}", "id": "c0ffee" * 10 + "0123", "image": "img:1", "image_id": "sha256:ab",
+                           "state": state, "labels": dict(labels or {}), "started_at": "2026-12-06T10:00:00Z",
+                           "mounts": [], "exit_code": exit_code}))
+
+
+def no_such(name: str) -> Raw:
+    return Raw(f"Error: No such container: {name}", 1)
+
+
+def all_cases() -> list[Case]:
+    from tests.unit.step_cases import containers, images, link, retention, serving, staging, weights
+
+    return [*containers.CASES, *images.CASES, *link.CASES, *retention.CASES, *serving.CASES, *staging.CASES,
+            *weights.CASES]

@@ -1,0 +1,86 @@
+"""stop-container (a co-tenant the file does not allow) and stop-serving (our own serving container)."""
+
+from __future__ import annotations
+
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED
+from reconciler.core.planning import Step
+from reconciler.edge.ssh import Result
+from tests.unit.step_cases import HEAD, WORKER, Case, inspected, no_such
+
+INSTANCE = "10.1.230.180:22"  # the sample head's ssh host:port: this cluster's label while it has no cluster id
+OURS = {LABEL_MANAGED: "true", LABEL_INSTANCE: INSTANCE}
+SERVING = "vllm_serving"
+
+
+def _co_tenant(name: str, node: str = HEAD) -> Step:
+    return Step("stop-container", node, "not allowed", (), container=name)
+
+
+def _serving(name: str = SERVING, node: str = HEAD) -> Step:
+    return Step("stop-serving", node, "restart", (), container=name)
+
+
+STOP_NODE = [f"read {HEAD} container vllm_node", f"run {HEAD} docker stop -t 30 vllm_node",
+             f"wait {HEAD} container vllm_node"]
+
+CASES = [
+    Case("co-tenant: a running unlisted container is stopped, never removed", _co_tenant("vllm_node"), STOP_NODE,
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), inspected("vllm_node", "exited")]}),
+    Case("co-tenant: stopped once docker says so, also when it is gone by then", _co_tenant("vllm_node"), STOP_NODE,
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), no_such("vllm_node")]}),
+    Case("co-tenant: the file allows it now: nothing read, nothing run", _co_tenant("reranker"), []),
+    Case("co-tenant: allowed on the worker, the step for the worker does nothing",
+         _co_tenant("vllm_embeddings", WORKER), []),
+    Case("co-tenant: already stopped: read, nothing run", _co_tenant("vllm_node"), [f"read {HEAD} container vllm_node"],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node", "exited")]}),
+    Case("co-tenant: gone: read, nothing run", _co_tenant("vllm_node"), [f"read {HEAD} container vllm_node"],
+         facts={f"{HEAD} container vllm_node": [no_such("vllm_node")]}),
+    Case("co-tenant: a container the reconciler manages is never stopped as a co-tenant", _co_tenant("vllm_node"),
+         [f"read {HEAD} container vllm_node"],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node", labels=OURS)]},
+         raises="vllm_node on spark-1a32 is managed by the reconciler; co-tenant stop refused"),
+    Case("co-tenant: a stop that never shows fails the step", _co_tenant("vllm_node"), STOP_NODE,
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node")]},
+         raises="timed out after 15s waiting for vllm_node to stop on spark-1a32"),
+    Case("co-tenant: docker stop failing fails the step", _co_tenant("vllm_node"), STOP_NODE[:2],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node")]},
+         results={f"{HEAD} docker stop -t 30 vllm_node": [Result("", "Error response from daemon: boom", 1)]},
+         raises="boom", error="CommandFailed"),
+    Case("co-tenant: docker's inspect failing otherwise is no licence to stop", _co_tenant("vllm_node"),
+         [f"read {HEAD} container vllm_node"],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node").__class__("Cannot connect to the Docker "
+                                                                                   "daemon", 1)]},
+         raises="docker inspect failed: Cannot connect to the Docker daemon"),
+    Case("serving: ours under the serving name: stopped, removed, seen gone", _serving(),
+         [f"read {HEAD} container {SERVING}", f"run {HEAD} docker stop -t 30 {SERVING}",
+          f"wait {HEAD} container {SERVING}", f"run {HEAD} docker rm {SERVING}", f"wait {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [inspected(SERVING, labels=OURS),
+                                                inspected(SERVING, "exited", labels=OURS), no_such(SERVING)]}),
+    Case("serving: ours already stopped: removed only", _serving(),
+         [f"read {HEAD} container {SERVING}", f"run {HEAD} docker rm {SERVING}", f"wait {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [inspected(SERVING, "exited", labels=OURS), no_such(SERVING)]}),
+    Case("serving: ours under a former name: stopped and left for the operator", _serving("vllm_old"),
+         [f"read {HEAD} container vllm_old", f"run {HEAD} docker stop -t 30 vllm_old",
+          f"wait {HEAD} container vllm_old"],
+         facts={f"{HEAD} container vllm_old": [inspected("vllm_old", labels=OURS),
+                                               inspected("vllm_old", "exited", labels=OURS)]}),
+    Case("serving: made before the instance label existed: still ours", _serving(),
+         [f"read {HEAD} container {SERVING}", f"run {HEAD} docker stop -t 30 {SERVING}",
+          f"wait {HEAD} container {SERVING}", f"run {HEAD} docker rm {SERVING}", f"wait {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [inspected(SERVING, labels={LABEL_MANAGED: "true"}),
+                                                inspected(SERVING, "exited"), no_such(SERVING)]}),
+    Case("serving: gone already: nothing to do", _serving(), [f"read {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [no_such(SERVING)]}),
+    Case("serving: not created by the reconciler: refused", _serving(), [f"read {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [inspected(SERVING)]},
+         raises="vllm_serving on spark-1a32 was not created by the reconciler; it is never stopped or removed"),
+    Case("serving: another cluster's: refused, with the line that would adopt it", _serving(),
+         [f"read {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [inspected(SERVING, labels={LABEL_MANAGED: "true",
+                                                                           LABEL_INSTANCE: "10.9.9.9:22"})]},
+         raises=r"is not this cluster's \(instance 10.9.9.9:22, this one is .*\); never stopped or removed"),
+    Case("serving: the rm's removal never shows: fails", _serving(),
+         [f"read {HEAD} container {SERVING}", f"run {HEAD} docker rm {SERVING}", f"wait {HEAD} container {SERVING}"],
+         facts={f"{HEAD} container {SERVING}": [inspected(SERVING, "exited", labels=OURS)]},
+         raises="timed out after 30s waiting for vllm_serving to be removed on spark-1a32"),
+]

@@ -1,0 +1,296 @@
+"""start-serving, launch-model and await-health: the start of vLLM on each node and the wait for it to serve.
+
+start-serving and launch-model run over the sample (desired-state/cluster.yaml: two GB10 nodes, 121.6 GiB of
+MemTotal as `/proc/meminfo` says on a DGX Spark); await-health over the recorded testbed (its head's API as the
+probe read it, tests/unit/fixtures/probe-4-nodes.json) and the recorded vLLM cold start's log lines.
+"""
+
+from __future__ import annotations
+
+import shlex
+from functools import cache
+from typing import Any
+
+from reconciler.core.fabric import carrying_rdma_devices
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED, LABEL_SPEC_HASH
+from reconciler.core.planning import Step
+from reconciler.core.spec import Desired
+from reconciler.core.vllm import LaunchSpec, at_start, launch_specs
+from reconciler.edge.probes import Section
+from reconciler.edge.ssh import Result
+from reconciler.edge.steps.serving import NON_CARRY_OVER_WRITE
+from tests.unit.recorded import RAW, load, observe, sections_of
+from tests.unit.step_cases import HEAD, WORKER, Case, Raw, inspected, no_such, reachable, sample
+
+NAME = "vllm_serving"
+INSTANCE = "10.1.230.180:22"  # the sample head's ssh host:port: this cluster's label while it has no cluster id
+
+
+@cache
+def _spec(node: str = HEAD) -> LaunchSpec:
+    """The launch the step must run (core.vllm, pure): its hash, its `docker run`."""
+    d = sample()
+    spec = next(s for s in launch_specs(d, INSTANCE) if s.node == node)
+    return at_start(spec, carrying_rdma_devices(d.node(node), reachable().node(node)))
+
+
+def ours(state: str = "running", spec_hash: str | None = None) -> Raw:
+    labels = {LABEL_MANAGED: "true", LABEL_INSTANCE: INSTANCE, LABEL_SPEC_HASH: spec_hash or _spec().spec_hash}
+    return inspected(NAME, state, labels)
+
+
+def meminfo(available_gib: float) -> Raw:
+    """A DGX Spark's /proc/meminfo (MemTotal 121.6 GiB); the sample needs 101.3 GiB available."""
+    return Raw(f"MemTotal:       127535224 kB\nMemAvailable:   {int(available_gib * (1 << 20))} kB")
+
+
+def _start(node: str = HEAD, after: tuple[str, ...] = ()) -> Step:
+    return Step("start-serving", node, "missing", after, rank=0 if node == HEAD else 1)
+
+
+STOP = Step("stop-serving", HEAD, "restart", (), container=NAME).id
+DROP = [f"run {HEAD} sync -f /home/spark/.cache/huggingface/hub",
+        f"run {HEAD} sudo /usr/sbin/sysctl -w vm.drop_caches=3"]
+CACHES = (f"run {HEAD} sh -c 'mkdir -p -- \"$@\" && chmod 0700 -- \"$@\"' sh /home/spark/.cache/vllm "
+          "/home/spark/.cache/flashinfer /home/spark/.triton /home/spark/.tilelang")
+
+
+def docker_run(node: str = HEAD) -> str:
+    return f"run {node} " + shlex.join(["docker", *_spec(node).run_argv(1, env_file="/dev/stdin")])
+
+
+START = [*DROP, f"read {HEAD} meminfo", f"run {HEAD} sh -s", CACHES]  # then `docker run` (docker_run())
+STARTED = [f"wait {HEAD} container {NAME}"]
+ENOUGH = {f"{HEAD} meminfo": [meminfo(110)]}
+
+
+def _no_drop() -> Desired:
+    d = sample()
+    return d.model_copy(update={"policy": d.policy.model_copy(update={"drop_caches": False})})
+
+
+def _ray() -> Desired:
+    d = sample()
+    return d.model_copy(update={"serving": d.serving.model_copy(update={"launcher": "ray"})})
+
+
+def _launch(wrapper: tuple[str, ...] | None = None) -> Step:
+    return Step("launch-model", HEAD, "missing", (), wrapper=wrapper)
+
+
+# `ray status` in the head container once both nodes joined (the autoscaler's summary, as Ray 2.x prints it)
+RAY_JOINED = Raw("======== Autoscaler status: 2026-12-06 10:00:00.000000 ========\nNode status\n"
+                 "---------------------------------------------------------------\nActive:\n"
+                 " 1 node_6f0d8c3a4b5e2f1a9c7d\n 1 node_1b2c3d4e5f60718293a4\nPending:\n (no pending nodes)\n"
+                 "Recent failures:\n (no failures)\n")
+RAY_ALONE = Raw(RAY_JOINED.body.replace(" 1 node_1b2c3d4e5f60718293a4\n", ""))
+LAUNCH_READ = [f"wait {HEAD} ray {NAME}", f"read {HEAD} vllm-serve {NAME}"]
+
+
+def _exec_serve(wrapper: tuple[str, ...] = ()) -> str:
+    serve = _ray_spec().serve_exec
+    assert serve is not None
+    return (f"run {HEAD} " + shlex.join(["docker", "exec", "-d", NAME, "sh", "-c",
+                                        f"exec {shlex.join((*wrapper, *serve))} >/proc/1/fd/1 2>/proc/1/fd/2"]))
+
+
+@cache
+def _ray_spec() -> LaunchSpec:
+    return next(s for s in launch_specs(_ray(), INSTANCE) if s.node == HEAD)
+
+
+WRITE_LIST = f"run {HEAD} " + shlex.join(["docker", "exec", "-i", NAME, "sh", "-c", NON_CARRY_OVER_WRITE])
+
+# -- await-health, over the recorded testbed ------------------------------------------------------------------
+WORKERS = ("worker1", "worker2", "worker3")
+_HEAD = sections_of(RAW["outputs"]["head"])
+LOADING = "(EngineCore_DP0 pid=9) \rLoading safetensors checkpoint shards:  45% Completed | 9/20\n"
+MORE = LOADING + "\rLoading safetensors checkpoint shards:  90% Completed | 18/20\n"
+
+
+def head(state: str = "running", api: str = "serving", log: str = "", exit_code: int = 0) -> dict[str, Section]:
+    """One poll of the head (`probes.start_fact`): its container, its API (the recording's, or not answering
+    yet) and its log's tail."""
+    container = inspected(NAME, state, exit_code=exit_code)
+    sections = {"container": Section(container.body, container.rc), "start_log": Section(log, 0)}
+    if api == "serving":
+        sections |= {k: _HEAD[k] for k in ("health", "models", "completion", "engine")}
+    else:
+        sections |= {"health": Section("000", 7), "models": Section("", 0), "completion": Section("", 0),
+                     "engine": Section("", 0)}
+    return sections
+
+
+def _health() -> Step:
+    return Step("await-health", "head", "health", ())
+
+
+def _recorded(**kw: Any) -> dict[str, Any]:
+    return {"desired": load, "observed": lambda: observe(load()), **kw}
+
+
+WORKERS_READ = [f"read {w} container {NAME}" for w in WORKERS]
+RUNNING = {f"{w} container {NAME}": [inspected(NAME)] for w in WORKERS}
+
+CASES = [
+    # -- start-serving
+    Case("start-serving: nothing there: caches dropped, memory enough, `served` noted, caches made, run, running",
+         _start(), [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], **ENOUGH}),
+    Case("start-serving: already what we want (running, the same spec hash): nothing run", _start(),
+         [f"read {HEAD} container {NAME}"], facts={f"{HEAD} container {NAME}": [ours()]}),
+    Case("start-serving: ours, stopped: removed first (no `name already in use`), then started", _start(),
+         [f"read {HEAD} container {NAME}", f"run {HEAD} docker rm {NAME}", *START, docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [ours("exited", "0123456789abcdef"), ours()], **ENOUGH}),
+    Case("start-serving: ours running another spec: the plan stops it first, nothing run", _start(),
+         [f"read {HEAD} container {NAME}"], facts={f"{HEAD} container {NAME}": [ours(spec_hash="0123456789abcdef")]},
+         raises="vllm_serving on spark-1a32 runs another spec; the plan stops it first"),
+    Case("start-serving: a foreign container holds the name: blocked, nothing run", _start(),
+         [f"read {HEAD} container {NAME}"], facts={f"{HEAD} container {NAME}": [inspected(NAME, "exited")]},
+         raises="vllm_serving exists and is not ours to replace: vllm_serving on spark-1a32 was not created by the "
+                "reconciler", error="StepBlocked"),
+    Case("start-serving: another cluster's container holds the name: blocked, with how to adopt it", _start(),
+         [f"read {HEAD} container {NAME}"],
+         facts={f"{HEAD} container {NAME}": [inspected(NAME, "exited", {LABEL_MANAGED: "true",
+                                                                         LABEL_INSTANCE: "10.9.9.9:22"})]},
+         raises=r"not ours to replace: .*is not this cluster's \(instance 10.9.9.9:22", error="StepBlocked"),
+    Case("start-serving: a protected container holds the name: blocked", _start(), [f"read {HEAD} container {NAME}"],
+         facts={f"{HEAD} container {NAME}": [ours("exited")]},
+         desired=lambda: _protected(), raises="is protected", error="StepBlocked"),
+    Case("start-serving: memory short, no stop before it: blocked at once, nothing started", _start(),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60), meminfo(110)]},
+         raises=r"spark-1a32: 60.0 GiB available, but gpu_memory_utilization 0.8 x 121.6 GiB 97.3 GiB \+ "
+                r"policy.memory_margin 4.0 GiB = 101.3 GiB is needed$", error="StepBlocked"),
+    Case("start-serving: memory short after a stop: waits for it, then deferred (never counted toward holds)",
+         _start(after=(STOP,)), [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo",
+                                 f"wait {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60), meminfo(70)]},
+         raises=r"spark-1a32: 70.0 GiB available, .* up to 90 s after the stop on spark-1a32 \(GB10 returns a "
+                r"stopped generation's memory with a lag\); tried again at the next reconcile",
+         error="StepDeferred"),
+    Case("start-serving: memory back after a stop: the start goes on", _start(after=(STOP,)),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo", f"wait {HEAD} meminfo",
+          *START[3:], docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()],
+                f"{HEAD} meminfo": [meminfo(60), meminfo(80), meminfo(110)]}),
+    Case("start-serving: a co-tenant's stop before it settles too", _start(
+        after=(Step("stop-container", HEAD, "not allowed", (), container="vllm_node").id,)),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo", f"wait {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60)]},
+         raises="after the stop on spark-1a32", error="StepDeferred"),
+    Case("start-serving: a stop on another node does not settle this one: blocked at once",
+         _start(after=(Step("stop-serving", WORKER, "restart", (), container=NAME).id,)),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60), meminfo(110)]},
+         raises="is needed$", error="StepBlocked"),
+    Case("start-serving: /proc/meminfo unanswered fails the step", _start(),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [Raw("", 1)]},
+         raises="/proc/meminfo on spark-1a32 did not answer"),
+    Case("start-serving: a sudoers without the drop line: said, and the start goes on", _start(),
+         [f"read {HEAD} container {NAME}", *DROP, "report serving.drop-caches-refused", *START[2:], docker_run(),
+          *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], **ENOUGH},
+         results={DROP[1][4:]: [Result("", "sudo: a password is required", 1)]}),
+    Case("start-serving: a sync past its deadline does not hold the start", _start(),
+         [f"read {HEAD} container {NAME}", DROP[0], "report serving.sync-skipped", *START[1:], docker_run(),
+          *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], **ENOUGH},
+         results={DROP[0][4:]: [Result("", "", 124)]}),
+    Case("start-serving: policy.drop_caches off: nothing dropped", _start(),
+         [f"read {HEAD} container {NAME}", *START[2:], docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], **ENOUGH}, desired=_no_drop),
+    Case("start-serving: a ledger that cannot be written is said, never a failure of the start", _start(),
+         [f"read {HEAD} container {NAME}", *START[:4], "report ledger.unwritten", CACHES, docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], **ENOUGH},
+         results={f"{HEAD} sh -s": [Result("", "sh: 1: cannot create /home/spark/.spark-reconciler/copies: "
+                                               "Read-only file system", 2)]}),
+    Case("start-serving: the container exits at start: fails with its exit code and last lines", _start(),
+         [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED, f"read {HEAD} logs {NAME}"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours("exited")], **ENOUGH,
+                f"{HEAD} logs {NAME}": [Raw("torch.OutOfMemoryError: CUDA out of memory.\n")]},
+         raises="vllm_serving on spark-1a32 exited with 0 at start:\ntorch.OutOfMemoryError: CUDA out of memory."),
+    Case("start-serving: a container that never shows running fails the step", _start(),
+         [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours("created")], **ENOUGH},
+         raises="timed out after 60s waiting for vllm_serving to run on spark-1a32"),
+    Case("start-serving: `docker run` failing fails the step", _start(),
+         [f"read {HEAD} container {NAME}", *START, docker_run()],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], **ENOUGH},
+         results={docker_run()[4:]: [Result("", "docker: Error response from daemon: Conflict. The container name "
+                                                "\"/vllm_serving\" is already in use", 125)]},
+         raises="is already in use", error="CommandFailed"),
+    Case("start-serving: a worker starts its own rank", _start(WORKER),
+         [f"read {WORKER} container {NAME}", *(line.replace(HEAD, WORKER) for line in START), docker_run(WORKER),
+          f"wait {WORKER} container {NAME}"],
+         facts={f"{WORKER} container {NAME}": [no_such(NAME), ours()], f"{WORKER} meminfo": [meminfo(110)]}),
+    # -- launch-model (the Ray launcher)
+    Case("launch-model: every node joined: the non-carry-over list, then `vllm serve` exec'd", _launch(),
+         [*LAUNCH_READ, WRITE_LIST, _exec_serve()],
+         facts={f"{HEAD} ray {NAME}": [RAY_JOINED], f"{HEAD} vllm-serve {NAME}": [Raw("0")]}, desired=_ray),
+    Case("launch-model: under the image's Entrypoint wrapper (NGC's CUDA setup)",
+         _launch(("/opt/nvidia/nvidia_entrypoint.sh",)),
+         [*LAUNCH_READ, WRITE_LIST, _exec_serve(("/opt/nvidia/nvidia_entrypoint.sh",))],
+         facts={f"{HEAD} ray {NAME}": [RAY_JOINED], f"{HEAD} vllm-serve {NAME}": [Raw("0")]}, desired=_ray),
+    Case("launch-model: already serving (one `vllm serve`): no exec", _launch(), LAUNCH_READ,
+         facts={f"{HEAD} ray {NAME}": [RAY_JOINED], f"{HEAD} vllm-serve {NAME}": [Raw("1")]}, desired=_ray),
+    Case("launch-model: a container without `ps` reads as not serving: launched", _launch(),
+         [*LAUNCH_READ, WRITE_LIST, _exec_serve()],
+         facts={f"{HEAD} ray {NAME}": [RAY_JOINED],
+                f"{HEAD} vllm-serve {NAME}": [Raw("sh: 1: ps: not found\n0", 1)]}, desired=_ray),
+    Case("launch-model: the worker joins late: waited for", _launch(), [*LAUNCH_READ, WRITE_LIST, _exec_serve()],
+         facts={f"{HEAD} ray {NAME}": [Raw("", 1), RAY_ALONE, RAY_JOINED], f"{HEAD} vllm-serve {NAME}": [Raw("0")]},
+         desired=_ray),
+    Case("launch-model: a node never joins: fails, nothing exec'd", _launch(), LAUNCH_READ[:1],
+         facts={f"{HEAD} ray {NAME}": [RAY_ALONE]}, desired=_ray,
+         raises=r"timed out after 120s waiting for 2 nodes in `ray status`"),
+    # -- await-health
+    Case("await-health: serving at the first poll: the other nodes read, the head's poll, done", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", "report serving.done"],
+         facts={**RUNNING, f"head start {NAME}": [head()]}, **_recorded()),
+    Case("await-health: each change of the head's log is reported once, then done", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", "report serving.stage",
+          *WORKERS_READ, f"wait head start {NAME}", "report serving.progress", *WORKERS_READ,
+          f"wait head start {NAME}", "report serving.done"],
+         facts={**RUNNING, f"head start {NAME}": [head(api="down"), head(api="down", log=LOADING),
+                                                    head(api="down", log=LOADING), head(api="down", log=MORE),
+                                                    head(log=MORE)]}, **_recorded()),
+    Case("await-health: quiet polls read the other nodes again every few polls", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *WORKERS_READ, f"wait head start {NAME}",
+          "report serving.done"],
+         facts={**RUNNING, f"head start {NAME}": [*[head(api="down")] * 5, head()]}, **_recorded()),
+    Case("await-health: the head's container exits while waiting: fails with its last lines", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", f"read head logs {NAME}"],
+         facts={**RUNNING, f"head start {NAME}": [head(api="down"), head("exited", api="down", exit_code=1)],
+                f"head logs {NAME}": [Raw("RuntimeError: NCCL error: unhandled system error\n")]},
+         raises="vllm_serving on head is exited \\(exit 1\\) while waiting for health:\nRuntimeError: NCCL error",
+         **_recorded()),
+    Case("await-health: a worker's container gone: fails at the next read of the workers", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *WORKERS_READ[:1],
+          f"read worker1 logs {NAME}"],
+         facts={f"worker1 container {NAME}": [inspected(NAME), no_such(NAME)],
+                **{f"{w} container {NAME}": [inspected(NAME)] for w in WORKERS[1:]},
+                f"head start {NAME}": [head(api="down")] * 5, f"worker1 logs {NAME}": [Raw("")]},
+         raises="vllm_serving on worker1 is missing \\(exit None\\) while waiting for health", **_recorded()),
+    Case("await-health: never serving within serving.health_timeout: fails naming what it waited for", _health(),
+         ["report serving.stage", f"wait head start {NAME}"],
+         facts={f"head start {NAME}": [head(api="down")]},
+         desired=lambda: _alone(load()), observed=lambda: observe(load()),
+         raises=r"timed out after 120s waiting for http://127.0.0.1:8000/health on head, 'tiny-moe' in /v1/models "
+                "and one completion"),
+]
+
+
+def _protected() -> Desired:
+    d = sample()
+    co = d.co_tenants.model_copy(update={"protected": {**d.co_tenants.protected, HEAD: [NAME]}})
+    return d.model_copy(update={"co_tenants": co})
+
+
+def _alone(d: Desired) -> Desired:
+    """The file with its head alone (one node serves): no other container to read."""
+    return d.model_copy(update={"nodes": [d.head]})
+
+
+

@@ -1,0 +1,92 @@
+"""download (`hf download` on the internet node, behind the Hub's size and the disk preflight) and pull-image
+(`docker pull` on the image source, behind a floor of free room). The token's way (stdin only) is pinned by
+tests/unit/test_staging_plan.py, which reads what the driver fed each command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from reconciler.core.drift import DISK_MARGIN
+from reconciler.core.observed import NodeObservation, Observed, WeightFile, Weights
+from reconciler.core.planning import Step
+from reconciler.edge.ssh import Result
+from reconciler.edge.steps.actions import Given
+from reconciler.edge.steps.staging import download_argv
+from tests.unit.step_cases import HEAD, WORKER, Case, sample
+from tests.unit.step_driver import Raw
+
+MODEL, REVISION = "Qwen/Qwen3.5-122B-A10B-FP8", "main"  # the sample's model
+HUB_PATH = "/home/spark/.cache/huggingface/hub"
+SIZE = f"{HEAD} hub-size {MODEL}@{REVISION}"
+GIB = 1 << 30
+#: The Hub's answer with `blobs=true` (trimmed to two files; the real one lists every sibling with its size).
+ANSWER = Raw(json.dumps({"id": MODEL, "sha": "3" * 40, "siblings": [
+    {"rfilename": "config.json", "size": 4_211, "blobId": "a" * 40},
+    {"rfilename": "model-00001-of-00001.safetensors", "size": 100 * GIB, "blobId": "b" * 40,
+     "lfs": {"sha256": "c" * 64, "size": 100 * GIB}}]}))
+TOTAL = 4_211 + 100 * GIB
+IMAGE = "nvcr.io/nvidia/vllm:26.05-py3"
+
+
+def _observed(free: int | None = None, have: int = 0) -> Observed:
+    """The internet node with `free` bytes at the model path (None: not measured) and a partial tree of `have`."""
+    weights = Weights(root=f"{HUB_PATH}/models--Qwen--Qwen3.5-122B-A10B-FP8", present=bool(have),
+                      files=[WeightFile(path="blobs/b", size=have, mtime=1.0)] if have else [])
+    head = NodeObservation(name=HEAD, reachable=True, weights=weights,
+                           disk_free=None if free is None else {"weights": free, "image": free})
+    return Observed(nodes={HEAD: head, WORKER: NodeObservation(name=WORKER, reachable=True)})
+
+
+DOWNLOAD = Step("download", HEAD, "absent", (), path=HUB_PATH)
+FETCH = f"{HEAD} " + shlex.join(download_argv(Given(sample(), _observed()), DOWNLOAD))
+PULL = Step("pull-image", HEAD, "absent", (), image=IMAGE)
+
+
+def _download(name: str, commands: list[str], *, free: int | None = 200 * GIB, have: int = 0,
+              answer: Raw = ANSWER, fetched: Result | None = None, raises: str | None = None,
+              error: str = "StepFailed") -> Case:
+    return Case(name, DOWNLOAD, commands, facts={SIZE: [answer]},
+                results={FETCH: [fetched]} if fetched is not None else {}, raises=raises, error=error,
+                observed=lambda: _observed(free, have))
+
+
+def _pull(name: str, commands: list[str], *, free: int | None = 200 * GIB, pulled: Result | None = None,
+          raises: str | None = None, error: str = "StepFailed") -> Case:
+    return Case(name, PULL, commands, results={f"{HEAD} docker pull {IMAGE}": [pulled]} if pulled else {},
+                raises=raises, error=error, observed=lambda: _observed(free))
+
+
+FETCHED = [f"read {SIZE}", "report download.start", f"run {FETCH}", "report download.done"]
+
+CASES = [
+    _download("the revision fits: fetched with the Hub's CLI", FETCHED),
+    _download("the disk was not measured: fetched", FETCHED, free=None),
+    _download("what is there already counts: a resumed download needs only the rest", FETCHED,
+              free=TOTAL - 50 * GIB + DISK_MARGIN, have=50 * GIB),
+    _download("the disk cannot hold it with the margin: nothing fetched", [f"read {SIZE}"],
+              free=TOTAL + DISK_MARGIN - 1,
+              raises=r"needs 101\.0 GiB free on /home/spark/.cache/huggingface/hub on spark-1a32 .*only 101\.0 GiB "
+                     "is: free room there; nothing was downloaded", error="StepBlocked"),
+    _download("the Hub does not answer (a gated model without the token): nothing fetched", [f"read {SIZE}"],
+              answer=Raw("curl: (22) The requested URL returned error: 401", 22),
+              raises=r"the Hub did not say how large .* \(curl exit 22: curl: \(22\) The requested URL returned "
+                     "error: 401\\); a gated model needs HF_TOKEN in serving.secrets scoped `internet`"),
+    _download("the Hub gives no size for some file: nothing fetched", [f"read {SIZE}"],
+              answer=Raw(json.dumps({"siblings": [{"rfilename": "config.json"}]})),
+              raises="the Hub's answer for .* gives no size for some files; nothing was downloaded"),
+    _download("the Hub's answer is not JSON: nothing fetched", [f"read {SIZE}"], answer=Raw("<html>"),
+              raises="the Hub's answer for Qwen/Qwen3.5-122B-A10B-FP8 at main: .*nothing was downloaded"),
+    _download("no `hf` on the node: says how to install it", FETCHED[:3], fetched=Result("", "hf: not found", 127),
+              raises="failed \\(exit 127\\) after 0 bytes: install the Hub's CLI .*pipx install huggingface_hub"),
+    _download("the fetch fails: its stderr", FETCHED[:3], fetched=Result("", "RepositoryNotFoundError: 404", 1),
+              raises="`hf download Qwen/Qwen3.5-122B-A10B-FP8 --revision main` on spark-1a32 failed \\(exit 1\\) "
+                     "after 0 bytes: RepositoryNotFoundError: 404"),
+    _pull("the pull: docker pull with the user's logins", [f"run {HEAD} docker pull {IMAGE}", "report pull.done"]),
+    _pull("docker's data root below the margin: nothing pulled", [], free=DISK_MARGIN - 1, error="StepBlocked",
+          raises="free in docker's data root on spark-1a32: the pull of .* would fill it"),
+    _pull("the pull fails: its stderr and the login hint", [f"run {HEAD} docker pull {IMAGE}"],
+          pulled=Result("", "unauthorized: authentication required", 1),
+          raises="`docker pull .*` on spark-1a32 failed \\(exit 1\\) after 0 layers: unauthorized: authentication "
+                 "required \\(a private registry needs `docker login`"),
+]

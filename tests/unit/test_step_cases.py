@@ -1,0 +1,35 @@
+"""Every step case of tests/unit/step_cases/: recorded facts in, the exact commands out (or the refusal), run
+through the test driver (tests/unit/step_driver.py) with no node, no thread and no clock."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from reconciler.edge.steps import plan_of
+from reconciler.edge.steps.actions import Given
+from tests.unit.step_cases import Case, all_cases
+from tests.unit.step_driver import drive
+
+CASES = all_cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_step_case(case: Case) -> None:
+    given = Given(case.desired(), case.observed(), case.generation)
+    transcript, error = drive(plan_of(case.step.kind)(given, case.step), case.facts, case.results)
+    assert transcript == list(case.commands)
+    if case.raises is None:
+        assert error is None, f"the step ended with {error!r}"
+    else:
+        assert error is not None, "the step did not refuse"
+        kinds = [kind.__name__ for kind in type(error).__mro__]  # "StepFailed" also names its StepTimedOut
+        assert case.error in kinds and re.search(case.raises, str(error)), repr(error)
+
+
+def test_every_step_kind_has_cases() -> None:
+    """A step kind without a case is a step whose commands nobody pinned."""
+    from reconciler.core.planning import STEP_KINDS
+
+    assert sorted(set(STEP_KINDS) - {case.step.kind for case in CASES}) == []
