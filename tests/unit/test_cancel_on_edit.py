@@ -65,7 +65,7 @@ CASES = [
 ]
 
 
-def _edited(base: Path, tmp_path: Path, old: str, new: str) -> Desired:
+def edited(base: Path, tmp_path: Path, old: str, new: str) -> Desired:
     text = base.read_text()
     assert text.count(old) == 1, f"the edit {old!r} must name one place of the sample file"
     path = tmp_path / "edited.yaml"
@@ -75,7 +75,7 @@ def _edited(base: Path, tmp_path: Path, old: str, new: str) -> Desired:
 
 @pytest.mark.parametrize(("name", "edit", "cancelled"), CASES, ids=[c[0] for c in CASES])
 def test_a_new_generation_cancels_exactly_the_steps_it_makes_wrong(desired_path, tmp_path, name, edit, cancelled):
-    old, new = load(desired_path, os.environ), _edited(desired_path, tmp_path, *edit)
+    old, new = load(desired_path, os.environ), edited(desired_path, tmp_path, *edit)
     judged = {s.id: stale(s, old, new) for s in ALL}
     assert {sid for sid, why in judged.items() if why} == set(cancelled), name
     for sid, words in cancelled.items():
@@ -106,7 +106,7 @@ VERIFY_CASES = [
 @pytest.mark.parametrize(("name", "edit", "repair", "words"), VERIFY_CASES, ids=[c[0] for c in VERIFY_CASES])
 def test_a_new_generation_cancels_a_verify_only_when_the_weights_it_checks_changed(
         desired_path, tmp_path, name, edit, repair, words):
-    old, new = load(desired_path, os.environ), _edited(desired_path, tmp_path, *edit)
+    old, new = load(desired_path, os.environ), edited(desired_path, tmp_path, *edit)
     why = verify_stale(old, new, [W], repair)
     assert (why is None) == (words is None), (name, why)
     assert words is None or words in str(why)

@@ -16,6 +16,7 @@ from reconciler.loop.controller import Controller
 from reconciler.loop.manager import Manager, streams_to_restart
 from reconciler.loop.operations import Operations
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.test_cancel_on_edit import edited
 from tests.unit.test_controller_loop import HEAD, WORKER, FakeSessions, Gate, Script
 
 #: (name, the edit of the sample file, (streams stopped, streams started))
@@ -32,17 +33,9 @@ CASES = [
 ]
 
 
-def _edited(desired_path, tmp_path, old, new):
-    text = desired_path.read_text()
-    assert text.count(old) == 1
-    path = tmp_path / "edited.yaml"
-    path.write_text(text.replace(old, new))
-    return load(path, os.environ)
-
-
 @pytest.mark.parametrize(("name", "edit", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_only_the_streams_of_nodes_whose_connection_changed_restart(desired_path, tmp_path, name, edit, expected):
-    old, new = load(desired_path, os.environ), _edited(desired_path, tmp_path, *edit)
+    old, new = load(desired_path, os.environ), edited(desired_path, tmp_path, *edit)
     assert streams_to_restart(old, new) == expected, name
 
 

@@ -9,9 +9,11 @@ A module per step family (containers.py, link.py, ...) holds a `CASES` list; `AL
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 
 from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import Step
@@ -50,6 +52,20 @@ class Case:
 
     def __str__(self) -> str:
         return self.name
+
+
+#: A node's host key as the reconciler's known_hosts holds it (the image and weights hops check it strictly).
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOZ9kXyYF4Qw1pW0Wm4g0eQyVY3b0kq1o0rVq7mZ2h1a"
+
+
+def with_known_hosts(desired: Desired) -> Desired:
+    """`desired` with every node's `ssh.known_hosts` a file of its own that holds each node's key (`HOST_KEY`):
+    what the hop between two nodes reads to pin the target's key."""
+    known = Path(tempfile.mkdtemp(prefix="step-cases-")) / "known_hosts"
+    known.write_text("".join(f"{n.ssh.host} {HOST_KEY}\n" for n in desired.nodes))
+    nodes = [n.model_copy(update={"ssh": n.ssh.model_copy(update={"known_hosts": str(known)})})
+             for n in desired.nodes]
+    return desired.model_copy(update={"nodes": nodes})
 
 
 def reachable(*names: str) -> Observed:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import shlex
-import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -21,14 +20,13 @@ from reconciler.edge.probes import image_from_inspect
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps.actions import Given
 from reconciler.edge.steps.images import copy_argv
-from tests.unit.step_cases import HEAD, WORKER, Case, sample
+from tests.unit.step_cases import HEAD, WORKER, Case, sample, with_known_hosts
 from tests.unit.step_driver import Raw
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "docker-20.10-overlay2-image-inspect.json"
 RAW: dict[str, Any] = json.loads(FIXTURE.read_text())[0]
 REF = "nvcr.io/nvidia/vllm:26.05-py3"  # the sample's serving.image
 #: A host key as the reconciler's known_hosts holds it (the worker's, under its ssh address).
-HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOZ9kXyYF4Qw1pW0Wm4g0eQyVY3b0kq1o0rVq7mZ2h1a"
 
 
 def inspect_of(raw: dict[str, Any]) -> Raw:
@@ -54,12 +52,7 @@ CONTENT = image_from_inspect(RAW).content
 @cache
 def trusted() -> Desired:
     """The sample, its known_hosts a file that holds both nodes' keys (the hop's strict host key needs them)."""
-    known = Path(tempfile.mkdtemp(prefix="step-cases-")) / "known_hosts"
-    desired = sample()
-    known.write_text("".join(f"{n.ssh.host} {HOST_KEY}\n" for n in desired.nodes))
-    nodes = [n.model_copy(update={"ssh": n.ssh.model_copy(update={"known_hosts": str(known)})})
-             for n in desired.nodes]
-    return desired.model_copy(update={"nodes": nodes})
+    return with_known_hosts(sample())
 
 
 @cache

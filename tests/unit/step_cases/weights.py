@@ -8,17 +8,15 @@ failure with what it says. The real rsync, daemon and helpers run in tests/unit/
 from __future__ import annotations
 
 import shlex
-import tempfile
 from collections.abc import Callable
 from functools import cache
-from pathlib import Path
 
 from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.edge.ssh import Result
 from tests.unit.recorded import RAW, load, sections_of
-from tests.unit.step_cases import Case
+from tests.unit.step_cases import Case, with_known_hosts
 from tests.unit.step_driver import Raw
 
 HEAD, WORKER = "head", "worker1"
@@ -29,7 +27,6 @@ SHARDS = sorted(line.split("\t")[1] for line in LISTED.splitlines()
                 if line.startswith("E\tblobs/") and int(line.split("\t")[3]) > 1_000_000)
 SMALL = sorted(line.split("\t")[1] for line in LISTED.splitlines()
                if line.startswith("E\t") and line.split("\t")[2] == "f" and int(line.split("\t")[3]) < 1_000_000)
-HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOZ9kXyYF4Qw1pW0Wm4g0eQyVY3b0kq1o0rVq7mZ2h1a"
 SECRET_LINE = "port 40000\n"  # the daemon helper's first line: the port the kernel gave it
 
 
@@ -61,12 +58,7 @@ def recorded() -> Desired:
 @cache
 def over_ssh() -> Desired:
     """The ssh transport, with the reconciler's known_hosts holding the nodes' keys (the hop's strict key)."""
-    known = Path(tempfile.mkdtemp(prefix="step-cases-")) / "known_hosts"
-    desired = recorded()
-    known.write_text("".join(f"{n.ssh.host} {HOST_KEY}\n" for n in desired.nodes))
-    nodes = [n.model_copy(update={"ssh": n.ssh.model_copy(update={"known_hosts": str(known)})})
-             for n in desired.nodes]
-    return _policy(desired.model_copy(update={"nodes": nodes}), transport="ssh")
+    return _policy(with_known_hosts(recorded()), transport="ssh")
 
 
 @cache
