@@ -25,7 +25,7 @@ help:
 	@echo "make e2e        the end-to-end tests on the testbed (root)"
 	@echo "make bench      run the benchmarks and write docs/benchmarks.md"
 	@echo "make soak       the long randomized fault runs (docs/reliability.md)"
-	@echo "make mutation   the mutants of record, then mutmut over the pure core (docs/testing.md; ~1 h on 2 cores)"
+	@echo "make mutation   the mutants of record, then mutmut over the core, the steps and the loop's pure parts (docs/testing.md)"
 	@echo "make docs       regenerate docs/desired-state.md from the models"
 
 deps:
@@ -99,8 +99,9 @@ bench: deps venv
 soak: deps venv
 	$(VENV)/bin/python bench/soak.py --trials 20 --seed 7 --weights-size 256M
 
-# Not part of `make test` (docs/testing.md, "Mutation testing"): the mutants of record, then mutmut over the five
-# core modules (~3,500 mutants), then mutmut's import-time survivors re-judged with the mutant on disk.
+# Not part of `make test` (docs/testing.md, "Mutation testing"): the mutants of record, then mutmut over the core,
+# the steps, the probe and the loop's pure parts (pyproject.toml [tool.mutmut]), then mutmut's import-time survivors
+# re-judged with the mutant on disk.
 mutation: deps venv
 	$(VENV)/bin/python -m tests.named_mutants
 	rm -rf mutants
