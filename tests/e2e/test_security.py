@@ -190,15 +190,17 @@ def test_sudo_refuses_anything_else_before_it_is_sent(recorder, testbed):
 
 
 def test_every_sudo_call_in_the_code_is_one_of_the_exact_commands(testbed):
-    """Each `run([...], sudo=True)` in the code starts like one of the node's exact commands (its literal words up to
-    the first computed value), so nothing the code sends as root is missing from `reconciler sudoers`."""
+    """Each `Run(node, (...), sudo=True)` in the code starts like one of the node's exact commands (its literal
+    words up to the first computed value), so nothing the code sends as root is missing from `reconciler
+    sudoers`."""
     text = testbed.desired_state.read_text().replace("policy:\n", "policy:\n  drop_caches: true\n", 1)
     desired = spec.loads(text)  # every optional sudo command on (drop_caches)
     shapes = {argv for node in desired.nodes for argv in ssh.sudo_commands(desired, node)}
     calls = []
     for path in (REPO / "reconciler").rglob("*.py"):
-        for m in re.finditer(r"run\(\[([^\]]*)\][^)]*sudo=True", path.read_text()):
-            calls.append(m.group(1))
+        for line in path.read_text().splitlines():  # a step's `Run(node, (argv...), sudo=True)` (steps as data)
+            if "sudo=True" in line and (m := re.search(r"Run\(\w+, \(([^)]*)", line)):
+                calls.append(m.group(1))
     assert calls, "the link and serving steps use sudo"
     for call in calls:
         prefix: list[str] = []

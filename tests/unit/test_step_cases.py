@@ -4,6 +4,7 @@ through the test driver (tests/unit/step_driver.py) with no node, no thread and 
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
 
@@ -33,3 +34,22 @@ def test_every_step_kind_has_cases() -> None:
     from reconciler.core.planning import STEP_KINDS
 
     assert sorted(set(STEP_KINDS) - {case.step.kind for case in CASES}) == []
+
+
+def test_every_command_a_step_sends_as_root_is_one_of_the_nodes_exact_sudoers_lines() -> None:
+    """What `reconciler sudoers` writes (`sudo_commands`, exact argv, no patterns) is everything a step may run as
+    root: each `run NODE sudo ARGV` of every case is one of them, for the case's own file."""
+    from reconciler.edge.ssh import sudo_commands
+
+    seen = 0
+    for case in CASES:
+        desired = case.desired()
+        given = Given(desired, case.observed(), case.generation)
+        transcript, _ = drive(plan_of(case.step.kind)(given, case.step), case.facts, case.results)
+        for line in transcript:
+            _, node, *rest = line.split(" ", 3) if line.startswith("run ") else ("", "", "")
+            if rest and rest[0] == "sudo":
+                seen += 1
+                allowed = sudo_commands(desired, desired.node(node))
+                assert tuple(shlex.split(rest[1])) in allowed, (case.name, line)
+    assert seen, "the link and serving steps run commands as root"
