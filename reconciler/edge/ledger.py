@@ -120,3 +120,10 @@ def append(node: str, by: str, entries: list[Entry]) -> tuple[tuple[str, ...], b
 def copies_fact(node: str) -> Fact[list[CopyRecord] | None]:
     """`node`'s ledger as it is now (`ledger_script`, `parse_copies`): what a step re-reads before it removes."""
     return Fact("copies", tuple(ledger_script()), lambda sections: parse_copies(sections.get("copies"), node))
+
+
+def started_fact(node: str, by: str) -> Fact[set[str]]:
+    """The weights trees whose copy `by` began on `node` (its `started` lines: `started`): the weights step's read
+    of the ledger, as `copies_fact` is retention's."""
+    return Fact("copies", tuple(ledger_script()),
+                lambda sections: started(sections.get("copies"), node, by))

@@ -84,6 +84,7 @@ class Driver:
     transcript: list[str] = field(default_factory=list)
     stdin: dict[str, bytes] = field(default_factory=dict)  # what each command was fed (never in the transcript)
     outputs: Mapping[str, Sequence[bytes]] = field(default_factory=dict)  # chunks fed to a Run's on_output
+    timeouts: dict[str, float | None] = field(default_factory=dict)  # each command's own deadline (None: the policy's)
     _reads: dict[str, int] = field(default_factory=dict)
     _helpers: dict[Start, Result] = field(default_factory=dict)
 
@@ -109,6 +110,7 @@ class Driver:
 
     def run(self, action: Run) -> Result:
         key = command_key(action)
+        self.timeouts[key] = action.timeout
         if action.stdin is not None:
             self.stdin[key] = action.stdin
         if action.on_output is not None:

@@ -11,7 +11,7 @@ import pytest
 from reconciler.edge.steps import plan_of
 from reconciler.edge.steps.actions import Given
 from tests.unit.step_cases import Case, all_cases
-from tests.unit.step_driver import drive
+from tests.unit.step_driver import Driver, drive
 
 CASES = all_cases()
 
@@ -19,8 +19,10 @@ CASES = all_cases()
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_step_case(case: Case) -> None:
     given = Given(case.desired(), case.observed(), case.generation)
-    transcript, error = drive(plan_of(case.step.kind)(given, case.step), case.facts, case.results)
-    assert transcript == list(case.commands)
+    driver = Driver(case.facts, case.results)
+    error = driver.drive(plan_of(case.step.kind)(given, case.step))
+    assert driver.transcript == list(case.commands)
+    assert {key: driver.timeouts[key] for key in case.timeouts} == dict(case.timeouts), "a command's deadline"
     if case.raises is None:
         assert error is None, f"the step ended with {error!r}"
     else:

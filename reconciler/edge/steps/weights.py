@@ -44,7 +44,7 @@ from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.edge import ledger
 from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, listing_fact
-from reconciler.edge.probes import Fact, avail_fact
+from reconciler.edge.probes import avail_fact
 from reconciler.edge.ssh import MAX_CHANNELS, CommandFailed, Session, Sessions, quote
 from reconciler.edge.steps import hop, note
 from reconciler.edge.steps.actions import Action, Actions, Given, Parallel, Report, Run, StepFailed, Stop, read
@@ -68,12 +68,6 @@ _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 def read_manifest(given: Given, node: str) -> Generator[Action, Any, Weights]:
     """The weights tree on `node` as the probe lists it now."""
     return (yield from read(node, listing_fact(given.desired.weights_root(node)))).weights
-
-
-def started_fact(node: str, by: str) -> Fact[set[str]]:
-    """The weights trees whose copy `by` began on `node` (the ledger's `started` lines: `ledger.started`)."""
-    return Fact("copies", tuple(ledger.ledger_script()),
-                lambda sections: ledger.started(sections.get("copies"), node, by))
 
 
 # -- links: which rsync keeps, which are copied as files, which trees are refused ---------------------------------
@@ -349,7 +343,7 @@ def _record_copy(given: Given, target: str, after: Weights, fresh: bool) -> Acti
     or in one interrupted before it (its `started` line)."""
     dst_root = given.desired.weights_root(target)
     if not fresh:
-        fresh = dst_root in (yield from read(target, started_fact(target, given.owner.label)))
+        fresh = dst_root in (yield from read(target, ledger.started_fact(target, given.owner.label)))
     if fresh:
         yield from note(given, target, ("copied", "weights", dst_root, after.digest()))
 

@@ -46,6 +46,7 @@ class Case:
     results: Mapping[str, Sequence[Result]] = field(default_factory=dict)
     raises: str | None = None
     error: str = "StepFailed"
+    timeouts: Mapping[str, float | None] = field(default_factory=dict)  # "NODE ARGV" -> its own deadline
     desired: Callable[[], Desired] = sample
     observed: Callable[[], Observed] = lambda: reachable()
     generation: int = 1

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED
 from reconciler.core.planning import Step
+from reconciler.core.spec import Desired
 from reconciler.edge.ssh import Result
-from tests.unit.step_cases import HEAD, WORKER, Case, inspected, no_such
+from tests.unit.step_cases import HEAD, WORKER, Case, inspected, no_such, sample
 
 INSTANCE = "10.1.230.180:22"  # the sample head's ssh host:port: this cluster's label while it has no cluster id
 OURS = {LABEL_MANAGED: "true", LABEL_INSTANCE: INSTANCE}
 SERVING = "vllm_serving"
+
+
+def _protecting(node: str, name: str) -> Desired:
+    """The sample with `name` protected on `node` (co_tenants.protected)."""
+    desired = sample()
+    co_tenants = desired.co_tenants.model_copy(update={"protected": {node: [name]}})
+    return desired.model_copy(update={"co_tenants": co_tenants})
 
 
 def _co_tenant(name: str, node: str = HEAD) -> Step:
@@ -25,7 +33,13 @@ STOP_NODE = [f"read {HEAD} container vllm_node", f"run {HEAD} docker stop -t 30 
 
 CASES = [
     Case("co-tenant: a running unlisted container is stopped, never removed", _co_tenant("vllm_node"), STOP_NODE,
-         facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), inspected("vllm_node", "exited")]}),
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), inspected("vllm_node", "exited")]},
+         timeouts={f"{HEAD} docker stop -t 30 vllm_node": 60}),  # the grace, and 30 s for docker to say so
+    Case("co-tenant: the file protects it now: nothing read, nothing run", _co_tenant("vllm_node"), [],
+         desired=lambda: _protecting(HEAD, "vllm_node")),
+    Case("co-tenant: protected on another node only: stopped here", _co_tenant("vllm_node"), STOP_NODE,
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), inspected("vllm_node", "exited")]},
+         desired=lambda: _protecting(WORKER, "vllm_node")),
     Case("co-tenant: stopped once docker says so, also when it is gone by then", _co_tenant("vllm_node"), STOP_NODE,
          facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), no_such("vllm_node")]}),
     Case("co-tenant: the file allows it now: nothing read, nothing run", _co_tenant("reranker"), []),
