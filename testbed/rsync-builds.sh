@@ -40,5 +40,6 @@ if [ ! -x "$DEST/3.4.1/rsync" ]; then
         && make -j"$(nproc)" rsync >/dev/null 2>&1)
     install -m 755 "$work/rsync-3.4.1/rsync" "$DEST/3.4.1/rsync"
 fi
-"$DEST/3.2.7/rsync" --version | head -1
-"$DEST/3.4.1/rsync" --version | head -1
+# sed reads the whole output: `head -1` exits after a line, and rsync's next write then dies of SIGPIPE (pipefail: 141)
+"$DEST/3.2.7/rsync" --version | sed -n 1p
+"$DEST/3.4.1/rsync" --version | sed -n 1p
