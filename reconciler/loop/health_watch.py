@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import datetime
+from itertools import takewhile
 
 from reconciler.core.observed import Container, Observed, ServingApi
 from reconciler.core.planning import MAX_GRACE_DOUBLINGS, health_grace
@@ -36,7 +37,7 @@ def started_timestamp(started_at: str | None) -> float | None:
     text = started_at.replace("Z", "+00:00")
     head, dot, rest = text.partition(".")
     if dot:  # Python parses at most microseconds: cut the fraction to 6 digits, keep the offset
-        digits = "".join(ch for ch in rest if ch.isdigit())
+        digits = "".join(takewhile(str.isdigit, rest))  # the fraction's only: the offset's are kept after it
         text = f"{head}.{digits[:6] or '0'}{rest[len(digits):]}"
     try:
         return datetime.fromisoformat(text).timestamp()

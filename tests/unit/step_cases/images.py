@@ -149,3 +149,72 @@ CASES = [
           {f"{HEAD} image {REF}": [inspect_of(RAW)], f"{WORKER} image {REF}": [no_image()]},
           results={COPY(trusted()): [LOADED]}, raises="has content none, expected sha256:"),
 ]
+
+
+# -- the survivors of issue 34's mutation run (docs/mutation-survivors-edge.md): the pin checked on both ends,
+# the exact short ids a refusal names, docker's short form without `library/`, a long stderr cut to its tail.
+
+ID = RAW["Id"]  # the fixture's own id: the pin it matches
+OTHER_CONTENT = image_from_inspect(other_layers()).content
+HUB_REF = "docker.io/nvidia/vllm:1"  # `docker load` prints it as `nvidia/vllm:1`
+
+
+def pinned_to(image_id: str) -> Callable[[], Desired]:
+    """The trusted sample with `serving.image_id` pinned to `image_id`."""
+    def desired() -> Desired:
+        base = trusted()
+        return base.model_copy(update={"serving": base.serving.model_copy(update={"image_id": image_id})})
+    return desired
+
+
+def reloaded(image_id: str, *, containerd: bool = False) -> dict[str, Any]:
+    """The fixture's image as a load leaves it on the target: the same content (layers, config) under `image_id`,
+    on the same graph-driver store or (`containerd`) on the containerd image store (the inspect's Descriptor)."""
+    raw = copy.deepcopy(RAW)
+    raw["Id"] = image_id
+    if containerd:
+        raw["Descriptor"] = {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": image_id, "size": 1}
+    return raw
+
+
+ANOTHER_ID = "sha256:" + "8" * 64
+TAIL = "y" * 600  # what a refusal keeps of a long stderr: its last 600 characters
+
+CASES += [
+    _case("the source is the pinned id: copied, and the loaded image checked against the pin",
+          _copied(f"read {WORKER} image {REF}", "report image.done", f"run {WORKER} sh -s"),
+          {f"{HEAD} image {REF}": [inspect_of(RAW)], f"{WORKER} image {REF}": [no_image(), inspect_of(RAW)]},
+          results={COPY(trusted()): [LOADED]}, desired=pinned_to(ID)),
+    _case("the load left the content under another id on the same store: not the pinned image, refused",
+          _copied(f"read {WORKER} image {REF}"),
+          {f"{HEAD} image {REF}": [inspect_of(RAW)],
+           f"{WORKER} image {REF}": [no_image(), inspect_of(reloaded(ANOTHER_ID))]},
+          results={COPY(trusted()): [LOADED]}, desired=pinned_to(ID),
+          raises=f"^after loading, {REF} on {WORKER} is sha256:888888888888, not the pinned sha256:87a0f05abb90$"),
+    _case("the target's containerd store gives the loaded image another id: ids of two stores never compared",
+          _copied(f"read {WORKER} image {REF}", "report image.done", f"run {WORKER} sh -s"),
+          {f"{HEAD} image {REF}": [inspect_of(RAW)],
+           f"{WORKER} image {REF}": [no_image(), inspect_of(reloaded(ANOTHER_ID, containerd=True))]},
+          results={COPY(trusted()): [LOADED]}, desired=pinned_to(ID)),
+    _case("docker.io/ORG/NAME loads as ORG/NAME: the same tag, copied",
+          _copied(f"read {WORKER} image {HUB_REF}", "report image.done", f"run {WORKER} sh -s", ref=HUB_REF),
+          {f"{HEAD} image {HUB_REF}": [inspect_of(RAW)], f"{WORKER} image {HUB_REF}": [no_image(), inspect_of(RAW)]},
+          step=Step("image", WORKER, "missing", (), image=HUB_REF, source=HEAD, content=CONTENT),
+          results={COPY(trusted(), ref=HUB_REF): [Result("", "Loaded image: nvidia/vllm:1\n", 0)]}),
+    _case("the archive loaded two other tags: both named", _copied(),
+          {f"{HEAD} image {REF}": [inspect_of(RAW)], f"{WORKER} image {REF}": [no_image()]},
+          results={COPY(trusted()): [Result("", f"Loaded image: {REF}\nLoaded image: a:1\nLoaded image: b:2\n", 0)]},
+          raises=f"also loaded a:1, b:2 on {WORKER}: only"),
+    _case("the source's content changed: both contents named by their first 12 hex digits", READS[:1],
+          {f"{HEAD} image {REF}": [inspect_of(other_layers())]},
+          raises=rf"\(content {OTHER_CONTENT[:19]}, planned {CONTENT[:19]}\): nothing is copied"),
+    _case("the load left other content: both contents named by their first 12 hex digits",
+          _copied(f"read {WORKER} image {REF}"),
+          {f"{HEAD} image {REF}": [inspect_of(RAW)], f"{WORKER} image {REF}": [no_image(), inspect_of(other_layers())]},
+          results={COPY(trusted()): [LOADED]},
+          raises=f"has content {OTHER_CONTENT[:19]}, expected {CONTENT[:19]}$"),
+    _case("a failed pipeline's long stderr: only its last 600 characters in the refusal", _copied(),
+          {f"{HEAD} image {REF}": [inspect_of(RAW)], f"{WORKER} image {REF}": [no_image()]},
+          results={COPY(trusted()): [Result("", "x" + TAIL, 1)]},
+          raises=f"after 0 bytes: {TAIL}$"),
+]

@@ -128,3 +128,36 @@ def _alone() -> Any:
 
     d = sample()
     return d.model_copy(update={"nodes": [d.head]})
+
+
+# -- the survivors of issue 34's mutation run (docs/mutation-survivors-edge.md): whom the head pings when it serves
+# alone, and a peer that declares no twin.
+
+
+def _head_serves_alone() -> Any:
+    """The sample with the head its only serving node (the worker declared, not serving): the head still has a peer
+    for its pings, the first other node of the file."""
+    from tests.unit.step_cases import sample
+
+    d = sample()
+    return d.model_copy(update={"serving": d.serving.model_copy(update={"nodes": [HEAD],
+                                                                        "tensor_parallel_size": 1})})
+
+
+def _head_without_twin() -> Any:
+    """The recorded testbed with the head declaring its first port only: worker1's twin has no peer port to ping."""
+    d = load()
+    head = d.head.model_copy(update={"fabric": d.head.fabric.model_copy(update={"twin": None})})
+    return d.model_copy(update={"nodes": [head if n.name == "head" else n for n in d.nodes]})
+
+
+CASES += [
+    Case("link: a head serving alone pings the first other node of the file", _step(HEAD),
+         [f"read {HEAD} links", f"wait {HEAD} links", f"wait {ping(HEAD, IF0, '192.168.200.13')}",
+          f"read {HEAD} links", f"wait {HEAD} links", f"wait {ping(HEAD, IF1, '192.168.201.13')}"],
+         facts={f"{HEAD} links": [ports(_port("link", addresses=["192.168.200.12/24"]),
+                                        _port("link-twin", addresses=["192.168.201.12/24"]))]},
+         desired=_head_serves_alone),
+    Case("link: the peer declares no twin: the twin is brought up, not pinged", _step(), [*UP, *UP_TWIN[:2]],
+         facts={f"{W1} links": [ports()]}, desired=_head_without_twin, observed=lambda: observe(load())),
+]

@@ -7,10 +7,12 @@ ledger says this cluster copied.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from typing import Any
 
+from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
 from reconciler.edge.manifest import read_listing
 from reconciler.edge.probes import Section
@@ -160,5 +162,53 @@ CASES = [
          [f"read {W1} copies", f"run {W1} docker image rm {IMAGE_ID}", "report retention.remove", LEDGER_WRITE],
          facts={f"{W1} copies": [ledger(COPIED_IMAGE)]},
          results={f"{W1} docker image rm {IMAGE_ID}": [Result("", f"Error: No such image: {IMAGE_ID}", 1)]},
+         **_recorded()),
+]
+
+
+# -- the survivors of issue 34's mutation run (docs/mutation-survivors-edge.md): a key the ledger no longer names
+# before one it does, the current tree guarded with no container mounting it, rm's exit 2, the tree's listing
+# partial or failed (parsed answers: the listing's own parser is test_manifest*'s), a long stderr.
+
+GONE = f"{OLD_HUB}/models--testorg--gone-moe"  # planned, but released or removed since: not in the ledger
+THROUGH_LINK = f"{OLD_HUB}/models--testorg--tiny-moe"  # the current model's tree, reached through a link
+SIBLING = f"{HUB}/models--testorg--old-moe"  # an older tree inside the current model's hub (its `path`)
+TREE = read_listing(OLD, Section(LISTING.body, 0)).weights
+#: The listing when `find` failed (an unreadable directory): nothing listed, whose digest is the empty tree's.
+UNLISTED = Weights(root=OLD, present=False)
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+CASES += [
+    Case("prune-weights: a key the ledger no longer names is skipped, the next one still removed", weights(GONE, OLD),
+         [*READ, f"read {W1} tree {OLD}", REMOVE, "report retention.remove", LEDGER_WRITE],
+         facts={f"{W1} containers": [NOW], f"{W1} realpath": [realpath(GONE, OLD, CURRENT, HUB, *SOURCES)],
+                f"{W1} copies": [ledger(COPIED)], f"{W1} tree {OLD}": [LISTING]}, **_recorded()),
+    Case("prune-weights: the current model's tree with no container mounting it: still never removed",
+         weights(THROUGH_LINK), [*READ, "report retention.kept", LEDGER_WRITE],
+         facts={f"{W1} containers": [containers(vllm_serving=[])], f"{W1} realpath": [realpath(CURRENT, CURRENT, HUB)],
+                f"{W1} copies": [ledger(COPIED.replace(OLD, THROUGH_LINK))],
+                f"{W1} tree {THROUGH_LINK}": [LISTING]}, **_recorded()),
+    Case("prune-weights: a tree inside the current model's hub (not the model's own tree) is never removed",
+         weights(SIBLING), [*READ, "report retention.kept", LEDGER_WRITE],
+         facts={f"{W1} containers": [containers(vllm_serving=[])], f"{W1} realpath": [realpath(SIBLING, CURRENT, HUB)],
+                f"{W1} copies": [ledger(COPIED.replace(OLD, SIBLING))]}, **_recorded()),
+    Case("prune-weights: the parent gone (rm's exit 2) took the tree with it: removed", weights(OLD),
+         [*READ, f"read {W1} tree {OLD}", REMOVE, "report retention.remove", LEDGER_WRITE],
+         facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL], f"{W1} copies": [ledger(COPIED)],
+                f"{W1} tree {OLD}": [LISTING]}, results={REMOVE[4:]: [Result("", "", 2)]}, **_recorded()),
+    Case("prune-weights: rm failing with a long stderr: only its last 200 characters", weights(OLD),
+         [*READ, f"read {W1} tree {OLD}", REMOVE],
+         facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL], f"{W1} copies": [ledger(COPIED)],
+                f"{W1} tree {OLD}": [LISTING]}, results={REMOVE[4:]: [Result("", "x" + "y" * 200, 1)]},
+         raises=r"failed \(exit 1\): y{200}$", **_recorded()),
+    Case("prune-weights: a listing cut short (truncated) is not the tree the copy left: kept, though its digest "
+         "matches", weights(OLD), [*READ, f"read {W1} tree {OLD}", "report retention.kept", LEDGER_WRITE],
+         facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL], f"{W1} copies": [ledger(COPIED)],
+                f"{W1} tree {OLD}": [TREE.model_copy(update={"truncated": "more than 100000 entries"})]},
+         **_recorded()),
+    Case("prune-weights: a tree that could not be listed is kept, though its (empty) digest matches", weights(OLD),
+         [*READ, f"read {W1} tree {OLD}", "report retention.kept", LEDGER_WRITE],
+         facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL],
+                f"{W1} copies": [ledger(COPIED.replace(DIGEST, EMPTY_DIGEST))], f"{W1} tree {OLD}": [UNLISTED]},
          **_recorded()),
 ]

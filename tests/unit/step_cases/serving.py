@@ -12,7 +12,15 @@ from functools import cache
 from typing import Any
 
 from reconciler.core.fabric import carrying_rdma_devices
-from reconciler.core.observed import LABEL_INSTANCE, LABEL_MANAGED, LABEL_SPEC_HASH
+from reconciler.core.observed import (
+    LABEL_INSTANCE,
+    LABEL_MANAGED,
+    LABEL_SPEC_HASH,
+    NodeObservation,
+    Observed,
+    WeightFile,
+    Weights,
+)
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import LaunchSpec, at_start, launch_specs
@@ -34,14 +42,51 @@ def _spec(node: str = HEAD) -> LaunchSpec:
     return at_start(spec, carrying_rdma_devices(d.node(node), reachable().node(node)))
 
 
-def ours(state: str = "running", spec_hash: str | None = None) -> Raw:
+def ours(state: str = "running", spec_hash: str | None = None, exit_code: int = 0) -> Raw:
     labels = {LABEL_MANAGED: "true", LABEL_INSTANCE: INSTANCE, LABEL_SPEC_HASH: spec_hash or _spec().spec_hash}
-    return inspected(NAME, state, labels)
+    return inspected(NAME, state, labels, exit_code)
 
 
 def meminfo(available_gib: float) -> Raw:
     """A DGX Spark's /proc/meminfo (MemTotal 121.6 GiB); the sample needs 101.3 GiB available."""
     return Raw(f"MemTotal:       127535224 kB\nMemAvailable:   {int(available_gib * (1 << 20))} kB")
+
+
+TOTAL_KB, NEED_KB = 127535220, 106222480  # 0.8 x 127535220 kB = 102028176 kB, + policy.memory_margin 4194304 kB
+
+
+def at_need(kib: int = 0) -> Raw:
+    """A /proc/meminfo whose MemAvailable is the sample's need to the kB, give or take `kib`."""
+    return Raw(f"MemTotal:       {TOTAL_KB} kB\nMemAvailable:   {NEED_KB + kib} kB")
+
+
+def _kv_cache() -> Desired:
+    """The sample with vLLM's KV cache sized in bytes: the need is then the rank's share of the weights (the
+    source's tree over tensor_parallel_size 2) + that cache + the margin, not the utilization's pool."""
+    d = sample()
+    args = [*d.serving.extra_args, "--kv-cache-memory-bytes", str(8 * 2**30)]
+    return d.model_copy(update={"serving": d.serving.model_copy(update={"extra_args": args})})
+
+
+def _with_weights() -> Observed:
+    """The source (the head) holds a 20 GiB model tree: each of the two ranks loads 10 GiB of it."""
+    tree = Weights(root="/m", present=True, files=[WeightFile(path="model.safetensors", size=20 * 2**30, mtime=1.0)])
+    return Observed(nodes={HEAD: NodeObservation(name=HEAD, reachable=True, weights=tree),
+                           WORKER: NodeObservation(name=WORKER, reachable=True)})
+
+
+def _docker_run_of(d: Desired) -> str:
+    spec = next(s for s in launch_specs(d, INSTANCE) if s.node == HEAD)
+    return f"run {HEAD} " + shlex.join(["docker", *spec.run_argv(1, env_file="/dev/stdin")])
+
+
+def _kv_docker_run() -> str:
+    return _docker_run_of(_kv_cache())
+
+
+def _no_compile_cache() -> Desired:
+    d = sample()
+    return d.model_copy(update={"serving": d.serving.model_copy(update={"compile_cache": None})})
 
 
 def _start(node: str = HEAD, after: tuple[str, ...] = ()) -> Step:
@@ -221,6 +266,48 @@ CASES = [
          results={docker_run()[4:]: [Result("", "docker: Error response from daemon: Conflict. The container name "
                                                 "\"/vllm_serving\" is already in use", 125)]},
          raises="is already in use", error="CommandFailed"),
+    Case("start-serving: MemAvailable exactly what is needed: the start goes on", _start(),
+         [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], f"{HEAD} meminfo": [at_need()]}),
+    Case("start-serving: after a stop, MemAvailable exactly what is needed at once: no settle", _start(after=(STOP,)),
+         [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], f"{HEAD} meminfo": [at_need()]}),
+    Case("start-serving: after a stop, memory reaching exactly the need ends the settle", _start(after=(STOP,)),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo", f"wait {HEAD} meminfo", *START[3:],
+          docker_run(), *STARTED],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()],
+                f"{HEAD} meminfo": [at_need(-1), at_need(), at_need(-1)]}),
+    Case("start-serving: one kB short after the settle: deferred", _start(after=(STOP,)),
+         [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo", f"wait {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [at_need(-1)]},
+         raises=r"spark-1a32: 101.3 GiB available, but .* = 101.3 GiB is needed, up to 90 s after the stop",
+         error="StepDeferred"),
+    Case("start-serving: /proc/meminfo unanswered while settling fails the step, naming the node",
+         _start(after=(STOP,)), [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo",
+                                 f"wait {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60), Raw("", 1)]},
+         raises="^/proc/meminfo on spark-1a32 did not answer$"),
+    Case("start-serving: with --kv-cache-memory-bytes, the need is the rank's share of the observed weights",
+         _start(), [f"read {HEAD} container {NAME}", *START, _kv_docker_run()],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60)]},
+         results={_kv_docker_run()[4:]: [Result("", "docker: stopped here", 125)]},
+         desired=_kv_cache, observed=_with_weights, raises="stopped here", error="CommandFailed"),
+    Case("start-serving: with --kv-cache-memory-bytes, short of the share of the weights: said term by term",
+         _start(), [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(20)]},
+         desired=_kv_cache, observed=_with_weights, error="StepBlocked",
+         raises=r"^spark-1a32: 20.0 GiB available, but the rank's share of the weights 10.0 GiB \+ "
+                r"--kv-cache-memory-bytes 8.0 GiB \+ policy.memory_margin 4.0 GiB = 22.0 GiB is needed$"),
+    Case("start-serving: the container dead at start: fails at once with its exit code and last lines", _start(),
+         [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED, f"read {HEAD} logs {NAME}"],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME), ours("dead", exit_code=137)], **ENOUGH,
+                f"{HEAD} logs {NAME}": [Raw("Killed\n")]},
+         raises="^vllm_serving on spark-1a32 exited with 137 at start:\nKilled$"),
+    Case("start-serving: no compile cache kept: no directory made before `docker run`", _start(),
+         [f"read {HEAD} container {NAME}", *START[:4], _docker_run_of(_no_compile_cache())],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], **ENOUGH}, desired=_no_compile_cache,
+         results={_docker_run_of(_no_compile_cache())[4:]: [Result("", "docker: stopped here", 125)]},
+         raises="stopped here", error="CommandFailed"),
     Case("start-serving: a worker starts its own rank", _start(WORKER),
          [f"read {WORKER} container {NAME}", *(line.replace(HEAD, WORKER) for line in START), docker_run(WORKER),
           f"wait {WORKER} container {NAME}"],
@@ -260,6 +347,21 @@ CASES = [
          ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *WORKERS_READ, f"wait head start {NAME}",
           "report serving.done"],
          facts={**RUNNING, f"head start {NAME}": [*[head(api="down")] * 5, head()]}, **_recorded()),
+    Case("await-health: a quiet head is polled five times before the other nodes are read again", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", "report serving.done"],
+         facts={**RUNNING, f"head start {NAME}": [*[head(api="down")] * 4, head()]}, **_recorded()),
+    Case("await-health: a head serving alone polls on: no other node's round ends its wait", _health(),
+         ["report serving.stage", f"wait head start {NAME}", "report serving.done"],
+         facts={f"head start {NAME}": [*[head(api="down")] * 5, head()]},
+         desired=lambda: _alone(load()), observed=lambda: observe(load())),
+    Case("await-health: a worker's container exited: fails with its exit code and last lines", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *WORKERS_READ[:1],
+          f"read worker1 logs {NAME}"],
+         facts={f"worker1 container {NAME}": [inspected(NAME), inspected(NAME, "exited", exit_code=137)],
+                **{f"{w} container {NAME}": [inspected(NAME)] for w in WORKERS[1:]},
+                f"head start {NAME}": [head(api="down")] * 5, f"worker1 logs {NAME}": [Raw("Killed\n")]},
+         raises="^vllm_serving on worker1 is exited \\(exit 137\\) while waiting for health:\nKilled$",
+         **_recorded()),
     Case("await-health: the head's container exits while waiting: fails with its last lines", _health(),
          ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", f"read head logs {NAME}"],
          facts={**RUNNING, f"head start {NAME}": [head(api="down"), head("exited", api="down", exit_code=1)],

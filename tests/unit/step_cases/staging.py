@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 
 from reconciler.core.drift import DISK_MARGIN
 from reconciler.core.observed import NodeObservation, Observed, WeightFile, Weights
 from reconciler.core.planning import Step
+from reconciler.core.spec import Desired
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps.actions import Given
-from reconciler.edge.steps.staging import download_argv
-from tests.unit.step_cases import HEAD, WORKER, Case, sample
+from reconciler.edge.steps.staging import _FETCH, download_argv
+from tests.unit.recorded import load
+from tests.unit.step_cases import HEAD, WORKER, Case, reachable, sample
 from tests.unit.step_driver import Raw
 
 MODEL, REVISION = "Qwen/Qwen3.5-122B-A10B-FP8", "main"  # the sample's model
@@ -89,4 +92,55 @@ CASES = [
           pulled=Result("", "unauthorized: authentication required", 1),
           raises="`docker pull .*` on spark-1a32 failed \\(exit 1\\) after 0 layers: unauthorized: authentication "
                  "required \\(a private registry needs `docker login`"),
+]
+
+
+# -- the survivors of issue 34's mutation run (docs/mutation-survivors-edge.md): a node never listed (no weights
+# observed), a tree already whole, the exact margin, the plain layout and a per-node path, a long stderr.
+
+def _unlisted(free: int) -> Observed:
+    """The internet node with `free` bytes at the model path and no weights observation at all (never listed)."""
+    head = NodeObservation(name=HEAD, reachable=True, disk_free={"weights": free, "image": free})
+    return Observed(nodes={HEAD: head, WORKER: NodeObservation(name=WORKER, reachable=True)})
+
+
+def _plain() -> Desired:
+    """The sample with the plain layout: the model is the directory itself."""
+    desired = sample()
+    return desired.model_copy(update={"model": desired.model.model_copy(update={"layout": "plain"})})
+
+
+def _fetch(node: str, root: str, model: str, revision: str, into: tuple[str, str]) -> str:
+    """`hf download` as the transcript shows it, written out here (the script itself is test_staging_plan.py's)."""
+    return f"run {node} " + shlex.join(("sh", "-c", _FETCH, "sh", root, model, "--revision", revision, *into))
+
+
+def _fetched_by(name: str, desired: Callable[[], Desired], node: str, path: str, fetch: str) -> Case:
+    size = f"{node} hub-size {desired().model.id}@{desired().model.revision}"
+    return Case(name, Step("download", node, "absent", (), path=path),
+                [f"read {size}", "report download.start", fetch, "report download.done"],
+                facts={size: [ANSWER]}, desired=desired, observed=lambda: reachable(node))
+
+
+TESTBED_HUB = "/srv/spark-testbed/head/models/hub"  # the recorded testbed's head: a path per node
+
+CASES += [
+    Case("a node never listed has nothing yet: the whole revision and the margin must fit", DOWNLOAD,
+         [f"read {SIZE}"], facts={SIZE: [ANSWER]}, observed=lambda: _unlisted(TOTAL + DISK_MARGIN - 1),
+         raises="needs 101.0 GiB free", error="StepBlocked"),
+    Case("a node never listed with room for all of it: fetched", DOWNLOAD, FETCHED, facts={SIZE: [ANSWER]},
+         observed=lambda: _unlisted(TOTAL + DISK_MARGIN)),
+    _download("a tree already as large as the revision needs only the margin", FETCHED, free=DISK_MARGIN,
+              have=TOTAL + GIB),
+    _fetched_by("the plain layout: into --local-dir, the model's directory itself", _plain, HEAD, HUB_PATH,
+                _fetch(HEAD, HUB_PATH, MODEL, REVISION, ("--local-dir", HUB_PATH))),
+    _fetched_by("a path per node: the tree's size is measured at this node's own root", load, "head", TESTBED_HUB,
+                _fetch("head", f"{TESTBED_HUB}/models--testorg--tiny-moe", "testorg/tiny-moe", "1" * 40,
+                       ("--cache-dir", TESTBED_HUB))),
+    _download("the fetch fails with a long stderr: only its last 600 characters", FETCHED[:3],
+              fetched=Result("", "x" + "y" * 600, 1), raises="after 0 bytes: y{600}$"),
+    _pull("exactly the margin free in docker's data root: pulled", [f"run {HEAD} docker pull {IMAGE}",
+                                                                   "report pull.done"], free=DISK_MARGIN),
+    _pull("the pull fails with a long stderr: only its last 600 characters", [f"run {HEAD} docker pull {IMAGE}"],
+          pulled=Result("", "x" + "y" * 600, 1), raises=r"layers: y{600} \(a private registry"),
 ]

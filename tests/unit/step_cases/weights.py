@@ -123,6 +123,7 @@ def copied(n: int = 4, *, fresh: bool = True) -> list[str]:
 
 
 STEP = Step("weights", WORKER, "missing", (), source=HEAD)
+BY = "10.231.0.2:22"  # this cluster's label in the ledger: the recorded head's ssh host:port (no cluster id read)
 OUT = "snapshots/1111111111111111111111111111111111111111/leak.json\tl\t11\t1796526002.4\t/home/spark/.ssh/id_ed25519"
 
 
@@ -222,4 +223,29 @@ CASES = [
           copied()[:copied().index(f"read {WORKER} weights", 2) + 1],
           {f"{HEAD} weights": [tree(SRC)], f"{WORKER} weights": [ABSENT, tree(extra=(f"E\t{OUT}",))]},
           results=_daemon(), raises="holds link\\(s\\) leading out of it, not made by the reconciler"),
+    _case("a copy resumed: its `started` line read from the ledger as the node wrote it", copied(1, fresh=False),
+          {f"{HEAD} weights": [tree(SRC)], f"{WORKER} weights": [tree(without=(SHARDS[0],)), tree()],
+           f"{WORKER} copies": [Raw(f"copied\t{WORKER}\tweights\t/elsewhere\t1764000000\t{BY}\t{'0' * 64}\n"
+                                    f"started\t{WORKER}\tweights\t{DST}\t1764000000\t{BY}\t-\n")]},
+          results=_daemon(1)),
+    _case("a `started` line of another node, or of another cluster, does not make the copy ours",
+          copied(1, fresh=False)[:-1],
+          {f"{HEAD} weights": [tree(SRC)], f"{WORKER} weights": [tree(without=(SHARDS[0],)), tree()],
+           f"{WORKER} copies": [Raw(f"started\tworker2\tweights\t{DST}\t1764000000\t{BY}\t-\n"
+                                    f"started\t{WORKER}\tweights\t{DST}\t1764000000\t10.9.9.9:22\t-\n")]},
+          results=_daemon(1)),
+    _case("a failed stream says the last 800 characters of rsync's words",
+          [*copied()[:copied().index(f"stop finish {daemon(4)}")], f"stop close {daemon(4)}"], FRESH,
+          results={**_daemon(), rsync(1).removeprefix("run "): [Result("", "y" + "x" * 800, 23)]},
+          raises="rsync to worker1 failed \\(exit 23\\): x{800}$"),
+    _case("policy.weights.bandwidth_limit: each stream capped, in KiB/s",
+          [line.replace("--address=10.232.0.10", "--address=10.232.0.10 --bwlimit=512000") for line in copied()],
+          FRESH, results=_daemon(), desired=lambda: _policy(recorded(), bandwidth_limit=500 * 2**20)),
+    _case("over ssh, a failed stream fails the copy: no daemon to close",
+          [*READS, LEDGER, f"run {WORKER} mkdir -p {DST}", "report weights.start", f"start {BOUND_SRC}",
+           f"start {BOUND_DST}",
+           f"run {HEAD} sh -c 'umask 077 && mkdir -p \"$HOME/.ssh\" && cat > \"$HOME/.ssh/$0\"' "
+           f"spark-reconciler_fabric_known_hosts_{WORKER}", *_streams(4, ssh=True)], FRESH, desired=over_ssh,
+          results={rsync(3, ssh=True).removeprefix("run "): [Result("", "rsync: connection unexpectedly closed", 12)]},
+          raises="rsync to worker1 failed \\(exit 12\\): rsync: connection unexpectedly closed$"),
 ]

@@ -1,0 +1,439 @@
+"""The loop's pure parts beside the conditions: what a new generation makes stale (reconciler/loop/operations.py), the
+tracker's bookkeeping of a batch, the head's health history (health_watch.py) and a step's wait reason
+(backoff.py), on the cases the first mutation run over the loop found untested (docs/mutation-survivors-edge.md:
+`loop.operations.*`, `loop.health_watch.*`, `loop.backoff.*`).
+
+The expectations come from the modules' contracts and docs/troubleshooting.md, not from the code: a per-node
+`model.path` (docs/desired-state.md) is the case the stale judgements of the weights and of retention were never
+run on; docker's StartedAt is RFC 3339 in UTC with nanoseconds whatever the reconciler host's timezone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+
+from reconciler.core.loader import load_file
+from reconciler.core.observed import EngineLoad, Observed, ServeFlags, ServingApi
+from reconciler.core.planning import Step
+from reconciler.core.spec import Desired, Retries, load
+from reconciler.edge.execute import Outcome, StepResult
+from reconciler.edge.steps import StepContext
+from reconciler.loop.backoff import Backoff
+from reconciler.loop.health_watch import HealthWatch, _age, started_timestamp
+from reconciler.loop.operations import FlagsQuery, Operations, model_on, stale, verify_waits
+from tests.unit.conftest import converged_in_simulator
+
+H, W = "spark-1a32", "spark-5be3"
+MODEL = "Qwen/Qwen3.5-122B-A10B-FP8"
+HUB = "/home/spark/.cache/huggingface/hub"
+TREE = f"models--{MODEL.replace('/', '--')}"
+PATH = f"path: {HUB}"
+PER_NODE = f"path: {{{H}: {HUB}, {W}: /srv/models/hub}}"
+TP1 = ("tensor_parallel_size: 2", "tensor_parallel_size: 1")
+
+WEIGHTS = Step("weights", W, "sync", source=H, path="/srv/models/hub")
+DOWNLOAD = Step("download", H, "fetch")
+START_W = Step("start-serving", W, "rank 1", rank=1)
+STOP_CT = Step("stop-container", W, "not allowed", container="intruder")
+PRUNE = Step("prune-weights", W, "older copy", remove=("/srv/models/old",))
+
+
+@pytest.fixture
+def sample(cluster_yaml, tmp_path):
+    """The sample file with edits (old text, new text), each naming one place of it, loaded as the daemon does."""
+    count = iter(range(100))
+
+    def edited(*edits: tuple[str, str]) -> Desired:
+        text = cluster_yaml.read_text()
+        for old, new in edits:
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        path = tmp_path / f"cluster-{next(count)}.yaml"
+        path.write_text(text)
+        return load(path, {"VLLM_API_KEY": "test-key"})
+
+    return edited
+
+
+# ------------------------------------------------------------------------------------------------ model_on
+
+def test_a_per_node_path_gives_each_node_its_own_tree_and_the_source_s(sample):
+    """docs/desired-state.md: `model.path` is a path on every node or a mapping node -> path. A copy to the worker
+    writes the worker's tree and reads the source's."""
+    desired = sample((PATH, PER_NODE))
+    assert model_on(desired, W) == (MODEL, "main", "hf-cache", H, f"/srv/models/hub/{TREE}", f"{HUB}/{TREE}")
+    assert model_on(desired, H) == (MODEL, "main", "hf-cache", H, f"{HUB}/{TREE}", f"{HUB}/{TREE}")
+
+
+def test_a_node_the_per_node_path_does_not_name_has_no_tree(sample):
+    """With tensor parallel 1 the worker does not serve, so the mapping may leave it out: it has no tree."""
+    desired = sample(TP1, (PATH, f"path: {{{H}: {HUB}}}"))
+    assert model_on(desired, W) == (MODEL, "main", "hf-cache", H, None, f"{HUB}/{TREE}")
+
+
+# ------------------------------------------------------------------------------------------------ stale
+
+def test_with_per_node_paths_an_edit_of_the_launch_keeps_the_weight_copies_and_the_retention(sample):
+    """The issue-34 promise (an edit of max_model_len leaves a 12-hour weight sync running) holds for a per-node
+    `model.path` too: the weights, the download and a removal by retention are kept; the serving chain is not."""
+    old = sample((PATH, PER_NODE))
+    new = sample((PATH, PER_NODE), ("max_model_len: 32768", "max_model_len: 16384"))
+    assert [stale(s, old, new) for s in (WEIGHTS, DOWNLOAD, PRUNE)] == [None, None, None]
+    assert stale(START_W, old, new) == f"the launch spec changed (spec hash of {H}, {W})"
+
+
+def test_the_launch_spec_names_only_the_nodes_whose_spec_changed(sample):
+    """The worker's own model path changes the worker's launch (its mount), not the head's."""
+    old, new = sample(), sample((PATH, PER_NODE))
+    assert stale(START_W, old, new) == f"the launch spec changed (spec hash of {W})"
+
+
+def test_a_node_that_leaves_the_serving_group_is_named_among_the_changed_launches(sample):
+    old, new = sample(), sample(TP1)
+    assert stale(START_W, old, new) == f"the launch spec changed (spec hash of {H}, {W})"
+
+
+def test_a_download_whose_node_loses_the_internet_is_cancelled(sample):
+    old, new = sample(), sample(("internet: true", "internet: false"))
+    assert stale(DOWNLOAD, old, new) == f"{H} may no longer reach the internet"
+
+
+def test_a_co_tenant_now_protected_is_not_stopped(sample):
+    """docs/desired-state.md: `co_tenants.protected` containers are never touched, whatever else the file says."""
+    old, new = sample(), sample(("protected: {}", f"protected: {{{W}: [intruder]}}"))
+    assert stale(STOP_CT, old, new) == f"intruder may now run on {W} (co_tenants)"
+    elsewhere = sample(("protected: {}", f"protected: {{{H}: [intruder]}}"))
+    assert stale(STOP_CT, old, elsewhere) is None, "protected on the other node only"
+
+
+def test_a_verify_waits_for_a_download_on_its_source():
+    """A download writes the tree the verify hashes on the source (operations.VERIFY_CONFLICTS)."""
+    assert verify_waits(W, H, [DOWNLOAD]) == f"download/{H} is in flight"
+    assert verify_waits(W, H, [Step("link", H, "mtu")]) is None
+
+
+# ------------------------------------------------------------------------------------------------ Operations
+
+def Ctx() -> StepContext:
+    """A StepContext with just what Operations reads: the step timeouts (as test_operations.py)."""
+    timeouts = SimpleNamespace(weights_sync=43200.0, image_sync=3600.0, step=120.0)
+    desired = SimpleNamespace(policy=SimpleNamespace(timeouts=timeouts), serving=SimpleNamespace(health_timeout=3600.0))
+    return StepContext(desired=desired, sessions=None, observed=None)  # type: ignore[arg-type]
+
+
+LINK_H = Step("link", "h", "down")
+IMAGE_H = Step("image", "h", "copy")
+WEIGHTS_H = Step("weights", "h", "sync")
+
+
+class Held:
+    """A fake executor that emits step.start for each step, then waits until the test lets it go (at most 5 s, so
+    a test that never does still ends), asks `skip` for each step and returns their results."""
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.skipped: list[str | None] = []
+        self.threads: list[tuple[str, bool]] = []
+
+    def __call__(self, plan, ctx, on_event, skip, cancel_of):
+        me = threading.current_thread()
+        self.threads.append((me.name, me.daemon))
+        for step in plan.steps:
+            on_event("step.start", {"step": step})
+        self.started.release()
+        self.go.wait(5)
+        results = []
+        for step in plan.steps:
+            why = skip(step)
+            self.skipped.append(why)
+            results.append(StepResult(step, "cancelled" if why else "success", 1.0, why or ""))
+        return Outcome(results)
+
+
+@pytest.fixture
+def held():
+    run, ended, clock, events = Held(), threading.Semaphore(0), [1000.0], []
+    ops = Operations(on_end=ended.release, clock=lambda: clock[0], run=run)
+    yield SimpleNamespace(ops=ops, run=run, ended=ended, clock=clock, events=events,
+                          on_event=lambda name, fields: events.append((name, fields)))
+    run.go.set()
+    assert ops.join(10)
+
+
+def test_the_view_rounds_to_a_tenth_of_a_second(held):
+    """docs/cli.md's `operations`: "seconds": 312.4, "deadlineIn": 3287.6."""
+    held.ops.launch([LINK_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    held.clock[0] = 1012.3456
+    [view] = held.ops.view()
+    assert (view["seconds"], view["deadlineIn"]) == (12.3, 107.7)
+
+
+def test_the_caller_hears_every_event_of_the_batch_as_the_executor_said_it(held):
+    held.ops.launch([LINK_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    assert held.events == [("step.start", {"step": LINK_H})]
+
+
+def test_a_progress_report_without_a_total_keeps_the_total_known(held):
+    """rsync's progress lines give the bytes moved; the total, once known, stays for the percentage."""
+    held.ops.launch([WEIGHTS_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    held.ops.progress("weights", "h", 10, 1000)
+    held.ops.progress("weights", "h", 20)
+    [view] = held.ops.view()
+    assert (view["bytesDone"], view["bytesTotal"]) == (20, 1000)
+
+
+def test_a_stage_is_said_of_its_own_step_only(held):
+    """Two steps on one node: the image copy's stage is not the weight sync's."""
+    held.ops.launch([IMAGE_H, WEIGHTS_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    held.ops.stage("image", "h", "loading", 45, "line")
+    view = {v["step"]: v for v in held.ops.view()}
+    assert (view[IMAGE_H.id]["stage"], view[IMAGE_H.id]["percent"], view[IMAGE_H.id]["detail"]) == (
+        "loading", 45, "line")
+    assert (view[WEIGHTS_H.id]["stage"], view[WEIGHTS_H.id]["percent"], view[WEIGHTS_H.id]["detail"]) == (
+        None, None, None)
+
+
+def test_a_cancel_ends_with_its_batch_and_does_not_veto_the_step_s_next_launch(held):
+    """cancel_stale vetoes a step that has not started (its reason until its batch ends); the next generation's
+    plan may admit the same step again, and it runs: the old veto is gone with the old batch."""
+    held.ops.launch([LINK_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    assert held.ops.cancel_stale(lambda step: "the fabric of h changed") == {LINK_H.id: "the fabric of h changed"}
+    held.run.go.set()
+    assert held.ended.acquire(timeout=10)
+    assert [(r.step.id, r.result) for r in held.ops.drain()] == [(LINK_H.id, "cancelled")]
+    held.ops.launch([LINK_H], Ctx(), held.on_event)
+    assert held.ended.acquire(timeout=10)
+    assert held.run.skipped == ["cancelled: the fabric of h changed", None]
+    assert [(r.step.id, r.result) for r in held.ops.drain()] == [(LINK_H.id, "success")]
+
+
+def test_a_step_the_executor_gave_no_result_for_is_not_left_in_flight():
+    ended = threading.Event()
+    ops = Operations(on_end=ended.set, run=lambda plan, ctx, on_event, skip, cancel_of: Outcome([]))
+    ops.launch([LINK_H, IMAGE_H], Ctx(), on_event=lambda e, f: None)
+    assert ended.wait(10) and ops.join(10)
+    assert ops.view() == [] and ops.busy() == [] and ops.drain() == []
+
+
+def test_a_crashed_executor_s_steps_took_no_time():
+    ended = threading.Event()
+
+    def broken(plan, ctx, on_event, skip, cancel_of):
+        raise RuntimeError("bug")
+
+    ops = Operations(on_end=ended.set, run=broken)
+    ops.launch([LINK_H], Ctx(), on_event=lambda e, f: None)
+    assert ended.wait(10)
+    assert ops.drain() == [StepResult(LINK_H, "failed", 0.0, "executor crashed: RuntimeError('bug')")]
+
+
+def test_join_gives_up_at_its_deadline_and_says_a_batch_still_runs(held):
+    """The daemon's shutdown waits a bounded time (join after cancel_all): a batch that has not ended by then is
+    reported, not waited for."""
+    held.ops.launch([LINK_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    assert held.ops.join(0.0) is False
+    held.run.go.set()
+    assert held.ops.join(10) is True
+
+
+def test_a_batch_runs_in_a_daemon_thread_named_after_its_first_step(held):
+    """A batch stuck in a step must not keep the interpreter from exiting, and a stack dump names it."""
+    held.ops.launch([LINK_H, IMAGE_H], Ctx(), held.on_event)
+    assert held.run.started.acquire(timeout=10)
+    assert held.run.threads == [("operations-link/h", True)]
+
+
+def test_the_flags_question_runs_in_a_daemon_thread_named_after_the_short_image_id():
+    """`vllm serve --help=all` imports torch: a hung question must not keep the daemon from exiting. The thread is
+    named after the image's short id (docker's: 12 hex digits after `sha256:`)."""
+    answered, seen = threading.Event(), []
+
+    def ask(holder, image_id):
+        me = threading.current_thread()
+        seen.append((me.name, me.daemon))
+        return ServeFlags(image_id=image_id, flags=[])
+
+    FlagsQuery(ask, on_answer=answered.set).get(("h", "sha256:0123456789abcdef0123456789abcdef"))
+    assert answered.wait(10)
+    assert seen == [("flags-sha256:0123456789ab", True)]
+
+
+# ------------------------------------------------------------------------------------------------ backoff
+
+class _Middle:
+    """rng.random() at the middle of the jitter: the delay is the nominal one."""
+
+    def random(self) -> float:
+        return 0.5
+
+
+def test_the_wait_reason_says_the_time_left_and_the_first_300_characters_of_the_error():
+    """docs/troubleshooting.md, ReconcilerStepHeld: the error is read from status; it is bounded."""
+    backoff = Backoff(Retries(backoff_initial="10s", backoff_max="60s", hold_after=4), rng=_Middle())  # type: ignore[arg-type]
+    error = "e" * 300 + "tail that is cut"
+    backoff.failed("link/n1", error, now=5000.0)
+    assert backoff.wait_reason("link/n1", now=5004.0) == (
+        f"backing off after 1 failure(s), next try in 6s; last error: {'e' * 300}")
+
+
+# ------------------------------------------------------------------------------------------------ health watch
+
+GRACE = 300.0
+
+
+@pytest.fixture
+def desired(cluster_yaml) -> Desired:
+    data = load_file(cluster_yaml).data
+    data["serving"]["unhealthy_grace"] = f"{int(GRACE)}s"
+    return Desired.model_validate(data)
+
+
+@pytest.fixture
+def deployed(desired, seed_snapshot) -> Observed:
+    return converged_in_simulator(desired, seed_snapshot)
+
+
+def _head(desired: Desired, observed: Observed, serving: ServingApi | None, cid: str = "c1",
+          started_at: str | None = None) -> Observed:
+    """The head with its serving container `cid` (started at `started_at`) and its API as `serving` says."""
+    node = observed.node(desired.head.name)
+    containers = [c.model_copy(update={"id": cid, "started_at": started_at})
+                  if c.name == desired.serving.container_name else c for c in node.containers]
+    head = node.model_copy(update={"serving": serving, "containers": containers})
+    return observed.model_copy(update={"nodes": {**observed.nodes, desired.head.name: head}})
+
+
+def _api(seen: Observed, desired: Desired) -> ServingApi:
+    api = seen.node(desired.head.name).serving
+    assert api is not None
+    return api
+
+
+def healthy(desired, tokens: float | None = None) -> ServingApi:
+    engine = EngineLoad(running=1, waiting=0, tokens=tokens) if tokens is not None else None
+    return ServingApi(reachable=True, healthy=True, models=[desired.served_name], engine=engine)
+
+
+def failing(desired) -> ServingApi:
+    return ServingApi(reachable=True, healthy=True, models=[desired.served_name], completion_error="timed out")
+
+
+START = "2026-12-06T09:00:00.000000000Z"
+T0 = datetime(2026, 12, 6, 9, 0, tzinfo=UTC).timestamp()
+
+
+def test_an_observation_without_the_head_or_without_its_api_is_left_as_it_is(desired, deployed):
+    """A snapshot without the head, or a head whose API was not read: nothing serves that the watch could judge."""
+    watch = HealthWatch(wall=lambda: T0)
+    headless = deployed.model_copy(update={"nodes": {n: o for n, o in deployed.nodes.items()
+                                                     if n != desired.head.name}})
+    assert watch.annotate(desired, headless, now=10.0) is headless
+    unread = _head(desired, deployed, None, started_at=START)
+    assert watch.annotate(desired, unread, now=10.0) is unread
+
+
+def test_a_container_exactly_as_old_as_the_cold_start_allowance_is_still_starting(desired, deployed):
+    """The module's rule: a container *older* than health_timeout counts as having served. One second later it
+    does."""
+    watch = HealthWatch(wall=lambda: T0 + 3600.0)
+    at = watch.annotate(desired, _head(desired, deployed, failing(desired), started_at=START), now=50.0)
+    assert _api(at, desired).served_before is False
+    later = watch.annotate(desired, _head(desired, deployed, failing(desired), started_at=START), now=51.0)
+    assert _api(later, desired).served_before is True
+
+
+def test_a_new_container_s_age_is_its_own_not_its_predecessor_s(desired, deployed):
+    """An old container replaced by a fresh one: the fresh one is a cold start (await-health), not a wedge."""
+    wall = [T0 + 7200.0]
+    watch = HealthWatch(wall=lambda: wall[0])
+    old = watch.annotate(desired, _head(desired, deployed, failing(desired), "c1", START), now=100.0)
+    assert _api(old, desired).served_before is True
+    wall[0] += 60.0
+    fresh = watch.annotate(desired, _head(desired, deployed, failing(desired), "c2", "2026-12-06T11:00:30Z"),
+                           now=160.0)
+    assert _api(fresh, desired).served_before is False
+
+
+def test_replacing_a_container_that_never_served_or_never_failed_is_no_restart_for_health(desired, deployed):
+    """health_restarts counts restarts for health that did not hold (the grace's backoff): a cold start given up
+    (its container replaced before it served) and a healthy container replaced by an edit are neither."""
+    watch = HealthWatch(wall=lambda: T0 + 60.0)
+    watch.annotate(desired, _head(desired, deployed, failing(desired), "cold", START), now=0.0)
+    after_cold = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START), now=10.0)
+    assert _api(after_cold, desired).health_restarts == 0
+    after_edit = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c3", START), now=20.0)
+    assert _api(after_edit, desired).health_restarts == 0
+
+
+def test_the_restart_count_is_forgotten_sixteen_graces_after_serving_again_on_any_monotonic_clock(desired,
+                                                                                                  deployed):
+    """The monotonic clock's reading is arbitrary (seconds since boot): a restart that did not hold is forgotten
+    after 16 graces of serving well, not sooner because the clock reads high."""
+    t, watch = 1_000_000.0, HealthWatch(wall=lambda: T0)
+    watch.annotate(desired, _head(desired, deployed, healthy(desired), "c1", START), now=t)
+    watch.annotate(desired, _head(desired, deployed, failing(desired), "c1", START), now=t + 1)
+    back = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START), now=t + 2)
+    assert _api(back, desired).health_restarts == 1
+    almost = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START),
+                            now=t + 2 + 16 * GRACE - 1)
+    assert _api(almost, desired).health_restarts == 1
+    forgotten = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START),
+                               now=t + 2 + 16 * GRACE)
+    assert _api(forgotten, desired).health_restarts == 0
+
+
+def test_an_engine_that_answers_is_not_busy_while_its_tokens_grow(desired, deployed):
+    """Busy is a completion that did not answer while the tokens grew (docs/troubleshooting.md, "A busy cluster
+    taken for a wedged one"); an engine answering under load is serving, and says so."""
+    watch = HealthWatch(wall=lambda: T0)
+    watch.annotate(desired, _head(desired, deployed, healthy(desired, 100), started_at=START), now=0.0)
+    seen = watch.annotate(desired, _head(desired, deployed, healthy(desired, 900), started_at=START), now=5.0)
+    assert _api(seen, desired).busy is False
+
+
+def test_a_start_time_ahead_of_the_wall_clock_is_no_age():
+    """Clock skew between the head and the reconciler host: a container that seems to start in the future is age
+    0, not negative, not a second."""
+    assert _age("2026-12-06T09:00:10Z", T0) == 0.0
+    assert _age(START, T0 + 0.25) == 0.25
+
+
+@pytest.fixture
+def away_from_utc():
+    """The reconciler host's timezone set west and then east of UTC (docker's StartedAt is UTC all the same)."""
+    before = os.environ.get("TZ")
+
+    def use(zone: str) -> None:
+        os.environ["TZ"] = zone
+        time.tzset()
+
+    yield use
+    if before is None:
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Asia/Tokyo", "UTC"])
+def test_docker_s_started_at_is_utc_whatever_the_host_s_timezone(away_from_utc, zone):
+    """docker writes State.StartedAt in UTC with nanoseconds. Reading it dropped the `Z` with the fraction's
+    surplus digits, so off UTC a fresh container was hours old (a cold start judged a wedge) or hours young."""
+    away_from_utc(zone)
+    assert started_timestamp("2026-12-06T09:00:00.123456789Z") == T0 + 0.123456
+    assert started_timestamp("2026-12-06T18:00:00.5+09:00") == T0 + 0.5
+    assert started_timestamp("2026-12-06T09:00:00Z") == T0
+
