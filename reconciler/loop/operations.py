@@ -249,7 +249,7 @@ class Operations:
         self._finished: list[StepResult] = []
         self._threads: list[threading.Thread] = []
         self._cancels: list[threading.Event] = []
-        self._vetoed: dict[str, str] = {}  # step id -> why it must not start (cancel_stale), until its batch ends
+        self._vetoed: dict[str, str] = {}  # step id -> why it must not start (cancel_stale), until its run ends
         self._on_end = on_end
         self._clock = clock
         self._run = run
@@ -274,16 +274,12 @@ class Operations:
             for flag in (cancel, *own.values()):
                 flag.set()
         ctx = dataclasses.replace(ctx, cancel=cancel)
+        mine = {step.id: Operation(step, now, now + step_timeout(ctx, step), own[step.id]) for step in steps}
         with self._lock:
             self._cancels = [c for c in self._cancels if not c.is_set()] + [cancel, *own.values()]
-            for step in steps:
-                self._running[step.id] = Operation(step, now, now + step_timeout(ctx, step), own[step.id])
-
-        reported: set[str] = set()
+            self._running.update(mine)
 
         def event(name: str, fields: dict[str, Any]) -> None:
-            if name == "step.end":
-                reported.add(fields["result"].step.id)
             self._event(name, fields)
             on_event(name, fields)
 
@@ -294,12 +290,11 @@ class Operations:
             except Exception as exc:  # noqa: BLE001 - an executor bug must still free the steps and say why
                 results = [StepResult(s, "failed", 0.0, f"executor crashed: {exc!r}") for s in steps]
             with self._lock:
-                for result in results:
-                    if result.step.id not in reported and self._running.pop(result.step.id, None) is not None:
+                for result in results:  # those whose step.end was not heard (skipped, cancelled, crashed)
+                    if (op := mine.get(result.step.id)) is not None and self._end(op):
                         self._finished.append(result)
-                for step in steps:
-                    self._running.pop(step.id, None)
-                    self._vetoed.pop(step.id, None)
+                for op in mine.values():
+                    self._end(op)
             self._on_end()
 
         thread = threading.Thread(target=batch, name=f"operations-{steps[0].id}", daemon=True)
@@ -323,8 +318,19 @@ class Operations:
             if name == "step.start" and (op := self._running.get(fields["step"].id)):
                 op.state = "running"
                 op.deadline = self._clock() + (op.deadline - op.started)
-            elif name == "step.end" and self._running.pop(fields["result"].step.id, None) is not None:
+            elif name == "step.end" and (op := self._running.get(fields["result"].step.id)) and self._end(op):
                 self._finished.append(fields["result"])
+
+    def _end(self, op: Operation) -> bool:
+        """Take `op` out of the steps in flight, with its veto, if it is still there (call with the lock held).
+        An entry is ended by its own run only: once a step's end was reported, the loop may launch the same step
+        again in a new batch while the old batch runs on, and the old batch's end must not end the new run (the
+        step would be free for a third, concurrent launch, and the old result handed out twice)."""
+        if self._running.get(op.step.id) is not op:
+            return False
+        del self._running[op.step.id]
+        self._vetoed.pop(op.step.id, None)
+        return True
 
     def cancel_stale(self, judge: Callable[[Step], str | None]) -> dict[str, str]:
         """Cancel the steps in flight that `judge` (`stale`, over the old and the new desired state) says are

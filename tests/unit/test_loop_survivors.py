@@ -219,6 +219,49 @@ def test_a_cancel_ends_with_its_batch_and_does_not_veto_the_step_s_next_launch(h
     assert [(r.step.id, r.result) for r in held.ops.drain()] == [(LINK_H.id, "success")]
 
 
+class EarlyEnd:
+    """A fake executor whose batch reports the end of the steps in `early` at once (as the executor does for a
+    step that finished while others of its batch run on), then waits for its own release (at most 10 s)."""
+
+    def __init__(self, early: set[str]):
+        self.early = early
+        self.gates: list[threading.Event] = []
+        self.entered = threading.Semaphore(0)
+
+    def __call__(self, plan, ctx, on_event, skip, cancel_of):
+        gate = threading.Event()
+        self.gates.append(gate)
+        results = [StepResult(step, "success", 1.0, f"batch {len(self.gates)}") for step in plan.steps]
+        for result in results:
+            on_event("step.start", {"step": result.step})
+            if result.step.id in self.early:
+                on_event("step.end", {"result": result})
+        self.entered.release()
+        gate.wait(10)
+        return Outcome(results)
+
+
+def test_a_step_that_ended_early_and_runs_again_in_a_new_batch_is_not_ended_by_the_old_batch():
+    """A step whose end was reported while its batch ran on is drained, admitted again and launched in a new
+    batch. When the old batch then ends, its outcome names that step too: it must not end the new run (which
+    would free the step for a third, concurrent launch, and hand the old result out twice)."""
+    run, ended = EarlyEnd({LINK_H.id}), threading.Semaphore(0)
+    ops = Operations(on_end=ended.release, clock=lambda: 1000.0, run=run)
+    ops.launch([LINK_H, IMAGE_H], Ctx(), on_event=lambda e, f: None)
+    assert run.entered.acquire(timeout=10)
+    assert [(r.step.id, r.message) for r in ops.drain()] == [(LINK_H.id, "batch 1")]
+    run.early.clear()
+    ops.launch([LINK_H], Ctx(), on_event=lambda e, f: None)
+    assert run.entered.acquire(timeout=10)
+    run.gates[0].set()
+    assert ended.acquire(timeout=10)
+    assert [v["step"] for v in ops.view()] == [LINK_H.id], "the new run of the link step is still in flight"
+    assert [(r.step.id, r.message) for r in ops.drain()] == [(IMAGE_H.id, "batch 1")]
+    run.gates[1].set()
+    assert ended.acquire(timeout=10) and ops.join(10)
+    assert [(r.step.id, r.message) for r in ops.drain()] == [(LINK_H.id, "batch 2")]
+
+
 def test_a_step_the_executor_gave_no_result_for_is_not_left_in_flight():
     ended = threading.Event()
     ops = Operations(on_end=ended.set, run=lambda plan, ctx, on_event, skip, cancel_of: Outcome([]))
