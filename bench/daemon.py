@@ -140,18 +140,26 @@ def _serving_up(timeout: float = 120) -> None:
 
 def _detect(opts: Options, desired: Path, events: bool, trials: int, jitter: float) -> dict[str, list[float]]:
     from testbed import api
+    from testbed.proc import TestbedError
     out: dict[str, list[float]] = {k: [] for k in FAULTS}
     d = Daemon(desired, events=events)
     try:
         d.converged_after(0, timeout=180)
         for i in range(trials):
             for name, (kind, kw) in FAULTS.items():
-                _serving_up()
-                _quiet(d, 0.5)
-                time.sleep(random.uniform(0, jitter))
-                mark = d.mark()
-                t0 = time.monotonic()
-                api.fault(kind, "worker", **kw)
+                for attempt in range(3):
+                    _serving_up()
+                    _quiet(d, 0.5)
+                    time.sleep(random.uniform(0, jitter))
+                    mark = d.mark()
+                    t0 = time.monotonic()
+                    try:
+                        api.fault(kind, "worker", **kw)
+                        break
+                    except TestbedError as exc:  # the rank exited in the jitter: the last link fault's peer
+                        if attempt == 2:  # timeout, after `converged` (the daemon repairs it): start again
+                            raise
+                        opts.log(f"drift[{'events' if events else 'resync'}] {name} #{i + 1}: {exc}; again")
                 t1, _ = d.wait(d.event("reconcile.plan"), mark, timeout=30)
                 out[name].append(t1 - t0)
                 d.converged_after(mark, timeout=120)
