@@ -201,9 +201,28 @@ def main() -> int:
     if run_total:
         print(f"killed: {killed / run_total:.1%} of those run; "
               f"{killed / max(1, run_total - verdict['wording']):.1%} leaving message wording out")
+    print("\n" + by_module(items, statuses))
     print("\n| survivor | the change |\n|---|---|")
     print("\n".join(listed))
     return 0
+
+
+def by_module(items: list[tuple[str, str, int | None]], statuses: list[str]) -> str:
+    """The verdict per mutated module, as a markdown table: where the tests bite and where they do not."""
+    rows: dict[str, Counter[str]] = {}
+    for (_, key, _), status in zip(items, statuses, strict=True):
+        module = re.sub(r"^reconciler\.|\.x[_ǁ].*$", "", key)
+        rows.setdefault(module, Counter())[status] += 1
+    out = ["| module | mutants | run | killed (+ on disk, timeout) | wording | survived | no tests | killed of those "
+           "run |", "|---|---|---|---|---|---|---|---|"]
+    for module, c in sorted(rows.items()):
+        run_n = sum(n for s, n in c.items() if s != "not run")
+        if not run_n:
+            continue
+        killed = c["killed"] + c["killed on disk"] + c["timeout"] + c["type check"]
+        out.append(f"| `{module}` | {sum(c.values())} | {run_n} | {killed} | {c['wording']} | {c['survived']} | "
+                   f"{c['no tests']} | {killed / run_n:.1%} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
