@@ -9,15 +9,17 @@ of observations with a fake clock.
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import UTC, datetime
 
 import pytest
 
 from reconciler.core.loader import load_file
-from reconciler.core.observed import NodeObservation, Observed, ServingApi
+from reconciler.core.observed import EngineLoad, NodeObservation, Observed, ServingApi
 from reconciler.core.planning import plan, unhealthy_grace
 from reconciler.core.spec import Desired
-from reconciler.loop.health_watch import HealthWatch, _age
+from reconciler.loop.health_watch import HealthWatch, _age, started_timestamp
 from tests.unit.conftest import converged_in_simulator
 
 GRACE = 300.0
@@ -47,8 +49,9 @@ def _head_serving(desired: Desired, observed: Observed, serving: ServingApi, con
     return observed.model_copy(update={"nodes": {**observed.nodes, head: node.model_copy(update=update)}})
 
 
-def healthy(desired):
-    return ServingApi(reachable=True, healthy=True, models=[desired.serving.served_model_name or desired.model.id])
+def healthy(desired, tokens: float | None = None) -> ServingApi:
+    engine = EngineLoad(running=1, waiting=0, tokens=tokens) if tokens is not None else None
+    return ServingApi(reachable=True, healthy=True, models=[desired.served_name], engine=engine)
 
 
 WEDGED = ServingApi(reachable=True, healthy=True, models=["x"], completion_error="timed out after 5 s (curl exit 28)")
@@ -247,3 +250,135 @@ def test_a_busy_engine_that_freezes_is_restarted_a_grace_after_the_first_probe_w
     assert not watch.annotate(desired, stuck, now=t + 3).node(desired.head.name).serving.busy
     assert not plan(desired, watch.annotate(desired, stuck, now=t + 3 + GRACE - 1)).steps
     assert _restarts_in_order(desired, plan(desired, watch.annotate(desired, stuck, now=t + 3 + GRACE + 1)))
+
+
+# ------------------------------------------------------------------------ the watch itself (issue 34, mutation)
+
+def _head(desired: Desired, observed: Observed, serving: ServingApi | None, cid: str = "c1",
+          started_at: str | None = None) -> Observed:
+    """The head with its serving container `cid` (started at `started_at`) and its API as `serving` says."""
+    node = observed.node(desired.head.name)
+    containers = [c.model_copy(update={"id": cid, "started_at": started_at})
+                  if c.name == desired.serving.container_name else c for c in node.containers]
+    head = node.model_copy(update={"serving": serving, "containers": containers})
+    return observed.model_copy(update={"nodes": {**observed.nodes, desired.head.name: head}})
+
+
+def _api(seen: Observed, desired: Desired) -> ServingApi:
+    api = seen.node(desired.head.name).serving
+    assert api is not None
+    return api
+
+
+
+
+def failing(desired) -> ServingApi:
+    return ServingApi(reachable=True, healthy=True, models=[desired.served_name], completion_error="timed out")
+
+
+START = "2026-12-06T09:00:00.000000000Z"
+T0 = datetime(2026, 12, 6, 9, 0, tzinfo=UTC).timestamp()
+
+
+def test_an_observation_without_the_head_or_without_its_api_is_left_as_it_is(desired, deployed):
+    """A snapshot without the head, or a head whose API was not read: nothing serves that the watch could judge."""
+    watch = HealthWatch(wall=lambda: T0)
+    headless = deployed.model_copy(update={"nodes": {n: o for n, o in deployed.nodes.items()
+                                                     if n != desired.head.name}})
+    assert watch.annotate(desired, headless, now=10.0) is headless
+    unread = _head(desired, deployed, None, started_at=START)
+    assert watch.annotate(desired, unread, now=10.0) is unread
+
+
+def test_a_container_exactly_as_old_as_the_cold_start_allowance_is_still_starting(desired, deployed):
+    """The module's rule: a container *older* than health_timeout counts as having served. One second later it
+    does."""
+    watch = HealthWatch(wall=lambda: T0 + 3600.0)
+    at = watch.annotate(desired, _head(desired, deployed, failing(desired), started_at=START), now=50.0)
+    assert _api(at, desired).served_before is False
+    later = watch.annotate(desired, _head(desired, deployed, failing(desired), started_at=START), now=51.0)
+    assert _api(later, desired).served_before is True
+
+
+def test_a_new_container_s_age_is_its_own_not_its_predecessor_s(desired, deployed):
+    """An old container replaced by a fresh one: the fresh one is a cold start (await-health), not a wedge."""
+    wall = [T0 + 7200.0]
+    watch = HealthWatch(wall=lambda: wall[0])
+    old = watch.annotate(desired, _head(desired, deployed, failing(desired), "c1", START), now=100.0)
+    assert _api(old, desired).served_before is True
+    wall[0] += 60.0
+    fresh = watch.annotate(desired, _head(desired, deployed, failing(desired), "c2", "2026-12-06T11:00:30Z"),
+                           now=160.0)
+    assert _api(fresh, desired).served_before is False
+
+
+def test_replacing_a_container_that_never_served_or_never_failed_is_no_restart_for_health(desired, deployed):
+    """health_restarts counts restarts for health that did not hold (the grace's backoff): a cold start given up
+    (its container replaced before it served) and a healthy container replaced by an edit are neither."""
+    watch = HealthWatch(wall=lambda: T0 + 60.0)
+    watch.annotate(desired, _head(desired, deployed, failing(desired), "cold", START), now=0.0)
+    after_cold = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START), now=10.0)
+    assert _api(after_cold, desired).health_restarts == 0
+    after_edit = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c3", START), now=20.0)
+    assert _api(after_edit, desired).health_restarts == 0
+
+
+def test_the_restart_count_is_forgotten_sixteen_graces_after_serving_again_on_any_monotonic_clock(desired,
+                                                                                                  deployed):
+    """The monotonic clock's reading is arbitrary (seconds since boot): a restart that did not hold is forgotten
+    after 16 graces of serving well, not sooner because the clock reads high."""
+    t, watch = 1_000_000.0, HealthWatch(wall=lambda: T0)
+    watch.annotate(desired, _head(desired, deployed, healthy(desired), "c1", START), now=t)
+    watch.annotate(desired, _head(desired, deployed, failing(desired), "c1", START), now=t + 1)
+    back = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START), now=t + 2)
+    assert _api(back, desired).health_restarts == 1
+    almost = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START),
+                            now=t + 2 + 16 * GRACE - 1)
+    assert _api(almost, desired).health_restarts == 1
+    forgotten = watch.annotate(desired, _head(desired, deployed, healthy(desired), "c2", START),
+                               now=t + 2 + 16 * GRACE)
+    assert _api(forgotten, desired).health_restarts == 0
+
+
+def test_an_engine_that_answers_is_not_busy_while_its_tokens_grow(desired, deployed):
+    """Busy is a completion that did not answer while the tokens grew (docs/troubleshooting.md, "A busy cluster
+    taken for a wedged one"); an engine answering under load is serving, and says so."""
+    watch = HealthWatch(wall=lambda: T0)
+    watch.annotate(desired, _head(desired, deployed, healthy(desired, 100), started_at=START), now=0.0)
+    seen = watch.annotate(desired, _head(desired, deployed, healthy(desired, 900), started_at=START), now=5.0)
+    assert _api(seen, desired).busy is False
+
+
+def test_a_start_time_ahead_of_the_wall_clock_is_no_age():
+    """Clock skew between the head and the reconciler host: a container that seems to start in the future is age
+    0, not negative, not a second."""
+    assert _age("2026-12-06T09:00:10Z", T0) == 0.0
+    assert _age(START, T0 + 0.25) == 0.25
+
+
+@pytest.fixture
+def away_from_utc():
+    """The reconciler host's timezone set west and then east of UTC (docker's StartedAt is UTC all the same)."""
+    before = os.environ.get("TZ")
+
+    def use(zone: str) -> None:
+        os.environ["TZ"] = zone
+        time.tzset()
+
+    yield use
+    if before is None:
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Asia/Tokyo", "UTC"])
+def test_docker_s_started_at_is_utc_whatever_the_host_s_timezone(away_from_utc, zone):
+    """docker writes State.StartedAt in UTC with nanoseconds. Reading it dropped the `Z` with the fraction's
+    surplus digits, so off UTC a fresh container was hours old (a cold start judged a wedge) or hours young."""
+    away_from_utc(zone)
+    assert started_timestamp("2026-12-06T09:00:00.123456789Z") == T0 + 0.123456
+    assert started_timestamp("2026-12-06T18:00:00.5+09:00") == T0 + 0.5
+    assert started_timestamp("2026-12-06T09:00:00Z") == T0
+
