@@ -1,6 +1,7 @@
 """The verdict on a mutmut run: every survivor classified, and those in import-time code re-judged on disk.
 
-    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge] [--with=TEST_FILE,...]
+    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge] [--with=TEST_FILE,...] [--only=GLOB]
+                                   [--json=PATH]
 
 Prints the score and one line per survivor that is neither message wording nor re-judged killed, as markdown for
 docs/testing.md. The classes:
@@ -21,6 +22,8 @@ collection included. `--rejudge` does the same for every survivor that is not wo
 they are now, when tests were added after mutmut's run (mutmut would only rerun the tests its stats know).
 `--with=FILES` re-judges every survivor (not wording) by those test files only: the files added after the run
 began. Every older test already had its chance in mutmut's run, so this is the same verdict in minutes, not hours.
+`--only=GLOB` re-judges only the mutants whose key matches (`reconciler.edge.probes.*`: each module by the new
+files that test it), and `--json=PATH` writes every mutant's verdict, so such runs can be merged.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import sys
 import textwrap
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from fnmatch import fnmatch
 from pathlib import Path
 
 from tests.named_mutants import REPO, Mutant, run
@@ -167,6 +171,8 @@ def main() -> int:
     at_import = import_time_functions() if "--no-recheck" not in sys.argv else set()
     added = tuple(next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--with=")), ()))
     rejudge = "--rejudge" in sys.argv or bool(added)  # every survivor, with the tests as they are now
+    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), "*")  # re-judge these keys
+    dump = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--json=")), None)
     env = {**os.environ, "MUTANT_UNDER_TEST": "recheck"}  # the examples of a mutation run (tests/unit/examples.py)
 
     def on_disk(file: str, key: str) -> str:
@@ -179,12 +185,12 @@ def main() -> int:
     def judge(item: tuple[str, str, int | None]) -> str:
         file, key, code = item
         status = STATUS.get(code, f"exit {code}")
-        if status == "timeout" and rejudge:  # e.g. a run paused (SIGSTOP) while benchmarks ran: proves nothing
+        if status == "timeout" and rejudge and fnmatch(key, only):  # e.g. a run paused (SIGSTOP): proves nothing
             return on_disk(file, key)
         if status == "survived" and code == 0:
             if wording_only(*mutants.texts(file, key)):
                 return "wording"
-            if rejudge or f"{file}:{qualname(key)}" in at_import:
+            if (rejudge and fnmatch(key, only)) or f"{file}:{qualname(key)}" in at_import:
                 return on_disk(file, key)
         return status
 
@@ -192,6 +198,8 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # each judgement is its own pytest process
         statuses = list(pool.map(judge, items))
     verdict = Counter(statuses)
+    if dump is not None:  # key -> verdict, to merge runs that re-judged different modules with different files
+        dump.write_text(json.dumps(dict(zip((key for _, key, _ in items), statuses, strict=True)), indent=0))
     listed = [f"| `{re.sub(r'^reconciler.', '', key)}` | {changed_line(*mutants.texts(file, key))} |"
               for (file, key, _), status in zip(items, statuses, strict=True) if status == "survived"]
     run_total = sum(n for s, n in verdict.items() if s != "not run")
