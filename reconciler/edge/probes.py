@@ -687,7 +687,6 @@ def parse_completion(sec: Section | None) -> str | None:
     return None if isinstance(choices, list) and choices else "the answer has no choices"
 
 
-@node_output("serving API")
 def port_owner_script(port: int) -> list[str]:
     """The `port_owner` section: the uids owning a LISTEN socket on the serving port (/proc/net/tcp{,6}, column 8),
     as `$owners` ("0 " when only root listens). Serving containers run as root; a squatter does not (a local user
@@ -709,6 +708,7 @@ def parse_port_holder(sec: Section | None) -> int | None:
     return others[0] if others else None
 
 
+@node_output("serving API")
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
                   completion: Section | None = None, engine: Section | None = None,
                   port_owner: Section | None = None) -> ServingApi:

@@ -161,3 +161,20 @@ CASES += [
     Case("link: the peer declares no twin: the twin is brought up, not pinged", _step(), [*UP, *UP_TWIN[:2]],
          facts={f"{W1} links": [ports()]}, desired=_head_without_twin, observed=lambda: observe(load())),
 ]
+
+
+# -- round 2 (issue 34, item 7): a worker pings the head even when the head does not serve (`_peer`: by role, not
+# by the serving order, whose first other node would be another worker).
+
+
+def _head_not_serving() -> Any:
+    """The recorded testbed serving on worker1 and worker2 only: the head is declared (and keeps the fabric), but
+    it is not the first other serving node of worker1; worker2 is."""
+    d = load()
+    return d.model_copy(update={"serving": d.serving.model_copy(update={"nodes": [W1, "worker2"]})})
+
+
+CASES += [
+    Case("link: a worker pings the head's port, even when the head does not serve", _step(), [*UP, *UP_TWIN],
+         facts={f"{W1} links": [ports()]}, desired=_head_not_serving, observed=lambda: observe(load())),
+]

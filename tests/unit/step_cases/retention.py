@@ -212,3 +212,15 @@ CASES += [
                 f"{W1} copies": [ledger(COPIED.replace(DIGEST, EMPTY_DIGEST))], f"{W1} tree {OLD}": [UNLISTED]},
          **_recorded()),
 ]
+
+
+# -- round 2 (issue 34, item 7): the ledger's own failure, like rm's, names only the tail of a long stderr.
+
+CASES += [
+    Case("prune-weights: a ledger write failing with a long stderr: only its last 200 characters", weights(OLD),
+         [*READ, f"read {W1} tree {OLD}", REMOVE, "report retention.remove", LEDGER_WRITE],
+         facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL], f"{W1} copies": [ledger(COPIED)],
+                f"{W1} tree {OLD}": [LISTING]},
+         results={LEDGER_WRITE[4:]: [Result("", "x" + "y" * 200, 1)]},
+         raises=r"the ledger could not say `removed` \(exit 1: y{200}\)$", **_recorded()),
+]
