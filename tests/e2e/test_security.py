@@ -303,7 +303,8 @@ def urllib_open(url: str):
 
 def test_the_environment_reaches_the_container_through_stdin_exactly(recorder):
     """What the serving step does (`docker run --env-file /dev/stdin`, the text on the channel's stdin): every
-    value arrives byte for byte, spaces, quotes and `#` included, and no file is written on the node."""
+    value arrives byte for byte, spaces, quotes and `#` included, and no file on the node holds the secret after it
+    (only the files changed since are read: the testbed's nodes share the machine's /tmp with whatever else runs)."""
     from reconciler.core.vllm import LaunchSpec
 
     env = {"HF_TOKEN": SECRET, "A": "  spaced  ", "B": "it's \"q\" # not a comment", "C": "x=y"}
@@ -311,8 +312,11 @@ def test_the_environment_reaches_the_container_through_stdin_exactly(recorder):
                         docker_flags=("--rm", "--entrypoint", "env"), env=env, command=())
     argv = ["docker", *launch.run_argv(1, env_file="/dev/stdin")]
     argv.remove("-d")  # wait for `env` and read its output
-    before = recorder.run(["sh", "-c", "ls -A /tmp /var/tmp"], timeout=10).stdout
+    since = recorder.run(["date", "+%s.%N"], timeout=10).stdout.strip()
     out = recorder.run(argv, stdin=launch.env_file_text().encode(), timeout=60).stdout
     seen = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     assert {k: seen.get(k) for k in env} == env
-    assert recorder.run(["sh", "-c", "ls -A /tmp /var/tmp"], timeout=10).stdout == before
+    written = ('files=$(find /tmp /var/tmp -xdev -type f -newermt "@$1" 2>/dev/null); '
+               '[ -z "$files" ] || grep -lsF -f - $files; true')  # the secret as the pattern, on stdin
+    holders = recorder.run(["sh", "-c", written, "sh", since], stdin=SECRET.encode(), timeout=60).stdout
+    assert holders == "", f"files on the node that hold the secret: {holders}"
