@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cache
 
 from reconciler.core.observed import NodeObservation, Observed
@@ -248,4 +249,25 @@ CASES = [
            f"spark-reconciler_fabric_known_hosts_{WORKER}", *_streams(4, ssh=True)], FRESH, desired=over_ssh,
           results={rsync(3, ssh=True).removeprefix("run "): [Result("", "rsync: connection unexpectedly closed", 12)]},
           raises="rsync to worker1 failed \\(exit 12\\): rsync: connection unexpectedly closed$"),
+]
+
+CASES += [
+    _case("a partial listing of the source: the refusal names the source and its tree", READS[:1],
+          {f"{HEAD} weights": [tree(SRC, ended=False)]},
+          raises=f"^the weights tree on head at {SRC} is not fully listed"),
+    _case("a target tree with a link leading out: the refusal names the target and its tree", READS,
+          {f"{HEAD} weights": [tree(SRC)], f"{WORKER} weights": [tree(without=(SHARDS[0],),
+                                                                       extra=(f"E\t{OUT}",))]},
+          raises=f"^the weights tree on worker1 at {DST} has 1 link"),
+    _case("after rsync the target's listing ends early: failed, saying it is not fully listed",
+          copied()[:copied().index(f"read {WORKER} weights", 2) + 1],
+          {f"{HEAD} weights": [tree(SRC)], f"{WORKER} weights": [ABSENT, tree(ended=False)]},
+          results=_daemon(), raises=f"^after rsync, the weights tree on worker1 at {DST} is not fully listed "
+                                    "\\(the listing ended early\\)$"),
+    _case("the links cannot be made: the last 800 characters of the helper's words",
+          copied()[:copied().index(LINKS) + 1], FRESH,
+          results={**_daemon(), LINKS.removeprefix("run "): [Result("", "y" + "z" * 800, 1)]},
+          raises="failed \\(exit 1\\): z{800}$"),
+    replace(_case("the copy's `sync -f` is bounded by the copy's own deadline", copied(), FRESH,
+                  results=_daemon()), timeouts={f"{WORKER} sync -f {DST}": 43200.0}),
 ]
