@@ -1,6 +1,6 @@
 """The verdict on a mutmut run: every survivor classified, and those in import-time code re-judged on disk.
 
-    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge] [--with=TEST_FILE,...] [--only=GLOB]
+    python -m tests.mutmut_recheck [MUTANTS_DIR] [--no-recheck] [--rejudge] [--with=TEST_FILE,...] [--only=GLOB,...]
                                    [--json=PATH]
 
 Prints the score and one line per survivor that is neither message wording nor re-judged killed, as markdown for
@@ -174,7 +174,7 @@ def main() -> int:
     at_import = import_time_functions() if "--no-recheck" not in sys.argv else set()
     added = tuple(next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--with=")), ()))
     rejudge = "--rejudge" in sys.argv or bool(added)  # every survivor, with the tests as they are now
-    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), "*")  # re-judge these keys
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), ["*"])  # these keys
     dump = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--json=")), None)
     env = {**os.environ, "MUTANT_UNDER_TEST": "recheck"}  # the examples of a mutation run (tests/unit/examples.py)
 
@@ -188,12 +188,12 @@ def main() -> int:
     def judge(item: tuple[str, str, int | None]) -> str:
         file, key, code = item
         status = STATUS.get(code, f"exit {code}")
-        if status == "timeout" and rejudge and fnmatch(key, only):  # e.g. a run paused (SIGSTOP): proves nothing
+        if status == "timeout" and rejudge and any(fnmatch(key, g) for g in only):  # a run paused (SIGSTOP)
             return on_disk(file, key)
         if status == "survived" and code == 0:
             if wording_only(*mutants.texts(file, key)) and not SHELL.search(key):
                 return "wording"
-            if (rejudge and fnmatch(key, only)) or f"{file}:{qualname(key)}" in at_import:
+            if (rejudge and any(fnmatch(key, g) for g in only)) or f"{file}:{qualname(key)}" in at_import:
                 return on_disk(file, key)
         return status
 
