@@ -58,6 +58,9 @@ MUTANTS = [
 ]
 
 
+HANG = 300.0  # seconds: the unit tests a mutant is judged by take under a minute each on the 2 cores
+
+
 def run(m: Mutant, *pytest_args: str, env: dict[str, str] | None = None) -> tuple[bool, list[str]]:
     """(killed, the failing tests) for one mutant. A mutant that breaks collection (an import-time error) fails
     the suite too: it is killed by the test files that could not be collected, or by the conftest that could not
@@ -72,9 +75,12 @@ def run(m: Mutant, *pytest_args: str, env: dict[str, str] | None = None) -> tupl
             raise SystemExit(f"{m.name}: `{m.before.strip()}` occurs {text.count(m.before)} times in "
                              f"reconciler/{m.file}; update the mutant of record with the code")
         path.write_text(text.replace(m.before, m.after))
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no",
-                              *pytest_args, *m.tests], cwd=tree, capture_output=True, text=True, check=False,
-                             env=env)
+        try:
+            out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no",
+                                  *pytest_args, *m.tests], cwd=tree, capture_output=True, text=True, check=False,
+                                 env=env, timeout=HANG)
+        except subprocess.TimeoutExpired:  # a mutant that makes a test loop forever is caught (mutmut's timeout)
+            return True, [f"(the tests did not end within {HANG:.0f} s)"]
         failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.stdout.splitlines()
                   if line.startswith(("FAILED ", "ERROR "))]
         if out.returncode == 4 and "while loading conftest" in out.stderr + out.stdout:
