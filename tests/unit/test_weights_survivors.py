@@ -298,3 +298,11 @@ def test_a_full_disk_counts_the_links_copied_as_files_still_missing() -> None:
                     {**HELPERS, **_daemon(2), rsync(0).removeprefix("run "): [Result("", "No space left", 11)]})
     error = driver.drive(sync_weights(Given(recorded(), _observed(), 1), STEP))
     assert "105 bytes still to copy, 1 bytes available" in str(error), repr(error)
+
+
+def test_a_link_whose_value_is_dot_dot_is_kept_when_its_directory_is_one_deep():
+    """rsync 3.4's `unsafe_symlink()` (util1.c): a value's `..` climbs one directory of the link's own depth, the
+    last component as well as the others; `a/l -> ..` lands on the tree's top (kept), `l -> ..` above it (not)."""
+    assert rsync_keeps_link("a/l", "..") is True
+    assert rsync_keeps_link("a/l", "../x") is True
+    assert rsync_keeps_link("l", "..") is False
