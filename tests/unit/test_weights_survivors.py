@@ -115,20 +115,13 @@ def _stuck(n: int) -> Weights:
               root="/m")
 
 
-def test_refusal_names_ten_stuck_links_and_counts_the_rest() -> None:
-    """The operator reads which links to fix: the first ten, then how many more."""
+@pytest.mark.parametrize(("stuck", "more"), [(12, "; and 2 more"), (10, "")])
+def test_refusal_names_ten_stuck_links_and_counts_the_rest(stuck: int, more: str) -> None:
+    """The operator reads which links to fix: the first ten, then how many more (nothing more for exactly ten)."""
     shown = "; ".join(f"l{i:02} -> /gone/{i:02}" for i in range(10))
-    assert refusal(_stuck(12), "head") == (
-        "the weights tree on head at /m has 12 link(s) that rsync would not keep (absolute, or climbing out of the "
-        f"tree) and that do not land on a file inside it: {shown}; and 2 more. Refusing to sync: make them relative "
-        "links inside the tree, or replace them with the files")
-
-
-def test_refusal_of_exactly_ten_stuck_links_says_no_more() -> None:
-    shown = "; ".join(f"l{i:02} -> /gone/{i:02}" for i in range(10))
-    assert refusal(_stuck(10), "head") == (
-        "the weights tree on head at /m has 10 link(s) that rsync would not keep (absolute, or climbing out of the "
-        f"tree) and that do not land on a file inside it: {shown}. Refusing to sync: make them relative "
+    assert refusal(_stuck(stuck), "head") == (
+        f"the weights tree on head at /m has {stuck} link(s) that rsync would not keep (absolute, or climbing out of "
+        f"the tree) and that do not land on a file inside it: {shown}{more}. Refusing to sync: make them relative "
         "links inside the tree, or replace them with the files")
 
 
