@@ -149,7 +149,7 @@ def schema(markdown: bool) -> None:
 
         click.echo(render(), nl=False)
         return
-    click.echo(json.dumps(spec.Desired.model_json_schema(mode="validation"), indent=2))
+    click.echo(json.dumps(spec.json_schema(), indent=2))
 
 
 @main.command(name="print")

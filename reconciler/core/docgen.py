@@ -14,9 +14,10 @@ from reconciler.core import spec
 
 _SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("(top level)", spec.Desired), ("nodes[]", spec.Node), ("nodes[].ssh", spec.Ssh),
-    ("nodes[].fabric", spec.Fabric), ("nodes[].fabric.twin", spec.FabricPort), ("model", spec.Model),
-    ("serving", spec.Serving),
-    ("serving.docker", spec.DockerOptions), ("co_tenants", spec.CoTenants), ("policy", spec.Policy),
+    ("nodes[].fabric", spec.Fabric), ("nodes[].fabric.twin", spec.FabricPort), ("deployments[]", spec.Deployment),
+    ("deployments[].model, or model", spec.Model), ("deployments[].serving, or serving", spec.Serving),
+    ("deployments[].serving.docker, or serving.docker", spec.DockerOptions),
+    ("co_tenants", spec.CoTenants), ("policy", spec.Policy),
     ("policy.timeouts", spec.Timeouts), ("policy.retries", spec.Retries), ("policy.weights", spec.WeightsPolicy),
 ]
 
@@ -27,12 +28,22 @@ Durations are written like `30s`, `5m`, `1h30m`, `250ms`; sizes like `4GiB`, `50
 Unknown keys are errors. Every string that reaches a remote command must match a strict pattern, listed below as
 the type. Errors are reported all at once as `FILE:LINE:COL: field.path: message`.
 
+A file declares what it serves in one of two forms: `deployments:`, a list of deployments (each with its `name`,
+`model` and `serving`), or, for one model, `model:` and `serving:` at the top, which is the list form's one
+deployment named `default` (every file written before the list form means what it meant). Below, `serving.port`
+stands for either `serving.port` or `deployments[].serving.port`.
+
 Rules across fields: exactly one node has role `head`; node names are unique; `ssh.jump` names another node and
 jump hosts form no cycle; `tensor_parallel_size x pipeline_parallel_size` equals the GPUs of the serving nodes
 (default: head first, then workers in file order) and does not exceed the cluster's; `model.source` is a node; all
 fabric addresses share one subnet and differ; `serving.port`, `master_port` and `ray_port` differ; a per-node
 `model.path` mapping covers the serving nodes and the source; co-tenant tables name existing nodes (or `*`) and
-never match the managed serving container; `serving.extra_args` may not carry flags the reconciler sets itself.
+never match a managed serving container; `serving.extra_args` may not carry flags the reconciler sets itself.
+Across deployments: names and container names are unique; two deployments on one node listen on other ports (the
+API; the rendezvous port of native ranks across nodes; Ray's port); and the `gpu_memory_utilization` of the
+deployments on one node add up to at most 1 (vLLM's fraction is per instance, of the whole GPU). The plan also
+checks the bytes on each node: every deployment's fraction of the node's memory, the `co_tenants.memory` of the
+allowed co-tenants running there and `policy.memory_margin` must fit in its total, or nothing stops.
 """
 
 
@@ -59,7 +70,7 @@ def _type(prop: dict[str, Any], defs: dict[str, Any]) -> str:
 def markdown() -> str:
     out = [_HEADER]
     for title, model in _SECTIONS:
-        schema = model.model_json_schema(mode="validation")
+        schema = spec.json_schema() if model is spec.Desired else model.model_json_schema(mode="validation")
         defs = schema.get("$defs", {})
         required = set(schema.get("required", []))
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")

@@ -108,7 +108,7 @@ def test_schema_prints_the_json_schema(console_script):
     assert result.returncode == 0, result.stderr
     schema = json.loads(result.stdout)
     assert "nodes" in schema["properties"]
-    assert set(schema["required"]) >= {"nodes", "model", "serving"}
+    assert set(schema["required"]) == {"nodes"} and {"model", "serving", "deployments"} <= set(schema["properties"])
     assert schema.get("additionalProperties") is False
     assert {"Node", "Serving", "Policy", "CoTenants"} <= set(schema["$defs"])
 

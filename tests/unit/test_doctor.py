@@ -333,8 +333,8 @@ def test_loose_trusted_files_name_their_fix():
     assert c.status == "fail" and c.fix == Fix("chmod go-w /run/spark-testbed/known_hosts", "root", HERE)
 
 
-SECRETS = DESIRED.model_copy(update={"serving": DESIRED.serving.model_copy(
-    update={"secrets": {"HF_TOKEN": "internet", "VLLM_API_KEY": "head"}})})
+SECRETS = DESIRED.with_deployment(serving=DESIRED.serving.model_copy(
+    update={"secrets": {"HF_TOKEN": "internet", "VLLM_API_KEY": "head"}}))
 
 
 @pytest.mark.parametrize(("env", "status", "said", "fix"), [

@@ -58,7 +58,7 @@ def test_the_completion_is_one_curl_of_one_deterministic_token():
 def _with_key(value: str) -> object:
     desired = load()
     serving = desired.serving.model_copy(update={"secrets": {"VLLM_API_KEY": "head"}})
-    return desired.model_copy(update={"serving": serving}).with_secrets({"VLLM_API_KEY": value})
+    return desired.with_deployment(serving=serving).with_secrets({"VLLM_API_KEY": value})
 
 
 def test_the_authorization_header_exists_only_with_a_key():

@@ -435,7 +435,7 @@ def test_a_row_not_in_listen_is_odd_output_named_in_80_characters():
 # -- the serving API ----------------------------------------------------------------------------------------------
 
 def _with_port(desired: spec.Desired, port: int) -> spec.Desired:
-    return desired.model_copy(update={"serving": desired.serving.model_copy(update={"port": port})})
+    return desired.with_deployment(serving=desired.serving.model_copy(update={"port": port}))
 
 
 ENGINE_PAGE = ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"

@@ -203,8 +203,9 @@ def test_an_alias_bomb_is_stopped_at_the_budget():
 def test_an_empty_mapping_is_missing_its_sections_and_its_marker_at_the_first_line():
     with pytest.raises(spec.InvalidDesiredState) as info:
         spec.loads("{}\n", "X")
-    assert info.value.lines() == ["X:1:1: nodes: required field is missing", "X:1:1: model: required field is missing",
-                                  "X:1:1: serving: required field is missing", f"X:1:1: {UNENDED}"]
+    assert info.value.lines() == ["X:1:1: nodes: required field is missing",
+                                  "X:1:1: deployments: required field is missing: what the cluster serves "
+                                  "(`deployments:`, or `model:` and `serving:` for one model)", f"X:1:1: {UNENDED}"]
 
 
 # ------------------------------------------------------------------------------------------- each rule's words

@@ -18,7 +18,9 @@ Other modules import this package, not its files: the names below are everything
 """
 
 from reconciler.core.spec.models import (
+    SINGLE,
     CoTenants,
+    Deployment,
     Desired,
     DockerOptions,
     Fabric,
@@ -29,9 +31,11 @@ from reconciler.core.spec.models import (
     Retention,
     Retries,
     Serving,
+    SeveralDeployments,
     Ssh,
     Timeouts,
     WeightsPolicy,
+    json_schema,
 )
 from reconciler.core.spec.placing import ENVIRONMENT, InvalidDesiredState, load, loads
 from reconciler.core.spec.rules import KEY, ConsistencyError, MissingSecrets, consistency_problems
@@ -40,6 +44,7 @@ from reconciler.core.spec.values import (
     AbsPath,
     ContainerName,
     ContainerPattern,
+    DeploymentName,
     EnvName,
     EnvValue,
     ExtraArg,
@@ -64,7 +69,11 @@ __all__ = [
     "ConsistencyError",
     "ContainerName",
     "ContainerPattern",
+    "DeploymentName",
     "CoTenants",
+    "Deployment",
+    "SINGLE",
+    "SeveralDeployments",
     "Desired",
     "DockerOptions",
     "EnvName",
@@ -95,6 +104,7 @@ __all__ = [
     "WeightsPolicy",
     "consistency_problems",
     "format_duration",
+    "json_schema",
     "load",
     "loads",
     "parse_duration",

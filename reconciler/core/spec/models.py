@@ -14,9 +14,17 @@ import ipaddress
 import json
 import posixpath
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from reconciler.core.spec.rules import ConsistencyError, MissingSecrets, consistency_problems
 from reconciler.core.spec.values import (
@@ -26,6 +34,7 @@ from reconciler.core.spec.values import (
     ContainerName,
     ContainerPattern,
     DataPath,
+    DeploymentName,
     DockerGpus,
     DockerShmSize,
     DockerVolume,
@@ -51,6 +60,13 @@ from reconciler.core.spec.values import (
     at_least,
     has_control_characters,
 )
+
+
+class SeveralDeployments(Exception):
+    """`Desired.model`/`.serving` asked of a file with several deployments: the caller should have taken a view."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(f"a file with several deployments ({', '.join(names)}): take one with Desired.view(name)")
 
 
 class _Model(BaseModel):
@@ -232,6 +248,11 @@ class CoTenants(_Model):
     protected: dict[NodeName | Literal["*"], list[ContainerPattern]] = Field(
         default_factory=dict, description="Never stopped or touched, whatever else the file says.")
     unlisted: Literal["stop", "report"] = "stop"
+    memory: dict[NodeName | Literal["*"], dict[ContainerPattern, SizeInBytes]] = Field(
+        default_factory=dict, description="What allowed co-tenants hold of a node's unified memory (e.g. `head: "
+        "{reranker: 15GiB}`): counted in the node's budget with every deployment on it, so a file whose sum "
+        "passes the node's memory is refused before anything stops. Each running container that matches a "
+        "pattern counts once, with the first pattern it matches; one that matches none is held to no budget.")
 
     def _matches(self, table: dict[str, list[str]], node: str, name: str) -> bool:
         patterns = table.get(node, []) + table.get("*", [])
@@ -330,16 +351,72 @@ class Trust(_Model):
                  *(["the model repository's code (--trust-remote-code)"] if self.remote_code else [])])
 
 
-class Desired(_Model):
-    nodes: list[Node] = Field(min_length=1)
+#: The name of the one deployment a file in the single form (`model:` and `serving:` at the top) declares: what its
+#: metrics' `deployment` label and its status say.
+SINGLE = "default"
+
+
+class Deployment(_Model):
+    """One model served across some nodes by its own containers: its weights, its image, its launch. Deployments
+    share the nodes, their fabric and their unified memory (`co_tenants.memory` and the budget rule), nothing
+    else: each has its own container name, ports and health."""
+
+    name: DeploymentName = Field(description="Its label in metrics and status, its LeaderWorkerSet's name.")
     model: Model
     serving: Serving
+
+
+def json_schema() -> dict[str, Any]:
+    """`Desired`'s JSON Schema with both forms, so an editor checking a file against `reconciler schema` accepts
+    a file of the single form as the reconciler does: `model` and `serving` at the top, or `deployments`, not
+    both."""
+    schema = Desired.model_json_schema(mode="validation")
+    props = schema["properties"]
+    props["model"] = {"$ref": "#/$defs/Model", "description": "The single form: the one deployment's model."}
+    props["serving"] = {"$ref": "#/$defs/Serving", "description": "The single form: the one deployment's serving."}
+    schema["required"] = ["nodes"]
+    schema["oneOf"] = [{"required": ["deployments"], "not": {"anyOf": [{"required": ["model"]},
+                                                                         {"required": ["serving"]}]}},
+                       {"required": ["model", "serving"], "not": {"required": ["deployments"]}}]
+    return schema
+
+
+class Desired(_Model):
+    nodes: list[Node] = Field(min_length=1)
+    deployments: list[Deployment] = Field(
+        min_length=1, description="What the cluster serves, each model its own deployment (a TP-2 model across "
+        "both nodes, an embeddings model beside it). A file with one may say `model:` and `serving:` at the top "
+        f"instead: that is one deployment named `{SINGLE}`.")
     co_tenants: CoTenants = Field(default_factory=CoTenants)
     policy: Policy = Field(default_factory=Policy)
     trust: Trust = Field(default_factory=Trust)
     # The values of serving.secrets, from the reconciler's environment (with_secrets); never from the file, never
     # dumped. Compared with ==, so a rotated key is a new desired state (and a restart: the spec hash covers it).
     _secret_values: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_form(cls, data: object) -> object:
+        """`model:` and `serving:` at the top are the list form's one deployment, so every file written before
+        `deployments:` means what it meant (tests/unit/test_deployments.py compares the launches)."""
+        if not isinstance(data, dict) or not ({"model", "serving"} & data.keys()):
+            return data
+        if "deployments" in data:
+            raise ConsistencyError([((next(k for k in ("model", "serving") if k in data),), "declare either "
+                                     "`model:` and `serving:` (one deployment) or `deployments:`, not both")])
+        one = {"name": SINGLE, **{k: data[k] for k in ("model", "serving") if k in data}}
+        return {**{k: v for k, v in data.items() if k not in ("model", "serving")}, "deployments": [one]}
+
+    @model_serializer(mode="wrap")
+    def _dump_single_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A file of one deployment named `default` is dumped in the single form it is read from: what `plan`,
+        discover and the fingerprint see of a file written before the list form stays what it was (an upgrade
+        makes no new generation)."""
+        data: dict[str, Any] = handler(self)
+        if [d.name for d in self.deployments] == [SINGLE] and "deployments" in data:
+            one = data.pop("deployments")[0]
+            data = {"nodes": data.pop("nodes"), "model": one["model"], "serving": one["serving"], **data}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Desired:
@@ -352,13 +429,13 @@ class Desired(_Model):
         """This desired state with the values of serving.secrets taken from `environ` (the edge passes the
         process environment). Raises MissingSecrets naming each declared one that is absent or empty, or whose
         value holds a control character (the values reach docker as `--env-file` lines)."""
-        missing = [name for name in self.serving.secrets if not environ.get(name)]
-        unusable = [name for name in self.serving.secrets
-                    if name not in missing and has_control_characters(environ[name])]
+        declared = list(dict.fromkeys(name for d in self.deployments for name in d.serving.secrets))
+        missing = [name for name in declared if not environ.get(name)]
+        unusable = [name for name in declared if name not in missing and has_control_characters(environ[name])]
         if missing or unusable:
             raise MissingSecrets(missing, unusable)
         out = self.model_copy()
-        out._secret_values = {name: environ[name] for name in self.serving.secrets}
+        out._secret_values = {name: environ[name] for name in declared}
         return out
 
     def secret_names_for(self, node: Node) -> list[str]:
@@ -385,6 +462,43 @@ class Desired(_Model):
         return list(self._secret_values.values())
 
     # -- derived views the core uses; defined here so there is one place that decides them
+
+    @property
+    def deployment(self) -> Deployment:
+        """The deployment this desired state is about: the per-deployment core (drift, plan, launch) reads one,
+        and is given a file of several through `view`. Asked of a file of several, it is a bug of the caller."""
+        if len(self.deployments) != 1:
+            raise SeveralDeployments([d.name for d in self.deployments])
+        return self.deployments[0]
+
+    @property
+    def model(self) -> Model:
+        return self.deployment.model
+
+    @property
+    def serving(self) -> Serving:
+        return self.deployment.serving
+
+    def view(self, name: str) -> Desired:
+        """This file as the deployment `name` sees it: the nodes, policy and trust, that deployment alone, and
+        the secrets' values. Not validated again: a part of a valid file is valid."""
+        chosen = [d for d in self.deployments if d.name == name]
+        if not chosen:
+            raise KeyError(f"no deployment {name!r} (the file has {', '.join(self.deployment_names)})")
+        return self.model_copy(update={"deployments": chosen})
+
+    def views(self) -> list[Desired]:
+        return [self.view(d.name) for d in self.deployments]
+
+    @property
+    def deployment_names(self) -> list[str]:
+        return [d.name for d in self.deployments]
+
+    def with_deployment(self, *, model: Model | None = None, serving: Serving | None = None) -> Desired:
+        """The one deployment's model or serving replaced (not validated again: callers build test cases and
+        what-if views from a valid file)."""
+        one = self.deployment.model_copy(update={k: v for k, v in (("model", model), ("serving", serving)) if v})
+        return self.model_copy(update={"deployments": [one]})
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)

@@ -36,6 +36,9 @@ class InvalidDesiredState(Exception):
 
 def _message(err: ErrorDetails) -> str:
     kind, msg = err["type"], err["msg"]
+    if kind == "missing" and tuple(err["loc"]) == ("deployments",):
+        return "required field is missing: what the cluster serves (`deployments:`, or `model:` and `serving:` " \
+            "for one model)"
     if kind == "missing":
         return "required field is missing"
     if kind == "extra_forbidden":
@@ -52,7 +55,19 @@ _BRANCH_MISMATCH = {"dict_type": "a mapping", "string_type": "a string", "list_t
                     "int_type": "an integer", "none_required": "null"}
 
 
-def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, ErrorDetails]]:
+def _single_form(doc: loader.Document) -> bool:
+    return isinstance(doc.data, dict) and "deployments" not in doc.data
+
+
+def in_file(doc: loader.Document, loc: Loc) -> Loc:
+    """A path into the validated data as the file spells it: in a file of the single form, the one deployment's
+    `deployments.0.serving.port` is the file's `serving.port` (models.Desired._single_form)."""
+    if _single_form(doc) and loc[:2] == ("deployments", 0) and len(loc) > 2:
+        return loc[2:]
+    return loc
+
+
+def _clean_errors(exc: ValidationError, doc: loader.Document) -> list[tuple[Loc, bool, ErrorDetails]]:
     """(path, is-about-the-key, error) per problem, without pydantic's union-branch noise: for `str | dict`
     fields keep the branch that fits the input. A "wrong type" error is noise when another error sits at its path
     or under it (the branch that fits said what is wrong); when every branch says "wrong type" they become one
@@ -61,7 +76,8 @@ def _clean_errors(exc: ValidationError) -> list[tuple[Loc, bool, ErrorDetails]]:
     errs = []
     for err in exc.errors(include_url=False):
         at_key = KEY in err["loc"]
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        loc = in_file(doc, tuple(p for p in err["loc"]
+                                 if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))))
         errs.append((loc, at_key, err))
     out: list[tuple[Loc, bool, ErrorDetails]] = []
     for i, (loc, at_key, err) in enumerate(errs):
@@ -91,12 +107,12 @@ def _place(doc: loader.Document, loc: Loc, at_key: bool) -> loader.Position:
 
 def problems_from_validation(doc: loader.Document, exc: ValidationError) -> list[loader.Problem]:
     out: list[loader.Problem] = []
-    for loc, at_key, err in _clean_errors(exc):
+    for loc, at_key, err in _clean_errors(exc, doc):
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, ConsistencyError):
             for sub_loc, message in cause.problems:
                 key = sub_loc[-1:] == (KEY,)
-                full = loc + (sub_loc[:-1] if key else sub_loc)
+                full = in_file(doc, loc + (sub_loc[:-1] if key else sub_loc))
                 out.append(loader.Problem(_place(doc, full, key), loader.format_loc(full), message))
             continue
         out.append(loader.Problem(_place(doc, loc, at_key or err["type"] == "extra_forbidden"),
@@ -118,10 +134,10 @@ def _without(data: object, loc: Loc) -> None:
         data[loc[-1]] = None
 
 
-def _consistency_without(data: Any, broken: list[Loc]) -> list[tuple[Loc, str]]:
+def _consistency_without(doc: loader.Document, broken: list[Loc]) -> list[tuple[Loc, str]]:
     """The cross-field problems of `data` once the broken values are dropped (fields with defaults fall back to
     them); none when the rest is not valid either, as the rules then never ran."""
-    data = copy.deepcopy(data)
+    data: Any = copy.deepcopy(doc.data)
     for loc in broken:
         _without(data, loc)
     try:
@@ -132,7 +148,7 @@ def _consistency_without(data: Any, broken: list[Loc]) -> list[tuple[Loc, str]]:
         consistency = [c for c in causes if isinstance(c, ConsistencyError)]
         if len(consistency) != len(causes):
             return []
-        return [problem for cause in consistency for problem in cause.problems]
+        return [(in_file(doc, loc), message) for cause in consistency for loc, message in cause.problems]
 
 
 def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader.Problem]:
@@ -142,7 +158,7 @@ def _cross_field_despite(doc: loader.Document, broken: list[Loc]) -> list[loader
     total (`_without`), so an exception is a bug in a rule and surfaces (it once read as "no cross-field problem",
     which hid the rule's problems whenever a union field was broken too)."""
     out = []
-    for loc, message in _consistency_without(doc.data, broken):
+    for loc, message in _consistency_without(doc, broken):
         at_key = loc[-1:] == (KEY,)  # placed at the key, as when the file has no other error
         loc = loc[:-1] if at_key else loc
         if any(loc[: len(b) - 1] == b[:-1] or b[: len(loc)] == loc for b in broken):
@@ -166,7 +182,7 @@ def parse(doc: loader.Document, filename: str) -> Desired:
     except ValidationError as exc:
         problems = problems_from_validation(doc, exc)
         if not any(isinstance((e.get("ctx") or {}).get("error"), ConsistencyError) for e in exc.errors()):
-            broken = [loc for loc, _, _ in _clean_errors(exc) if loc]
+            broken = [loc for loc, _, _ in _clean_errors(exc, doc) if loc]
             problems += _cross_field_despite(doc, broken)
         raise InvalidDesiredState(filename, problems + _unended(doc)) from None
     if unended := _unended(doc):
@@ -180,13 +196,20 @@ _UNUSABLE = ("has a control character (a newline, tab, ...) in its value in the 
              "remove it from the value (the value is not shown)")
 
 
-def _missing_secrets(doc: loader.Document, exc: MissingSecrets, where: str) -> list[loader.Problem]:
+def _missing_secrets(doc: loader.Document, desired: Desired, exc: MissingSecrets,
+                     where: str) -> list[loader.Problem]:
     """Each secret the environment cannot give, placed at its name in serving.secrets; names only, never a
     value. `where`: what was searched (the environment file and the environment, as the CLI reads them)."""
     unset = f"is not set in {where}"
-    return [loader.Problem(doc.key_positions.get(("serving", "secrets", name), loader.Position(1, 1)),
-                           f"serving.secrets.{name}", f"{name} {why}")
-            for names, why in ((exc.names, unset), (exc.unusable, _UNUSABLE)) for name in names]
+    return [loader.Problem(doc.key_positions.get(at, loader.Position(1, 1)), loader.format_loc(at), f"{name} {why}")
+            for names, why in ((exc.names, unset), (exc.unusable, _UNUSABLE)) for name in names
+            for at in [_secret_at(doc, desired, name)]]
+
+
+def _secret_at(doc: loader.Document, desired: Desired, name: str) -> Loc:
+    """Where the file declares the secret `name`: the first deployment that lists it."""
+    i = next(i for i, d in enumerate(desired.deployments) if name in d.serving.secrets)
+    return in_file(doc, ("deployments", i, "serving", "secrets", name))
 
 
 def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str = ENVIRONMENT) -> Desired:
@@ -204,7 +227,7 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str 
     try:
         return desired.with_secrets(environ)
     except MissingSecrets as exc:
-        raise InvalidDesiredState(filename, _missing_secrets(doc, exc, where)) from None
+        raise InvalidDesiredState(filename, _missing_secrets(doc, desired, exc, where)) from None
 
 
 def loads(text: str | bytes, filename: str = "<string>") -> Desired:

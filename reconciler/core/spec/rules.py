@@ -243,7 +243,7 @@ def _model_path_for_the_source(f: _Facts) -> list[_Problem]:
     return []
 
 
-def _co_tenant_keys_are_nodes(f: _Facts, table: str, patterns: Mapping[str, list[str]]) -> list[_Problem]:
+def _co_tenant_keys_are_nodes(f: _Facts, table: str, patterns: Mapping[str, object]) -> list[_Problem]:
     return [(("co_tenants", table, key, KEY), f"{key!r} is not a node")
             for key in patterns if key != "*" and key not in f.index]
 
@@ -302,9 +302,10 @@ def _trusted_host_paths_are_not_system(f: _Facts) -> list[_Problem]:
 
 
 def _trusted(f: _Facts) -> list[_Problem]:
-    """What reaches beyond the container needs its `trust` entry; system paths are refused even then."""
+    """What reaches beyond the container needs its `trust` entry; system paths are refused even then
+    (`_trusted_host_paths_are_not_system`, once for the file)."""
     return (_privileged_is_trusted(f) + _capabilities_are_trusted(f) + _devices_are_trusted(f)
-            + _volumes_are_trusted(f) + _trusted_host_paths_are_not_system(f))
+            + _volumes_are_trusted(f))
 
 
 def _image_sources_are_nodes(f: _Facts) -> list[_Problem]:
@@ -318,20 +319,105 @@ def _secret_twice(f: _Facts) -> list[_Problem]:
 
 
 def _co_tenants(f: _Facts) -> list[_Problem]:
+    tables: dict[str, Mapping[str, object]] = {"allowed": f.d.co_tenants.allowed,
+                                               "protected": f.d.co_tenants.protected, "memory": f.d.co_tenants.memory}
+    return [problem for table, patterns in tables.items() for problem in _co_tenant_keys_are_nodes(f, table, patterns)]
+
+
+def _co_tenants_spare_serving(f: _Facts) -> list[_Problem]:
     tables = {"allowed": f.d.co_tenants.allowed, "protected": f.d.co_tenants.protected}
     return [problem for table, patterns in tables.items()
-            for problem in (_co_tenant_keys_are_nodes(f, table, patterns)
-                            + _co_tenants_spare_the_serving_container(f, table, patterns))]
+            for problem in _co_tenants_spare_the_serving_container(f, table, patterns)]
 
 
-# (rule, runs only when every rule before it found nothing), in the order the problems are reported.
-_RULES: tuple[tuple[Callable[[_Facts], list[_Problem]], bool], ...] = (
+def _unique_deployment_names(f: _Facts) -> list[_Problem]:
+    names = f.d.deployment_names
+    return [(("deployments", i, "name"), f"duplicate deployment name {name!r}")
+            for i, name in enumerate(names) if name in names[:i]]
+
+
+def _unique_container_names(f: _Facts) -> list[_Problem]:
+    """Each deployment its own container name: the name is how the reconciler finds a deployment's rank on a
+    node, and docker refuses a second container of the same name anyway."""
+    names = [d.serving.container_name for d in f.d.deployments]
+    return [(("deployments", i, "serving", "container_name"), f"container name {name!r} is deployment "
+             f"{f.d.deployments[names.index(name)].name!r}'s already") for i, name in enumerate(names)
+            if name in names[:i]]
+
+
+def _spans(f: _Facts) -> list[set[str]]:
+    return [{n.name for n in f.d.view(d.name).serving_nodes} for d in f.d.deployments]
+
+
+def _bound_ports(s: Serving, span: set[str]) -> dict[int, str]:
+    """The ports a deployment's ranks listen on, with the field that names each: the API always, torch's
+    rendezvous when native ranks span nodes, Ray's GCS with the Ray launcher (core/vllm.py renders the same)."""
+    out = {s.port: "port"}
+    if s.launcher == "native" and len(span) > 1:
+        out.setdefault(s.master_port, "master_port")
+    if s.launcher == "ray":
+        out.setdefault(s.ray_port, "ray_port")
+    return out
+
+
+def _ports_across_deployments(f: _Facts) -> list[_Problem]:
+    """Serving runs on the host network: two deployments on one node need other ports (the API, torch's
+    rendezvous, Ray's GCS), or the second start fails with `address already in use` after the plan stopped
+    nothing for it. The later deployment's field is the one pointed at."""
+    out: list[_Problem] = []
+    spans = _spans(f)
+    for i, d in enumerate(f.d.deployments):
+        mine = _bound_ports(d.serving, spans[i])
+        for j, earlier in enumerate(f.d.deployments[:i]):
+            shared = spans[i] & spans[j]
+            taken = _bound_ports(earlier.serving, spans[j]) if shared else {}
+            out += [(("deployments", i, "serving", key), f"port {port} is deployment {earlier.name!r}'s serving."
+                     f"{taken[port]} on {', '.join(sorted(shared))} (the host network: one listener a port)")
+                    for port, key in mine.items() if port in taken]
+    return out
+
+
+def _memory_fractions(f: _Facts) -> list[_Problem]:
+    """Unified memory is one budget per node: the deployments on a node may together ask for at most all of it.
+    vLLM's gpu_memory_utilization is a per-instance fraction of the whole GPU ("if you have two vLLM instances
+    running on the same GPU, you can set the GPU memory utilization to 0.5 for each", vllm/config/cache.py), so
+    fractions that add up past 1 cannot all start, whatever the node holds; the plan checks the bytes, with the
+    co-tenants and the margin, against the node's real total (core/budget.py)."""
+    out: list[_Problem] = []
+    spans = _spans(f)
+    for node in f.d.nodes:
+        on = [(i, d) for i, d in enumerate(f.d.deployments) if node.name in spans[i]]
+        total = sum(d.serving.gpu_memory_utilization for _, d in on)
+        if len(on) > 1 and total > 1 + 1e-9:
+            shares = " + ".join(f"{d.name} {d.serving.gpu_memory_utilization:g}" for _, d in on)
+            out.append((("deployments", on[-1][0], "serving", "gpu_memory_utilization"),
+                        f"node {node.name!r} is over-committed: {shares} = {total:g} of its memory (at most 1)"))
+    return out
+
+
+def _in_deployment(i: int, problems: list[_Problem]) -> list[_Problem]:
+    """A deployment's own problems at its path in the list (`deployments.I.serving.port`); `placing.py` points a
+    file of the single form back at `serving.port`."""
+    return [((("deployments", i, *loc) if loc[:1] in (("model",), ("serving",)) else loc), msg)
+            for loc, msg in problems]
+
+
+_Rule = Callable[[_Facts], list[_Problem]]
+
+# (rule, runs only when every rule before it found nothing), in the order the problems are reported: the
+# cluster's own, then each deployment's (`_DEPLOYMENT_RULES`, on its view), then those across deployments.
+_CLUSTER_RULES: tuple[tuple[_Rule, bool], ...] = (
     (_one_head, False),
     (_unique_node_names, False),
     (_jump_hosts, False),
     (_one_fabric_subnet, False),
     (_unique_fabric_addresses, False),
     (_twins, False),
+    (_co_tenants, False),
+    (_trusted_host_paths_are_not_system, False),
+    (_unique_deployment_names, False),
+)
+_DEPLOYMENT_RULES: tuple[tuple[_Rule, bool], ...] = (
     (_weights_source_is_a_node, False),
     (_listed_serving_nodes, False),
     (_default_serving_span, False),
@@ -339,19 +425,31 @@ _RULES: tuple[tuple[Callable[[_Facts], list[_Problem]], bool], ...] = (
     (_model_path_keys_are_nodes, False),
     (_model_path_for_every_serving_node, True),
     (_model_path_for_the_source, False),
-    (_co_tenants, False),
+    (_co_tenants_spare_serving, False),
     (_trusted, False),
     (_secret_twice, False),
     (_image_sources_are_nodes, False),
 )
+_ACROSS_RULES: tuple[tuple[_Rule, bool], ...] = (
+    (_unique_container_names, False),
+    (_ports_across_deployments, True),
+    (_memory_fractions, True),
+)
+
+
+def _run(rules: tuple[tuple[_Rule, bool], ...], facts: _Facts, out: list[_Problem]) -> list[_Problem]:
+    found: list[_Problem] = []
+    for rule, only_if_consistent_so_far in rules:
+        if not (only_if_consistent_so_far and (out or found)):
+            found += rule(facts)
+    return found
 
 
 def consistency_problems(d: Desired) -> list[_Problem]:
     """Rules across fields, each with the path it is about. Pure; returns all problems, not the first."""
-    facts = _Facts.of(d)
-    out: list[_Problem] = []
-    for rule, only_if_consistent_so_far in _RULES:
-        if not (only_if_consistent_so_far and out):
-            out += rule(facts)
-    return out
-
+    out = _run(_CLUSTER_RULES, _Facts.of(d), [])
+    if len(set(d.deployment_names)) != len(d.deployments):
+        return out  # a view by name would be ambiguous
+    for i, deployment in enumerate(d.deployments):
+        out += _in_deployment(i, _run(_DEPLOYMENT_RULES, _Facts.of(d.view(deployment.name)), out))
+    return out + _run(_ACROSS_RULES, _Facts.of(d), out)

@@ -51,6 +51,8 @@ def _no_dotdot(value: str) -> str:
 
 
 NodeName = Annotated[str, _pattern(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", "node name (lowercase letters, digits, '-')")]
+DeploymentName = Annotated[str, _pattern(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", "deployment name (lowercase "
+                                          "letters, digits, '-'; a Kubernetes name and a Prometheus label value)")]
 ContainerName = Annotated[str, _pattern(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", "container name ([A-Za-z0-9_.-])")]
 ContainerPattern = Annotated[str, _pattern(r"[A-Za-z0-9*?\[][A-Za-z0-9_.*?\[\]!-]{0,127}",
                                            "container name or glob ([A-Za-z0-9_.-] plus * ? [ ])")]

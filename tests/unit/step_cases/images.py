@@ -58,8 +58,8 @@ def trusted() -> Desired:
 @cache
 def pinned_elsewhere() -> Desired:
     desired = trusted()
-    return desired.model_copy(update={"serving": desired.serving.model_copy(
-        update={"image_id": "sha256:" + "7" * 64})})
+    return desired.with_deployment(serving=desired.serving.model_copy(
+        update={"image_id": "sha256:" + "7" * 64}))
 
 
 def COPY(desired: Desired, source: str = HEAD, target: str = WORKER, ref: str = REF) -> str:
@@ -163,7 +163,7 @@ def pinned_to(image_id: str) -> Callable[[], Desired]:
     """The trusted sample with `serving.image_id` pinned to `image_id`."""
     def desired() -> Desired:
         base = trusted()
-        return base.model_copy(update={"serving": base.serving.model_copy(update={"image_id": image_id})})
+        return base.with_deployment(serving=base.serving.model_copy(update={"image_id": image_id}))
     return desired
 
 

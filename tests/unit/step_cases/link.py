@@ -140,8 +140,8 @@ def _head_serves_alone() -> Any:
     from tests.unit.step_cases import sample
 
     d = sample()
-    return d.model_copy(update={"serving": d.serving.model_copy(update={"nodes": [HEAD],
-                                                                        "tensor_parallel_size": 1})})
+    return d.with_deployment(serving=d.serving.model_copy(update={"nodes": [HEAD],
+                                                                        "tensor_parallel_size": 1}))
 
 
 def _head_without_twin() -> Any:
@@ -171,7 +171,7 @@ def _head_not_serving() -> Any:
     """The recorded testbed serving on worker1 and worker2 only: the head is declared (and keeps the fabric), but
     it is not the first other serving node of worker1; worker2 is."""
     d = load()
-    return d.model_copy(update={"serving": d.serving.model_copy(update={"nodes": [W1, "worker2"]})})
+    return d.with_deployment(serving=d.serving.model_copy(update={"nodes": [W1, "worker2"]}))
 
 
 CASES += [

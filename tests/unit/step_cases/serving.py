@@ -65,7 +65,7 @@ def _kv_cache() -> Desired:
     source's tree over tensor_parallel_size 2) + that cache + the margin, not the utilization's pool."""
     d = sample()
     args = [*d.serving.extra_args, "--kv-cache-memory-bytes", str(8 * 2**30)]
-    return d.model_copy(update={"serving": d.serving.model_copy(update={"extra_args": args})})
+    return d.with_deployment(serving=d.serving.model_copy(update={"extra_args": args}))
 
 
 def _with_weights() -> Observed:
@@ -86,7 +86,7 @@ def _kv_docker_run() -> str:
 
 def _no_compile_cache() -> Desired:
     d = sample()
-    return d.model_copy(update={"serving": d.serving.model_copy(update={"compile_cache": None})})
+    return d.with_deployment(serving=d.serving.model_copy(update={"compile_cache": None}))
 
 
 def _start(node: str = HEAD, after: tuple[str, ...] = ()) -> Step:
@@ -116,7 +116,7 @@ def _no_drop() -> Desired:
 
 def _ray() -> Desired:
     d = sample()
-    return d.model_copy(update={"serving": d.serving.model_copy(update={"launcher": "ray"})})
+    return d.with_deployment(serving=d.serving.model_copy(update={"launcher": "ray"}))
 
 
 def _launch(wrapper: tuple[str, ...] | None = None) -> Step:

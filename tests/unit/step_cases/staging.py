@@ -107,7 +107,7 @@ def _unlisted(free: int) -> Observed:
 def _plain() -> Desired:
     """The sample with the plain layout: the model is the directory itself."""
     desired = sample()
-    return desired.model_copy(update={"model": desired.model.model_copy(update={"layout": "plain"})})
+    return desired.with_deployment(model=desired.model.model_copy(update={"layout": "plain"}))
 
 
 def _fetch(node: str, root: str, model: str, revision: str, into: tuple[str, str]) -> str:
