@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from reconciler.core.spec.rules import ConsistencyError, MissingSecrets, consistency_problems
+from reconciler.core.spec.rules import KEY, ConsistencyError, MissingSecrets, consistency_problems
 from reconciler.core.spec.values import (
     AbsPath,
     Capability,
@@ -402,7 +402,7 @@ class Desired(_Model):
         if not isinstance(data, dict) or not ({"model", "serving"} & data.keys()):
             return data
         if "deployments" in data:
-            raise ConsistencyError([((next(k for k in ("model", "serving") if k in data),), "declare either "
+            raise ConsistencyError([((next(k for k in ("model", "serving") if k in data), KEY), "declare either "
                                      "`model:` and `serving:` (one deployment) or `deployments:`, not both")])
         one = {"name": SINGLE, **{k: data[k] for k in ("model", "serving") if k in data}}
         return {**{k: v for k, v in data.items() if k not in ("model", "serving")}, "deployments": [one]}
