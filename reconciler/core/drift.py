@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal, get_args
 
+from reconciler.core.budget import budgets, gib
 from reconciler.core.fabric import ports_seen, twin_only_down
 from reconciler.core.observed import (
     LABEL_INSTANCE,
@@ -322,6 +323,16 @@ def image_puller(desired: Desired, observed: Observed) -> str | None:
                  if desired.node(name).internet and observed.node(name).usable), None)
 
 
+def budget_drift(desired: Desired, observed: Observed) -> list[Drift]:
+    """A node whose deployments and co-tenant reservations pass its memory (core/budget.py): blocking, so no
+    start is planned there and nothing stops for one (the plan holds the co-tenant stops of a blocked start);
+    the owner lowers a fraction or a reservation, or moves a deployment."""
+    return [Drift(b.node, "memory", f"budget/{b.node}", f"at most {gib(b.total)}: the node's memory",
+                  f"over-committed: {b.words()}; lower a deployment's gpu_memory_utilization or a "
+                  "co_tenants.memory reservation, or place a deployment elsewhere", actionable=False, blocking=True)
+            for b in budgets(desired, observed) if b.over and observed.node(b.node).usable]
+
+
 def _node_drift(desired: Desired, observed: Observed) -> list[Drift]:
     """Per node: reachability, the fabric link, co-tenants."""
     out: list[Drift] = []
@@ -448,10 +459,6 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
 DISK_MARGIN = 1 << 30
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def missing_bytes(source: Weights, target: Weights | None) -> int:
     """Bytes of the source's files the target lacks or holds at another size: what the copy writes."""
     have = {f.path: f.size for f in target.files} if target is not None else {}
@@ -520,7 +527,8 @@ def _freeing_memory(desired: Desired, observed: Observed, drift: list[Drift]) ->
 
 def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, ready: list[str],
                                        served: list[Drift], freeing: set[str]) -> list[Drift]:
-    """Memory only matters where serving must (re)start and no planned stop frees memory there."""
+    """Memory only matters where serving must (re)start and no planned stop frees memory there. `ready` leaves out
+    a node over its budget: what its MemAvailable says does not matter while the total cannot hold the file."""
     out = []
     for name in sorted({d.node for d in served if d.actionable} - freeing):
         if name in ready:
@@ -557,7 +565,8 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     """Every difference between the declared and the observed cluster, in a stable order. A node the observation
     lacks (a snapshot from before the file named it) is one that did not answer."""
     observed = observed.covering(n.name for n in desired.nodes)
-    out = _node_drift(desired, observed)
+    over = budget_drift(desired, observed)
+    out = _node_drift(desired, observed) + over
     serving = {n.name for n in desired.serving_nodes}
     ready = [n.name for n in desired.nodes if n.name in serving and observed.node(n.name).usable]  # in file order
     holder = image_holder(desired, observed)
@@ -567,7 +576,7 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     served = serving_drift(desired, observed,
                            observed.node(holder).images[desired.serving.image].content if holder else None)
     out += served
-    out += _memory_drift_where_serving_starts(desired, observed, ready, served,
-                                              _freeing_memory(desired, observed, out))
+    out += _memory_drift_where_serving_starts(desired, observed, [n for n in ready if n not in {d.node for d in over}],
+                                              served, _freeing_memory(desired, observed, out))
     out += _health_drift(desired, observed)
     return out

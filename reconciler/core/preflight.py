@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reconciler.core import envfile
+from reconciler.core.budget import gib
 from reconciler.core.drift import (
     DISK_MARGIN,
-    gib,
     image_holder,
     image_puller,
     missing_bytes,

@@ -344,6 +344,10 @@ def flag_value(args: list[str] | tuple[str, ...], flag: str) -> str | None:
     return value
 
 
+#: The name of the margin's term in `memory_terms` (a node's budget counts it once, core/budget.py).
+MARGIN_TERM = "policy.memory_margin"
+
+
 def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> list[tuple[str, int]]:
     """What a serving rank holds in a node's unified memory, term by term, as vLLM sizes it:
     - `gpu_memory_utilization` x MemTotal, its pool for weights, activations and the KV cache; except that
@@ -373,7 +377,7 @@ def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None =
         gib = 0.0
     if gib > 0 and gib < 2**20:  # vLLM refuses what is not a number; nothing sane is a PiB
         terms.append(("--cpu-offload-gb", int(gib * 2**30)))
-    return terms + [("policy.memory_margin", desired.policy.memory_margin)]
+    return terms + [(MARGIN_TERM, desired.policy.memory_margin)]
 
 
 def memory_needed(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> int:

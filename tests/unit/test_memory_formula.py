@@ -77,14 +77,15 @@ def test_a_fixed_kv_cache_replaces_the_utilization_pool_and_offload_adds_to_it()
 
 def test_a_kv_cache_that_does_not_fit_blocks_the_start_before_anything_stops(seen):
     """worker3 lost its serving container: the restart starts a rank there, beside 7.5 GiB available. The pool of
-    gmu 0.05 fits; an 8 GiB KV cache does not, and the plan says so instead of starting a rank that fails."""
+    gmu 0.05 fits; a 6.6 GiB KV cache does not (though with the margin it fits the node's 8 GiB: a larger one is
+    the budget's, test_budget.py), and the plan says so instead of starting a rank that fails."""
     from reconciler.core.planning import plan
     from tests.unit.recorded import changed
 
     observed = changed(seen, "worker3",
                        containers=[c for c in seen.node("worker3").containers if c.name != "vllm_serving"])
     assert not [d for d in plan(_with_args(), observed).drift if d.kind == "memory"]
-    result = plan(_with_args('"--kv-cache-memory-bytes"', '"8G"'), observed)
+    result = plan(_with_args('"--kv-cache-memory-bytes"', '"6800M"'), observed)
     [short] = [d for d in result.drift if d.kind == "memory"]
-    assert short.node == "worker3" and short.blocking and ">= 9.0 GiB available" in short.expected
+    assert short.node == "worker3" and short.blocking and ">= 7.7 GiB available" in short.expected
     assert not [s for s in result.steps if s.kind in ("stop-serving", "start-serving")]

@@ -248,11 +248,15 @@ class CoTenants(_Model):
     protected: dict[NodeName | Literal["*"], list[ContainerPattern]] = Field(
         default_factory=dict, description="Never stopped or touched, whatever else the file says.")
     unlisted: Literal["stop", "report"] = "stop"
-    memory: dict[NodeName | Literal["*"], dict[ContainerPattern, SizeInBytes]] = Field(
-        default_factory=dict, description="What allowed co-tenants hold of a node's unified memory (e.g. `head: "
-        "{reranker: 15GiB}`): counted in the node's budget with every deployment on it, so a file whose sum "
-        "passes the node's memory is refused before anything stops. Each running container that matches a "
-        "pattern counts once, with the first pattern it matches; one that matches none is held to no budget.")
+    memory: dict[NodeName | Literal["*"], dict[ContainerName, SizeInBytes]] = Field(
+        default_factory=dict, description="What allowed co-tenants hold of a node's unified memory, by container "
+        "(e.g. `head: {reranker: 15GiB}`; `*`: on every node). A reservation: counted in the node's budget beside "
+        "every deployment on it whether the container runs now or not (a co-tenant stopped for a while comes "
+        "back), so a file whose sum passes the node's memory is refused before anything stops.")
+
+    def reserved(self, node: str) -> dict[str, int]:
+        """The co-tenants' reservations on `node`: its own entries over the `*` ones."""
+        return {**self.memory.get("*", {}), **self.memory.get(node, {})}
 
     def _matches(self, table: dict[str, list[str]], node: str, name: str) -> bool:
         patterns = table.get(node, []) + table.get("*", [])

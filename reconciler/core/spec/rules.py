@@ -324,6 +324,19 @@ def _co_tenants(f: _Facts) -> list[_Problem]:
     return [problem for table, patterns in tables.items() for problem in _co_tenant_keys_are_nodes(f, table, patterns)]
 
 
+def _reservations_are_allowed(f: _Facts) -> list[_Problem]:
+    """A co-tenant's memory reservation is for one the file lets run: one it does not allow is stopped (or only
+    reported), and its reservation would take memory from the deployments for nothing."""
+    ct, out = f.d.co_tenants, list[_Problem]()
+    for key, held in ct.memory.items():
+        for name in held:
+            refused = [n for n in ([key] if key != "*" else f.names) if n in f.index and not ct.is_allowed(n, name)]
+            if refused:
+                out.append((("co_tenants", "memory", key, name, KEY), f"{name} is not allowed on {refused[0]} "
+                            "(co_tenants.allowed): reserve memory only for a co-tenant that may run there"))
+    return out
+
+
 def _co_tenants_spare_serving(f: _Facts) -> list[_Problem]:
     tables = {"allowed": f.d.co_tenants.allowed, "protected": f.d.co_tenants.protected}
     return [problem for table, patterns in tables.items()
@@ -414,6 +427,7 @@ _CLUSTER_RULES: tuple[tuple[_Rule, bool], ...] = (
     (_unique_fabric_addresses, False),
     (_twins, False),
     (_co_tenants, False),
+    (_reservations_are_allowed, False),
     (_trusted_host_paths_are_not_system, False),
     (_unique_deployment_names, False),
 )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 
-from reconciler.core.drift import DISK_MARGIN, gib
+from reconciler.core.budget import gib
+from reconciler.core.drift import DISK_MARGIN
 from reconciler.core.planning import Step
 from reconciler.edge.probes import hub_size_fact
 from reconciler.edge.ssh import CommandFailed
