@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from reconciler.core import vllm
-from reconciler.core.spec import Desired
+from reconciler.core.spec import SINGLE, Desired
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 #: set per pod by LWS or by the template; the reconciler's own values for these make no sense in a pod template
@@ -114,31 +114,49 @@ def _pod_template(desired: Desired, spec: vllm.LaunchSpec, size: int, leader: bo
 
 
 def lws_manifest(desired: Desired, name: str | None = None) -> Manifest:
-    """The LeaderWorkerSet for the desired state's serving nodes (one group: replicas 1)."""
-    data = desired.model_dump(mode="python")
-    data["serving"]["launcher"] = "native"          # LWS MP variant; Ray would be the multi-node-serving.sh one
-    native = Desired.model_validate(data)
+    """The LeaderWorkerSet of one deployment's serving nodes (one group: replicas 1). `desired` is a file of one
+    deployment, or a view of one (`Desired.view`)."""
+    native = desired.with_deployment(serving=desired.serving.model_copy(update={"launcher": "native"}))
+    # ^ LWS MP variant; Ray would be the multi-node-serving.sh one
     specs = vllm.launch_specs(native)
     size = len(specs)
     template: Manifest = {"size": size, "restartPolicy": "RecreateGroupOnPodRestart",
                       "leaderTemplate": _pod_template(native, specs[0], size, leader=True)}
     # every worker pod shares one template: rank 1's (per-node interface names must agree; see docs/scaling.md)
     template["workerTemplate"] = _pod_template(native, specs[1] if size > 1 else specs[0], size, leader=False)
-    served = desired.serving.served_model_name or desired.model.id.split("/", 1)[1]
     return {
         "apiVersion": API_VERSION,
         "kind": "LeaderWorkerSet",
-        "metadata": {"name": _dns_name(name or served),
+        "metadata": {"name": _dns_name(name or _default_name(desired)),
                      "labels": {"app.kubernetes.io/managed-by": "spark-reconciler-export"}},
         "spec": {"replicas": 1, "leaderWorkerTemplate": template},
     }
 
 
+def _default_name(view: Desired) -> str:
+    """A deployment's LeaderWorkerSet name: its own name, or for a file of the single form (whose one deployment
+    is `default` only inside) the served model name, as before the list form."""
+    if view.deployment.name != SINGLE:
+        return view.deployment.name
+    return view.serving.served_model_name or view.model.id.split("/", 1)[1]
+
+
 def lws_yaml(desired: Desired, name: str | None = None) -> str:
+    """One LeaderWorkerSet per deployment, as YAML documents (`---` between them); `name` is the one
+    deployment's name, or with several the prefix of each (`NAME-DEPLOYMENT`)."""
+    views = desired.views()
+    if len(views) == 1:
+        return _lws_document(views[0], name)
+    return "---\n".join(_lws_document(v, f"{name}-{v.deployment.name}" if name else None) for v in views)
+
+
+def _lws_document(desired: Desired, name: str | None) -> str:
     manifest = lws_manifest(desired, name)
     notes = ["# LeaderWorkerSet equivalent of the desired state (reconciler export --format lws).",
              "# Not applied by spark-reconciler. Review: hostPath model directories must exist on the nodes LWS",
              "# schedules onto; per-node fabric interface names are the worker template's (rank 1's)."]
+    if desired.deployment.name != SINGLE:
+        notes.append(f"# Deployment {desired.deployment.name}.")
     if desired.serving.launcher == "ray":
         notes.append("# The desired state uses the Ray launcher; this manifest is the multiprocessing (MP) variant.")
     if desired.serving.secrets:

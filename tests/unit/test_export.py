@@ -320,3 +320,40 @@ def test_secrets_are_exported_as_secret_key_refs_never_as_values(cluster_yaml):
     assert env["leaderTemplate"]["VLLM_API_KEY"] == {"name": "VLLM_API_KEY", **ref}
     assert "VLLM_API_KEY" not in env["workerTemplate"]
     assert env["workerTemplate"]["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "HF_TOKEN"
+
+
+def _two_deployments(d: dict) -> None:
+    """The testbed's model as `moe` across both nodes, and an embeddings deployment `embed` on the head."""
+    moe = {"name": "moe", "model": d.pop("model"), "serving": d.pop("serving")}
+    embed = json.loads(json.dumps(moe))
+    embed["name"] = "embed"
+    embed["serving"] |= {"container_name": "vllm_embed", "port": 8001, "nodes": ["head"], "tensor_parallel_size": 1,
+                         "served_model_name": "bge-m3", "extra_args": ["--runner", "pooling"]}
+    d["deployments"] = [moe, embed]
+
+
+def test_every_deployment_is_its_own_leaderworkerset(schema):
+    """One LWS per deployment, named by it, each fitting the CRD's fields, with its own size, port and argv."""
+    d = variant(_two_deployments)
+    docs = list(yaml.safe_load_all(lws_yaml(d)))
+    assert [m["metadata"]["name"] for m in docs] == ["moe", "embed"]
+    for m in docs:
+        assert validate(schema, m) == [], m["metadata"]["name"]
+    moe, embed = (m["spec"]["leaderWorkerTemplate"] for m in docs)
+    assert (moe["size"], embed["size"]) == (2, 1)
+    leader = embed["leaderTemplate"]["spec"]["containers"][0]
+    assert leader["ports"][0]["containerPort"] == 8001 and "pooling" in leader["args"]
+    assert docs[0] == lws_manifest(d.view("moe")) and docs[1] == lws_manifest(d.view("embed"))
+    named = list(yaml.safe_load_all(lws_yaml(d, "spark")))
+    assert [m["metadata"]["name"] for m in named] == ["spark-moe", "spark-embed"]
+
+
+def test_a_file_of_the_single_form_keeps_its_served_name_and_a_named_one_takes_its_name():
+    single = spec.loads(TESTBED.read_text())
+    assert lws_manifest(single)["metadata"]["name"] == "tiny-moe"
+
+    def named(d: dict) -> None:
+        _two_deployments(d)
+        d["deployments"].pop()
+    assert lws_manifest(variant(named))["metadata"]["name"] == "moe"
+    assert lws_manifest(variant(named))["spec"] == lws_manifest(single)["spec"]
