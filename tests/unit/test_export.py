@@ -306,6 +306,33 @@ def test_render_validates_and_marks_guesses():
     assert text.count("# GUESS:") >= 8
 
 
+def test_discover_reserves_what_the_vllm_co_tenants_hold_from_their_own_command_lines():
+    """The seed's head: GLM is another launcher's (stopped), the embeddings and the reranker run vLLM beside it.
+    Each allowed vLLM co-tenant gets a reservation in the head's budget: its --gpu-memory-utilization x MemTotal
+    (121.7 GiB here), rounded up to a GiB, or vLLM's default 0.92 when its command line names none; a container
+    that runs no vLLM gets none."""
+    from reconciler.edge.discover.guess import VLLM_DEFAULT_UTILIZATION
+    head = facts_from(spark_addr_json(), ibdev=text_fixture("ibdev2netdev-spark.txt"))
+    head.containers = [
+        disc.RunningContainer("vllm_node", "vllm-node", ("vllm", "serve", "GLM", "--port", "8000")),
+        disc.RunningContainer("vllm_embeddings", "vllm-node", ("vllm", "serve", "BAAI/bge-m3", "--port", "8001",
+                                                                "--runner", "pooling", "--gpu-memory-utilization",
+                                                                "0.05")),
+        disc.RunningContainer("reranker", "nvcr.io/nvidia/vllm:26.05-py3", ("--model", "BAAI/bge-reranker-v2-m3")),
+        disc.RunningContainer("grafana", "grafana/grafana", ())]
+    worker = facts_from(json_fixture("ip-addr-testbed-worker.json"), host="10.231.1.11")
+    text = disc.render([head, worker], user="spark", known_hosts="/etc/spark-reconciler/known_hosts",
+                       identity=None, jump=True)
+    d = spec.loads(text)
+    total = 127600748 * 1024
+    assert d.co_tenants.memory == {d.head.name: {
+        "vllm_embeddings": -(-int(0.05 * total) // 2**30) * 2**30,
+        "reranker": -(-int(VLLM_DEFAULT_UTILIZATION * total) // 2**30) * 2**30}}
+    assert d.co_tenants.reserved(d.head.name)["vllm_embeddings"] == 7 * 2**30
+    assert "vllm_node" not in d.co_tenants.allowed[d.head.name] and "grafana" in d.co_tenants.allowed[d.head.name]
+    assert "--gpu-memory-utilization 0.05 x MemTotal 121.7 GiB" in text and "vLLM's default 0.92" in text
+
+
 def test_secrets_are_exported_as_secret_key_refs_never_as_values(cluster_yaml):
     """issue 16: the token used to reach `export --format lws` in plain text. Only the node that gets a secret
     references it (VLLM_API_KEY: the leader), and the value is nowhere in the output."""

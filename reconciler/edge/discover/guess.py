@@ -15,7 +15,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
-from reconciler.core.vllm import largest_utilization
+from reconciler.core.vllm import flag_value, largest_utilization
 from reconciler.edge.discover.facts import Iface, ModelDir, NodeFacts, RunningContainer
 
 ROCE_NAME = re.compile(r"np\d+$")  # mlx5 netdevs carry the physical port name: enp1s0f1np1, enP2p1s0f1np1
@@ -251,3 +251,34 @@ def holds_serving_port(container: RunningContainer, port: int) -> bool:
         if arg == f"--port={port}" or arg.endswith(f":{port}"):
             return True
     return False
+
+
+#: vLLM's gpu_memory_utilization when a command line names none: 0.9 for years, 0.92 in recent releases
+#: (`vllm serve --help`: "If unspecified, will use the default value of 0.92"); a reservation takes the larger.
+VLLM_DEFAULT_UTILIZATION = 0.92
+
+
+def runs_vllm(container: RunningContainer) -> bool:
+    """A container serving with vLLM: `vllm serve ...`, `python -m vllm.entrypoints...`, or an image named *vllm*
+    given a command line (a bare `sleep` in a vllm image is not serving)."""
+    args = list(container.args)
+    return (any("vllm" in a for a in args) or
+            ("vllm" in container.image.rsplit("/", 1)[-1].lower() and any(a.startswith("--") for a in args)))
+
+
+def vllm_reservation(container: RunningContainer, mem_total: int) -> tuple[int, str] | None:
+    """What a running vLLM co-tenant holds of its node's unified memory, from its own command line: its
+    gpu_memory_utilization x MemTotal, rounded up to a GiB (vLLM's fraction is of the whole GPU,
+    vllm/config/cache.py), and the words for the comment; None when it does not run vLLM or the node's memory
+    is not known."""
+    if not runs_vllm(container) or mem_total <= 0:
+        return None
+    text = flag_value(container.args, "--gpu-memory-utilization")
+    try:
+        fraction = float(text) if text is not None else VLLM_DEFAULT_UTILIZATION
+    except ValueError:
+        fraction = VLLM_DEFAULT_UTILIZATION
+    fraction = min(max(fraction, 0.0), 1.0)
+    gib = -(-int(fraction * mem_total) // 2**30)
+    how = f"--gpu-memory-utilization {text}" if text is not None else f"vLLM's default {VLLM_DEFAULT_UTILIZATION}"
+    return gib * 2**30, f"it runs vLLM ({how} x MemTotal {mem_total / 2**30:.1f} GiB)"

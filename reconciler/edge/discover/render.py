@@ -34,6 +34,7 @@ from reconciler.edge.discover.guess import (
     model_root_for,
     pick_image,
     pick_model,
+    vllm_reservation,
 )
 
 HEADER = ("Starter desired state written by `reconciler discover` (read-only probe of each node over SSH).\n"
@@ -296,11 +297,11 @@ def _docker(head: NodeFacts) -> CommentedMap:
 def _co_tenants(nodes: list[NodeDraft], port: int) -> CommentedMap:
     """What runs now may keep running, except another launcher's serving container or one on the serving port:
     those are listed as comments, to be stopped."""
-    allowed = CommentedMap()
+    allowed, memory = CommentedMap(), CommentedMap()
     stopped: list[str] = []
     for node in nodes:
         others = [c for c in node.facts.containers if not c.managed]
-        keep = CommentedSeq()
+        keep, held = CommentedSeq(), CommentedMap()
         for container in others:
             if holds_serving_port(container, port):
                 stopped.append(f"{node.name}: {comment_text(container.name)} is NOT allowed   # GUESS: another "
@@ -309,12 +310,22 @@ def _co_tenants(nodes: list[NodeDraft], port: int) -> CommentedMap:
                 continue
             keep.append(quoted(container.name))
             _eol(keep, len(keep) - 1, f"image {comment_text(container.image)}")
+            if (reserved := vllm_reservation(container, node.facts.mem_total)) is not None:
+                held[quoted(container.name)] = quoted(f"{reserved[0] // 2**30}GiB")
+                _eol(held, quoted(container.name), f"GUESS: {reserved[1]}; a deployment of its own once this "
+                                                   "version serves several")
         if keep:
             allowed[quoted(node.name)] = keep
             _eol(allowed, quoted(node.name), "GUESS: running now, allowed to keep running (remove to have it "
                                              "stopped)")
+        if held:
+            memory[quoted(node.name)] = held
     co_tenants = CommentedMap([("allowed", allowed if allowed else _flow(CommentedMap())),
                                ("protected", _flow(CommentedMap())), ("unlisted", "stop")])
+    if memory:
+        co_tenants["memory"] = memory
+        _above(co_tenants, "memory", ["the vLLM co-tenants' unified memory, reserved in each node's budget beside "
+                                      "the deployment (docs/operations.md, \"Several models\")"], indent=2)
     _above(co_tenants, "protected", stopped, indent=2)
     _eol(co_tenants, "unlisted", "GUESS: unlisted containers are stopped to free unified memory; `report` only "
                                  "reports")
