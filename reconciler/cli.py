@@ -27,6 +27,11 @@ from reconciler.core.render import plan_text
 from reconciler.core.text import printable
 
 if TYPE_CHECKING:
+    from ruamel.yaml.comments import CommentedMap
+
+    from reconciler.core.recipes import Recipe
+    from reconciler.edge.discover.guess import NodeDraft
+    from reconciler.edge.discover.render import SshChoice
     from reconciler.edge.trusted_files import Secrets
 
 #: The shipped unit's `EnvironmentFile=` (reconciler/files/systemd/reconciler.service): where every command reads
@@ -446,6 +451,180 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
         for line in exc.lines():
             click.echo(line, err=True)
         sys.exit(Exit.INVALID)
+
+
+# ---------------------------------------------------------------------------------------------- init
+
+#: The RDMA device of a Spark's outer QSFP port's first half (ibdev2netdev: rocep1s0f1 ==> enp1s0f1np1), which
+#: discover's fallback interface `enp1s0f1np1` belongs to.
+SPARK_RDMA_DEVICE = "rocep1s0f1"
+INIT_HEADER = ("Desired state written by `reconciler init` from recipes (docs/recipes.md); no node was read.\n"
+               "Review every `# GUESS:` line (`reconciler discover` reads the nodes' real ports and addresses),\n"
+               "then: reconciler validate FILE && reconciler plan FILE.\n"
+               "Keep the end marker `...` the last line: a half-written save is then refused.")
+_UNREAD_FABRIC = ("init reads no node: the Spark's outer QSFP port assumed (NVIDIA's connect-two-sparks; its twin "
+                  "enP2p1s0f1np1 may be declared too, in another subnet)")
+
+
+def _hostname(host: str) -> str:
+    """The name a node is drafted under: the host given when it is a name, none for an address (discover then
+    names the nodes head, worker1, ...)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return ""
+
+
+def _unread_node(draft: NodeDraft, is_head: bool, head_name: str, choice: SshChoice) -> CommentedMap:
+    """discover's entry of a node (its ssh and fabric sections), for a node init has not read: the Spark's
+    defaults in place of what discover reads, each said to be a guess."""
+    from dataclasses import replace
+
+    from ruamel.yaml.comments import CommentedMap
+
+    from reconciler.edge.discover.render import _above, _eol, _fabric, _ssh, quoted
+
+    spark = replace(draft, fabric=replace(draft.fabric, rdma_device=SPARK_RDMA_DEVICE, notes=[_UNREAD_FABRIC]))
+    entry = CommentedMap([("name", quoted(draft.name)), ("role", "head" if is_head else "worker")])
+    _eol(entry, "name", "as --head/--worker name it" if draft.facts.hostname else "GUESS: given as an address: "
+                        "rename it freely")
+    entry["ssh"] = _ssh(draft, is_head, head_name, choice)
+    entry["fabric"], notes = _fabric(spark)
+    _above(entry, "fabric", notes, indent=4)
+    _eol(entry["fabric"], "rdma_device", "GUESS: that port's RDMA device on a Spark")
+    _eol(entry["fabric"], "address", "GUESS: NVIDIA's netplan example subnet; yours may differ")
+    _eol(entry["fabric"], "mtu", "the Spark recipes' value (set by the link step)")
+    entry["internet"] = is_head
+    _eol(entry, "internet", "GUESS: the head downloads the weights and pulls the image" if is_head else
+         "GUESS: internet-less, as the seed's worker: weights and image come from the head")
+    entry["gpus"] = 1
+    _eol(entry, "gpus", "GUESS: a DGX Spark has one GB10")
+    return entry
+
+
+def _unread_nodes(hosts: list[str], choice: SshChoice) -> tuple[list[NodeDraft], list[CommentedMap]]:
+    """The nodes as discover drafts them (names, fabric ports and addresses in one subnet), from the addresses
+    alone: the head first."""
+    from reconciler.edge.discover.facts import NodeFacts
+    from reconciler.edge.discover.guess import draft_nodes
+
+    drafts = draft_nodes([NodeFacts(host=host, hostname=_hostname(host)) for host in hosts])
+    return drafts, [_unread_node(d, i == 0, drafts[0].name, choice) for i, d in enumerate(drafts)]
+
+
+def _commented(value: Any) -> Any:
+    """A composed deployment as YAML nodes of its own: every string double-quoted (a flag such as `on` or `no`
+    stays a string for any YAML reader), lists of values on one line."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    from reconciler.edge.discover.render import _flow, quoted
+
+    if isinstance(value, dict):
+        return CommentedMap((key, _commented(item)) for key, item in value.items())
+    if isinstance(value, list):
+        return _flow(CommentedSeq(_commented(item) for item in value))
+    return quoted(value) if isinstance(value, str) else value
+
+
+def _init_text(document: dict[str, Any], used: list[Recipe], drafts: list[NodeDraft]) -> str:
+    """The file: the drafted nodes, each deployment under a comment naming its recipe (whose header says where
+    every value comes from), discover's co-tenants and policy sections."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    from reconciler.core.recipes import FIRST_API_PORT
+    from reconciler.edge.discover.render import _above, _co_tenants, _dump, _policy
+
+    out = CommentedMap()
+    out.yaml_set_start_comment(INIT_HEADER)
+    out["nodes"] = CommentedSeq(document["nodes"])
+    out["deployments"] = deployments = CommentedSeq(_commented(d) for d in document["deployments"])
+    for i, recipe in enumerate(used):
+        about = [f"recipe {recipe.name}: {recipe.description}",
+                 f"its sources and why each value: the header of recipes/{recipe.name}.yaml (reconciler/files/recipes)"]
+        deployments.yaml_set_comment_before_after_key(i, before="\n".join(["", *about] if i else about), indent=2)
+    out["co_tenants"] = _co_tenants(drafts, FIRST_API_PORT)
+    out["policy"] = _policy()
+    for section in ("deployments", "co_tenants", "policy"):
+        _above(out, section, [], indent=0, blank=True)
+    return "\n".join(map(printable, _dump(out).split("\n")))
+
+
+def _refused(exc: spec.InvalidDesiredState, document: dict[str, Any]) -> None:
+    """Why the composition is not a valid file, then exit 3: nothing is written."""
+    from reconciler.core.recipes import off_the_head
+
+    for problem in exc.problems:
+        click.echo(printable(f"init: {problem.path}: {problem.message}"), err=True)
+    for name in off_the_head(document):
+        click.echo(printable(f"init: {name} is placed without the head, and the spec requires the head among every "
+                             "deployment's serving nodes (reconciler/core/spec/rules.py, _listed_serving_nodes: it "
+                             "runs rank 0 and the API); a worker-only deployment awaits that rule's change"),
+                   err=True)
+    click.echo("init: nothing written", err=True)
+    sys.exit(Exit.INVALID)
+
+
+@main.command()
+@click.option("--recipe", "picks", multiple=True, metavar="NAME[@NODE]",
+              help="A recipe to serve, one deployment each (repeat; `--list` names them). @NODE runs a single-node "
+                   "recipe on that node (its name, or `head`, or `worker` when there is one); by default a recipe "
+                   "takes whole nodes from the head on, as many as its tensor parallel size.")
+@click.option("--list", "list_only", is_flag=True, help="List the recipes, one line each (also without --recipe).")
+@click.option("--head", default=None, help="The head's SSH address (it runs rank 0 and the API).")
+@click.option("--worker", "workers", multiple=True, help="A worker's SSH address (repeat for each worker).")
+@click.option("--user", default="spark", show_default=True, help="SSH user on every node.")
+@click.option("--known-hosts", default="/etc/spark-reconciler/known_hosts", show_default=True,
+              help="known_hosts every host key is checked against (strict; nothing is trusted on first use).")
+@click.option("--identity", default=None, help="Private key file (default: the SSH agent / ~/.ssh keys).")
+@click.option("--jump-through-head/--no-jump", default=True, show_default=True,
+              help="Reach the workers through the head (like ssh -J), as an internet-less worker is.")
+@click.option("--models-path", default=None,
+              help="The Hugging Face hub directory of every node, where the models are.  "
+                   "[default: /home/USER/.cache/huggingface/hub]")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the desired state here (default: stdout).")
+def init(picks: tuple[str, ...], list_only: bool, head: str | None, workers: tuple[str, ...], user: str,
+         known_hosts: str, identity: str | None, jump_through_head: bool, models_path: str | None,
+         output: Path | None) -> None:
+    """Write a desired state that serves recipes (docs/recipes.md): the nodes drafted as discover drafts them,
+    but from their addresses alone (every guess marked `# GUESS:`), one deployment per --recipe, each with its own
+    container name and ports. The file is judged as `validate` judges it before anything is written. Exit 0
+    written, 3 not a valid file (e.g. a node's memory fractions add up past 1; nothing written), 1 an unknown
+    recipe, a recipe that cannot be placed or a missing --head."""
+    from reconciler import files
+    from reconciler.core import recipes
+    from reconciler.edge.discover.render import SshChoice
+
+    known = recipes.catalogue(files.recipes())
+    if list_only or not picks:
+        for recipe in known.values():
+            click.echo(recipe.summary())
+        return
+    if head is None:
+        click.echo("init: --head is required with --recipe (the head's SSH address)", err=True)
+        sys.exit(Exit.ERROR)
+    choice = SshChoice(user, str(Path(known_hosts).resolve()), str(Path(identity).resolve()) if identity else None,
+                       jump_through_head)
+    drafts, nodes = _unread_nodes([head, *workers], choice)
+    chosen = [recipes.Pick.of(p) for p in picks]
+    try:
+        document = recipes.compose(known, chosen, nodes, models_path or f"/home/{user}/.cache/huggingface/hub")
+    except recipes.RecipeError as exc:
+        click.echo(printable(f"init: {exc}"), err=True)
+        sys.exit(Exit.ERROR)
+    text = _init_text(document, [known[p.recipe] for p in chosen], drafts)
+    try:
+        spec.loads(text, filename=str(output or "<init>"))
+    except spec.InvalidDesiredState as exc:
+        _refused(exc, document)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        click.echo(f"wrote {output}: {len(chosen)} deployments, {text.count('# GUESS:')} guesses to review", err=True)
 
 
 #: `export --format`: each format and its renderer. The option's choices are this table's keys, so a format is

@@ -24,7 +24,7 @@ from reconciler.core.observed import (
     Observed,
     Weights,
 )
-from reconciler.core.ownership import owner
+from reconciler.core.ownership import Owner, owner
 from reconciler.core.platforms import machine_platform, runs_on
 from reconciler.core.spec import Desired, FabricPort, Node
 from reconciler.core.vllm import LaunchSpec, launch_specs, memory_needed, weights_size
@@ -135,10 +135,13 @@ class Drift:
     #: `observed` says in words. Empty when the label does not say (an older container) or nothing of the file
     #: differs (the rendering changed). Left out of equality, like `container`.
     changes: tuple[FieldChange, ...] = field(default=(), compare=False)
+    #: The deployment it is about, in a file of several (None: the node's own, or a file of one).
+    deployment: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {"node": self.node, "kind": self.kind, "resource": self.resource, "expected": self.expected,
-                "observed": self.observed, "actionable": self.actionable, "blocking": self.blocking}
+                "observed": self.observed, "actionable": self.actionable, "blocking": self.blocking,
+                **({"deployment": self.deployment} if self.deployment else {})}
 
 
 def _on_container(node: str, kind: DriftKind, container: str, expected: str, observed: str, *,
@@ -261,11 +264,8 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
         obs = observed.node(node.name)
         if not obs.usable:
             continue
-        for other in obs.containers:  # our containers that should not run (node left the span, name changed)
-            if (other.owned_by(ours) and other.running and (node.name not in specs or other.name != name)
-                    and not desired.co_tenants.is_protected(node.name, other.name)):
-                out.append(_on_container(node.name, "serving", other.name, "not running (no longer wanted)",
-                                 "running"))
+        if not desired.is_part:  # a file of several says its stale containers once, on the whole (`diff`)
+            out += _stale_on(desired, node.name, obs, ours)
         spec = specs.get(node.name)
         if spec is None:
             continue
@@ -289,6 +289,28 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
             out.append(_on_container(node.name, "serving", name, f"image content {reference[:19]}",
                              f"image content {local.content[:19] if local else 'missing'}"))
     return out
+
+
+def _wanted(desired: Desired) -> set[tuple[str, str]]:
+    """(node, container) of every deployment's ranks: what of ours may run."""
+    return {(n.name, v.serving.container_name) for v in desired.views() for n in v.serving_nodes}
+
+
+def _stale_on(desired: Desired, node: str, obs: NodeObservation, ours: Owner) -> list[Drift]:
+    """Our running containers on `node` that no deployment wants there (a node left a span, a container name
+    changed, a deployment left the file): stopped, never removed; a protected one is left alone."""
+    wanted = _wanted(desired)
+    return [_on_container(node, "serving", c.name, "not running (no longer wanted)", "running")
+            for c in obs.containers if c.owned_by(ours) and c.running and (node, c.name) not in wanted
+            and not desired.co_tenants.is_protected(node, c.name)]
+
+
+def stale_serving_drift(desired: Desired, observed: Observed) -> list[Drift]:
+    """`_stale_on` on every usable node, for a file of several deployments (a file of one says it in
+    `serving_drift`, in the order it always did)."""
+    ours = owner(desired, observed)
+    return [d for node in desired.nodes if observed.node(node.name).usable
+            for d in _stale_on(desired, node.name, observed.node(node.name), ours)]
 
 
 def _spec_drift(node: str, spec: LaunchSpec, c: Container) -> Drift:
@@ -563,10 +585,28 @@ def _health_drift(desired: Desired, observed: Observed) -> list[Drift]:
 
 def diff(desired: Desired, observed: Observed) -> list[Drift]:
     """Every difference between the declared and the observed cluster, in a stable order. A node the observation
-    lacks (a snapshot from before the file named it) is one that did not answer."""
+    lacks (a snapshot from before the file named it) is one that did not answer.
+
+    The nodes' own drift (reachability, links, co-tenants, the memory budget) is said once; then each
+    deployment's, judged on its view of the file and of the observation (`Desired.view`, `Observed.view`), so a
+    file of several is each of its deployments as a file of one, plus what only the whole knows: our stale
+    containers, and one GPU drift per node however many deployments use it."""
     observed = observed.covering(n.name for n in desired.nodes)
-    over = budget_drift(desired, observed)
-    out = _node_drift(desired, observed) + over
+    nodes = _node_drift(desired, observed) + budget_drift(desired, observed)
+    if len(desired.deployments) == 1:
+        return nodes + _deployment_drift(desired, observed, nodes)
+    out = nodes + stale_serving_drift(desired, observed)
+    for view in desired.views():
+        name = view.deployment.name
+        out += [d if d.kind == "gpu" else dataclasses.replace(d, deployment=name)
+                for d in _deployment_drift(view, observed.view(name), nodes)]
+    return list(dict.fromkeys(out))  # a node's GPU drift once
+
+
+def _deployment_drift(desired: Desired, observed: Observed, nodes: list[Drift]) -> list[Drift]:
+    """One deployment's drift: its GPUs, image, weights, serving containers, memory where it starts, health.
+    `nodes`: the nodes' own drift said before it: the co-tenant stops that free memory, the budgets."""
+    out: list[Drift] = []
     serving = {n.name for n in desired.serving_nodes}
     ready = [n.name for n in desired.nodes if n.name in serving and observed.node(n.name).usable]  # in file order
     holder = image_holder(desired, observed)
@@ -576,7 +616,8 @@ def diff(desired: Desired, observed: Observed) -> list[Drift]:
     served = serving_drift(desired, observed,
                            observed.node(holder).images[desired.serving.image].content if holder else None)
     out += served
-    out += _memory_drift_where_serving_starts(desired, observed, [n for n in ready if n not in {d.node for d in over}],
-                                              served, _freeing_memory(desired, observed, out))
+    over = {d.node for d in nodes if d.resource.startswith("budget/")}
+    out += _memory_drift_where_serving_starts(desired, observed, [n for n in ready if n not in over], served,
+                                              _freeing_memory(desired, observed, nodes + out))
     out += _health_drift(desired, observed)
     return out

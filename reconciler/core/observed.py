@@ -345,6 +345,15 @@ class ClusterIdentity(_Model):
         "head's containers may carry: the one it was reached by when the id was made, and any an operator adds")
 
 
+class DeploymentFacts(_Model):
+    """What the probe reads of one deployment, in a file of several: its weights tree, its API (the head), the
+    room where its copies write. A file of one keeps them in the node's own fields, as before the list."""
+
+    weights: Weights | None = None
+    serving: ServingApi | None = None
+    disk_free: dict[str, int] | None = None
+
+
 class NodeObservation(_Model):
     name: str
     reachable: bool
@@ -371,6 +380,9 @@ class NodeObservation(_Model):
     memory: Memory | None = None
     weights: Weights | None = None
     serving: ServingApi | None = None
+    deployments: dict[str, DeploymentFacts] = Field(
+        default_factory=dict, description="deployment name -> what is read of it here, in a file of several "
+        "(`Observed.view` puts them in the fields above for the per-deployment core); empty for a file of one")
     identity: ClusterIdentity | None = Field(None, description="the cluster's id as the head keeps it (`~/.spark-"
                                             "reconciler/cluster-id`), read on the head only: which containers are "
                                             "this cluster's; None: not read (another node, or an older snapshot)")
@@ -442,6 +454,18 @@ class Observed(_Model):
         missing = {n: NodeObservation(name=n, reachable=False, error="not observed")
                    for n in names if n not in self.nodes}
         return self.model_copy(update={"nodes": {**self.nodes, **missing}}) if missing else self
+
+    def view(self, deployment: str) -> Observed:
+        """This observation as the deployment `deployment` sees it: on each node its own weights, API and disk
+        room in the node's fields (`NodeObservation.deployments`), so the per-deployment core reads a file of
+        several as it reads a file of one. A node that holds nothing for it is left as it is."""
+        def one(node: NodeObservation) -> NodeObservation:
+            facts = node.deployments.get(deployment)
+            if facts is None:
+                return node
+            return node.model_copy(update={"weights": facts.weights, "serving": facts.serving,
+                                           "disk_free": facts.disk_free})
+        return self.model_copy(update={"nodes": {name: one(node) for name, node in self.nodes.items()}})
 
     @property
     def partial(self) -> bool:

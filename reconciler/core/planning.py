@@ -44,12 +44,14 @@ class Step:
     rank: int | None = None  # start-serving: the node's rank in the tensor-parallel group
     wrapper: tuple[str, ...] | None = None  # launch-model: the image's Entrypoint that `vllm serve` runs under
     remove: tuple[str, ...] | None = None  # prune-weights: tree roots; prune-images: content ids (retention)
+    deployment: str | None = None  # whose step, in a file of several (None: the node's own, or a file of one)
 
     @property
     def id(self) -> str:
-        """`KIND/NODE[/CONTAINER]`: stable across reconciles, so logs, metrics, holds and /status name a step the
-        same way every time (docs/cli.md)."""
-        return "/".join([self.kind, self.node, *([self.container] if self.container else [])])
+        """`KIND/NODE[/CONTAINER][/@DEPLOYMENT]`: stable across reconciles, so logs, metrics, holds and /status
+        name a step the same way every time (docs/cli.md)."""
+        return "/".join([self.kind, self.node, *([self.container] if self.container else []),
+                         *([f"@{self.deployment}"] if self.deployment else [])])
 
     @property
     def params(self) -> dict[str, str]:
@@ -61,7 +63,8 @@ class Step:
 
     def as_dict(self) -> dict[str, object]:
         return {"id": self.id, "kind": self.kind, "node": self.node, "reason": self.reason,
-                "after": list(self.after), "params": self.params}
+                "after": list(self.after), "params": self.params,
+                **({"deployment": self.deployment} if self.deployment else {})}
 
 
 
@@ -142,6 +145,8 @@ def _explain(d: Drift) -> str:
 def plan(desired: Desired, observed: Observed) -> Plan:
     """The plan from `observed`; a node it lacks (a snapshot from before the file named it) did not answer."""
     observed = observed.covering(n.name for n in desired.nodes)
+    if len(desired.deployments) > 1:
+        return _plan_several(desired, observed)
     drift = diff(desired, observed)
     mode = "paused" if desired.policy.paused else desired.policy.mode
     if mode != "enforce":
@@ -162,7 +167,7 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     image = desired.serving.image
     holder = image_holder(desired, observed)
     reference = observed.node(holder).images[image].content if holder else None
-    prunes = _prune_steps(desired, observed, reference)
+    prunes = [] if desired.is_part else _prune_steps(desired, observed, reference)  # see _plan_several
     steps += prunes
     prune_ids = {node: tuple(s.id for s in prunes if s.node == node) for node in dict.fromkeys(s.node for s in prunes)}
     for d in drift:
@@ -496,3 +501,73 @@ def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...], wr
         steps = [head_step, *starts, launch]
     return steps + [Step("await-health", head, "wait for /health and /v1/models",
                          (steps[-1].id,))]
+
+
+#: Steps that act on a node for the whole file, whichever deployment's plan finds them: said once, untagged.
+NODE_STEPS: frozenset[StepKind] = frozenset({"stop-container", "link"})
+
+
+def _plan_several(desired: Desired, observed: Observed) -> Plan:
+    """A file of several deployments: each deployment planned as a file of one on its view (`Desired.view`,
+    `Observed.view`), its steps tagged with its name (`Step.deployment`), the nodes' own steps (links,
+    co-tenant stops) once, our stale containers' stops once, and the starts ordered across deployments
+    (`_in_start_order`). A co-tenant stop that any deployment holds back (its start is blocked) stays held: a
+    plan never stops what works for a start that cannot happen. Retention prunes nothing yet in a file of
+    several: what is current is every deployment's model and image, which `core.retention` judges one at a time."""
+    drift = diff(desired, observed)
+    mode = "paused" if desired.policy.paused else desired.policy.mode
+    trusted = tuple(desired.trust.granted())
+    if mode != "enforce":
+        return Plan(drift, [], [], mode, trusted)
+    down = {d.node for d in drift if d.kind in UNUSABLE_KINDS}
+    parts = [(v.deployment.name, plan(v, observed.view(v.deployment.name))) for v in _in_start_order(desired)]
+    steps = [Step("stop-serving", d.node, _explain(d), container=d.container) for d in drift
+             if d.kind == "serving" and d.deployment is None and d.actionable and d.node not in down]
+    stops = [{s.id for s in p.steps if s.kind == "stop-container"} for _, p in parts]
+    held = set[str]().union(*stops) - stops[0].intersection(*stops[1:])  # a blocked start holds them back
+    blocked: list[Blocker] = []
+    seen: set[str] = set()
+    previous: tuple[str, ...] = ()
+    for name, part in parts:
+        tagged = _tagged(name, part.steps)
+        for step in tagged:
+            if step.kind in NODE_STEPS:
+                if step.id not in seen and step.id not in held:
+                    seen.add(step.id)
+                    steps.append(step)
+                continue
+            if step.kind in ("start-serving", "launch-model") and previous:
+                step = dataclasses.replace(step, after=tuple(dict.fromkeys(step.after + previous)))
+            steps.append(step)
+        blocked += [Blocker(b.node, f"{name}: {b.reason}") for b in part.blocked]
+        previous = previous + tuple(s.id for s in tagged if s.kind == "await-health")
+    ulimits = tuple(dict.fromkeys(u for _, p in parts for u in p.ulimits))
+    return Plan(drift, steps, list(dict.fromkeys(blocked)), mode, trusted, ulimits,
+                _joined_downtime([p.downtime for _, p in parts if p.downtime]))
+
+
+def _in_start_order(desired: Desired) -> list[Desired]:
+    """The deployments largest first (their memory fraction; ties in file order): on one node, each start must
+    find its memory free when vLLM sizes its pool (it takes gpu_memory_utilization x the total and refuses to
+    start when less is free), and two engines profiling at once count each other's allocations as their own. The
+    largest, the one most likely not to find its memory, goes first, with the page cache just dropped; the next
+    starts once it answers (`_plan_several` makes each start wait for the health of those before)."""
+    return sorted(desired.views(), key=lambda v: -v.serving.gpu_memory_utilization)
+
+
+def _tagged(name: str, steps: list[Step]) -> list[Step]:
+    """One deployment's steps with its name in their ids (`Step.deployment`), their `after` following: a node's
+    own steps (`NODE_STEPS`) keep their ids, as the plan says them once."""
+    ids = {s.id: dataclasses.replace(s, deployment=name).id for s in steps if s.kind not in NODE_STEPS}
+    return [dataclasses.replace(s, deployment=None if s.kind in NODE_STEPS else name,
+                                after=tuple(ids.get(a, a) for a in s.after)) for s in steps]
+
+
+def _joined_downtime(parts: list[Downtime]) -> Downtime | None:
+    """The outage of several deployments' restarts, said as one: every node where serving stops, the longest
+    cold start."""
+    if not parts:
+        return None
+    return Downtime(tuple(dict.fromkeys(n for d in parts for n in d.nodes)),
+                    tuple(dict.fromkeys(n for d in parts for n in d.restart_with)),
+                    max(d.health_timeout for d in parts))

@@ -1,8 +1,9 @@
 """The operator's files, shipped in the wheel: the systemd units, the environment file template, the Prometheus
-alert rules and an Alertmanager example, the Grafana dashboard and its provisioning, the sample desired state.
+alert rules and an Alertmanager example, the Grafana dashboard and its provisioning, the sample desired state, the
+recipes `reconciler init` composes (docs/recipes.md).
 
-This package is their one place; the top-level systemd/, monitoring/ and desired-state/ of the source tree are
-relative symlinks into it. `reconciler print NAME` writes one to stdout (docs/cli.md), e.g.
+This package is their one place; the top-level systemd/, monitoring/, desired-state/ and recipes/ of the source
+tree are relative symlinks into it. `reconciler print NAME` writes one to stdout (docs/cli.md), e.g.
 `reconciler print unit | sudo tee /etc/systemd/system/spark-reconciler.service`.
 """
 
@@ -43,3 +44,15 @@ def read(name: str) -> str:
     """The text of the shipped file `name` (a key of SHIPPED)."""
     path = SHIPPED[name][0]
     return resources.files(__name__).joinpath(path).read_text(encoding="utf-8")
+
+
+#: The folder of the recipes: one deployment each, a YAML file named after the recipe (reconciler.core.recipes).
+RECIPES = "recipes"
+
+
+def recipes() -> dict[str, str]:
+    """Every shipped recipe's text by name (its file's name without `.yaml`), in name order: what `reconciler init`
+    lists and composes. Read here, so the core that composes them stays free of file I/O."""
+    folder = resources.files(__name__).joinpath(RECIPES)
+    entries = sorted((entry for entry in folder.iterdir() if entry.name.endswith(".yaml")), key=lambda e: e.name)
+    return {entry.name.removesuffix(".yaml"): entry.read_text(encoding="utf-8") for entry in entries}

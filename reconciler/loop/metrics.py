@@ -1,8 +1,13 @@
 """Every metric the daemon exports, defined in this one place (names and labels are a contract with the alert
 rules in monitoring/ and the Grafana dashboard; tests/unit/test_monitoring.py checks they agree).
 
-Conventions: base units (`_seconds`, `_bytes`), counters end in `_total`, one `_info` style gauge for the build,
-and low-cardinality labels only (node, kind, step kind, result, condition type): never container ids or text.
+Conventions: base units (`_seconds`, `_bytes`), counters end in `_total`, `_info` style gauges (always 1) for the
+build and for each deployment, and low-cardinality labels only (node, kind, step kind, result, condition type,
+deployment): never container ids or text.
+
+Every series about one deployment carries its name as the label `deployment` (PER_DEPLOYMENT, and
+`reconciler_deployment_info` with its model and endpoint), from the first version that serves one deployment per
+file: dashboards and alerts join on it (`on (job, instance, deployment)`), so serving several needs no relabelling.
 """
 
 from __future__ import annotations
@@ -66,15 +71,20 @@ weights_sync_bytes = Counter("reconciler_weights_sync_bytes_total", "Bytes copie
                              ["node"], registry=REGISTRY)
 serving_healthy = Gauge("reconciler_serving_healthy", "1 when /health is 200, the model is listed and a "
                         "completion answers, or the engine is busy (its tokens grow while the completion queues).",
-                        registry=REGISTRY)
+                        ["deployment"], registry=REGISTRY)
 serving_busy = Gauge("reconciler_serving_busy", "1 while the head's engine is busy: every slot taken, the probe's "
                      "completion queued, tokens still coming (vLLM's own counters); never a reason to restart.",
-                     registry=REGISTRY)
+                     ["deployment"], registry=REGISTRY)
 serving_health_timeout = Gauge("reconciler_serving_health_timeout_seconds", "serving.health_timeout of the desired "
                                "state in force: how long a cold start may take (the alerts judge a start by it).",
-                               registry=REGISTRY)
+                               ["deployment"], registry=REGISTRY)
 serving_started = Gauge("reconciler_serving_started_timestamp_seconds", "Unix time the head's serving container "
-                        "started (docker's StartedAt); 0 while none runs.", registry=REGISTRY)
+                        "started (docker's StartedAt); 0 while none runs.", ["deployment"], registry=REGISTRY)
+INFO_LABELS = ("deployment", "model", "served_name", "endpoint")
+deployment_info = Gauge("reconciler_deployment_info", "Always 1, one series per deployment in force: its model id, "
+                        "served name and the OpenAI base URL the head serves it at, to join on (`* on (job, instance, "
+                        "deployment) group_left(model, endpoint) reconciler_deployment_info`).",
+                        INFO_LABELS, registry=REGISTRY)
 step_failures = Gauge("reconciler_step_failures", "Consecutive failures of a step since it last succeeded or the "
                       "desired state changed (0 again then): a failed cold start is no longer one within its "
                       "allowance.", ["kind", "node"], registry=REGISTRY)
@@ -86,6 +96,8 @@ events = Counter("reconciler_events_total", "Triggers received (docker and link 
 build_info = Gauge("reconciler_build_info", "Always 1; the version label says which build runs.", ["version"],
                    registry=REGISTRY)
 
+#: The gauges with one series per deployment (label `deployment`): a deployment no longer in force leaves them all.
+PER_DEPLOYMENT: tuple[Gauge, ...] = (serving_healthy, serving_busy, serving_health_timeout, serving_started)
 
 
 class OperationProgress(Collector):
@@ -159,8 +171,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 build_info.labels(version=VERSION).set(1)
 desired_state_valid.set(0)
 converged.set(0)
-serving_healthy.set(0)
-serving_busy.set(0)
 for _p in PHASES:
     phase.labels(phase=_p).set(0)
 
@@ -183,3 +193,27 @@ def set_drift(counts: dict[tuple[str, str], int], nodes: list[str], kinds: tuple
     for node in nodes:
         for kind in kinds:
             drift.labels(node=node, kind=kind).set(counts.get((node, kind), 0))
+
+
+def set_deployments(deployments: Sequence[Mapping[str, str]]) -> None:
+    """`reconciler_deployment_info`: one series per deployment in force (each mapping holds the four INFO_LABELS),
+    and every other series gone, from it and from the PER_DEPLOYMENT gauges: a deployment renamed or removed by a
+    file edit, or a model changed under the same name, would otherwise stay exported with its last value, and an
+    alert would keep judging a deployment that no longer exists (node_role and the step gauges avoid it the same
+    way). The series are found through collect(), the view a scrape gets, so none is missed that an observation
+    made after the last call set."""
+    wanted = {tuple(d[label] for label in INFO_LABELS) for d in deployments}
+    names = {d["deployment"] for d in deployments}
+    for labels in _series(deployment_info):
+        if (values := tuple(labels[label] for label in INFO_LABELS)) not in wanted:
+            deployment_info.remove(*values)
+    for values in wanted:
+        deployment_info.labels(*values).set(1)
+    for gauge in PER_DEPLOYMENT:
+        for labels in _series(gauge):
+            if labels["deployment"] not in names:
+                gauge.remove(labels["deployment"])
+
+
+def _series(gauge: Gauge) -> list[dict[str, str]]:
+    return [sample.labels for family in gauge.collect() for sample in family.samples]

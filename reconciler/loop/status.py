@@ -86,13 +86,18 @@ class StatusPublisher:
         self._failing = set(now)
 
     def roles(self, desired: Desired) -> None:
-        """The node_role gauge: the nodes of the desired state in force; a node that left it leaves the gauge."""
+        """The gauges of the desired state in force, set at each publish: node_role (its nodes; a node that left it
+        leaves the gauge) and deployment_info (its deployments; one renamed or removed leaves every
+        per-deployment gauge, metrics.set_deployments)."""
         now: set[tuple[str, str]] = {(node.name, node.role) for node in desired.nodes}
         for name, role in self._roles - now:
             metrics.node_role.remove(name, role)
         for name, role in now:
             metrics.node_role.labels(node=name, role=role).set(1)
         self._roles = now
+        metrics.set_deployments([{"deployment": view.deployment.name, "model": view.model.id,
+                                  "served_name": view.served_name, "endpoint": endpoint(view)}
+                                 for view in desired.views()])
 
     @staticmethod
     def observation(desired: Desired, observed: Observed, durations: dict[str, float]) -> None:
@@ -120,9 +125,19 @@ class StatusPublisher:
         head = seen.get(desired.head.name)
         want = desired.served_name
         serving = head.serving if head else None
-        metrics.serving_healthy.set(1 if serving and serving.working(want) else 0)
-        metrics.serving_busy.set(1 if serving and serving.busy else 0)
-        metrics.serving_health_timeout.set(desired.serving.health_timeout)
+        deployment = desired.deployment.name  # a name no longer in force is removed by `roles` (set_deployments)
+        metrics.serving_healthy.labels(deployment).set(1 if serving and serving.working(want) else 0)
+        metrics.serving_busy.labels(deployment).set(1 if serving and serving.busy else 0)
+        metrics.serving_health_timeout.labels(deployment).set(desired.serving.health_timeout)
         container = head.container(desired.serving.container_name) if head else None
         started = started_timestamp(container.started_at) if container is not None and container.running else None
-        metrics.serving_started.set(started or 0)
+        metrics.serving_started.labels(deployment).set(started or 0)
+
+
+def endpoint(desired: Desired) -> str:
+    """The OpenAI base URL the head serves the deployment of `desired` at, as `reconciler_deployment_info` names it:
+    on the head's SSH address when serving.host is 0.0.0.0 (the API answers other machines there), on 127.0.0.1
+    when vLLM binds loopback, the default (then only the head itself can ask, and a URL naming the head's address
+    would be one no client can use)."""
+    host = desired.head.ssh.host if desired.serving.host == "0.0.0.0" else "127.0.0.1"
+    return f"http://{f'[{host}]' if ':' in host else host}:{desired.serving.port}/v1"

@@ -130,7 +130,8 @@ def dashboard_as_seen(prom: Prometheus, start: float, end: float,
     instant the instant queries see (else it could be up to a step older and miss a change just scraped)."""
     start = end - math.floor((end - start) / SCRAPE_SECONDS) * SCRAPE_SECONDS
     dashboard = json.loads(DASHBOARD.read_text())
-    variables = {"node": grafana.regex_value(nodes), "datasource": "prometheus-e2e",
+    variables = {"node": grafana.regex_value(nodes), "deployment": grafana.regex_value(None),
+                 "datasource": "prometheus-e2e",
                  "__rate_interval": RATE_INTERVAL, "__interval": f"{SCRAPE_SECONDS}s",
                  "__range": f"{max(1, math.ceil(end - start))}s"}
     seen = grafana.render_all(dashboard, variables, lambda e: prom.instant(e, end),
@@ -205,7 +206,7 @@ def assert_converged_view(panels: dict[str, grafana.Panel], nodes: list[str]) ->
     [phase] = panels["Phase"].series
     assert phase.name == "Converged" and grafana.is_green(phase.colour), story
     for title, name, text in (("Converged", "converged", "Yes"), ("Desired state valid", "valid", "Valid"),
-                              ("Serving healthy", "healthy", "Healthy")):
+                              ("Serving healthy", "default", "Healthy")):  # named by its deployment
         shown = panels[title].named(name)
         assert shown.text == text and grafana.is_green(shown.colour), (title, shown)
     since = panels["Since last converged"].named("since converged")
@@ -265,7 +266,7 @@ def assert_held_view(panels: dict[str, grafana.Panel], nodes: list[str], held: s
     assert ready.text == "False" and grafana.is_red(ready.colour), ready
     [phase] = panels["Phase"].series
     assert phase.name == "Blocked" and grafana.is_red(phase.colour), phase
-    serving = panels["Serving healthy"].named("healthy")
+    serving = panels["Serving healthy"].named("default")  # the testbed's file has one deployment, `default`
     assert serving.text == "Unhealthy" and grafana.is_red(serving.colour), serving
 
     since = panels["Since last converged"]  # never converged since this start: no value, not 57 years in red

@@ -1,7 +1,8 @@
 """The gauges the alerts of issue 33 judge by (monitoring/alerts.yaml, header): what the daemon exports for them.
 
 - `reconciler_serving_health_timeout_seconds` and `reconciler_serving_started_timestamp_seconds`: Prometheus
-  judges "a cold start within its health_timeout" from them (ReconcilerServingUnhealthy);
+  judges "a cold start within its health_timeout" from them (ReconcilerServingUnhealthy), joined on their label
+  `deployment` (`default` for a file of the single form, as the fixture's);
 - `reconciler_step_failures{kind,node}`: a failed await-health ends the allowance, so the restart after a cold
   start that timed out is not granted another one;
 - `reconciler_node_role{node,role}`: an unreachable head pages once, not once more for each node behind it.
@@ -43,14 +44,16 @@ def test_the_cold_start_allowance_is_exported(desired, seen):
     started = datetime(2026, 12, 6, 3, 0, 6, 123456, tzinfo=UTC)
     observed = with_head_container(desired, seen, started_at="2026-12-06T03:00:06.123456789Z")
     StatusPublisher.observation(desired, observed, {})
-    assert value("reconciler_serving_health_timeout_seconds") == desired.serving.health_timeout
-    assert value("reconciler_serving_started_timestamp_seconds") == pytest.approx(started.timestamp())
+    assert desired.deployment.name == "default"
+    assert value("reconciler_serving_health_timeout_seconds", deployment="default") == desired.serving.health_timeout
+    assert value("reconciler_serving_started_timestamp_seconds", deployment="default") == \
+        pytest.approx(started.timestamp())
 
 
 def test_no_serving_container_running_is_a_start_time_of_0(desired, seen):
     """0 reads as started long ago: no allowance without a container that starts."""
     StatusPublisher.observation(desired, with_head_container(desired, seen, state="exited"), {})
-    assert value("reconciler_serving_started_timestamp_seconds") == 0
+    assert value("reconciler_serving_started_timestamp_seconds", deployment="default") == 0
 
 
 def test_step_failures_count_until_the_step_succeeds(publisher):

@@ -29,6 +29,7 @@ from tests.unit.test_monitoring import ALERTS, prometheus_rules, run_promtool
 JOB, INSTANCE = "spark-reconciler", "127.0.0.1:9464"
 HEAD, WORKER = "spark-a", "spark-b"
 NODES = (HEAD, WORKER)
+SERVING = {"deployment": "default"}  # the labels of the serving series: the one deployment of a single-form file
 MINUTES = 40
 GIB = 2**30
 DAY = 86400
@@ -87,9 +88,9 @@ def healthy() -> Cluster:
               1 if status == "True" else 0)
     for kind in STEP_KINDS:
         c.put("reconciler_operations_in_flight", {"kind": kind}, 0)
-    c.put("reconciler_serving_healthy", {}, 1)
-    c.put("reconciler_serving_health_timeout_seconds", {}, 3600)
-    c.put("reconciler_serving_started_timestamp_seconds", {}, -DAY)  # serving for a day
+    c.put("reconciler_serving_healthy", SERVING, 1)
+    c.put("reconciler_serving_health_timeout_seconds", SERVING, 3600)
+    c.put("reconciler_serving_started_timestamp_seconds", SERVING, -DAY)  # serving for a day
     for node in NODES:
         c.put("reconciler_node_role", {"node": node, "role": "head" if node == HEAD else "worker"}, 1)
         c.put("reconciler_node_reachable", {"node": node}, 1)
@@ -108,11 +109,11 @@ def serving_restart(c: Cluster, at: int, health_minutes: int) -> int:
     on both nodes (one minute: the new head container starts), then await-health for `health_minutes`, with the
     drift a loading model shows meanwhile (health on the head, memory on both nodes: three drifted pairs, as the
     issue measured). Returns the minute await-health ends."""
-    c.during("reconciler_serving_healthy", {}, range(at, MINUTES + 1), 0)
+    c.during("reconciler_serving_healthy", SERVING, range(at, MINUTES + 1), 0)
     c.during("reconciler_operations_in_flight", {"kind": "stop-serving"}, range(at, at + 1), 1)
-    c.during("reconciler_serving_started_timestamp_seconds", {}, range(at, at + 1), 0)  # no container runs
+    c.during("reconciler_serving_started_timestamp_seconds", SERVING, range(at, at + 1), 0)  # no container runs
     c.during("reconciler_operations_in_flight", {"kind": "start-serving"}, range(at + 1, at + 2), 2)
-    c.during("reconciler_serving_started_timestamp_seconds", {}, range(at + 1, MINUTES + 1), 60.0 * (at + 1))
+    c.during("reconciler_serving_started_timestamp_seconds", SERVING, range(at + 1, MINUTES + 1), 60.0 * (at + 1))
     end = at + 2 + health_minutes
     c.during("reconciler_operations_in_flight", {"kind": "await-health"}, range(at + 2, end), 1)
     c.during("reconciler_drift", {"node": HEAD, "kind": "health"}, range(at, MINUTES + 1), 1)
@@ -141,7 +142,7 @@ def planned_change_within_health_timeout() -> Scenario:
     c.during("reconciler_drift", {"node": WORKER, "kind": "serving"}, range(0, 2), 1)
     c.during("reconciler_converged", {}, range(0, 16), 0)
     end = serving_restart(c, at=1, health_minutes=12)
-    c.during("reconciler_serving_healthy", {}, range(end, MINUTES + 1), 1)
+    c.during("reconciler_serving_healthy", SERVING, range(end, MINUTES + 1), 1)
     c.during("reconciler_drift", {"node": HEAD, "kind": "health"}, range(end, MINUTES + 1), 0)
     return Scenario("planned change, 12-minute cold start within health_timeout", c,
                     {5: [], 10: [], 14: [], 25: []})
@@ -152,13 +153,13 @@ def cold_start_beyond_health_timeout() -> Scenario:
     reconcile), the daemon restarts serving at once and waits again. The allowance ended at minute 12 (the container
     started at 2), and the restart gets none: ServingUnhealthy pages at 17 and stays."""
     c = healthy()
-    c.put("reconciler_serving_health_timeout_seconds", {}, 600)
+    c.put("reconciler_serving_health_timeout_seconds", SERVING, 600)
     c.during("reconciler_converged", {}, range(0, MINUTES + 1), 0)
     failed = serving_restart(c, at=1, health_minutes=10)
     c.put("reconciler_step_failures", {"kind": "await-health", "node": HEAD}, lambda m: 0 if m < failed else 1)
     c.put("reconciler_reconciles_total", {"result": "error"}, lambda m: 0 if m < failed else 1)
     serving_restart(c, at=failed, health_minutes=MINUTES)
-    page = fired("ReconcilerServingUnhealthy", "critical")
+    page = fired("ReconcilerServingUnhealthy", "critical", **SERVING)
     errors = fired("ReconcilerReconcileErrors", "warning", result="error")
     return Scenario("cold start beyond health_timeout", c, {11: [], 16: [errors], 18: [page, errors]})
 
@@ -170,7 +171,7 @@ def unreachable_head() -> Scenario:
     for node in NODES:
         c.during("reconciler_node_reachable", {"node": node}, range(1, MINUTES + 1), 0)
         c.during("reconciler_drift", {"node": node, "kind": "unreachable"}, range(1, MINUTES + 1), 1)
-    c.during("reconciler_serving_healthy", {}, range(1, MINUTES + 1), 0)
+    c.during("reconciler_serving_healthy", SERVING, range(1, MINUTES + 1), 0)
     c.during("reconciler_converged", {}, range(1, MINUTES + 1), 0)
     page = fired("ReconcilerNodeUnreachable", "critical", node=HEAD)
     return Scenario("unreachable head", c, {2: [], 4: [page], 20: [page], 40: [page]})
@@ -182,7 +183,7 @@ def unreachable_worker() -> Scenario:
     c = healthy()
     c.during("reconciler_node_reachable", {"node": WORKER}, range(1, MINUTES + 1), 0)
     c.during("reconciler_drift", {"node": WORKER, "kind": "unreachable"}, range(1, MINUTES + 1), 1)
-    c.during("reconciler_serving_healthy", {}, range(2, MINUTES + 1), 0)
+    c.during("reconciler_serving_healthy", SERVING, range(2, MINUTES + 1), 0)
     c.during("reconciler_fabric_link_up", {"node": HEAD}, range(2, MINUTES + 1), 0)
     c.during("reconciler_drift", {"node": HEAD, "kind": "link"}, range(2, MINUTES + 1), 1)
     c.during("reconciler_converged", {}, range(1, MINUTES + 1), 0)
@@ -195,7 +196,7 @@ def daemon_down() -> Scenario:
     go stale, and the one page is ReconcilerDown."""
     c = healthy()
     c.during("reconciler_node_reachable", {"node": WORKER}, range(0, MINUTES + 1), 0)
-    c.during("reconciler_serving_healthy", {}, range(0, MINUTES + 1), 0)
+    c.during("reconciler_serving_healthy", SERVING, range(0, MINUTES + 1), 0)
     c.during("up", {}, range(1, MINUTES + 1), 0)
     c.stale_from(1, but="up")
     return Scenario("daemon down", c, {5: [fired("ReconcilerDown", "critical")], 30: [fired("ReconcilerDown",

@@ -34,8 +34,8 @@ def test_the_recorded_cluster_fits_and_each_budget_adds_up_by_hand(seen):
     assert set(got) == set(NODES)
     for b in got.values():
         assert b.total == TOTAL and b.needed == int(0.05 * TOTAL) + GIB and not b.over
-        assert b.words() == "default (gpu_memory_utilization 0.05 x 8.0 GiB) 0.4 GiB + policy.memory_margin 1.0 GiB = " \
-                            "1.4 GiB of 8.0 GiB"
+        assert b.words() == ("default (gpu_memory_utilization 0.05 x 8.0 GiB) 0.4 GiB + policy.memory_margin "
+                             "1.0 GiB = 1.4 GiB of 8.0 GiB")
     assert not [x for x in plan(d, seen).drift if x.resource.startswith("budget/")]
 
 

@@ -67,6 +67,8 @@ DASHBOARD_MUST_USE = {
     # issue 33: the progress of copies and cold starts, and the cold start's allowance
     "reconciler_operation_progress_ratio", "reconciler_operation_bytes_per_second", "reconciler_serving_start_stage",
     "reconciler_serving_started_timestamp_seconds", "reconciler_serving_health_timeout_seconds",
+    # issue 35: the deployments in force, and the serving panels chosen by them
+    "reconciler_deployment_info",
 }
 
 
@@ -223,6 +225,7 @@ def test_every_query_is_valid_promql(tmp_path):
     rules = []
     for i, expr in enumerate(exprs):
         expr = expr.replace("$__rate_interval", "5m").replace("$__interval", "1m").replace("$node", ".*")
+        expr = expr.replace("$deployment", ".*")
         rules.append({"record": f"spark_reconciler:query_{i}", "expr": expr})
     path = tmp_path / "queries.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "queries", "rules": rules}]}))
@@ -568,16 +571,18 @@ def test_the_grafana_rules_and_the_prometheus_rules_are_the_same_alerts():
 
 
 def test_serving_unhealthy_does_not_call_the_reconciler_vllm():
-    """reconciler_serving_healthy has no labels of its own: $labels.instance is the reconciler's address (job
-    spark-reconciler), not vLLM's, and the texts must say so."""
+    """reconciler_serving_healthy has no label but the deployment's name: $labels.instance is the reconciler's
+    address (job spark-reconciler), not vLLM's, and the texts must say so, naming the deployment (issue 35)."""
     from reconciler.loop import metrics
 
-    assert metrics.serving_healthy._labelnames == ()
+    assert metrics.serving_healthy._labelnames == ("deployment",)
     [prom] = [r for r in prometheus_rules() if r["alert"] == "ReconcilerServingUnhealthy"]
     [graf] = [r for r in grafana_rules() if r["title"] == "ReconcilerServingUnhealthy"]
     for ann in (prom["annotations"], graf["annotations"]):
         assert "served by {{ $labels.instance }}" not in ann["summary"]
         assert "reconciler at {{ $labels.instance }}" in ann["summary"], ann["summary"]
+        assert "deployment {{ $labels.deployment }}" in ann["summary"] and "{{ $labels.deployment }}" in \
+            ann["description"], ann
 
 
 # ---------------------------------------------------------------------------- docs/operations.md (issue 20)
@@ -883,16 +888,18 @@ def test_the_cold_start_allowance_is_the_share_of_health_timeout_used_while_a_st
     stops keeping quiet); nothing when no serving start is in flight."""
     panel = panel_titled("Cold start: allowance used")
     [target] = panel["targets"]
-    series = [series_of("reconciler_serving_started_timestamp_seconds", "", "0x15"),  # started at minute 0
-              series_of("reconciler_serving_health_timeout_seconds", "", "600x15"),
+    expr = grafana.interpolate(target["expr"], {"deployment": grafana.ALL})
+    series = [series_of("reconciler_serving_started_timestamp_seconds", 'deployment="default"', "0x15"),  # minute 0
+              series_of("reconciler_serving_health_timeout_seconds", 'deployment="default"', "600x15"),
               series_of("reconciler_operations_in_flight", 'kind="await-health"', "1x12 0x3"),
               series_of("reconciler_operations_in_flight", 'kind="weights"', "1x15")]
-    here = '{instance="127.0.0.1:9464",job="spark-reconciler"}'
+    here = '{deployment="default",instance="127.0.0.1:9464",job="spark-reconciler"}'
     promtool_eval(tmp_path, series, [
-        {"expr": target["expr"], "eval_time": f"{minute}m", "exp_samples": [{"labels": here, "value": share}]}
+        {"expr": expr, "eval_time": f"{minute}m", "exp_samples": [{"labels": here, "value": share}]}
         for minute, share in ((5, 0.5), (9, 0.9), (11, 1.1))] + [
-        {"expr": target["expr"], "eval_time": "14m", "exp_samples": []}])
-    config = grafana.field_config(panel, "127.0.0.1:9464", "A")
+        {"expr": expr, "eval_time": "14m", "exp_samples": []}])
+    assert target["legendFormat"] == "{{deployment}}"
+    config = grafana.field_config(panel, "default", "A")
     assert [grafana.display(v, config).colour for v in (0.5, 0.9, 1.1)] == ["blue", "orange", "red"]
     assert panel["fieldConfig"]["defaults"]["noValue"] == "no serving start in flight"
 
@@ -986,3 +993,133 @@ def test_template_variables_are_replaced_as_grafana_does():
     assert grafana.regex_value(["a.b", "c"]) == "(a\\\\.b|c)"
     with pytest.raises(KeyError):
         grafana.interpolate("$unknown", {})
+
+
+# ------------------------------------------------------ the deployment label and the info gauge (issue 35)
+
+def per_deployment_names() -> set[str]:
+    """The series with a `deployment` label: the PER_DEPLOYMENT gauges and reconciler_deployment_info."""
+    from reconciler.loop import metrics
+
+    assert all(g._labelnames == ("deployment",) for g in metrics.PER_DEPLOYMENT)
+    assert metrics.deployment_info._labelnames == metrics.INFO_LABELS and metrics.INFO_LABELS[0] == "deployment"
+    return {g._name for g in metrics.PER_DEPLOYMENT} | {metrics.deployment_info._name}
+
+
+def test_the_deployment_variable_offers_the_deployments_in_force():
+    [variable] = [v for v in dashboard()["templating"]["list"] if v["name"] == "deployment"]
+    query = "label_values(reconciler_deployment_info, deployment)"
+    assert variable["type"] == "query" and variable["definition"] == query and variable["query"]["query"] == query
+    assert variable["multi"] is True and variable["includeAll"] is True and variable["allValue"] == grafana.ALL
+    assert variable["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+def test_every_query_of_a_per_deployment_series_selects_the_chosen_deployments():
+    """A panel reading a serving series without `$deployment` would show every deployment whatever is chosen."""
+    names = per_deployment_names()
+    seen = set()
+    for panel in grafana.panels(dashboard()):
+        for target in panel["targets"]:
+            for name in names & metric_names(target["expr"]):
+                seen.add(name)
+                for m in re.finditer(rf"{re.escape(name)}\b(\{{[^}}]*\}})?", target["expr"]):
+                    assert m.group(1) and 'deployment=~"$deployment"' in m.group(1), (panel["title"], m.group(0))
+    assert seen == names
+
+
+def deployment_series(name: str, deployment: str, values: str, **labels: str) -> dict[str, str]:
+    own = ",".join([f'deployment="{deployment}"', *(f'{k}="{v}"' for k, v in labels.items())])
+    return series_of(name, own, values)
+
+
+def test_serving_health_shows_one_row_per_chosen_deployment(tmp_path):
+    """Healthy, busy (healthy + busy) and unhealthy, each deployment on its own row, named by its deployment; the
+    "Serving healthy" stat the same, one value each."""
+    timeline, stat_panel = panel_titled("Serving health"), panel_titled("Serving healthy")
+    [line], [value] = timeline["targets"], stat_panel["targets"]
+    assert line["legendFormat"] == value["legendFormat"] == "{{deployment}}"
+    series = [deployment_series("reconciler_serving_healthy", "chat", "1x3"),
+              deployment_series("reconciler_serving_busy", "chat", "1x3"),
+              deployment_series("reconciler_serving_healthy", "embed", "0x3"),
+              deployment_series("reconciler_serving_busy", "embed", "0x3")]
+    here = 'instance="127.0.0.1:9464",job="spark-reconciler"'
+    cases = []
+    for target, both in ((line, {"chat": 2, "embed": 0}), (value, {"chat": 1, "embed": 0})):
+        name = "" if target is line else ',__name__="reconciler_serving_healthy"'
+        for chosen in (["chat"], ["embed"], None):
+            expr = grafana.interpolate(target["expr"], {"deployment": grafana.regex_value(chosen)})
+            cases.append({"expr": expr, "eval_time": "1m", "exp_samples": [
+                {"labels": f'{{deployment="{d}",{here}{name}}}', "value": v} for d, v in both.items()
+                if chosen is None or d in chosen]})
+    promtool_eval(tmp_path, series, cases)
+    config = grafana.field_config(timeline, "chat", "A")
+    assert [grafana.display(v, config).text for v in (0, 1, 2)] == ["unhealthy", "healthy", "busy"]
+
+
+def test_the_cold_start_allowance_is_each_deployment_s_own(tmp_path):
+    """Two deployments of one reconciler, each its own start and health_timeout: the division joins on the
+    deployment (on job and instance alone it would match two series on each side, an error)."""
+    [target] = panel_titled("Cold start: allowance used")["targets"]
+    expr = grafana.interpolate(target["expr"], {"deployment": grafana.ALL})
+    series = [deployment_series("reconciler_serving_started_timestamp_seconds", "chat", "0x10"),
+              deployment_series("reconciler_serving_health_timeout_seconds", "chat", "600x10"),
+              deployment_series("reconciler_serving_started_timestamp_seconds", "embed", "120x10"),
+              deployment_series("reconciler_serving_health_timeout_seconds", "embed", "1200x10"),
+              series_of("reconciler_operations_in_flight", 'kind="await-health"', "1x10")]
+    here = 'instance="127.0.0.1:9464",job="spark-reconciler"'
+    promtool_eval(tmp_path, series, [{"expr": expr, "eval_time": "5m", "exp_samples": [
+        {"labels": f'{{deployment="chat",{here}}}', "value": 0.5},
+        {"labels": f'{{deployment="embed",{here}}}', "value": 0.15}]}])
+
+
+def test_the_deployments_table_shows_each_deployment_s_model_served_name_and_endpoint(tmp_path):
+    from reconciler.loop import metrics
+
+    panel = panel_titled("Deployments")
+    [target] = panel["targets"]
+    assert panel["type"] == "table" and target["format"] == "table" and target["instant"] is True
+    [organize] = [t["options"] for t in panel["transformations"] if t["id"] == "organize"]
+    assert sorted(organize["indexByName"], key=organize["indexByName"].get) == list(metrics.INFO_LABELS)
+    assert {"Time", "Value", "__name__", "job", "instance"} <= {k for k, v in organize["excludeByName"].items() if v}
+    assert panel["fieldConfig"]["defaults"]["noValue"]
+    info = {"model": "Qwen/Qwen3-Embedding-0.6B", "served_name": "embed", "endpoint": "http://10.0.0.1:8001/v1"}
+    series = [deployment_series("reconciler_deployment_info", "embed", "1x3", **info),
+              deployment_series("reconciler_deployment_info", "chat", "1x3", model="m", served_name="m",
+                                endpoint="http://127.0.0.1:8000/v1")]
+    expr = grafana.interpolate(target["expr"], {"deployment": grafana.regex_value(["embed"])})
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted({**info, "deployment": "embed", "job": "spark-reconciler",
+                                                        "instance": "127.0.0.1:9464"}.items()))
+    promtool_eval(tmp_path, series, [{"expr": expr, "eval_time": "1m", "exp_samples": [
+        {"labels": f"reconciler_deployment_info{{{labels}}}", "value": 1}]}])
+
+
+def test_the_alerts_about_serving_keep_and_name_the_deployment():
+    """Every rule reading a per-deployment series keeps the label (its firing cases in alerts.test.yaml expect it,
+    and promtool compares labels exactly) and names it in its summary and description."""
+    names = per_deployment_names()
+    serving = {r["alert"]: r for r in prometheus_rules() if names & metric_names(r["expr"])}
+    assert set(serving) == {"ReconcilerServingUnhealthy"}
+    for rule in serving.values():
+        for key in ("summary", "description"):
+            assert "{{ $labels.deployment }}" in rule["annotations"][key], (rule["alert"], key)
+    fired = [alert["exp_labels"] for group in load_yaml(ALERT_TESTS)["tests"]
+             for case in group.get("alert_rule_test", []) if case["alertname"] in serving
+             for alert in case.get("exp_alerts") or []]
+    assert fired and all("deployment" in labels for labels in fired), fired
+    assert {labels["deployment"] for labels in fired} >= {"default", "embed"}  # the single form, and one of two
+
+
+def test_the_documented_join_names_the_model_of_each_deployment(tmp_path):
+    """docs/operations.md shows how to join on the info gauge; the query runs and adds model and endpoint."""
+    blocks = re.findall(r"```promql[^\n]*\n(.*?)```", OPERATIONS.read_text(), flags=re.S)
+    [join] = [b for b in blocks if "reconciler_deployment_info" in b]
+    assert "group_left(model, endpoint)" in join and "on (job, instance, deployment)" in join
+    series = [deployment_series("reconciler_serving_healthy", "chat", "0x3"),
+              deployment_series("reconciler_serving_healthy", "embed", "1x3"),
+              deployment_series("reconciler_deployment_info", "chat", "1x3", model="m", served_name="s",
+                                endpoint="http://127.0.0.1:8000/v1"),
+              deployment_series("reconciler_deployment_info", "embed", "1x3", model="e", served_name="e",
+                                endpoint="http://127.0.0.1:8001/v1")]
+    promtool_eval(tmp_path, series, [{"expr": join, "eval_time": "1m", "exp_samples": [
+        {"labels": '{deployment="chat",endpoint="http://127.0.0.1:8000/v1",instance="127.0.0.1:9464",'
+                   'job="spark-reconciler",model="m"}', "value": 0}]}])

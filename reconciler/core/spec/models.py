@@ -397,6 +397,9 @@ class Desired(_Model):
     # The values of serving.secrets, from the reconciler's environment (with_secrets); never from the file, never
     # dumped. Compared with ==, so a rotated key is a new desired state (and a restart: the spec hash covers it).
     _secret_values: dict[str, str] = PrivateAttr(default_factory=dict)
+    # A view of one deployment of a file of several (`view`): what only the whole file can judge (our stale
+    # containers) is then judged once, on the whole, not in each view.
+    _part: bool = PrivateAttr(default=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -489,7 +492,14 @@ class Desired(_Model):
         chosen = [d for d in self.deployments if d.name == name]
         if not chosen:
             raise KeyError(f"no deployment {name!r} (the file has {', '.join(self.deployment_names)})")
-        return self.model_copy(update={"deployments": chosen})
+        out = self.model_copy(update={"deployments": chosen})
+        out._part = len(self.deployments) > 1
+        return out
+
+    @property
+    def is_part(self) -> bool:
+        """A view of one deployment of a file of several (`view`), not a whole file."""
+        return self._part
 
     def views(self) -> list[Desired]:
         return [self.view(d.name) for d in self.deployments]
