@@ -435,6 +435,9 @@ class ServeFlags(_Model):
 class Observed(_Model):
     version: Literal["spark-reconciler/observed/v1"] = SNAPSHOT_VERSION
     nodes: dict[str, NodeObservation]
+    deployment_flags: dict[str, ServeFlags] = Field(
+        default_factory=dict, description="deployment name -> what its image's `vllm serve` knows, in a file of "
+        "several (`view` puts it in `serve_flags`); empty for a file of one")
     serve_flags: ServeFlags | None = Field(None, description="what the serving image's `vllm serve` knows, asked "
                                            "once per image id; None: not asked, and a serving (re)start waits")
 
@@ -457,15 +460,17 @@ class Observed(_Model):
 
     def view(self, deployment: str) -> Observed:
         """This observation as the deployment `deployment` sees it: on each node its own weights, API and disk
-        room in the node's fields (`NodeObservation.deployments`), so the per-deployment core reads a file of
-        several as it reads a file of one. A node that holds nothing for it is left as it is."""
+        room in the node's fields (`NodeObservation.deployments`), and its image's flags (`deployment_flags`), so
+        the per-deployment core reads a file of several as it reads a file of one. A node that holds nothing for
+        it is left as it is."""
         def one(node: NodeObservation) -> NodeObservation:
             facts = node.deployments.get(deployment)
             if facts is None:
                 return node
             return node.model_copy(update={"weights": facts.weights, "serving": facts.serving,
                                            "disk_free": facts.disk_free})
-        return self.model_copy(update={"nodes": {name: one(node) for name, node in self.nodes.items()}})
+        return self.model_copy(update={"nodes": {name: one(node) for name, node in self.nodes.items()},
+                                       "serve_flags": self.deployment_flags.get(deployment, self.serve_flags)})
 
     @property
     def partial(self) -> bool:

@@ -55,7 +55,7 @@ def step_timeout(ctx: StepContext, step: Step) -> float:
     if (long := LONG_STEPS.get(step.kind)) is not None:
         return long(t)
     if step.kind == "await-health":
-        return ctx.desired.serving.health_timeout
+        return ctx.given_for(step).desired.serving.health_timeout
     return t.step
 
 

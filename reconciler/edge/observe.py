@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.observed import DeploymentFacts, Image, NodeObservation, Observed
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.image_flags import flags_once, flags_wanted
@@ -24,6 +24,7 @@ from reconciler.edge.manifest import manifest_script, parse_weights
 from reconciler.edge.probes import (
     ProbeError,
     Sealed,
+    Section,
     api_script,
     containers_script,
     disk_script,
@@ -48,24 +49,43 @@ from reconciler.edge.probes import (
     sealed,
     split_sections,
 )
-from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, node_deadline
+from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, node_deadline, quote_word
 
 
 def probe_script(desired: Desired, node: Node) -> Sealed:
-    """The script for one node: every fragment of `probes`, the head's cluster id, API and Ray too."""
+    """The script for one node: every fragment of `probes`, the head's cluster id, API and Ray too. In a file of
+    several deployments, each deployment's fragments (its image, weights, API) run under its own section prefix
+    (`PFX=NAME/`, probes.SECTION_FUNCTION)."""
     head = node.role == "head"
-    lines = [*containers_script(),
-             *(identity_script(desired.instance) if head else []), *image_script(desired.serving.image),
+    if len(desired.deployments) == 1:  # a file of one: the script as it always was
+        lines = [*containers_script(),
+                 *(identity_script(desired.instance) if head else []), *image_script(desired.serving.image),
+                 *link_script(node), *machine_script(), *listen_script(), *memory_script(),
+                 *(gpu_script() if desired.serving.docker.gpus is not None else []),
+                 *disk_script(desired.model.path_on(node.name)),
+                 manifest_script(desired.weights_root(node.name)),
+                 *(ledger_script() if desired.policy.retention.prune else [])]
+        return sealed(lines + (_api_lines(desired) if head else []))
+    views = desired.views()
+    lines = [*containers_script(), *(identity_script(desired.instance) if head else []),
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
-             *(gpu_script() if desired.serving.docker.gpus is not None else []),
-             *disk_script(desired.model.path_on(node.name)),
-             manifest_script(desired.weights_root(node.name)),
+             *(gpu_script() if any(v.serving.docker.gpus is not None for v in views) else []),
              *(ledger_script() if desired.policy.retention.prune else [])]
-    if head:
-        lines += api_script(desired)
-        if desired.serving.launcher == "ray":
-            lines += ray_script(desired.serving.container_name)
-    return sealed(lines)
+    for view in views:
+        lines += [f"PFX={quote_word(view.deployment.name + '/')}", *image_script(view.serving.image)]
+        if _has_path(view, node.name):
+            lines += [*disk_script(view.model.path_on(node.name)), manifest_script(view.weights_root(node.name))]
+        lines += _api_lines(view) if head else []
+    return sealed([*lines, "PFX="])
+
+
+def _api_lines(view: Desired) -> list[str]:
+    return [*api_script(view), *(ray_script(view.serving.container_name) if view.serving.launcher == "ray" else [])]
+
+
+def _has_path(view: Desired, node: str) -> bool:
+    """The deployment names a model path on `node` (a per-node mapping may leave out a node it never uses)."""
+    return isinstance(view.model.path, str) or node in view.model.path
 
 
 def parse_probe(desired: Desired, node: Node, output: str, nonce: str) -> NodeObservation:
@@ -73,25 +93,41 @@ def parse_probe(desired: Desired, node: Node, output: str, nonce: str) -> NodeOb
     does not parse."""
     sections = split_sections(output, nonce)
     docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
-    image = parse_image(sections.get("image"))
-    images = {desired.serving.image: image} if image else {}
     fabric, fabric_twin = parse_links(node, sections)
-    serving = identity = None
+    identity = parse_identity(sections.get("identity")) if node.role == "head" else None
+    seen = NodeObservation(
+        name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
+        listening=parse_listening(sections.get("listen")),
+        gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
+        docker_reachable=docker_ok, docker_error=docker_error, containers=containers,
+        fabric=fabric, fabric_twin=fabric_twin, memory=parse_memory(sections.get("meminfo")),
+        copies=parse_copies(sections.get("copies"), node.name), identity=identity)
+    if len(desired.deployments) == 1:
+        image, facts = _deployment_facts(desired, node, sections)
+        return seen.model_copy(update={"images": {desired.serving.image: image} if image else {},
+                                       "weights": facts.weights, "serving": facts.serving,
+                                       "disk_free": facts.disk_free})
+    images, by_deployment = {}, {}
+    for view in desired.views():
+        prefix = view.deployment.name + "/"
+        own = {name[len(prefix):]: sec for name, sec in sections.items() if name.startswith(prefix)}
+        image, by_deployment[view.deployment.name] = _deployment_facts(view, node, own)
+        if image:
+            images[view.serving.image] = image
+    return seen.model_copy(update={"images": images, "deployments": by_deployment})
+
+
+def _deployment_facts(view: Desired, node: Node, sections: dict[str, Section]) -> tuple[Image | None,
+                                                                                        DeploymentFacts]:
+    """What one deployment's fragments read on `node`: its image, and its weights, API (the head) and disk room."""
+    serving = None
     if node.role == "head":
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
                                 sections.get("completion"), sections.get("engine"), sections.get("port_owner"))
-        identity = parse_identity(sections.get("identity"))
-    return NodeObservation(
-        name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
-        listening=parse_listening(sections.get("listen")), disk_free=parse_disk(sections.get("disk")),
-        gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
-        docker_reachable=docker_ok, docker_error=docker_error,
-        containers=containers, images=images,
-        fabric=fabric, fabric_twin=fabric_twin,
-        memory=parse_memory(sections.get("meminfo")),
-        weights=parse_weights(desired.weights_root(node.name), sections.get("weights")), serving=serving,
-        copies=parse_copies(sections.get("copies"), node.name),
-        identity=identity)
+    weights = (parse_weights(view.weights_root(node.name), sections.get("weights"))
+               if _has_path(view, node.name) else None)
+    return parse_image(sections.get("image")), DeploymentFacts(weights=weights, serving=serving,
+                                                               disk_free=parse_disk(sections.get("disk")))
 
 
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,
@@ -127,10 +163,18 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel:
         nodes[node.name], durations[node.name] = probes[node.name].outcome(node_deadline(desired, node, timeout),
                                                                            cancel)
     observed = Observed(nodes=nodes)
-    if ask_flags and (wanted := flags_wanted(desired, observed)) and _starts_serving(desired, observed):
-        holder, image_id = wanted
-        observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, holder, image_id)})
-    return observed, durations
+    if not ask_flags:
+        return observed, durations
+    if len(desired.deployments) == 1:
+        if (wanted := flags_wanted(desired, observed)) and _starts_serving(desired, observed):
+            observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, *wanted)})
+        return observed, durations
+    flags = {}
+    for view in desired.views():
+        seen = observed.view(view.deployment.name)
+        if (wanted := flags_wanted(view, seen)) and _starts_serving(view, seen):
+            flags[view.deployment.name] = flags_once(view, sessions, *wanted)
+    return observed.model_copy(update={"deployment_flags": flags}), durations
 
 
 class _Probe(threading.Thread):

@@ -80,7 +80,9 @@ class Section:
 # status`, docker's JSON, file names. With a fixed `@@name`, a local user who bound the serving port while vLLM was
 # down forged the head's containers, weights, links and memory (issue 31); without the nonce no line can close a
 # section or open another.
-SECTION_FUNCTION = ("sec() { printf '\\n%s %s\\n' \"$SEAL\" \"$1\"; }; "
+# A section's name takes the prefix `$PFX` (`NAME/` while one deployment's fragments run, in a file of several;
+# empty otherwise), so each deployment's `weights`, `health`, ... are its own (observe.py).
+SECTION_FUNCTION = ("sec() { printf '\\n%s %s%s\\n' \"$SEAL\" \"${PFX:-}\" \"$1\"; }; "
                     "rc() { printf '\\n%s rc %s\\n' \"$SEAL\" \"$1\"; }")
 
 

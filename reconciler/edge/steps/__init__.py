@@ -48,6 +48,13 @@ class StepContext:
         """What the step's actions are computed from: no session, no clock."""
         return Given(self.desired, self.observed, self.generation)
 
+    def given_for(self, step: Step) -> Given:
+        """What `step` is computed from: a deployment's step of a file of several sees that deployment's views
+        of the file and of the observation (`Desired.view`, `Observed.view`), as the plan that made it did."""
+        if step.deployment is None:
+            return self.given
+        return Given(self.desired.view(step.deployment), self.observed.view(step.deployment), self.generation)
+
     def perform(self, actions: Actions) -> None:
         """Run a step's actions on the nodes (`actions.Performer`), under this step's deadline and cancel."""
         Performer(lambda node: self.sessions[node], self.desired.policy.timeouts.command, self.remaining,
@@ -90,4 +97,4 @@ def plan_of(kind: str) -> Callable[[Given, Step], Actions]:
 def runner(kind: str) -> Callable[[StepContext, Step], None]:
     """The function that performs a step kind: its actions (`plan_of`) through `StepContext.perform`."""
     body = plan_of(kind)
-    return lambda ctx, step: ctx.perform(body(ctx.given, step))
+    return lambda ctx, step: ctx.perform(body(ctx.given_for(step), step))
