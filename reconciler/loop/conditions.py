@@ -24,7 +24,7 @@ from reconciler.core.drift import (
     Drift,
     NodeCondition,
 )
-from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.observed import NodeObservation, Observed, ServingApi
 from reconciler.core.planning import Plan, kind_and_node
 
 
@@ -101,17 +101,24 @@ def _from_drift(name: str, obs: NodeObservation | None, drift: list[Drift], whic
     return _cond(name, which.type, not found, which.bad if found else which.good, _said(found))
 
 
+def _load(api: ServingApi) -> str:
+    engine = api.engine
+    return f"{engine.running:g} running, {engine.waiting:g} waiting" if engine else ""
+
+
 def _node_conditions(name: str, snap: Snapshot) -> list[Condition]:
     obs = snap.observed.nodes.get(name) if snap.observed else None  # None: a node this reconcile did not observe
     drift = [d for d in (snap.plan.drift if snap.plan else []) if d.node == name]
     out = _reachability(name, obs)
     out += [_from_drift(name, obs, drift, which) for which in DRIFT_CONDITIONS]
-    if obs is not None and obs.serving is not None:  # the head: vLLM at capacity is said, never drift
-        engine = obs.serving.engine
-        load = f"{engine.running:g} running, {engine.waiting:g} waiting" if engine else ""
-        out.append(_cond(name, "ServingBusy", obs.serving.busy, "QueueFull" if obs.serving.busy else "Answering",
-                         (f"a completion queued behind every slot while tokens keep coming ({load}): busy, not "
-                          "wedged; nothing restarts" if obs.serving.busy else load)))
+    apis = ([("", obs.serving)] if obs is not None and obs.serving is not None else []) + (
+        [(f"{d}: ", f.serving) for d, f in obs.deployments.items() if f.serving is not None] if obs else [])
+    if apis:  # the head: vLLM at capacity is said, never drift (in a file of several, each deployment's)
+        busy = [(who, api) for who, api in apis if api.busy]
+        said = [f"{who}{_load(api)}" for who, api in (busy or apis) if _load(api) or who]
+        out.append(_cond(name, "ServingBusy", bool(busy), "QueueFull" if busy else "Answering",
+                         (f"a completion queued behind every slot while tokens keep coming ({'; '.join(said)}): "
+                          "busy, not wedged; nothing restarts" if busy else "; ".join(said))))
     held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
     out.append(_cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
                      "; ".join(f"{sid}: {msg}" for sid, msg in held.items())))

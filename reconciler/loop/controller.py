@@ -41,7 +41,7 @@ from reconciler.edge.verify import NodeResult, targets, verify_node
 from reconciler.loop import conditions, metrics
 from reconciler.loop.backoff import Backoff, vetoes
 from reconciler.loop.generations import GenerationStore, observe_only
-from reconciler.loop.health_watch import HealthWatch
+from reconciler.loop.health_watch import HealthWatches
 from reconciler.loop.manager import Manager, SessionsFactory
 from reconciler.loop.operations import FlagsQuery, Operations, admit, stale, verify_conflict, verify_waits
 from reconciler.loop.status import StatusPublisher
@@ -103,7 +103,8 @@ class Controller:
         self.operations = operations or Operations(on_end=lambda: requests.request("operation"),
                                                    clock=self.monotonic)
         self.manager.follow(self.operations.view)
-        self.health = HealthWatch(wall=self.clock)
+        self.health = HealthWatches(wall=self.clock)
+        self._asking: dict[str, spec.Desired] = {}  # image id -> the deployment whose image it is (_ask_flags)
         self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
         # `reconciler verify` asks through the listener (verify_request); the verify runs beside the loop
         self.verifier = Verifier(on_end=lambda node: requests.request(f"verify-ended:{node}"), clock=self.clock,
@@ -274,14 +275,23 @@ class Controller:
         observed, durations = self._observe_fn(desired, self.sessions, timeout=desired.policy.timeouts.command,
                                                cancel=self.cancel, ask_flags=False)
         observed = self.health.annotate(desired, observed, self.monotonic())
-        observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
-        self.image_answer = observed.serve_flags  # /status shows the image's vLLM version
+        if len(desired.deployments) == 1:
+            observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
+        else:  # each deployment's image is asked (once per image id) and its answer kept under its name
+            answers = {}
+            for view in desired.views():
+                if (wanted := flags_wanted(view, observed.view(view.deployment.name))) is not None:
+                    self._asking[wanted[1]] = view
+                    answers[view.deployment.name] = self.flags.get(wanted)
+            observed = observed.model_copy(update={"deployment_flags": {k: v for k, v in answers.items() if v}})
+        self.image_answer = observed.view(desired.deployment_names[0]).serve_flags  # /status: the image's vLLM
         StatusPublisher.observation(desired, observed, durations)
         return observed
 
     def _ask_flags(self, holder: str, image_id: str) -> ServeFlags:
+        """Ask the image `image_id` on `holder`, run under the reference of the deployment that wants it."""
         assert self.desired is not None and self.sessions is not None
-        return ask_serve_flags(self.desired, self.sessions, holder, image_id)
+        return ask_serve_flags(self._asking.get(image_id, self.desired.views()[0]), self.sessions, holder, image_id)
 
     def _start(self, desired: spec.Desired, observed: Observed, current: Plan, trigger: list[str]
                ) -> tuple[Plan, int]:
@@ -405,12 +415,13 @@ class Controller:
         if self.backoff is not None and (when := self.backoff.next_due(now)) is not None:
             step = min((r.next_try, sid) for sid, r in self.backoff.records.items() if r.next_try > now)[1]
             due.append((when - now, f"backoff-ended:{step}"))
-        if self.desired is not None and observed is not None:
-            health = observed.node(self.desired.head.name).serving
-            if health is not None and health.served_before and health.unhealthy_for is not None:
+        for view in self.desired.views() if self.desired is not None and observed is not None else []:
+            seen = observed.view(view.deployment.name) if observed is not None else None
+            health = seen.node(view.head.name).serving if seen is not None else None
+            if seen is not None and health is not None and health.served_before and health.unhealthy_for is not None:
                 # A failing API sends no event, and the event that made it fail (a rank's container dying) may
                 # arrive before the state shows it: while it fails, look again often, like a readiness probe.
-                due.append((min(UNHEALTHY_RECHECK, unhealthy_grace(self.desired, observed) - health.unhealthy_for),
+                due.append((min(UNHEALTHY_RECHECK, unhealthy_grace(view, seen) - health.unhealthy_for),
                             "health-recheck"))
         if not due:
             return None

@@ -117,3 +117,35 @@ class HealthWatch:
             self.tokens = engine.tokens
         return (not serving.serves(desired.served_name) and desired.served_name in serving.models
                 and engine is not None and before is not None and engine.tokens > before)
+
+
+class HealthWatches:
+    """A `HealthWatch` per deployment: each deployment's serving has its own history (a wedged embeddings
+    server restarts on its own grace, the big model's cold start takes its own allowance). A file of one is
+    watched as it always was; in a file of several each deployment's API is annotated on its view and written
+    back where the probe put it (`NodeObservation.deployments`)."""
+
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall
+        self.watches: dict[str, HealthWatch] = {}
+
+    def watch(self, deployment: str) -> HealthWatch:
+        return self.watches.setdefault(deployment, HealthWatch(self.wall))
+
+    def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
+        names = desired.deployment_names
+        self.watches = {name: w for name, w in self.watches.items() if name in names}  # a removed one is forgotten
+        if len(names) == 1:
+            return self.watch(names[0]).annotate(desired, observed, now)
+        head = observed.nodes.get(desired.head.name)
+        if head is None:
+            return observed
+        facts = dict(head.deployments)
+        for view in desired.views():
+            name = view.deployment.name
+            if name not in facts:
+                continue
+            seen = self.watch(name).annotate(view, observed.view(name), now).node(desired.head.name).serving
+            facts[name] = facts[name].model_copy(update={"serving": seen})
+        nodes = {**observed.nodes, desired.head.name: head.model_copy(update={"deployments": facts})}
+        return observed.model_copy(update={"nodes": nodes})

@@ -177,7 +177,8 @@ def stale(step: Step, old: Desired, new: Desired) -> str | None:
     declared, a serving chain whose launch spec changed, a co-tenant now allowed, a link whose fabric changed, a
     removal whose retention changed; or when it can no longer run as it began: its node (or the node it copies
     from) is no longer declared or is reached another way (its session is rebuilt), a copy's fabric changed, a
-    fetch's node lost the internet. Everything else keeps running:
+    fetch's node lost the internet. A deployment's step is judged on that deployment's views of both files (a
+    deployment removed from the file ends its steps). Everything else keeps running:
     an edit of `max_model_len` changes the launch spec, not the weights or the image. A desired state that no
     longer enforces (observe, paused), or names another head (the lease is given back), cancels everything:
     nothing may act for it."""
@@ -192,7 +193,15 @@ def stale(step: Step, old: Desired, new: Desired) -> str | None:
             return f"{node} is no longer declared"
         if connection(old, node) != connection(new, node):
             return f"the connection to {node} changed"
-    return STALE_BY_KIND[step.kind](step, old, new)
+    name = step.deployment or (old.deployment_names[0] if len(old.deployments) == 1 else None)
+    if name is None:  # a node's own step of a file of several: a link, a co-tenant's or a stale container's stop
+        if step.kind in SERVING_CHAIN:
+            wanted = {(n.name, v.serving.container_name) for v in new.views() for n in v.serving_nodes}
+            return f"{step.container} is wanted on {step.node} again" if (step.node, step.container) in wanted else None
+        return STALE_BY_KIND[step.kind](step, old, new)
+    if name not in new.deployment_names:
+        return f"the deployment {name} is no longer declared"
+    return STALE_BY_KIND[step.kind](step, old.view(name), new.view(name))
 
 
 @dataclass

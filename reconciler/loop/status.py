@@ -114,22 +114,36 @@ class StatusPublisher:
                         1 if carries(port, link) else 0)
             if obs.memory is not None:
                 metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
-        seen = observed.nodes  # a node missing (an observation from before the file named it) shows nothing
-        source = seen[desired.source_node].weights if desired.source_node in seen else None
-        if source is not None and source.present:
-            for node in desired.serving_nodes:
-                metrics.weights_bytes.labels(node=node.name, state="expected").set(source.total_bytes)
+        expected: dict[str, int] = {}
+        synced: dict[str, int] = {}
+        for view in desired.views():  # the weights of every deployment a node serves, summed
+            seen = observed.view(view.deployment.name).nodes  # a node missing (an older observation) shows nothing
+            source = seen[view.source_node].weights if view.source_node in seen else None
+            if source is None or not source.present:
+                continue
+            for node in view.serving_nodes:
                 mine = seen[node.name].weights if node.name in seen else None
-                metrics.weights_bytes.labels(node=node.name, state="synced").set(
+                expected[node.name] = expected.get(node.name, 0) + source.total_bytes
+                synced[node.name] = synced.get(node.name, 0) + (
                     min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
-        head = seen.get(desired.head.name)
-        want = desired.served_name
+        for node_name, total in expected.items():
+            metrics.weights_bytes.labels(node=node_name, state="expected").set(total)
+            metrics.weights_bytes.labels(node=node_name, state="synced").set(synced[node_name])
+        for view in desired.views():
+            StatusPublisher._serving(view, observed.view(view.deployment.name))
+
+    @staticmethod
+    def _serving(view: Desired, observed: Observed) -> None:
+        """One deployment's serving gauges, under its `deployment` label (a name no longer in force is removed by
+        `roles`, set_deployments)."""
+        head = observed.nodes.get(view.head.name)
+        want = view.served_name
         serving = head.serving if head else None
-        deployment = desired.deployment.name  # a name no longer in force is removed by `roles` (set_deployments)
+        deployment = view.deployment.name
         metrics.serving_healthy.labels(deployment).set(1 if serving and serving.working(want) else 0)
         metrics.serving_busy.labels(deployment).set(1 if serving and serving.busy else 0)
-        metrics.serving_health_timeout.labels(deployment).set(desired.serving.health_timeout)
-        container = head.container(desired.serving.container_name) if head else None
+        metrics.serving_health_timeout.labels(deployment).set(view.serving.health_timeout)
+        container = head.container(view.serving.container_name) if head else None
         started = started_timestamp(container.started_at) if container is not None and container.running else None
         metrics.serving_started.labels(deployment).set(started or 0)
 
