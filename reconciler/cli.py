@@ -238,6 +238,10 @@ def verify(file: str, only: str | None, repair: bool, as_json: bool, url: str | 
     from reconciler.edge.verify import targets
 
     desired = _load_or_exit(file)  # the daemon has the secrets: here only policy.listen is read
+    if len(desired.deployments) > 1:
+        click.echo("verify: a verify compares one model's copies with its source: a file of several deployments "
+                   "is not verified yet", err=True)
+        sys.exit(Exit.ERROR)
     if only is not None and only not in targets(desired):
         click.echo(printable(f"verify: --node {only} is not a node to verify: the serving nodes but the source "
                              f"({desired.source_node}) are: {', '.join(targets(desired)) or 'none'}"), err=True)

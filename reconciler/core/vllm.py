@@ -27,7 +27,7 @@ from reconciler.core.observed import (
     MAX_LAUNCH_VALUE,
     Observed,
 )
-from reconciler.core.spec import Desired, Node
+from reconciler.core.spec import Desired, Node, Serving
 from reconciler.core.text import printable
 
 HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
@@ -342,6 +342,12 @@ def flag_value(args: list[str] | tuple[str, ...], flag: str) -> str | None:
         elif i + 1 < len(args):
             value = args[i + 1]
     return value
+
+
+def pools(serving: Serving) -> bool:
+    """A pooling model (`--runner pooling` in serving.extra_args: embeddings, a reranker), which serves vLLM's
+    Pooling API and no completions (docs.vllm.ai, "Pooling Models")."""
+    return flag_value(serving.extra_args, "--runner") == "pooling"
 
 
 #: The name of the margin's term in `memory_terms` (a node's budget counts it once, core/budget.py).

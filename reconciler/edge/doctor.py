@@ -302,11 +302,16 @@ def local_facts(desired: Desired, desired_path: str, env_path: Path, user: str |
 
 
 def doctor(desired: Desired, desired_path: str, env_path: Path, user: str | None = None) -> list[Check]:
-    """Every check: the nodes over the daemon's own SSH, then this host (`user`: the daemon's, `daemon_user`)."""
+    """Every check: the nodes over the daemon's own SSH, then this host (`user`: the daemon's, `daemon_user`). A
+    file of several deployments is checked for each in turn (its image, weights, tools), a check the same for
+    all of them said once."""
     local = local_facts(desired, os.path.abspath(desired_path), env_path, user)
     sessions = Sessions(desired)
+    found: list[Check] = []
     try:
-        facts = read_nodes(desired, sessions, timeout=desired.policy.timeouts.command)
+        for view in desired.views():
+            facts = read_nodes(view, sessions, timeout=view.policy.timeouts.command)
+            found += checks(view, facts, local)
     finally:
         sessions.close()
-    return checks(desired, facts, local)
+    return list(dict.fromkeys(found))

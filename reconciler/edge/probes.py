@@ -40,6 +40,7 @@ from reconciler.core.observed import (
 )
 from reconciler.core.platforms import image_platform
 from reconciler.core.spec import Desired, Node
+from reconciler.core.vllm import pools
 from reconciler.edge.ssh import ENDED_BY_TIMEOUT, CommandTimeout, Session, quote, quote_word
 
 P = ParamSpec("P")
@@ -595,10 +596,16 @@ def completion_argv(desired: Desired) -> list[str]:
 
     /health only says the API process is up: with a rank unreachable over the fabric, vLLM's /health kept
     answering 200 while completions hung (docs/testbed.md). One token through the whole tensor-parallel group is
-    the check that cannot be fooled. The served name is validated by spec; the body is JSON, quoted once."""
+    the check that cannot be fooled. The served name is validated by spec; the body is JSON, quoted once.
+    A pooling model (`--runner pooling`: embeddings, a reranker) has no completions API; vLLM's Pooling API
+    (`POST /pooling` with `input`, every pooling model: vllm/entrypoints/pooling/pooling/serving.py) takes the
+    same one pass through every rank."""
     name = desired.served_name
-    body = json.dumps({"model": name, "prompt": "ping", "max_tokens": 1, "temperature": 0})
-    url = f"http://127.0.0.1:{desired.serving.port}/v1/completions"
+    if pools(desired.serving):  # an embeddings model or a reranker answers no completion: its own request
+        body, path = json.dumps({"model": name, "input": "ping"}), "/pooling"
+    else:
+        body, path = json.dumps({"model": name, "prompt": "ping", "max_tokens": 1, "temperature": 0}), "/v1/completions"
+    url = f"http://127.0.0.1:{desired.serving.port}{path}"
     return api_argv(desired, "-s", "-m", str(COMPLETION_DEADLINE), "-H", "Content-Type: application/json",
                     "-w", "\\n%{http_code}", "-d", body, url)
 
@@ -674,7 +681,8 @@ def parse_engine(sec: Section | None) -> EngineLoad | None:
 
 @node_output("completion")
 def parse_completion(sec: Section | None) -> str | None:
-    """None when the completion answered with a choice; else a short reason (node bytes never raise)."""
+    """None when the completion answered with a choice (a pooling model's /pooling: with data); else a short
+    reason (node bytes never raise)."""
     if sec is None:
         return "not tried"
     body, _, code = sec.body.strip().rpartition("\n")
@@ -683,7 +691,8 @@ def parse_completion(sec: Section | None) -> str | None:
     if code.strip() != "200":
         return f"HTTP {code.strip() or 'none'} (curl exit {sec.rc})"
     try:
-        choices = json.loads(body).get("choices")
+        answer = json.loads(body)
+        choices = answer.get("choices", answer.get("data"))
     except (ValueError, AttributeError):
         return "the answer is not JSON"
     return None if isinstance(choices, list) and choices else "the answer has no choices"

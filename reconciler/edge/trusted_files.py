@@ -156,12 +156,11 @@ def load(path: str | Path, secrets: Secrets | None, uid: int | None = None) -> t
     """The desired state as the daemon takes it, or every reason it cannot (one line each, placed): the file's own
     problems, each secret `secrets` lacks, and each trusted file someone other than root or `uid` (default: this
     process's user; `validate` as root passes the daemon's, `daemon_user`) may change. With `secrets=None`
-    (validate --skip-secrets, export, sudoers) the secrets and the trust are not judged. A file of several
-    deployments is refused as this version cannot serve it (`spec.placing.ONE_SERVED`)."""
+    (validate --skip-secrets, export, sudoers) the secrets and the trust are not judged."""
     try:
         if secrets is None:
-            return spec.load(path, several=False), []
-        desired = spec.load(path, secrets.environ, where=secrets.where, several=False)
+            return spec.load(path), []
+        desired = spec.load(path, secrets.environ, where=secrets.where)
     except spec.InvalidDesiredState as exc:
         return None, exc.lines()
     unsafe = problems(trusted_paths(desired, path), uid)

@@ -372,6 +372,9 @@ class Controller:
         desired = self.desired
         if desired is None:
             return 409, {"reason": "no-desired-state", "error": "the daemon has no valid desired state in force"}
+        if len(desired.deployments) > 1:
+            return 409, {"reason": "several-deployments", "error": "a verify compares one model's copies with its "
+                         "source: a file of several deployments is not verified yet"}
         if repair and (desired.policy.mode != "enforce" or desired.policy.paused):
             return 409, {"reason": "not-enforcing", "error": "the daemon does not enforce (policy.mode "
                          f"{desired.policy.mode}, paused {str(desired.policy.paused).lower()}): a repair is not its"}

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--dtype", choices=["auto", "half", "float16", "bfloat16", "float", "float32"], default="auto")
     s.add_argument("--trust-remote-code", action="store_true")
+    s.add_argument("--runner", choices=["auto", "generate", "pooling", "draft"], default="auto")
+    s.add_argument("--convert", choices=["auto", "none", "embed", "classify", "reward"], default="auto")
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument(
@@ -730,7 +732,8 @@ def make_handler(engine: Engine):
             path = self.path.split("?", 1)[0]
             if self._refused(path):
                 return
-            if path not in ("/v1/completions", "/v1/chat/completions"):
+            pooling = engine.args.runner == "pooling"
+            if path not in (POOLING_ROUTES if pooling else ("/v1/completions", "/v1/chat/completions")):
                 self.reply(404, {"detail": "Not Found"})
                 return
             if not engine.healthy:
@@ -741,9 +744,36 @@ def make_handler(engine: Engine):
             if body is None:
                 self.reply(400, {"error": {"message": "Invalid JSON", "type": "BadRequestError", "code": 400}})
                 return
-            self.reply(*_complete(engine, path, body))
+            self.reply(*(_pool(engine, path, body) if pooling else _complete(engine, path, body)))
 
     return Handler
+
+
+#: What `vllm serve --runner pooling` answers instead of completions (vLLM's pooling entrypoints: the Pooling API,
+#: and the OpenAI embeddings one); a completion then gets 404, as no completions route is mounted.
+POOLING_ROUTES = ("/pooling", "/v1/embeddings")
+
+
+def _pool(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON) for a pooling request to a healthy pooling engine: one vector per input, through the
+    scheduler (one pass, no generated token), as vLLM's PoolingResponse / EmbeddingResponse shape it."""
+    model = body.get("model") or engine.served[0]
+    if model not in engine.served:
+        return 404, {"error": {"message": f"The model `{model}` does not exist.",
+                               "type": "NotFoundError", "param": None, "code": 404}}
+    inputs = body.get("input")
+    texts = inputs if isinstance(inputs, list) else [inputs]
+    tokens = sum(len(str(t).split()) for t in texts)
+    if not engine.scheduler.run(tokens, 0):
+        return 500, {"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause.",
+                               "type": "EngineDeadError", "code": 500}}
+    with engine.lock:
+        engine.requests += 1
+    kind = "embedding" if path == "/v1/embeddings" else "pooling"
+    data = [{"index": i, "object": kind, ("embedding" if kind == "embedding" else "data"): [0.0] * 8}
+            for i in range(len(texts))]
+    return 200, {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+                 "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def metrics(e: Engine) -> str:

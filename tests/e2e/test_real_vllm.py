@@ -1,8 +1,13 @@
-"""The real vLLM (0.32.0, CPU build) across the two namespace nodes: tensor parallel 2 over the fabric veth.
+"""The real vLLM (0.32.0, CPU build) across the two namespace nodes: tensor parallel 2 over the fabric veth, and
+beside it on the head a second deployment, an embeddings server (the vLLM stand-in with `--runner pooling`): the
+seed owner's mix of a big model across both Sparks and a small pooling model beside it (issue 35).
 
-Few tests, each earning its minutes, run in this order on one deployment (module fixture):
-1. seed -> converged in one `apply`: the worker's link comes up, the tiny Llama (HF cache) and the 2 GB image are
-   copied to the worker, rank 1 (headless) then rank 0 start, and a completion answers through the head;
+Few tests, each earning its minutes, run in this order on one cluster (module fixture):
+1. seed -> both deployments converged in one `apply`: the worker's link comes up, the tiny Llama (HF cache) and the
+   2 GB image are copied to the worker, rank 1 (headless) then rank 0 start, then the embeddings deployment (the
+   smaller, after the larger answers), and a completion and a pooling request answer through the head;
+1b. an edit of the embeddings deployment restarts it alone while the real vLLM keeps answering, and an edit that
+   over-commits the head is refused with nothing stopped;
 2. a serving change (max_model_len) restarts in order and answers again;
 3. the worker's fabric link goes down under the running deployment: what vLLM does is recorded (measured on
    2026-12-03: /health kept answering 200 while a completion hung), the reconciler sees the drift (the link, and
@@ -15,12 +20,15 @@ Every check reads the nodes directly (testbed exec/docker), not the reconciler's
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import yaml
 
+from testbed.layout import MODELS, SERVED_MODEL
 from testbed.proc import wait_for
 from testbed.realvllm import image
+from testbed.scenarios import SERVING_IMAGE
 from tests.e2e.test_busy import load
 from tests.e2e.test_converge import containers, content_hashes, reconciler
 from tests.e2e.test_loop import serving_ids
@@ -47,11 +55,51 @@ def health(tb) -> str:
     return tb.exec("head", "curl -s -o /dev/null -m 5 -w '%{http_code}' http://127.0.0.1:8000/health").stdout
 
 
+EMBED_PORT = 8003  # beside the seed's co-tenants on :8001 and :8002
+EMBED_NAME = "tiny-embed"
+
+
+def pooling(tb, timeout: int = 30) -> tuple[int, dict | None]:
+    """(curl exit code, answer) of one request to the embeddings deployment's Pooling API on the head."""
+    body = json.dumps({"model": EMBED_NAME, "input": "Hello"})
+    res = tb.exec("head", f"curl -s -m {timeout} -H 'Content-Type: application/json' -d '{body}' "
+                          f"http://127.0.0.1:{EMBED_PORT}/pooling")
+    try:
+        return res.returncode, json.loads(res.stdout)
+    except ValueError:
+        return res.returncode, None
+
+
+def as_mix(single: dict, embed_gmu: float = 0.05) -> dict:
+    """The real vLLM's desired state as the list form: `moe` (the real vLLM, TP 2 over both nodes) and `embed`,
+    a pooling deployment on the head (the stand-in image and the tiny MoE the seed holds there)."""
+    data = dict(single)
+    moe = {"name": "moe", "model": data.pop("model"), "serving": data.pop("serving")}
+    model = {**moe["model"], "id": SERVED_MODEL, "revision": MODELS[SERVED_MODEL]}
+    serving = {**moe["serving"], "image": SERVING_IMAGE, "container_name": "vllm_embed", "port": EMBED_PORT,
+               "nodes": ["head"], "tensor_parallel_size": 1, "gpu_memory_utilization": embed_gmu,
+               "served_model_name": EMBED_NAME, "health_timeout": "2m", "extra_args": ["--runner", "pooling"],
+               "env": {"STANDIN_DEVICE_MEMORY_URL": "http://127.0.0.1:9479/", "STANDIN_RUNTIME_BYTES": "134217728"}}
+    return {"nodes": data.pop("nodes"), "deployments": [moe, {"name": "embed", "model": model, "serving": serving}],
+            **data}
+
+
+def moe(data: dict) -> dict:
+    """The real vLLM's serving section of the mix."""
+    return data["deployments"][0]["serving"]
+
+
+def written(path, data: dict):
+    path.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
+    return path
+
+
 @pytest.fixture(scope="module")
-def real(testbed):
-    """The seed scenario serving with the real vLLM: its image and the tiny model on the head only."""
+def real(testbed, tmp_path_factory):
+    """The seed scenario serving the mix: the real vLLM's image and the tiny model on the head only."""
     tb = testbed.reset("seed")
-    return tb, tb.real_vllm()
+    single = yaml.safe_load(tb.real_vllm().read_text())
+    return tb, written(tmp_path_factory.mktemp("mix") / "mix.yaml", as_mix(single))
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +114,14 @@ def test_seed_converges_with_the_real_vllm_in_one_apply(deployed):
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "Converged" in result.stdout
     done = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
-    for step in ("link/worker", "image/worker", "weights/worker", "start-serving/worker", "start-serving/head",
-                 "await-health/head"):
+    for step in ("link/worker", "image/worker/@moe", "weights/worker/@moe", "start-serving/worker/@moe",
+                 "start-serving/head/@moe", "await-health/head/@moe", "start-serving/head/@embed",
+                 "await-health/head/@embed"):
         assert step in done, (step, done)
-    assert done.index("start-serving/worker") < done.index("start-serving/head"), "rank 1 first, rank 0 last"
+    assert done.index("start-serving/worker/@moe") < done.index("start-serving/head/@moe"), "rank 1 first"
+    assert done.index("await-health/head/@moe") < done.index("start-serving/head/@embed"), "the larger first"
 
-    spec = yaml.safe_load(desired.read_text())
+    spec = yaml.safe_load(desired.read_text())["deployments"][0]
     hub = f"models--{image.MODEL_ID.replace('/', '--')}"
     src = content_hashes(tb, "head", f"{spec['model']['path']['head']}/{hub}")
     assert content_hashes(tb, "worker", f"{spec['model']['path']['worker']}/{hub}") == src
@@ -87,6 +137,57 @@ def test_seed_converges_with_the_real_vllm_in_one_apply(deployed):
     assert "world_size=2" in logs and "backend=gloo" in logs, "a real two-rank group, over gloo"
     rc, answer = completion(tb)
     assert rc == 0 and answer and answer["choices"][0]["text"], answer
+    rc, pooled = pooling(tb)
+    assert rc == 0 and pooled and pooled["data"], pooled
+    embed = containers(tb, "head")["vllm_embed"]
+    assert embed["State"]["Running"] and "pooling" in embed["Args"] and "vllm_embed" not in containers(tb, "worker")
+
+
+def test_an_edit_of_one_deployment_restarts_it_alone_while_the_other_answers(deployed, tmp_path):
+    """The embeddings deployment's max_model_len changes: its container is replaced, the real vLLM's ranks are
+    not, and completions through the head answer all along (asked every second while the apply runs)."""
+    tb, desired, _ = deployed
+    data = yaml.safe_load(desired.read_text())
+    before = {n: {c: containers(tb, n)[c]["Id"] for c in containers(tb, n) if c in ("vllm_serving", "vllm_embed")}
+              for n in ("head", "worker")}
+    data["deployments"][1]["serving"]["max_model_len"] = 2048
+    edit = written(tmp_path / "embed.yaml", data)
+    answers: list[int] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        while not done.is_set() and len(answers) < 600:  # bounded: at most 10 minutes of one request a second
+            answers.append(completion(tb, timeout=10)[0])
+            done.wait(1)
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    try:
+        result = reconciler("apply", str(edit), "--yes", timeout=START_TIMEOUT)
+    finally:
+        done.set()
+        asking.join(30)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    order = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
+    assert order == ["stop-serving/head/vllm_embed/@embed", "start-serving/head/@embed", "await-health/head/@embed"]
+    after = {n: {c: containers(tb, n)[c]["Id"] for c in containers(tb, n) if c in ("vllm_serving", "vllm_embed")}
+             for n in ("head", "worker")}
+    assert after["head"]["vllm_serving"] == before["head"]["vllm_serving"]
+    assert after["worker"] == before["worker"] and after["head"]["vllm_embed"] != before["head"]["vllm_embed"]
+    assert answers and all(rc == 0 for rc in answers), answers
+    assert pooling(tb)[0] == 0
+    written(desired, data)  # the state the next tests start from
+
+
+def test_an_edit_that_over_commits_the_head_is_refused_with_nothing_stopped(deployed, tmp_path):
+    tb, desired, _ = deployed
+    data = yaml.safe_load(desired.read_text())
+    data["deployments"][1]["serving"]["gpu_memory_utilization"] = 0.95  # 0.1 + 0.95 of the head
+    before = serving_ids(tb, "head") | serving_ids(tb, "worker")
+    result = reconciler("apply", str(written(tmp_path / "over.yaml", data)), "--yes", timeout=120)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "over-committed: moe 0.1 + embed 0.95 = 1.05" in result.stderr, result.stderr[-3000:]
+    assert serving_ids(tb, "head") | serving_ids(tb, "worker") == before
+    assert completion(tb)[0] == 0 and pooling(tb)[0] == 0
 
 
 def test_the_probe_reads_the_real_vllms_own_counters(deployed):
@@ -98,7 +199,7 @@ def test_the_probe_reads_the_real_vllms_own_counters(deployed):
     def engine() -> dict:
         out = reconciler("observe", str(desired), "--json")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        api = json.loads(out.stdout)["nodes"]["head"]["serving"]
+        api = json.loads(out.stdout)["nodes"]["head"]["deployments"]["moe"]["serving"]
         assert api["engine"] is not None, api
         return api["engine"]
 
@@ -113,16 +214,16 @@ def test_the_probe_reads_the_real_vllms_own_counters(deployed):
 def test_serving_change_restarts_in_order_and_answers_again(deployed, tmp_path):
     tb, desired, _ = deployed
     data = yaml.safe_load(desired.read_text())
-    data["serving"]["max_model_len"] = 2048
-    edit = tmp_path / "desired.yaml"
-    edit.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
+    moe(data)["max_model_len"] = 2048
+    edit = written(tmp_path / "desired.yaml", data)
     result = reconciler("apply", str(edit), "--yes", timeout=START_TIMEOUT)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     order = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
     stops = [i for i, s in enumerate(order) if s.startswith("stop-serving/")]
     starts = [i for i, s in enumerate(order) if s.startswith("start-serving/")]
     assert len(stops) == 2 and len(starts) == 2 and max(stops) < min(starts), order
-    assert order.index("start-serving/worker") < order.index("start-serving/head")
+    assert order.index("start-serving/worker/@moe") < order.index("start-serving/head/@moe")
+    assert not [s for s in order if s.endswith("/@embed")], "the other deployment is left alone"
     models = json.loads(tb.exec("head", "curl -s -m 5 http://127.0.0.1:8000/v1/models", check=True).stdout)
     assert models["data"][0]["max_model_len"] == 2048, "vLLM itself reports the new length"
     rc, answer = completion(tb)
@@ -132,9 +233,8 @@ def test_serving_change_restarts_in_order_and_answers_again(deployed, tmp_path):
 def test_fabric_link_down_is_seen_by_a_completion_and_repaired(deployed, tmp_path):
     tb, desired, _ = deployed
     data = yaml.safe_load(desired.read_text())
-    data["serving"]["max_model_len"] = 2048  # the state the previous test left
-    current = tmp_path / "desired.yaml"
-    current.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
+    moe(data)["max_model_len"] = 2048  # the state the previous test left
+    current = written(tmp_path / "desired.yaml", data)
     tb.fault("link-down", "worker")
     code = health(tb)
     rc, _ = completion(tb, timeout=10)
@@ -163,7 +263,7 @@ def test_every_slot_taken_on_the_real_vllm_is_busy_and_never_restarted(deployed,
     ranks stopped at the busiest moment). Two graces of load: a restart would have come after the first."""
     tb, desired, _ = deployed
     data = yaml.safe_load(desired.read_text())
-    data["serving"].update(max_model_len=2048, unhealthy_grace=f"{GRACE}s")  # 2048: what the tests before left
+    moe(data).update(max_model_len=2048, unhealthy_grace=f"{GRACE}s")  # 2048: what the tests before left
     data["policy"]["resync_interval"] = "3s"
     busy = tmp_path / "busy.yaml"
     busy.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))

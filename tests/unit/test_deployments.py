@@ -198,23 +198,19 @@ def test_the_schema_takes_either_form():
     assert schema["properties"]["serving"]["$ref"] == "#/$defs/Serving" and "Serving" in schema["$defs"]
 
 
-def test_what_serves_a_file_refuses_several_deployments_at_the_second_and_says_why(tmp_path, console_script):
-    """Validated and budgeted in full, a file of several deployments is not served yet: the daemon, plan and
-    apply (and validate, which judges as the daemon does) refuse it at `deployments[1]`, as any invalid file:
-    the daemon keeps the last good generation."""
+def test_validate_takes_a_file_of_several_deployments_as_the_daemon_does(tmp_path, console_script):
+    """A file of several deployments is served: `validate` (which judges as the daemon takes a file) passes it,
+    and refuses the same file over-committed, at its line."""
     import subprocess
 
     path = tmp_path / "two.yaml"
-    path.write_text(text := _two())
-    assert spec.load(path).deployment_names == ["big", "small"]
-    with pytest.raises(spec.InvalidDesiredState) as info:
-        spec.load(path, several=False)
-    line = _line_of(text, "name: small")
-    assert info.value.lines() == [f"{path}:{line}:3: deployments[1]: {spec.ONE_SERVED}"]
+    path.write_text(_two())
     result = subprocess.run([console_script, "validate", "--skip-secrets", str(path)], capture_output=True,
                             text=True, timeout=60, check=False)
-    assert result.returncode == 3 and f"{path}:{line}:3: deployments[1]: this version serves one" in result.stderr
-    single = tmp_path / "one.yaml"
-    single.write_text(as_list(BASE_YAML, "big"))
-    assert subprocess.run([console_script, "validate", "--skip-secrets", str(single)], capture_output=True,
-                          timeout=60, check=False).returncode == 0
+    assert result.returncode == 0, result.stderr
+    path.write_text(text := _two(gpu_memory_utilization=0.5))
+    result = subprocess.run([console_script, "validate", "--skip-secrets", str(path)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    line = _line_of(text, "gpu_memory_utilization: 0.5", after="name: small")
+    assert result.returncode == 3 and f"{path}:{line}:29: deployments[1].serving.gpu_memory_utilization: node " \
+        "'head-a' is over-committed" in result.stderr

@@ -37,7 +37,7 @@ from reconciler.core.spec.models import (
     WeightsPolicy,
     json_schema,
 )
-from reconciler.core.spec.placing import ENVIRONMENT, ONE_SERVED, InvalidDesiredState, load, loads
+from reconciler.core.spec.placing import ENVIRONMENT, InvalidDesiredState, load, loads
 from reconciler.core.spec.rules import KEY, ConsistencyError, MissingSecrets, consistency_problems
 from reconciler.core.spec.values import (
     RESERVED_ENV,
@@ -85,7 +85,6 @@ __all__ = [
     "ImageRef",
     "InterfaceName",
     "ENVIRONMENT",
-    "ONE_SERVED",
     "InvalidDesiredState",
     "MissingSecrets",
     "Model",

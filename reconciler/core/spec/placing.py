@@ -176,22 +176,7 @@ def _unended(doc: loader.Document) -> list[loader.Problem]:
                            "count as a desired state)")]
 
 
-#: Why a file of several deployments is refused where it would be served (the daemon, apply, plan, ...): the list
-#: is read, validated and budgeted in full, but the observation, the plan's steps and the loop act on one
-#: deployment yet; `validate` refuses it too, as it judges a file as the daemon would take it.
-ONE_SERVED = ("this version serves one deployment per file: the file is read whole and its deployments checked "
-              "together (names, ports, the memory budget), but the deployments after the first are not served "
-              "yet; keep one here, the others as allowed co-tenants with their co_tenants.memory")
-
-
-def _one_served(doc: loader.Document, desired: Desired) -> list[loader.Problem]:
-    if len(desired.deployments) < 2:
-        return []
-    where: Loc = ("deployments", 1)
-    return [loader.Problem(doc.position_of(where), loader.format_loc(where), ONE_SERVED)]
-
-
-def parse(doc: loader.Document, filename: str, several: bool = True) -> Desired:
+def parse(doc: loader.Document, filename: str) -> Desired:
     try:
         desired = Desired.model_validate(doc.data)
     except ValidationError as exc:
@@ -202,8 +187,6 @@ def parse(doc: loader.Document, filename: str, several: bool = True) -> Desired:
         raise InvalidDesiredState(filename, problems + _unended(doc)) from None
     if unended := _unended(doc):
         raise InvalidDesiredState(filename, unended)
-    if not several and (one := _one_served(doc, desired)):
-        raise InvalidDesiredState(filename, one)
     return desired
 
 
@@ -229,18 +212,16 @@ def _secret_at(doc: loader.Document, desired: Desired, name: str) -> Loc:
     return in_file(doc, ("deployments", i, "serving", "secrets", name))
 
 
-def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str = ENVIRONMENT,
-         several: bool = True) -> Desired:
+def load(path: str | Path, environ: Mapping[str, str] | None = None, where: str = ENVIRONMENT) -> Desired:
     """Load and validate a desired-state file; raise InvalidDesiredState with every problem placed. With
     `environ`, also resolve serving.secrets from it (a missing one is a problem placed at its name, saying
-    `where` it was looked for). `several=False`: what serves it refuses a file of several deployments
-    (`ONE_SERVED`)."""
+    `where` it was looked for)."""
     filename = str(path)
     try:
         doc = loader.load_file(Path(path))
     except loader.LoadError as exc:
         raise InvalidDesiredState(filename, exc.problems) from None
-    desired = parse(doc, filename, several)
+    desired = parse(doc, filename)
     if environ is None:
         return desired
     try:
