@@ -209,6 +209,17 @@ def measure_ansible(desired_path: Path, runs: int) -> list[float]:
     return out
 
 
+def two_deployments(single: Path, dest: Path) -> Path:
+    """The testbed's desired state with a second deployment beside the first (testbed.api.with_embeddings: the
+    stand-in as an embeddings server on the head), written to `dest`: the no-op cycle of the seed owner's mix."""
+    import yaml
+
+    from testbed.api import with_embeddings
+    dest.write_text(yaml.safe_dump(with_embeddings(yaml.safe_load(single.read_text())), sort_keys=False,
+                                   explicit_end=True))
+    return dest
+
+
 # -- the benchmarks ---------------------------------------------------------------------------------------------
 
 def run_noop(opts: Options) -> dict:
@@ -223,11 +234,17 @@ def run_noop(opts: Options) -> dict:
         costs = section_costs(d, repeat=opts.n(5, 1))
         opts.log(f"noop: ansible x{ansible_runs}")
         ansible = measure_ansible(d, ansible_runs)
+        opts.log(f"noop: {cycles} cycles, two deployments")
+        two = two_deployments(d, scratch_dir("noop") / "two.yaml")
+        converge(two)
+        both, both_cpu = measure_cycles(two, cycles)
     tb_left = run.leftovers
-    s_p, s_a, s_fl = summary(project), summary(ansible), summary(floor)
+    s_p, s_a, s_fl, s_two = summary(project), summary(ansible), summary(floor), summary(both)
     data = {"project": s_p, "ansible": s_a, "floor": s_fl, "section_ms_head": costs, "head_cpu": summary(cpu),
             "ansible_over_project": ratio(s_a["median"], s_p["median"]),
-            "project_over_floor": ratio(s_p["median"], s_fl["median"]), "leftovers": tb_left}
+            "project_over_floor": ratio(s_p["median"], s_fl["median"]), "two_deployments": s_two,
+            "two_deployments_head_cpu": summary(both_cpu), "two_over_one": ratio(s_two["median"], s_p["median"]),
+            "leftovers": tb_left}
     save(opts, "noop", data)
     return data
 

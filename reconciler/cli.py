@@ -96,6 +96,23 @@ def _load_or_exit(path: str, env_file: Path | None = None, uid: int | None = Non
     return desired
 
 
+def _nodes_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The options that name the nodes and how they are reached, as `discover` and `init` both take them."""
+    for option in reversed((
+            click.option("--worker", "workers", multiple=True, help="A worker's SSH address (repeat for each "
+                                                                    "worker)."),
+            click.option("--user", default="spark", show_default=True, help="SSH user on every node."),
+            click.option("--known-hosts", default="/etc/spark-reconciler/known_hosts", show_default=True,
+                         help="known_hosts every host key is checked against (strict; nothing is trusted on first "
+                              "use)."),
+            click.option("--identity", default=None, help="Private key file (default: the SSH agent / ~/.ssh "
+                                                          "keys)."),
+            click.option("--jump-through-head/--no-jump", default=True, show_default=True,
+                         help="Reach the workers through the head (like ssh -J), as an internet-less worker is."))):
+        command = option(command)
+    return command
+
+
 def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     """`reconciler --version`: `reconciler, version 0.1.0 (git 6a88048)` (click's words, which scripts already
     match, and the revision as reconciler._revision finds it)."""
@@ -396,13 +413,7 @@ def status(url: str, as_json: bool, state_dir: Path, wide: bool, watch: bool, in
 
 @main.command()
 @click.option("--head", "head", required=True, help="The head's SSH address (it runs rank 0 and the API).")
-@click.option("--worker", "workers", multiple=True, help="A worker's SSH address (repeat for each worker).")
-@click.option("--user", default="spark", show_default=True, help="SSH user on every node.")
-@click.option("--known-hosts", default="/etc/spark-reconciler/known_hosts", show_default=True,
-              help="known_hosts every host key is checked against (strict; nothing is trusted on first use).")
-@click.option("--identity", default=None, help="Private key file (default: the SSH agent / ~/.ssh keys).")
-@click.option("--jump-through-head/--no-jump", default=True, show_default=True,
-              help="Reach the workers through the head (like ssh -J), as an internet-less worker is.")
+@_nodes_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the desired state here (default: stdout).")
 @click.option("--port", default=22, show_default=True, help="SSH port.")
@@ -578,13 +589,7 @@ def _refused(exc: spec.InvalidDesiredState, document: dict[str, Any]) -> None:
                    "takes whole nodes from the head on, as many as its tensor parallel size.")
 @click.option("--list", "list_only", is_flag=True, help="List the recipes, one line each (also without --recipe).")
 @click.option("--head", default=None, help="The head's SSH address (it runs rank 0 and the API).")
-@click.option("--worker", "workers", multiple=True, help="A worker's SSH address (repeat for each worker).")
-@click.option("--user", default="spark", show_default=True, help="SSH user on every node.")
-@click.option("--known-hosts", default="/etc/spark-reconciler/known_hosts", show_default=True,
-              help="known_hosts every host key is checked against (strict; nothing is trusted on first use).")
-@click.option("--identity", default=None, help="Private key file (default: the SSH agent / ~/.ssh keys).")
-@click.option("--jump-through-head/--no-jump", default=True, show_default=True,
-              help="Reach the workers through the head (like ssh -J), as an internet-less worker is.")
+@_nodes_options
 @click.option("--models-path", default=None,
               help="The Hugging Face hub directory of every node, where the models are.  "
                    "[default: /home/USER/.cache/huggingface/hub]")

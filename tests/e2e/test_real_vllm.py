@@ -25,10 +25,9 @@ import threading
 import pytest
 import yaml
 
-from testbed.layout import MODELS, SERVED_MODEL
+from testbed.api import EMBED_NAME, EMBED_PORT, with_embeddings
 from testbed.proc import wait_for
 from testbed.realvllm import image
-from testbed.scenarios import SERVING_IMAGE
 from tests.e2e.test_busy import load
 from tests.e2e.test_converge import containers, content_hashes, reconciler
 from tests.e2e.test_loop import serving_ids
@@ -55,10 +54,6 @@ def health(tb) -> str:
     return tb.exec("head", "curl -s -o /dev/null -m 5 -w '%{http_code}' http://127.0.0.1:8000/health").stdout
 
 
-EMBED_PORT = 8003  # beside the seed's co-tenants on :8001 and :8002
-EMBED_NAME = "tiny-embed"
-
-
 def pooling(tb, timeout: int = 30) -> tuple[int, dict | None]:
     """(curl exit code, answer) of one request to the embeddings deployment's Pooling API on the head."""
     body = json.dumps({"model": EMBED_NAME, "input": "Hello"})
@@ -68,20 +63,6 @@ def pooling(tb, timeout: int = 30) -> tuple[int, dict | None]:
         return res.returncode, json.loads(res.stdout)
     except ValueError:
         return res.returncode, None
-
-
-def as_mix(single: dict, embed_gmu: float = 0.05) -> dict:
-    """The real vLLM's desired state as the list form: `moe` (the real vLLM, TP 2 over both nodes) and `embed`,
-    a pooling deployment on the head (the stand-in image and the tiny MoE the seed holds there)."""
-    data = dict(single)
-    moe = {"name": "moe", "model": data.pop("model"), "serving": data.pop("serving")}
-    model = {**moe["model"], "id": SERVED_MODEL, "revision": MODELS[SERVED_MODEL]}
-    serving = {**moe["serving"], "image": SERVING_IMAGE, "container_name": "vllm_embed", "port": EMBED_PORT,
-               "nodes": ["head"], "tensor_parallel_size": 1, "gpu_memory_utilization": embed_gmu,
-               "served_model_name": EMBED_NAME, "health_timeout": "2m", "extra_args": ["--runner", "pooling"],
-               "env": {"STANDIN_DEVICE_MEMORY_URL": "http://127.0.0.1:9479/", "STANDIN_RUNTIME_BYTES": "134217728"}}
-    return {"nodes": data.pop("nodes"), "deployments": [moe, {"name": "embed", "model": model, "serving": serving}],
-            **data}
 
 
 def moe(data: dict) -> dict:
@@ -99,7 +80,7 @@ def real(testbed, tmp_path_factory):
     """The seed scenario serving the mix: the real vLLM's image and the tiny model on the head only."""
     tb = testbed.reset("seed")
     single = yaml.safe_load(tb.real_vllm().read_text())
-    return tb, written(tmp_path_factory.mktemp("mix") / "mix.yaml", as_mix(single))
+    return tb, written(tmp_path_factory.mktemp("mix") / "mix.yaml", with_embeddings(single))
 
 
 @pytest.fixture(scope="module")

@@ -214,3 +214,17 @@ def test_validate_takes_a_file_of_several_deployments_as_the_daemon_does(tmp_pat
     line = _line_of(text, "gpu_memory_utilization: 0.5", after="name: small")
     assert result.returncode == 3 and f"{path}:{line}:29: deployments[1].serving.gpu_memory_utilization: node " \
         "'head-a' is over-committed" in result.stderr
+
+
+def test_the_testbeds_mix_validates_and_each_deployment_keeps_its_launch():
+    """testbed.api.with_embeddings (the e2e's and the bench's mix): the testbed's file plus an embeddings server
+    on the head validates, and the first deployment renders exactly the launch it had alone (no restart)."""
+    from testbed.api import EMBED_PORT, with_embeddings
+
+    single = spec.loads(SAMPLES["desired-state/testbed.yaml"])
+    mix = spec.loads(_text(with_embeddings(_data(SAMPLES["desired-state/testbed.yaml"]))))
+    assert mix.deployment_names == ["moe", "embed"]
+    assert launch_specs(mix.view("moe")) == launch_specs(single)
+    [embed] = launch_specs(mix.view("embed"))
+    assert embed.node == "head" and f"--port {EMBED_PORT}" in " ".join(embed.command)
+    assert "--runner pooling" in " ".join(embed.command)
