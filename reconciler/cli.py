@@ -567,17 +567,10 @@ def _init_text(document: dict[str, Any], used: list[Recipe], drafts: list[NodeDr
     return "\n".join(map(printable, _dump(out).split("\n")))
 
 
-def _refused(exc: spec.InvalidDesiredState, document: dict[str, Any]) -> None:
+def _refused(exc: spec.InvalidDesiredState) -> None:
     """Why the composition is not a valid file, then exit 3: nothing is written."""
-    from reconciler.core.recipes import off_the_head
-
     for problem in exc.problems:
         click.echo(printable(f"init: {problem.path}: {problem.message}"), err=True)
-    for name in off_the_head(document):
-        click.echo(printable(f"init: {name} is placed without the head, and the spec requires the head among every "
-                             "deployment's serving nodes (reconciler/core/spec/rules.py, _listed_serving_nodes: it "
-                             "runs rank 0 and the API); a worker-only deployment awaits that rule's change"),
-                   err=True)
     click.echo("init: nothing written", err=True)
     sys.exit(Exit.INVALID)
 
@@ -628,7 +621,7 @@ def init(picks: tuple[str, ...], list_only: bool, head: str | None, workers: tup
     try:
         spec.loads(text, filename=str(output or "<init>"))
     except spec.InvalidDesiredState as exc:
-        _refused(exc, document)
+        _refused(exc)
     if output is None:
         click.echo(text, nl=False)
     else:

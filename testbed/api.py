@@ -351,23 +351,24 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
     return "\n".join(out) + "\n"
 
 
-#: The second deployment of the seed owner's mix on the testbed: an embeddings server beside the first
-#: deployment on the head (the vLLM stand-in with `--runner pooling`, the tiny MoE the head holds), on a port the
-#: seed's co-tenants (:8001, :8002) leave free.
+#: The second deployment of the seed owner's mix on the testbed: an embeddings server on the worker alone (the
+#: vLLM stand-in with `--runner pooling`, the tiny MoE of the head, both copied to the internet-less worker by the
+#: reconciler), on a port the seed's co-tenants (:8001, :8002) leave free.
 EMBED_PORT = 8003
 EMBED_NAME = "tiny-embed"
 
 
 def with_embeddings(single: dict, first: str = "moe", embed_gmu: float = 0.05) -> dict:
     """A desired state of the single form (as `yaml.safe_load` reads it) as the list form of two deployments: its
-    own as `first`, and `embed` beside it on the head: the seed owner's mix of a model across the nodes and a
-    small pooling model (issue 35). What the stand-in needs of the device-memory stand-in is set on it."""
+    own as `first`, and `embed` on the first worker alone, its rank 0 and API there: the seed owner's mix of a
+    model across the nodes and a small pooling model on the worker (issue 35). What the stand-in needs of the
+    device-memory stand-in is set on it."""
     data = dict(single)
     big = {"name": first, "model": data.pop("model"), "serving": data.pop("serving")}
-    head = next(n["name"] for n in data["nodes"] if n["role"] == "head")
+    worker = next(n["name"] for n in data["nodes"] if n["role"] == "worker")
     model = {**big["model"], "id": SERVED_MODEL, "revision": MODELS[SERVED_MODEL]}
     serving = {**big["serving"], "image": scenarios.SERVING_IMAGE, "container_name": "vllm_embed",
-               "port": EMBED_PORT, "nodes": [head], "tensor_parallel_size": 1, "gpu_memory_utilization": embed_gmu,
+               "port": EMBED_PORT, "nodes": [worker], "tensor_parallel_size": 1, "gpu_memory_utilization": embed_gmu,
                "served_model_name": EMBED_NAME, "health_timeout": "2m", "extra_args": ["--runner", "pooling"],
                "env": {"STANDIN_DEVICE_MEMORY_URL": "http://127.0.0.1:9479/", "STANDIN_RUNTIME_BYTES": "134217728"}}
     return {"nodes": data.pop("nodes"), "deployments": [big, {"name": "embed", "model": model, "serving": serving}],

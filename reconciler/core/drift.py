@@ -560,7 +560,7 @@ def _memory_drift_where_serving_starts(desired: Desired, observed: Observed, rea
 
 def _health_drift(desired: Desired, observed: Observed) -> list[Drift]:
     """The API on the head answers and lists the served model."""
-    head = desired.head.name
+    head = desired.api_node.name
     if not observed.node(head).usable:
         return []
     want = desired.served_name

@@ -364,21 +364,21 @@ def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], resta
 
 def unhealthy_grace(desired: Desired, observed: Observed) -> float:
     """The grace before a restart for health: serving.unhealthy_grace, doubled per restart that did not hold."""
-    health = observed.node(desired.head.name).serving
+    health = observed.node(desired.api_node.name).serving
     return health_grace(desired.serving.unhealthy_grace, health.health_restarts if health else 0)
 
 
 def _wedged_for(desired: Desired, observed: Observed) -> bool | None:
     """None: serving has not served since its start (a cold start: wait). False: it served and fails, within the
     grace (wait without a step). True: it served and has failed for the whole grace: restart in order."""
-    health = observed.node(desired.head.name).serving
+    health = observed.node(desired.api_node.name).serving
     if health is None or not health.served_before:
         return None
     return (health.unhealthy_for or 0.0) >= unhealthy_grace(desired, observed)
 
 
 def _grace_note(desired: Desired, observed: Observed) -> str:
-    health = observed.node(desired.head.name).serving
+    health = observed.node(desired.api_node.name).serving
     failing = health.unhealthy_for if health and health.unhealthy_for is not None else 0.0
     return (f"serving served, then failed its health check for {failing:.0f}s; restarted in order after "
             f"{unhealthy_grace(desired, observed):.0f}s")

@@ -166,7 +166,9 @@ def needed_binaries(desired: Desired, node: Node) -> dict[str, str]:
             "docker": "the containers", "ip": "the fabric ports (probe, link step)",
             "ping": "the link step's MTU check", "find": "the weights listing", "df": "free disk"}
     if node.role == "head":
-        need |= {"flock": "the cluster's lease", "awk": "who holds the serving port"}
+        need["flock"] = "the cluster's lease"
+    if node.name == desired.api_node.name:  # where the API runs: the head, or a deployment's first node
+        need["awk"] = "who holds the serving port"
     need["sudo"] = "the root commands of `reconciler sudoers`"  # the link step's, at least
     targets = _copy_targets(desired)
     if targets and node.name == desired.source_node:

@@ -219,10 +219,3 @@ def compose(recipes: Mapping[str, Recipe], picks: Sequence[Pick], nodes: Sequenc
         taken.add(name)
         deployments.append(deployment(recipe, index, _span(recipe, pick, nodes), name, models_path))
     return {"nodes": list(nodes), "deployments": deployments}
-
-
-def off_the_head(document: Mapping[str, Any]) -> list[str]:
-    """The deployments of a composed document placed on nodes without the head (`--recipe NAME@worker`): the spec
-    still asks for the head in every deployment's serving nodes (it runs rank 0 and the API), so `init` says so."""
-    heads = {n["name"] for n in document["nodes"] if n["role"] == "head"}
-    return [d["name"] for d in document["deployments"] if not heads & set(d["serving"]["nodes"])]

@@ -185,7 +185,7 @@ def at_start(spec: LaunchSpec, carrying: list[str]) -> LaunchSpec:
 
 
 def _env(desired: Desired, node: Node) -> dict[str, str]:
-    head_ip = str(desired.head.fabric.address.ip)
+    head_ip = str(desired.api_node.fabric.address.ip)  # rank 0's: the rendezvous
     iface = node.fabric.interface
     env = {
         "VLLM_HOST_IP": str(node.fabric.address.ip),
@@ -419,7 +419,7 @@ def launch_specs(desired: Desired, instance: str | None = None) -> list[LaunchSp
     when not given, for what only compares hashes and ports (the label is not hashed)."""
     s = desired.serving
     nodes = desired.serving_nodes
-    head_ip = str(desired.head.fabric.address.ip)
+    head_ip = str(desired.api_node.fabric.address.ip)  # rank 0's: the rendezvous
     specs = []
     for rank, node in enumerate(nodes):
         mount, model_arg, _ = _model_mount(desired, node)
@@ -471,7 +471,7 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
     start` does not read them, as that only shows when its own launch changed too."""
     s, model, docker = desired.serving, desired.model, desired.serving.docker
     span = desired.serving_nodes
-    me, head = f"nodes.{node.name}.", f"nodes.{desired.head.name}."
+    me, head = f"nodes.{node.name}.", f"nodes.{desired.api_node.name}."
     out = {
         "serving.container_name": s.container_name, "serving.image": s.image, "serving.launcher": s.launcher,
         "serving.nodes": ",".join(n.name for n in span),  # the rank and the group's size
@@ -491,7 +491,7 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
         me + "fabric.interface": node.fabric.interface, me + "fabric.address": str(node.fabric.address.ip),
         me + "fabric.rdma_device": node.fabric.rdma_device or "",
         me + "fabric.twin.rdma_device": (node.fabric.twin.rdma_device or "") if node.fabric.twin else "",
-        head + "fabric.address": str(desired.head.fabric.address.ip),
+        head + "fabric.address": str(desired.api_node.fabric.address.ip),
     }
     if model.layout == "hf-cache":  # plain serves the mounted directory: neither is rendered
         out |= {"model.id": model.id, "model.revision": model.revision}
@@ -499,7 +499,7 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
         out["serving.master_port"] = str(s.master_port)
     if s.launcher == "ray":
         out["serving.ray_port"] = str(s.ray_port)
-        if node.name == desired.head.name:  # its keep_local names what the other ranks set and it does not
+        if node.name == desired.api_node.name:  # its keep_local names what the other ranks set and it does not
             own = _container_env(desired, node)
             out["ray.env_of_other_ranks"] = ",".join(sorted({k for n in span for k in _container_env(desired, n)}
                                                             - set(own)))

@@ -53,9 +53,9 @@ from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, node_dead
 
 
 def probe_script(desired: Desired, node: Node) -> Sealed:
-    """The script for one node: every fragment of `probes`, the head's cluster id, API and Ray too. In a file of
-    several deployments, each deployment's fragments (its image, weights, API) run under its own section prefix
-    (`PFX=NAME/`, probes.SECTION_FUNCTION)."""
+    """The script for one node: every fragment of `probes`, the head's cluster id, and where a deployment's rank 0
+    runs (`Desired.api_node`) its API and Ray. In a file of several deployments, each deployment's fragments (its
+    image, weights, API) run under its own section prefix (`PFX=NAME/`, probes.SECTION_FUNCTION)."""
     head = node.role == "head"
     if len(desired.deployments) == 1:  # a file of one: the script as it always was
         lines = [*containers_script(),
@@ -65,7 +65,7 @@ def probe_script(desired: Desired, node: Node) -> Sealed:
                  *disk_script(desired.model.path_on(node.name)),
                  manifest_script(desired.weights_root(node.name)),
                  *(ledger_script() if desired.policy.retention.prune else [])]
-        return sealed(lines + (_api_lines(desired) if head else []))
+        return sealed(lines + (_api_lines(desired) if node.name == desired.api_node.name else []))
     views = desired.views()
     lines = [*containers_script(), *(identity_script(desired.instance) if head else []),
              *link_script(node), *machine_script(), *listen_script(), *memory_script(),
@@ -75,7 +75,7 @@ def probe_script(desired: Desired, node: Node) -> Sealed:
         lines += [f"PFX={quote_word(view.deployment.name + '/')}", *image_script(view.serving.image)]
         if _has_path(view, node.name):
             lines += [*disk_script(view.model.path_on(node.name)), manifest_script(view.weights_root(node.name))]
-        lines += _api_lines(view) if head else []
+        lines += _api_lines(view) if node.name == view.api_node.name else []
     return sealed([*lines, "PFX="])
 
 
@@ -121,7 +121,7 @@ def _deployment_facts(view: Desired, node: Node, sections: dict[str, Section]) -
                                                                                         DeploymentFacts]:
     """What one deployment's fragments read on `node`: its image, and its weights, API (the head) and disk room."""
     serving = None
-    if node.role == "head":
+    if node.name == view.api_node.name:  # where its API runs
         serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
                                 sections.get("completion"), sections.get("engine"), sections.get("port_owner"))
     weights = (parse_weights(view.weights_root(node.name), sections.get("weights"))

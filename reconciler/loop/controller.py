@@ -420,7 +420,7 @@ class Controller:
             due.append((when - now, f"backoff-ended:{step}"))
         for view in self.desired.views() if self.desired is not None and observed is not None else []:
             seen = observed.view(view.deployment.name) if observed is not None else None
-            health = seen.node(view.head.name).serving if seen is not None else None
+            health = seen.node(view.api_node.name).serving if seen is not None else None
             if seen is not None and health is not None and health.served_before and health.unhealthy_for is not None:
                 # A failing API sends no event, and the event that made it fail (a rank's container dying) may
                 # arrive before the state shows it: while it fails, look again often, like a readiness probe.

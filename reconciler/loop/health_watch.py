@@ -65,7 +65,7 @@ class HealthWatch:
 
     def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
         """`now`: the monotonic clock's reading for this observation."""
-        head = desired.head.name
+        head = desired.api_node.name  # where its API runs
         node = observed.nodes.get(head)  # None: an observation without the head (a snapshot's): nothing serves
         serving = node.serving if node else None
         container = node.container(desired.serving.container_name) if node else None
@@ -137,15 +137,13 @@ class HealthWatches:
         self.watches = {name: w for name, w in self.watches.items() if name in names}  # a removed one is forgotten
         if len(names) == 1:
             return self.watch(names[0]).annotate(desired, observed, now)
-        head = observed.nodes.get(desired.head.name)
-        if head is None:
-            return observed
-        facts = dict(head.deployments)
+        nodes = dict(observed.nodes)
         for view in desired.views():
-            name = view.deployment.name
-            if name not in facts:
+            name, where = view.deployment.name, view.api_node.name
+            node = nodes.get(where)
+            if node is None or name not in node.deployments:
                 continue
-            seen = self.watch(name).annotate(view, observed.view(name), now).node(desired.head.name).serving
-            facts[name] = facts[name].model_copy(update={"serving": seen})
-        nodes = {**observed.nodes, desired.head.name: head.model_copy(update={"deployments": facts})}
+            seen = self.watch(name).annotate(view, observed.view(name), now).node(where).serving
+            facts = {**node.deployments, name: node.deployments[name].model_copy(update={"serving": seen})}
+            nodes[where] = node.model_copy(update={"deployments": facts})
         return observed.model_copy(update={"nodes": nodes})

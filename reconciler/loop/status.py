@@ -136,7 +136,7 @@ class StatusPublisher:
     def _serving(view: Desired, observed: Observed) -> None:
         """One deployment's serving gauges, under its `deployment` label (a name no longer in force is removed by
         `roles`, set_deployments)."""
-        head = observed.nodes.get(view.head.name)
+        head = observed.nodes.get(view.api_node.name)
         want = view.served_name
         serving = head.serving if head else None
         deployment = view.deployment.name
@@ -153,5 +153,5 @@ def endpoint(desired: Desired) -> str:
     on the head's SSH address when serving.host is 0.0.0.0 (the API answers other machines there), on 127.0.0.1
     when vLLM binds loopback, the default (then only the head itself can ask, and a URL naming the head's address
     would be one no client can use)."""
-    host = desired.head.ssh.host if desired.serving.host == "0.0.0.0" else "127.0.0.1"
+    host = desired.api_node.ssh.host if desired.serving.host == "0.0.0.0" else "127.0.0.1"
     return f"http://{f'[{host}]' if ':' in host else host}:{desired.serving.port}/v1"

@@ -1,13 +1,14 @@
 """The real vLLM (0.32.0, CPU build) across the two namespace nodes: tensor parallel 2 over the fabric veth, and
-beside it on the head a second deployment, an embeddings server (the vLLM stand-in with `--runner pooling`): the
-seed owner's mix of a big model across both Sparks and a small pooling model beside it (issue 35).
+on the worker alone a second deployment, an embeddings server (the vLLM stand-in with `--runner pooling`): the
+seed owner's mix of a big model across both Sparks and a small pooling model on the worker (issue 35).
 
 Few tests, each earning its minutes, run in this order on one cluster (module fixture):
 1. seed -> both deployments converged in one `apply`: the worker's link comes up, the tiny Llama (HF cache) and the
-   2 GB image are copied to the worker, rank 1 (headless) then rank 0 start, then the embeddings deployment (the
-   smaller, after the larger answers), and a completion and a pooling request answer through the head;
+   2 GB image are copied to the worker, rank 1 (headless) then rank 0 start, then the embeddings deployment on the
+   worker (its model and image copied there too; the smaller, after the larger answers), and a completion through
+   the head and a pooling request on the worker answer;
 1b. an edit of the embeddings deployment restarts it alone while the real vLLM keeps answering, and an edit that
-   over-commits the head is refused with nothing stopped;
+   over-commits the worker is refused with nothing stopped;
 2. a serving change (max_model_len) restarts in order and answers again;
 3. the worker's fabric link goes down under the running deployment: what vLLM does is recorded (measured on
    2026-12-03: /health kept answering 200 while a completion hung), the reconciler sees the drift (the link, and
@@ -55,9 +56,9 @@ def health(tb) -> str:
 
 
 def pooling(tb, timeout: int = 30) -> tuple[int, dict | None]:
-    """(curl exit code, answer) of one request to the embeddings deployment's Pooling API on the head."""
+    """(curl exit code, answer) of one request to the embeddings deployment's Pooling API on the worker."""
     body = json.dumps({"model": EMBED_NAME, "input": "Hello"})
-    res = tb.exec("head", f"curl -s -m {timeout} -H 'Content-Type: application/json' -d '{body}' "
+    res = tb.exec("worker", f"curl -s -m {timeout} -H 'Content-Type: application/json' -d '{body}' "
                           f"http://127.0.0.1:{EMBED_PORT}/pooling")
     try:
         return res.returncode, json.loads(res.stdout)
@@ -96,11 +97,11 @@ def test_seed_converges_with_the_real_vllm_in_one_apply(deployed):
     assert "Converged" in result.stdout
     done = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
     for step in ("link/worker", "image/worker/@moe", "weights/worker/@moe", "start-serving/worker/@moe",
-                 "start-serving/head/@moe", "await-health/head/@moe", "start-serving/head/@embed",
-                 "await-health/head/@embed"):
+                 "start-serving/head/@moe", "await-health/head/@moe", "image/worker/@embed",
+                 "weights/worker/@embed", "start-serving/worker/@embed", "await-health/worker/@embed"):
         assert step in done, (step, done)
     assert done.index("start-serving/worker/@moe") < done.index("start-serving/head/@moe"), "rank 1 first"
-    assert done.index("await-health/head/@moe") < done.index("start-serving/head/@embed"), "the larger first"
+    assert done.index("await-health/head/@moe") < done.index("start-serving/worker/@embed"), "the larger first"
 
     spec = yaml.safe_load(desired.read_text())["deployments"][0]
     hub = f"models--{image.MODEL_ID.replace('/', '--')}"
@@ -120,8 +121,8 @@ def test_seed_converges_with_the_real_vllm_in_one_apply(deployed):
     assert rc == 0 and answer and answer["choices"][0]["text"], answer
     rc, pooled = pooling(tb)
     assert rc == 0 and pooled and pooled["data"], pooled
-    embed = containers(tb, "head")["vllm_embed"]
-    assert embed["State"]["Running"] and "pooling" in embed["Args"] and "vllm_embed" not in containers(tb, "worker")
+    embed = containers(tb, "worker")["vllm_embed"]
+    assert embed["State"]["Running"] and "pooling" in embed["Args"] and "vllm_embed" not in containers(tb, "head")
 
 
 def test_an_edit_of_one_deployment_restarts_it_alone_while_the_other_answers(deployed, tmp_path):
@@ -149,20 +150,21 @@ def test_an_edit_of_one_deployment_restarts_it_alone_while_the_other_answers(dep
         asking.join(30)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     order = [line.split()[1] for line in result.stdout.splitlines() if line.strip().startswith("ok ")]
-    assert order == ["stop-serving/head/vllm_embed/@embed", "start-serving/head/@embed", "await-health/head/@embed"]
+    assert order == ["stop-serving/worker/vllm_embed/@embed", "start-serving/worker/@embed",
+                     "await-health/worker/@embed"]
     after = {n: {c: containers(tb, n)[c]["Id"] for c in containers(tb, n) if c in ("vllm_serving", "vllm_embed")}
              for n in ("head", "worker")}
-    assert after["head"]["vllm_serving"] == before["head"]["vllm_serving"]
-    assert after["worker"] == before["worker"] and after["head"]["vllm_embed"] != before["head"]["vllm_embed"]
+    assert after["head"] == before["head"] and after["worker"]["vllm_serving"] == before["worker"]["vllm_serving"]
+    assert after["worker"]["vllm_embed"] != before["worker"]["vllm_embed"]
     assert answers and all(rc == 0 for rc in answers), answers
     assert pooling(tb)[0] == 0
     written(desired, data)  # the state the next tests start from
 
 
-def test_an_edit_that_over_commits_the_head_is_refused_with_nothing_stopped(deployed, tmp_path):
+def test_an_edit_that_over_commits_the_worker_is_refused_with_nothing_stopped(deployed, tmp_path):
     tb, desired, _ = deployed
     data = yaml.safe_load(desired.read_text())
-    data["deployments"][1]["serving"]["gpu_memory_utilization"] = 0.95  # 0.1 + 0.95 of the head
+    data["deployments"][1]["serving"]["gpu_memory_utilization"] = 0.95  # 0.1 + 0.95 of the worker
     before = serving_ids(tb, "head") | serving_ids(tb, "worker")
     result = reconciler("apply", str(written(tmp_path / "over.yaml", data)), "--yes", timeout=120)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]

@@ -218,7 +218,7 @@ def test_validate_takes_a_file_of_several_deployments_as_the_daemon_does(tmp_pat
 
 def test_the_testbeds_mix_validates_and_each_deployment_keeps_its_launch():
     """testbed.api.with_embeddings (the e2e's and the bench's mix): the testbed's file plus an embeddings server
-    on the head validates, and the first deployment renders exactly the launch it had alone (no restart)."""
+    on the worker validates, and the first deployment renders exactly the launch it had alone (no restart)."""
     from testbed.api import EMBED_PORT, with_embeddings
 
     single = spec.loads(SAMPLES["desired-state/testbed.yaml"])
@@ -226,5 +226,5 @@ def test_the_testbeds_mix_validates_and_each_deployment_keeps_its_launch():
     assert mix.deployment_names == ["moe", "embed"]
     assert launch_specs(mix.view("moe")) == launch_specs(single)
     [embed] = launch_specs(mix.view("embed"))
-    assert embed.node == "head" and f"--port {EMBED_PORT}" in " ".join(embed.command)
+    assert embed.node == "worker" and f"--port {EMBED_PORT}" in " ".join(embed.command)
     assert "--runner pooling" in " ".join(embed.command)

@@ -150,3 +150,29 @@ def test_an_edit_of_one_deployment_restarts_that_one_only(seen):
     assert ids(result.steps) == ["stop-serving/head/vllm_small/@small", "start-serving/head/@small",
                                  "await-health/head/@small"]
     assert result.downtime is not None and result.downtime.nodes == ("head",)
+
+
+def _on_worker() -> spec.Desired:
+    """`small` on worker1 alone: its rank 0 and API there (`Desired.api_node`)."""
+    data = _two().model_dump(mode="json")
+    data["deployments"][1]["serving"]["nodes"] = ["worker1"]
+    return spec.Desired.model_validate(data)
+
+
+def test_a_deployment_on_a_worker_alone_starts_there_and_is_asked_there(seen):
+    """Its start, its wait for health and its health drift are on worker1; the probe asks its API there and
+    nowhere else (no such port on the head)."""
+    from reconciler.edge.observe import probe_script
+
+    d = _on_worker()
+    assert d.view("small").api_node.name == "worker1" and d.view("big").api_node.name == "head"
+    worker = seen.node("worker1")
+    facts = {"small": DeploymentFacts(weights=worker.weights, serving=ServingApi(), disk_free=worker.disk_free)}
+    result = plan(d, changed(seen, "worker1", deployments=facts))
+    assert ids(result.steps) == ["start-serving/worker1/@small", "await-health/worker1/@small"]
+    assert {(x.node, x.resource) for x in result.drift if x.deployment == "small"} == {
+        ("worker1", "container/vllm_small"), ("worker1", "api/:8003")}
+    assert "127.0.0.1:8003/health" in probe_script(d, d.node("worker1")).script
+    assert "127.0.0.1:8003/health" not in probe_script(d, d.node("head")).script
+    [rank] = launch_specs(d.view("small"))
+    assert rank.node == "worker1" and rank.env["MASTER_ADDR"] == str(d.node("worker1").fabric.address.ip)

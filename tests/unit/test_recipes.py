@@ -232,10 +232,12 @@ def test_a_recipe_placed_on_a_node_runs_there_and_a_tp2_recipe_cannot_be():
         document("qwen3.5-122b-fp8", nodes=PAIR[:1])
 
 
-def test_a_worker_only_placement_is_refused_by_the_head_rule_until_it_changes():
-    lines = refusals("bge-m3@worker")
-    assert lines and all("the head must be one of the serving nodes" in line for line in lines), lines
-    assert recipes.off_the_head(document("qwen3.5-122b-fp8", "bge-m3@worker")) == ["bge-m3"]
+def test_a_worker_only_placement_validates_with_its_api_on_the_worker():
+    """The seed owner's worker ran embeddings of its own: `bge-m3@worker` is a deployment on the worker alone,
+    whose rank 0 and API run there (`Desired.api_node`)."""
+    assert refusals("bge-m3@worker") == []
+    d = spec.Desired.model_validate(document("qwen3.5-122b-fp8", "bge-m3@worker"))
+    assert d.view("bge-m3").api_node.name == "worker-b" and d.view("qwen35-122b-fp8").api_node.role == "head"
 
 
 # ---------------------------------------------------------------------------------------------- reconciler init
@@ -299,11 +301,12 @@ def test_init_refuses_an_over_committed_node_and_writes_nothing(console_script, 
     assert "over-committed" in result.stderr and "= 1.4" in result.stderr and "nothing written" in result.stderr
 
 
-def test_init_refuses_a_worker_only_placement_naming_the_rule(console_script, tmp_path):
+def test_init_writes_a_worker_only_placement(console_script, tmp_path):
     out = tmp_path / "cluster.yaml"
     result = run(console_script, "init", "--recipe", "bge-m3@worker", "--head", "h", "--worker", "w", "-o", out)
-    assert result.returncode == 3 and not out.exists()
-    assert "_listed_serving_nodes" in result.stderr and "the head must be one of the serving nodes" in result.stderr
+    assert result.returncode == 0, result.stderr
+    d = spec.load(out)
+    assert [n.name for n in d.view("bge-m3").serving_nodes] == [d.api_node.name] and d.api_node.role == "worker"
 
 
 def test_init_names_an_unknown_recipe_and_lists_the_recipes(console_script, tmp_path):

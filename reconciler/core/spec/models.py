@@ -446,9 +446,10 @@ class Desired(_Model):
         return out
 
     def secret_names_for(self, node: Node) -> list[str]:
-        """The secrets `node`'s serving container gets: `head` only on the head, `internet` only on nodes with
-        internet (the offline worker never holds an HF token), `serving` on every serving node."""
-        wanted = {"head": node.role == "head", "internet": node.internet, "serving": True}
+        """The secrets `node`'s serving container gets: `head` only where the API runs (`api_node`: the head, or
+        the first node of a deployment without it), `internet` only on nodes with internet (the offline worker
+        never holds an HF token), `serving` on every serving node."""
+        wanted = {"head": node.name == self.api_node.name, "internet": node.internet, "serving": True}
         return [name for name, to in self.serving.secrets.items() if wanted[to]]
 
     def secrets_for(self, node: Node) -> dict[str, str]:
@@ -540,6 +541,12 @@ class Desired(_Model):
         if self.model.layout == "plain":
             return path
         return posixpath.join(path, "models--" + self.model.id.replace("/", "--"))
+
+    @property
+    def api_node(self) -> Node:
+        """The node that runs the deployment's rank 0 and its API: the head when the deployment spans it, else its
+        first node (an embeddings server on the worker alone). Its health is asked there, on 127.0.0.1."""
+        return self.serving_nodes[0]
 
     @property
     def image_sources(self) -> list[str]:

@@ -171,7 +171,8 @@ def _gpus_needed(s: Serving) -> int:
 
 
 def _listed_serving_nodes(f: _Facts) -> list[_Problem]:
-    """serving.nodes, when given: real nodes, each once, the head among them, exactly tp x pp GPUs."""
+    """serving.nodes, when given: real nodes, each once, exactly tp x pp GPUs. Rank 0 and the API run on the head
+    when it is listed, else on the first listed node (`Desired.api_node`)."""
     s, d = f.d.serving, f.d
     if s.nodes is None:
         return []
@@ -181,8 +182,6 @@ def _listed_serving_nodes(f: _Facts) -> list[_Problem]:
             out.append((("serving", "nodes", j), f"{name!r} is not a node"))
         elif name in s.nodes[:j]:
             out.append((("serving", "nodes", j), f"{name!r} is listed twice"))
-    if f.heads and d.nodes[f.heads[0]].name not in s.nodes:
-        out.append((("serving", "nodes"), "the head must be one of the serving nodes (it runs rank 0 and the API)"))
     need, span = _gpus_needed(s), sum(d.nodes[f.index[n]].gpus for n in set(s.nodes) if n in f.index)
     if span != need:
         out.append((("serving", "tensor_parallel_size"), f"tensor_parallel_size x pipeline_parallel_size = "
