@@ -77,3 +77,17 @@ def test_a_deployment_whose_sections_are_missing_reads_as_not_answering():
     seen = parse_probe(two, two.node("head"), reseal(kept, NONCE), NONCE)
     assert seen.deployments["small"].serving == ServingApi() and not seen.deployments["small"].weights.present
     assert seen.deployments["big"].serving == parsed(load(), "head").serving
+
+
+def test_two_deployments_copies_to_one_node_write_their_own_file_lists():
+    """Two deployments' weights copies to one node run at once: each stream's file list on the source is named by
+    the tree it fills (the testbed's mix found them sharing one name: rsync then looked for one model's files in
+    the other's tree)."""
+    from reconciler.edge.steps.weights import _upload_file_list
+
+    def listed(tree: str) -> str:
+        run = next(_upload_file_list("head", "worker", tree, 0, ["a"]))
+        return run.argv[-1]
+    moe, embed = listed("/hub/models--org--moe"), listed("/hub/models--org--embed")
+    assert moe != embed and moe.startswith(".cache/spark-reconciler/rsync-worker-") and moe.endswith("-0.list")
+    assert listed("/hub/models--org--moe") == moe, "the same tree, the same list (a resumed copy rewrites it)"

@@ -202,13 +202,17 @@ class Serving(_Model):
         "becomes a source: a worker claiming to have the image cannot feed its `docker save` to the others.")
     launcher: Literal["native", "ray"] = "native"
     host: Literal["127.0.0.1", "0.0.0.0"] = Field(
-        "127.0.0.1", description="Address vLLM's API binds on the head (host network). Loopback by default: the "
+        "127.0.0.1", description="Address vLLM's API binds on its node (host network): the head, or the first "
+        "node of a deployment without it. Loopback by default: the "
         "API has no authentication unless serving.secrets holds VLLM_API_KEY. 0.0.0.0 to serve other machines: "
         "then with an API key or a proxy in front (docs/security.md). Nothing else: the reconciler's health checks "
-        "ask 127.0.0.1 on the head, which a bind to one LAN address would not answer.")
+        "ask 127.0.0.1 on that node, which a bind to one LAN address would not answer.")
     container_name: ContainerName = "vllm_serving"
     nodes: list[NodeName] | None = Field(None, description="Nodes the model spans (default: head first, then "
-                                                           "workers in file order, as many as tp x pp needs).")
+                                                           "workers in file order, as many as tp x pp needs). "
+                                                           "Rank 0 and the API run on the head when it is listed, "
+                                                           "else on the first listed node (a deployment on a worker "
+                                                           "alone).")
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
     port: Port = 8000
@@ -223,9 +227,9 @@ class Serving(_Model):
     secrets: dict[ContainerEnvName, Literal["head", "serving", "internet"]] = Field(
         default_factory=dict, description="Environment variables whose values come from the reconciler's own "
         "environment (systemd EnvironmentFile), never from this file, to the nodes that need them: `head` (the "
-        "API server: VLLM_API_KEY), `serving` (every serving node), `internet` (serving nodes with internet: "
-        "HF_TOKEN; the offline worker never gets it). Sent on docker's stdin, never written to a node's disk by "
-        "the reconciler, exported as secretKeyRef.")
+        "API server's node, the head or a worker-only deployment's own: VLLM_API_KEY), `serving` (every serving "
+        "node), `internet` (serving nodes with internet: HF_TOKEN; the offline worker never gets it). Sent on "
+        "docker's stdin, never written to a node's disk by the reconciler, exported as secretKeyRef.")
     docker: DockerOptions = Field(default_factory=DockerOptions)
     compile_cache: Literal["home"] | DataPath | None = Field(
         "home", description="Where each node keeps what vLLM compiles (torch.compile/inductor, Triton, "

@@ -238,10 +238,13 @@ def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int,
     return runs
 
 
-def _upload_file_list(source: str, target: str, index: int, files: list[str]) -> Generator[Action, Any, str]:
+def _upload_file_list(source: str, target: str, tree: str, index: int,
+                      files: list[str]) -> Generator[Action, Any, str]:
     """Write a stream's file list on the source; returns its path relative to $HOME (rsync's cwd). A file, not
-    stdin: the supervised rsync's stdin is the channel watch."""
-    listing = f".cache/spark-reconciler/rsync-{target}-{index}.list"
+    stdin: the supervised rsync's stdin is the channel watch. Named by the target and the tree it fills (a hash of
+    its root): two deployments' copies to one node run at once, and with one name each overwrote the other's list
+    (found by the seed's mix on the testbed: rsync then looked for one model's files in the other's tree)."""
+    listing = f".cache/spark-reconciler/rsync-{target}-{hashlib.sha256(tree.encode()).hexdigest()[:12]}-{index}.list"
     yield Run(source, ("sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"', listing),
               stdin=b"\0".join(f.encode() for f in files) + b"\0")
     return listing
@@ -279,7 +282,7 @@ def _streams(given: Given, step: Step, groups: list[tuple[list[str], bool]], met
     assert source is not None
     runs = []
     for index, (files, follow) in enumerate(groups):
-        listing = yield from _upload_file_list(source, target, index, files)
+        listing = yield from _upload_file_list(source, target, given.desired.weights_root(target), index, files)
         runs.append(Run(source, _rsync_argv(given.desired, source, target, listing, follow, door),
                         stdin=f"{door.secret}\n".encode() if door is not None else None,
                         timeout=given.desired.policy.timeouts.weights_sync, long=True, bulk=True,

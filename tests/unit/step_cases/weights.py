@@ -23,6 +23,7 @@ from tests.unit.step_driver import Raw
 HEAD, WORKER = "head", "worker1"
 SRC = "/srv/spark-testbed/head/models/hub/models--testorg--tiny-moe"
 DST = "/srv/spark-testbed/worker1/models/hub/models--testorg--tiny-moe"
+LIST = "ce91d70d695b"  # the first 12 hex of sha256(DST): a stream's file list is named by the tree it fills
 LISTED = sections_of(RAW["outputs"][HEAD])["weights"].body  # the head's tree as its probe printed it
 SHARDS = sorted(line.split("\t")[1] for line in LISTED.splitlines()
                 if line.startswith("E\tblobs/") and int(line.split("\t")[3]) > 1_000_000)
@@ -88,7 +89,7 @@ HOP = ("ssh -F /dev/null -o GlobalKnownHostsFile=/dev/null -o IdentitiesOnly=yes
 
 def upload(index: int) -> str:
     return (f"run {HEAD} sh -c 'mkdir -p \"$HOME/.cache/spark-reconciler\" && cat > \"$HOME/$0\"' "
-            f".cache/spark-reconciler/rsync-{WORKER}-{index}.list")
+            f".cache/spark-reconciler/rsync-{WORKER}-{LIST}-{index}.list")
 
 
 def rsync(index: int, ssh: bool = False) -> str:
@@ -99,7 +100,7 @@ def rsync(index: int, ssh: bool = False) -> str:
         words += ["-e", HOP]
     else:
         words += ["--password-file=-", "--address=10.232.0.10"]
-    words += [f"--files-from=.cache/spark-reconciler/rsync-{WORKER}-{index}.list", "--from0", f"{SRC}/",
+    words += [f"--files-from=.cache/spark-reconciler/rsync-{WORKER}-{LIST}-{index}.list", "--from0", f"{SRC}/",
               f"spark@10.232.0.11:{DST}/" if ssh else "rsync://fabric@10.232.0.11:40000/models/"]
     return f"run {HEAD} {shlex.join(words)}"
 
