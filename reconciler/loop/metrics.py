@@ -6,8 +6,8 @@ build and for each deployment, and low-cardinality labels only (node, kind, step
 deployment): never container ids or text.
 
 Every series about one deployment carries its name as the label `deployment` (PER_DEPLOYMENT, and
-`reconciler_deployment_info` with its model and endpoint), from the first version that serves one deployment per
-file: dashboards and alerts join on it (`on (job, instance, deployment)`), so serving several needs no relabelling.
+`reconciler_deployment_info` with its model and endpoint): a file of several deployments is a series each, and
+dashboards and alerts join on it (`on (job, instance, deployment)`); the single form's is `deployment="default"`.
 """
 
 from __future__ import annotations
