@@ -291,15 +291,10 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
     return out
 
 
-def _wanted(desired: Desired) -> set[tuple[str, str]]:
-    """(node, container) of every deployment's ranks: what of ours may run."""
-    return {(n.name, v.serving.container_name) for v in desired.views() for n in v.serving_nodes}
-
-
 def _stale_on(desired: Desired, node: str, obs: NodeObservation, ours: Owner) -> list[Drift]:
     """Our running containers on `node` that no deployment wants there (a node left a span, a container name
     changed, a deployment left the file): stopped, never removed; a protected one is left alone."""
-    wanted = _wanted(desired)
+    wanted = desired.serving_containers
     return [_on_container(node, "serving", c.name, "not running (no longer wanted)", "running")
             for c in obs.containers if c.owned_by(ours) and c.running and (node, c.name) not in wanted
             and not desired.co_tenants.is_protected(node, c.name)]

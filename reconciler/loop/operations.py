@@ -196,8 +196,8 @@ def stale(step: Step, old: Desired, new: Desired) -> str | None:
     name = step.deployment or (old.deployment_names[0] if len(old.deployments) == 1 else None)
     if name is None:  # a node's own step of a file of several: a link, a co-tenant's or a stale container's stop
         if step.kind in SERVING_CHAIN:
-            wanted = {(n.name, v.serving.container_name) for v in new.views() for n in v.serving_nodes}
-            return f"{step.container} is wanted on {step.node} again" if (step.node, step.container) in wanted else None
+            again = (step.node, step.container) in new.serving_containers
+            return f"{step.container} is wanted on {step.node} again" if again else None
         return STALE_BY_KIND[step.kind](step, old, new)
     if name not in new.deployment_names:
         return f"the deployment {name} is no longer declared"

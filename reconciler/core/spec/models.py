@@ -547,6 +547,11 @@ class Desired(_Model):
         return posixpath.join(path, "models--" + self.model.id.replace("/", "--"))
 
     @property
+    def serving_containers(self) -> set[tuple[str, str]]:
+        """(node, container name) of every deployment's ranks: what of this cluster's may run, and where."""
+        return {(n.name, v.serving.container_name) for v in self.views() for n in v.serving_nodes}
+
+    @property
     def api_node(self) -> Node:
         """The node that runs the deployment's rank 0 and its API: the head when the deployment spans it, else its
         first node (an embeddings server on the worker alone). Its health is asked there, on 127.0.0.1."""
