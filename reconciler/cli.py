@@ -389,6 +389,61 @@ def run(file: Path, state_dir: Path, listen: str | None, no_events: bool, log_fo
         sys.exit(1)
 
 
+_STATE_DIR = click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+                          default="/var/lib/spark-reconciler", show_default=True, envvar="RECONCILER_STATE_DIR",
+                          help="The daemon's state directory (where it keeps the history).")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@_STATE_DIR
+@click.option("--json", "as_json", is_flag=True, help="The entries and the rollback hold as JSON.")
+def history(file: Path, state_dir: Path, as_json: bool) -> None:
+    """The generations of FILE the daemon kept: when each was taken, when it first served, how it ended (docs/
+    operations.md "History and rollback"). Exit 1 when none is kept."""
+    from reconciler.loop import history as kept
+
+    found = kept.read(state_dir, file)
+    click.echo(found.to_json() if as_json else found.table())
+    sys.exit(Exit.OK if found.entries else Exit.ERROR)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.argument("generation", type=click.IntRange(min=1), required=False)
+@_STATE_DIR
+@_env_file_option
+def rollback(file: Path, generation: int | None, state_dir: Path, env_file: Path) -> None:
+    """Write a kept generation's text back over FILE (default: the one the daemon rolled back to, else the newest
+    that served before the newest), atomically, after a copy of what FILE held: the file stays the truth, and the
+    daemon takes it as a new generation. The text is validated first (as `validate` does); nothing is written
+    when it is not valid today."""
+    import time
+
+    from reconciler.edge import trusted_files
+    from reconciler.loop import history as kept
+
+    found = kept.read(state_dir, file)
+    try:
+        entry = kept.rollback_target(found, generation)
+    except ValueError as exc:
+        click.echo(f"reconciler rollback: {exc}", err=True)
+        sys.exit(Exit.ERROR)
+    text = kept.text_of(state_dir, file, entry.generation)
+    if text is None:
+        click.echo(f"reconciler rollback: the text of generation {entry.generation} is not kept in "
+                   f"{kept.directory(state_dir, file)}", err=True)
+        sys.exit(Exit.ERROR)
+    _, problems = trusted_files.load_text(text, file, _secrets(env_file))
+    if problems:
+        click.echo(f"reconciler rollback: generation {entry.generation} is not valid today; nothing written:\n"
+                   + "\n".join(problems), err=True)
+        sys.exit(Exit.INVALID)
+    copy = kept.write_back(file, text, time.time())
+    click.echo(f"{file}: generation {entry.generation} written back (what it held is in {copy}); the daemon takes "
+               "it as a new generation")
+
+
 @main.command()
 @click.option("--url", default="http://127.0.0.1:9464", show_default=True, envvar="RECONCILER_URL",
               help="The daemon's listener (policy.listen).")

@@ -398,6 +398,38 @@ def real_vllm() -> Path:
     return out
 
 
+#: Models beside the tiny Llama on the head: a second one that serves (a model change) and one whose start fails.
+SECOND_MODEL_ID, SECOND_MODEL_REVISION = "testorg/tiny-llama-b", "5" * 40
+BROKEN_MODEL_ID, BROKEN_MODEL_REVISION = "testorg/tiny-broken", "4" * 40
+
+
+def extra_model(model_id: str, revision: str, architecture: str | None = None) -> tuple[str, str]:
+    """Install on the head (the weights source), beside the tiny Llama, its files under another model id, so that
+    a change of `model` copies and starts a model of its own. `architecture`: written into config.json instead of
+    the Llama's; one vLLM's model registry does not know is refused at start ("Model architectures [...] are not
+    supported for now", vllm/model_executor/models/registry.py), after the weights were copied and the old
+    generation stopped: the failed change a rollback is for. Returns (model id, revision)."""
+    import json as _json
+
+    from . import weights
+    from .realvllm import image
+    files = dict(image.ensure_model())
+    if architecture is not None:
+        config = _json.loads(files["config.json"])
+        config["architectures"] = [architecture]
+        files["config.json"] = _json.dumps(config).encode()
+    snapshot = weights.install_snapshot(current_layout().head.model_root, model_id, revision, files)
+    uid, gid = scenarios.spark_ids()
+    for dirpath, dirnames, filenames in os.walk(snapshot.parent.parent):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
+    return model_id, revision
+
+
+def broken_model() -> tuple[str, str]:
+    return extra_model(BROKEN_MODEL_ID, BROKEN_MODEL_REVISION, "NoSuchForCausalLM")
+
+
 # ---- a handle for tests and benchmarks -----------------------------------------------------------------------
 
 @dataclass
@@ -457,6 +489,12 @@ class Testbed:
 
     def real_vllm(self) -> Path:
         return real_vllm()
+
+    def broken_model(self) -> tuple[str, str]:
+        return broken_model()
+
+    def second_model(self) -> tuple[str, str]:
+        return extra_model(SECOND_MODEL_ID, SECOND_MODEL_REVISION)
 
     def down(self) -> list[str]:
         return down()

@@ -50,6 +50,7 @@ class Document:
 
     data: Any
     ended: bool = True  # the text's last significant line is YAML's document end marker `...`
+    text: str = ""  # the text itself, as read: a generation's history keeps it, comments and all
     value_positions: dict[Loc, Position] = field(default_factory=dict)
     key_positions: dict[Loc, Position] = field(default_factory=dict)
 
@@ -188,6 +189,7 @@ def load_text(text: bytes) -> Document:
     builder = _Builder()
     builder.doc.data = builder.build(root, ())
     builder.doc.ended = ends_with_marker(decoded)
+    builder.doc.text = decoded
     return builder.doc
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 from reconciler.core.drift import UNUSABLE_KINDS, Drift, FieldChange, diff, image_holder
 from reconciler.core.observed import Observed
@@ -106,6 +106,9 @@ class Plan:
     trusted: tuple[str, ...] = ()  # the file's `trust` opt-ins in words: shown with every plan (docs/security.md)
     ulimits: tuple[str, ...] = ()  # the serving containers' effective `--ulimit`s: shown with every start
     downtime: Downtime | None = None  # the steps stop serving that runs
+    #: Why the image refuses the file's start, by its own answer (a flag its `vllm serve` does not know, no Ray):
+    #: a change that cannot serve, which policy.on_failed_change may roll back (reconciler.loop.history).
+    refused: tuple[str, ...] = ()
 
     @property
     def field_changes(self) -> list[tuple[str, FieldChange]]:
@@ -124,7 +127,7 @@ class Plan:
                 "blocked": [{"node": b.node, "reason": b.reason} for b in self.blocked],
                 "trusted": list(self.trusted), "ulimits": list(self.ulimits),
                 "field_changes": [c.as_dict(node) for node, c in self.field_changes],
-                "downtime": self.downtime.as_dict() if self.downtime else None}
+                "downtime": self.downtime.as_dict() if self.downtime else None, "refused": list(self.refused)}
 
 
 #: The grace before a restart for health doubles per restart that did not hold, up to 2**4 = 16x.
@@ -197,7 +200,7 @@ def plan(desired: Desired, observed: Observed) -> Plan:
     steps, held = _hold_or_order_stops(steps, stops, serving, _running_ours(desired, observed))
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
     return Plan(drift, steps, [*serving.blocked, *held], mode, tuple(desired.trust.granted()), ulimits,
-                _downtime(desired, observed, drift, steps))
+                _downtime(desired, observed, drift, steps), (serving.refused,) if serving.refused else ())
 
 
 def _downtime(desired: Desired, observed: Observed, drift: list[Drift], steps: list[Step]) -> Downtime | None:
@@ -276,6 +279,7 @@ class Serving:
     steps: tuple[Step, ...] = ()
     blocked: tuple[Blocker, ...] = ()
     held: str | None = None
+    refused: str | None = None  # the image's own answer refuses this start (`Refusal.final`)
 
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
@@ -306,7 +310,8 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     if why.reason is None:
         return Serving((*steps, *why.steps), why.blocked)
     if alien := _image_refuses(desired, observed):
-        return Serving(tuple(steps), (Blocker(head, alien),), f"the image refuses the start: see the blocker on {head}")
+        return Serving(tuple(steps), (Blocker(head, alien.reason),),
+                       f"the image refuses the start: see the blocker on {head}", alien.reason if alien.final else None)
     hurdles = list(dict.fromkeys(_restart_hurdles(drift, serving)))
     staging = [s for s in before if s.kind in ("download", "pull-image")]  # their result is planned next pass
     if hurdles or staging:
@@ -389,14 +394,23 @@ def _grace_note(desired: Desired, observed: Observed) -> str:
 NATIVE_MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
 
 
-def _image_refuses(desired: Desired, observed: Observed) -> str | None:
+class Refusal(NamedTuple):
+    """Why the image refuses a start (`_image_refuses`); `final`: its own answer, not a wait for one."""
+
+    reason: str
+    final: bool = False
+
+
+def _image_refuses(desired: Desired, observed: Observed) -> Refusal | None:
     """Why serving must not (re)start on this image, as the image itself says (asked once per image id): a flag
     of any `vllm serve` argv the start would run (the reconciler's own, extra_args) that its `vllm serve` does not
     know, `launcher: ray` on an image without Ray (NVIDIA's 26.05-py3 ships without it, and the offline worker
     cannot pip-install it), or no answer at all. Every rank would exit at once; saying so before anything is
     stopped keeps the running generation serving. Fail closed (issue 29): an answer still pending, about another
     image id, or that could not be had refuses too. No answer at all (`serve_flags` None) is only an offline
-    snapshot's: `observe` asks whenever a restart is planned, and the daemon asks every image id it sees."""
+    snapshot's: `observe` asks whenever a restart is planned, and the daemon asks every image id it sees.
+    `final`: the image's own answer refuses (not a wait for one, nor a failure to ask): a failed change, which
+    policy.on_failed_change may roll back."""
     holder = image_holder(desired, observed)
     image = observed.node(holder).images.get(desired.serving.image) if holder else None
     if holder is None or image is None:
@@ -406,20 +420,20 @@ def _image_refuses(desired: Desired, observed: Observed) -> str | None:
     if flags is None:
         return None  # not asked: only a snapshot without an answer (the daemon and the commands always ask first)
     if flags.image_id != image.id:
-        return (f"serving waits for {named} to say which flags its `vllm serve` knows: the answer at hand is "
-                f"about {flags.image_id[:19]}; nothing is stopped")
+        return Refusal(f"serving waits for {named} to say which flags its `vllm serve` knows: the answer at "
+                       f"hand is about {flags.image_id[:19]}; nothing is stopped")
     if flags.pending:
-        return (f"serving waits for {named} to say which flags its `vllm serve` knows and whether it has Ray "
-                "(asked once per image id), to judge it before anything stops")
+        return Refusal(f"serving waits for {named} to say which flags its `vllm serve` knows and whether it has "
+                       "Ray (asked once per image id), to judge it before anything stops")
     if flags.error:
-        return (f"{named} could not be asked on {holder} which flags its `vllm serve` knows: {flags.error}. "
+        return Refusal(f"{named} could not be asked on {holder} which flags its `vllm serve` knows: {flags.error}. "
                 "Nothing is stopped or started; it is asked again with backoff. See why with `docker run --rm "
                 f"--entrypoint sh {desired.serving.image} -c 'vllm serve --help=all'` on {holder} (`exec format "
-                "error`: an image for another platform)")
+                "error`: an image for another platform)")  # asked again: not final
     if desired.serving.launcher == "ray" and flags.has_ray is False:
-        return (f"serving.launcher is ray, but {named} has no `ray` command (NVIDIA's vLLM 26.05-py3 ships "
+        return Refusal(f"serving.launcher is ray, but {named} has no `ray` command (NVIDIA's vLLM 26.05-py3 ships "
                 "without Ray, and the offline worker cannot install it): use launcher: native, or an image "
-                "with Ray; nothing is stopped or started")
+                "with Ray; nothing is stopped or started", final=True)
     unknown = list(dict.fromkeys(f for argv in serve_argvs(desired) for f in unknown_flags(list(argv), flags.flags)))
     if not unknown:
         return None
@@ -430,11 +444,12 @@ def _image_refuses(desired: Desired, observed: Observed) -> str | None:
         hint = (" vLLM's native multi-node arrived with vllm-project/vllm PR #23691, after NVIDIA's 25.09 and 25.10 "
                 "images: use a newer image, or launcher: ray." if set(own) & set(NATIVE_MULTI_NODE_FLAGS) else "")
         launcher = desired.serving.launcher
-        return (f"`vllm serve` in {named}, {version}, does not know {', '.join(own)}, which the {launcher} "
+        return Refusal(f"`vllm serve` in {named}, {version}, does not know {', '.join(own)}, which the {launcher} "
                 "launcher passes; every rank would exit with 'unrecognized arguments'." + hint +
-                " Nothing is stopped or started")
-    return (f"serving.extra_args: {', '.join(theirs)} {'is not a flag' if len(theirs) == 1 else 'are not flags'} "
-            f"of `vllm serve` in {named}, {version}; nothing is stopped or started")
+                " Nothing is stopped or started", final=True)
+    verb = "is not a flag" if len(theirs) == 1 else "are not flags"
+    return Refusal(f"serving.extra_args: {', '.join(theirs)} {verb} of `vllm serve` in {named}, {version}; nothing "
+                   "is stopped or started", final=True)
 
 
 def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> list[Blocker]:
@@ -543,7 +558,8 @@ def _plan_several(desired: Desired, observed: Observed) -> Plan:
         previous = previous + tuple(s.id for s in tagged if s.kind == "await-health")
     ulimits = tuple(dict.fromkeys(u for _, p in parts for u in p.ulimits))
     return Plan(drift, steps, list(dict.fromkeys(blocked)), mode, trusted, ulimits,
-                _joined_downtime([p.downtime for _, p in parts if p.downtime]))
+                _joined_downtime([p.downtime for _, p in parts if p.downtime]),
+                tuple(f"{name}: {why}" for name, p in parts for why in p.refused))
 
 
 def _in_start_order(desired: Desired) -> list[Desired]:

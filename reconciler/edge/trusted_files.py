@@ -165,3 +165,18 @@ def load(path: str | Path, secrets: Secrets | None, uid: int | None = None) -> t
         return None, exc.lines()
     unsafe = problems(trusted_paths(desired, path), uid)
     return (None, unsafe) if unsafe else (desired, [])
+
+
+def load_text(text: str, path: str | Path, secrets: Secrets, uid: int | None = None
+              ) -> tuple[Desired | None, list[str]]:
+    """A kept generation's text (reconciler.loop.history) judged as `load` judges the file at `path`: its own
+    problems, the secrets it names, the files it trusts. A rollback brings back only what would be taken today."""
+    try:
+        desired = spec.loads(text, str(path)).with_secrets(secrets.environ)
+    except spec.InvalidDesiredState as exc:
+        return None, exc.lines()
+    except spec.MissingSecrets as exc:
+        return None, [f"{name} is not set in {secrets.where} (or holds a control character)"
+                      for name in exc.names + exc.unusable]
+    unsafe = problems(trusted_paths(desired, path), uid)
+    return (None, unsafe) if unsafe else (desired, [])

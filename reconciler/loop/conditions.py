@@ -26,6 +26,7 @@ from reconciler.core.drift import (
 )
 from reconciler.core.observed import NodeObservation, Observed, ServingApi
 from reconciler.core.planning import Plan, kind_and_node
+from reconciler.loop.history import Hold
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Snapshot:
     paused: bool = False
     mode: str = "enforce"
     in_flight: list[str] = field(default_factory=list)  # step ids of operations running beside the loop
+    held_change: Hold | None = None  # the file's generation failed and is held: an earlier one is enforced
 
 
 def _iso(now: float) -> str:
@@ -131,6 +133,8 @@ def phase_of(snap: Snapshot) -> str:
         return "Invalid"
     if snap.paused:
         return "Paused"
+    if snap.held_change is not None:  # whatever the plan of the generation brought back says: not the file's
+        return "RolledBack"
     if plan is not None and not plan.changes:
         return "Converged"
     if snap.held or (plan is not None and (plan.blocked or any(d.blocking for d in plan.drift))):
@@ -157,9 +161,20 @@ def _uniform_gpu_stack(snap: Snapshot, nodes: list[str]) -> Condition:
     return _cond("", "GpuStackUniform", not differ, "StackSkew" if differ else "SameStack", "; ".join(differ))
 
 
+def _rolled_back(hold: Hold | None) -> Condition:
+    """RolledBack: True while a failed change is held and an earlier generation serves in its place
+    (reconciler.loop.history)."""
+    if hold is None:
+        return _cond("", "RolledBack", False, "FileInForce")
+    return _cond("", "RolledBack", True, "FailedChange",
+                 f"generation {hold.generation} never served ({hold.why}); generation {hold.to} is served in its "
+                 f"place until the file changes: fix the file, or `reconciler rollback {hold.to}` to make the file "
+                 "say so")
+
+
 def conditions(snap: Snapshot, nodes: list[str], previous: list[Condition], now: float) -> list[Condition]:
     plan = snap.plan
-    ready = plan is not None and not plan.changes and snap.file_error is None
+    ready = plan is not None and not plan.changes and snap.file_error is None and snap.held_change is None
     drift_count = sum(1 for d in plan.drift if d.actionable or d.blocking) if plan else 0
     out = [
         _cond("", "Ready", ready, "Converged" if ready else phase_of(snap),
@@ -171,6 +186,7 @@ def conditions(snap: Snapshot, nodes: list[str], previous: list[Condition], now:
               "StepsRunning" if snap.in_flight else ("StepsPlanned" if plan and plan.steps else "Idle"),
               "; ".join(snap.in_flight or [s.id for s in (plan.steps if plan else [])])),
     ]
+    out.append(_rolled_back(snap.held_change))
     out.append(_uniform_gpu_stack(snap, nodes))
     for node in nodes:
         out += _node_conditions(node, snap)

@@ -42,6 +42,7 @@ from reconciler.loop import conditions, metrics
 from reconciler.loop.backoff import Backoff, vetoes
 from reconciler.loop.generations import GenerationStore, observe_only
 from reconciler.loop.health_watch import HealthWatches
+from reconciler.loop.history import HistoryStore, Hold
 from reconciler.loop.manager import Manager, SessionsFactory
 from reconciler.loop.operations import FlagsQuery, Operations, admit, stale, verify_conflict, verify_waits
 from reconciler.loop.status import StatusPublisher
@@ -97,6 +98,9 @@ class Controller:
         self.cancel = cancel
         self.log = log.get().bind(file=str(self.path))
         self.store = GenerationStore(Path(state_dir), self.path)
+        self.history = HistoryStore(Path(state_dir), self.path)
+        self.held: Hold | None = None  # a failed change rolled back: the file's generation is not enforced
+        self._launched: dict[str, int] = {}  # step id -> the file's generation it was started for
         if self.store.last_converged > 0:
             metrics.last_converged.set(self.store.last_converged)
         self.publisher = StatusPublisher(self.path)
@@ -118,6 +122,7 @@ class Controller:
         self.backoff: Backoff | None = None
         self.reconciles = 0
         self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
+        self._start_failed: str | None = None  # a start of the file's generation failed (_record): why
         self.image_answer: ServeFlags | None = None  # what the serving image said of itself (FlagsQuery)
 
     @property
@@ -163,6 +168,16 @@ class Controller:
         digest = desired.fingerprint()
         if self.store.take(digest):
             self.read_only = None
+            self.history.keep = desired.policy.history
+            hold = self.history.taken(self.store.generation, digest, desired.source, self.clock())
+            if self.store.observed_generation == self.store.generation:  # it converged before this daemon
+                self.history.served(self.store.generation, self.store.last_converged or self.clock())
+            if self.held is not None and hold is None:
+                self.log.info("rollback.ended", generation=self.store.generation, was=self.held.to)
+            self.held = None
+            if hold is not None and (back := self._brought_back(hold)) is not None:
+                self._enforce(back, held=hold)  # a restart keeps the rollback: the failed change is not tried again
+                return True
         elif self.store.pending is None or digest == self.read_only:
             return False  # the content in force, or the one observed already
         elif self.desired is not None and self.read_only is None:  # the recorded generation stays in force
@@ -171,15 +186,65 @@ class Controller:
         else:  # nothing recorded is in force: observe what the file says, change nothing (generations.observe_only)
             desired, self.read_only = observe_only(desired), digest
             self.log.warning("state.read_only", error=self.store.pending)
-        if self.desired is not None:
-            self._end_generation(self.desired, desired)
-        self.desired = desired
-        metrics.desired_state_generation.set(self.store.generation)
-        self.backoff = Backoff(desired.policy.retries)  # a new generation: try everything again now
-        self.manager.adopt(desired)
+        self._enforce(desired)
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
                       paused=desired.policy.paused)
         return True
+
+    def _enforce(self, desired: spec.Desired, held: Hold | None = None) -> None:
+        """Make `desired` the state in force: the file's generation, or (`held`) the one a rollback brought back
+        while the file's is held. What the old one started and the new one makes wrong is cancelled."""
+        if self.desired is not None:
+            self._end_generation(self.desired, desired)
+        self.desired, self.held = desired, held
+        metrics.desired_state_generation.set(self.store.generation)
+        metrics.rolled_back.set(1 if held else 0)
+        metrics.rolled_back_to.set(held.to if held else 0)
+        self.backoff = Backoff(desired.policy.retries)  # a new generation: try everything again now
+        self.manager.adopt(desired)
+
+    @property
+    def enforced_generation(self) -> int:
+        """The generation whose state the daemon enforces: the file's, or the one a rollback brought back."""
+        return self.held.to if self.held is not None else self.store.generation
+
+    def _brought_back(self, hold: Hold) -> spec.Desired | None:
+        """The generation `hold` brings back, judged as the file would be today (its text kept in the history);
+        None, said at error, when it is not kept or is no longer valid: the file's generation is enforced then."""
+        text = self.history.text(hold.to)
+        desired, problems = (None, [f"generation {hold.to} is not kept in {self.history.dir}"]) if text is None \
+            else trusted_files.load_text(text, self.path, self.secrets())
+        if desired is None:
+            self.log.error("rollback.impossible", generation=hold.generation, to=hold.to, errors=problems)
+            return None
+        for value in desired.secret_values():
+            log.register_secret(value)
+        return desired
+
+    def _failed_change(self, why: str) -> None:
+        """The file's generation failed before it ever served: with policy.on_failed_change rollback, bring back
+        the last generation that served and hold this one until the file changes. Said either way."""
+        desired, generation = self.desired, self.store.generation
+        if desired is None or self.held is not None or self.read_only is not None:
+            return
+        entry = self.history.history.entry(generation)
+        if entry is None or entry.served:
+            return  # it served: a later failure is a wedge or a crash, repaired in place, not a failed change
+        if desired.policy.on_failed_change != "rollback":
+            self.log.warning("change.failed", generation=generation, error=why, policy="hold")
+            return
+        back = self.history.failed(generation, why, self.clock())
+        hold = self.history.hold
+        if back is None or hold is None:
+            self.log.warning("change.failed", generation=generation, error=why,
+                             rollback="no earlier generation served: nothing to bring back")
+            return
+        brought = self._brought_back(hold)
+        if brought is None:
+            return
+        self._enforce(brought, held=hold)
+        metrics.rollbacks.inc()
+        self.log.warning("change.rolled_back", generation=generation, to=hold.to, error=why)
 
     def _end_generation(self, old: spec.Desired, new: spec.Desired) -> None:
         """Steps of the old generation that the new one makes wrong (a 12 h sync of a model no longer wanted) must
@@ -210,6 +275,9 @@ class Controller:
         self.reconciles += 1
         trigger = sorted(reasons)
         failures = self._record(self.operations.drain())
+        if self._start_failed:  # before the file is read again: the failure is of the generation in force now
+            self._failed_change(self._start_failed)
+        self._start_failed = None
         self._reread(reasons, trigger)
         desired = self.desired
         observed: Observed | None = None
@@ -222,10 +290,19 @@ class Controller:
                 if self.cancel.is_set():
                     return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
                 self._say_troubles(observed)
-                current, started = self._start(desired, observed, planning.plan(desired, observed), trigger)
+                current = planning.plan(desired, observed)
+                if current.refused and self.held is None and current.mode == "enforce":
+                    self._failed_change("the image refuses the start: " + "; ".join(current.refused))
+                    if self.desired is not desired:  # rolled back: plan what was brought back
+                        desired = self.desired
+                        assert desired is not None
+                        observed = self._observe(desired)
+                        current = planning.plan(desired, observed)
+                current, started = self._start(desired, observed, current, trigger)
                 self._verify_next(desired, current)
-                if not current.changes and self.read_only is None:  # observing only: no generation to reach
-                    self.store.converged(self.clock())
+                if not current.changes and self.read_only is None and self.held is None:
+                    self.store.converged(self.clock())  # observing only, or rolled back: not the file's to reach
+                    self.history.served(self.store.generation, self.clock())
                     metrics.last_converged.set(self.store.last_converged)
         except Exception as exc:  # a bug must not freeze the status at its last value
             error = f"reconcile crashed: {type(exc).__name__}: {exc}"
@@ -313,7 +390,9 @@ class Controller:
         self.log.info("reconcile.plan", generation=self.store.generation, trigger=trigger,
                       steps=[s.id for s in runnable], waiting=waiting or None, drift=len(current.drift))
         ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
-                          generation=self.store.generation, progress=self._progress, cancel=self.cancel)
+                          generation=self.enforced_generation, progress=self._progress, cancel=self.cancel)
+        if self.held is None:
+            self._launched.update({s.id: self.store.generation for s in runnable})
         self.operations.launch(runnable, ctx, on_event=self._on_step)
         return current, len(runnable)
 
@@ -401,8 +480,11 @@ class Controller:
             elif r.result in ("failed", "blocked"):
                 self.backoff.failed(r.step.id, r.message, self.monotonic())
                 failures.append(f"{r.step.id}: {r.message}")
+                if r.step.kind in START_KINDS and self._launched.get(r.step.id) == self.store.generation:
+                    self._start_failed = f"{r.step.id}: {r.message}"
             elif r.result == "deferred":  # said, never counted: the next reconcile tries again
                 failures.append(f"{r.step.id}: {r.message}")
+            self._launched.pop(r.step.id, None)
         return failures
 
     def _requeue_after(self, observed: Observed | None, settle: bool = False) -> tuple[float, str] | None:
@@ -482,7 +564,7 @@ class Controller:
             file_error=self.file_error, observed=observed, plan=current,
             step_failures=failures + ([error] if error else []), held=held,
             paused=bool(desired and desired.policy.paused), mode=desired.policy.mode if desired else "enforce",
-            in_flight=[s.id for s in in_flight])
+            in_flight=[s.id for s in in_flight], held_change=self.held)
         self.publisher.publish(snap, [n.name for n in desired.nodes] if desired else [], error, self.clock(),
                                state_error=self.store.unsaved)
         return str(self.publisher.status["phase"])
@@ -497,6 +579,11 @@ def _trouble(obs: NodeObservation) -> tuple[str, str] | None:
     if not obs.docker_reachable:
         return "docker_unreachable", obs.docker_error or "docker does not answer"
     return None
+
+
+#: The steps whose failure is a start that failed: of the file's generation before it served, a failed change
+#: (`Controller._failed_change`).
+START_KINDS = frozenset({"start-serving", "launch-model", "await-health"})
 
 
 #: Step reports (`_progress`) that say something went wrong: logged at warning, not info.

@@ -23,7 +23,7 @@ from reconciler.core.vllm_log import STAGES
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-PHASES = ("Converged", "Converging", "Degraded", "Blocked", "Paused", "Invalid")
+PHASES = ("Converged", "Converging", "Degraded", "Blocked", "Paused", "Invalid", "RolledBack")
 _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
 drift = Gauge("reconciler_drift", "Drifted resources by node and kind (0 when in sync).", ["node", "kind"],
@@ -51,6 +51,12 @@ desired_state_valid = Gauge("reconciler_desired_state_valid", "1 when the desire
 desired_state_generation = Gauge("reconciler_desired_state_generation",
                                  "Generation of the last valid desired state (bumped on each valid change).",
                                  registry=REGISTRY)
+rolled_back = Gauge("reconciler_rolled_back", "1 while a change that never served is held and the last generation "
+                    "that served is enforced in its place (policy.on_failed_change: rollback).", registry=REGISTRY)
+rolled_back_to = Gauge("reconciler_rolled_back_to_generation", "The generation a rollback brought back (0: none).",
+                       registry=REGISTRY)
+rollbacks = Counter("reconciler_rollbacks_total", "Failed changes rolled back to the last generation that served.",
+                    registry=REGISTRY)
 observed_generation = Gauge("reconciler_observed_generation", "Generation the cluster last converged to.",
                             registry=REGISTRY)
 last_converged = Gauge("reconciler_last_converged_timestamp_seconds", "Unix time of the last converged "

@@ -47,6 +47,9 @@ class StatusPublisher:
             "lastPlan": snap.plan.as_dict() if snap.plan else None,
             "lastError": error or (snap.step_failures[-1] if snap.step_failures else snap.file_error) or state_error,
             "held": snap.held, "time": now, "stateSaved": state_error is None, "stateError": state_error,
+            "rollback": None if snap.held_change is None else {
+                "generation": snap.held_change.generation, "to": snap.held_change.to, "why": snap.held_change.why,
+                "since": snap.held_change.since},
         })
         metrics.set_phase(phase)
         metrics.set_conditions([{"node": c["node"], "type": c["type"], "status": c["status"]} for c in conds])
@@ -55,7 +58,8 @@ class StatusPublisher:
             if d.actionable or d.blocking:
                 counts[(d.node, d.kind)] = counts.get((d.node, d.kind), 0) + 1
         metrics.set_drift(counts, nodes, DRIFT_KINDS)
-        metrics.converged.set(1 if snap.plan is not None and not snap.plan.changes and error is None else 0)
+        metrics.converged.set(1 if snap.plan is not None and not snap.plan.changes and error is None
+                              and snap.held_change is None else 0)
         metrics.observed_generation.set(snap.observed_generation)
         metrics.last_reconcile.set(now)
         systemd.status(f"{phase}; generation {snap.generation}, {sum(counts.values())} drifted"

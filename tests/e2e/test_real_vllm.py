@@ -13,7 +13,8 @@ Few tests, each earning its minutes, run in this order on one cluster (module fi
 3. the worker's fabric link goes down under the running deployment: what vLLM does is recorded (measured on
    2026-12-03: /health kept answering 200 while a completion hung), the reconciler sees the drift (the link, and
    the failed completion), repairs the link, and the deployment answers again;
-4. under a load that takes every slot, the daemon says Busy and restarts nothing.
+4. under a load that takes every slot, the daemon says Busy and restarts nothing;
+5. a model change whose start fails rolls back by itself to the model that served (issue 36).
 
 Every check reads the nodes directly (testbed exec/docker), not the reconciler's own view.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import yaml
@@ -275,3 +277,66 @@ def test_every_slot_taken_on_the_real_vllm_is_busy_and_never_restarted(deployed,
         print(f"real vLLM under load: {len(answers)} requests of 1000 tokens answered; busy: {busy_seen['message']}")
     finally:
         d.close()
+
+
+def test_a_model_change_whose_start_fails_rolls_back_to_the_model_that_served(deployed, tmp_path):
+    """Issue 36: the daemon serves the tiny Llama; the file changes the model to one vLLM refuses at start (an
+    architecture its registry does not know). Its weights are copied, the old generation is stopped, the new one
+    starts and exits: the daemon brings the tiny Llama back up by itself, holds the failed generation, and says
+    so (phase RolledBack, the condition, the metric). `reconciler rollback` then writes the served generation
+    back into the file, which the daemon takes without restarting anything. Read on the nodes: which model the
+    head's serving container runs, and completions."""
+    tb, desired, _ = deployed
+    data = yaml.safe_load(desired.read_text())
+    moe(data).update(max_model_len=2048, unhealthy_grace=f"{GRACE}s")  # what the tests before left
+    data["policy"]["resync_interval"] = "3s"
+    path = tmp_path / "cluster.yaml"
+    saved(path, data)
+    state = tmp_path / "state"
+    d = daemon(path, state)
+    try:
+        converged(d, 300)
+        broken, revision = tb.broken_model()
+        data["deployments"][0]["model"].update(id=broken, revision=revision)
+        changed = time.time()
+        saved(path, data)
+        rolled = wait_for(lambda: (s := d.status()) and s["phase"] == "RolledBack" and s, START_TIMEOUT,
+                          "the failed change rolled back")
+        assert rolled["generation"] == 2 and rolled["rollback"]["to"] == 1, rolled["rollback"]
+        assert "await-health" in rolled["rollback"]["why"] or "start-serving" in rolled["rollback"]["why"]
+        wait_for(lambda: completion(tb, timeout=10)[0] == 0 and serves(tb, image.MODEL_ID), START_TIMEOUT,
+                 "the tiny Llama answering again")
+        took = time.time() - changed
+        assert cond(d, "", "RolledBack")["status"] == "True"
+        assert d.metric("reconciler_rolled_back") == 1 and d.metric("reconciler_converged") == 0
+        logs = tb.docker("head", "logs", "vllm_serving", check=False)
+        print(f"rollback: the failed model change to the tiny Llama answering again in {took:.0f}s")
+        assert "NoSuchForCausalLM" not in logs.stdout + logs.stderr, "the container now is the old model's"
+
+        listed = json.loads(reconciler("history", str(path), "--state-dir", str(state), "--json").stdout)
+        assert [(e["generation"], e["outcome"]) for e in listed["entries"]] == [(1, "served"),
+                                                                              (2, "rolled back to 1")]
+        before = serving_ids(tb, "head") | serving_ids(tb, "worker")
+        wrote = reconciler("rollback", str(path), "--state-dir", str(state))
+        assert wrote.returncode == 0, wrote.stderr
+        assert yaml.safe_load(path.read_text())["deployments"][0]["model"]["id"] == image.MODEL_ID
+        converged(d, 300, since=time.time())
+        assert d.status()["generation"] == 3 and d.metric("reconciler_rolled_back") == 0
+        assert serving_ids(tb, "head") | serving_ids(tb, "worker") == before, "the file now says what runs"
+    finally:
+        d.close()
+
+
+def saved(path, data: dict) -> None:
+    """Save as editors do: a new file renamed over the old one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
+    tmp.replace(path)
+
+
+def serves(tb, model_id: str) -> bool:
+    """The head's serving container runs and was started for `model_id` (its `vllm serve` argument: the id in an
+    HF cache, a path in a plain layout)."""
+    seen = containers(tb, "head").get("vllm_serving", {})
+    return seen.get("State", {}).get("Running", False) and any(
+        model_id in a or model_id.replace("/", "--") in a for a in seen.get("Args", []))

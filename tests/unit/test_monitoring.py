@@ -241,6 +241,7 @@ EXPECTED_ALERTS = {
     "ReconcilerFabricLinkDown", "ReconcilerFabricPortDegraded", "ReconcilerServingUnhealthy",
     "ReconcilerWeightsOutOfSync",
     "ReconcilerLowMemory", "ReconcilerLoopStalled", "ReconcilerGpuStackSkew",
+    "ReconcilerRolledBack",  # a failed change rolled back (reconciler.loop.history)
 }
 
 
@@ -707,7 +708,7 @@ CONDITION_MEANING = {
     "Ready": "good", "DesiredStateValid": "good", "Reachable": "good", "Probed": "good", "DockerReachable": "good",
     "FabricLinkUp": "good", "WeightsInSync": "good", "ImageInSync": "good", "ServingRunning": "good",
     "GpuReady": "good", "GpuStackUniform": "good",
-    "StepsHeld": "bad", "Progressing": "working",
+    "StepsHeld": "bad", "RolledBack": "bad", "Progressing": "working",
 }
 LOOK = {  # (meaning of True, status) -> (text, colour) on the dashboard
     ("good", "True"): ("True", "green"), ("good", "False"): ("False", "red"),

@@ -290,6 +290,22 @@ def test_an_image_without_native_multi_node_flags_stops_nothing(seen):
     assert "vllm-project/vllm PR #23691" in blocked.reason
 
 
+@pytest.mark.parametrize(("fields", "final"), [
+    ({}, True),  # its own answer: a flag it does not know
+    ({"pending": True}, False),  # a wait for the answer
+    ({"image_id": "sha256:" + "0" * 64}, False),  # an answer about another image
+    ({"error": "exec format error"}, False),  # asked again with backoff
+])
+def test_only_the_images_own_refusal_is_a_failed_change(seen, fields, final):
+    """`Plan.refused` is what policy.on_failed_change rolls back: the image's answer, never a wait for one."""
+    desired = load(("  health_timeout: 2m", '  health_timeout: 2m\n  extra_args: ["--foo"]'))
+    observed = seen.model_copy(update={"serve_flags": _flags(seen, **fields)})
+    refused = plan(desired, observed).refused
+    assert (refused == ("serving.extra_args: --foo is not a flag of `vllm serve` in vllm-standin:latest ("
+                        f"{_flags(seen).image_id[:19]}), vLLM of an unknown version; nothing is stopped or started",)
+            if final else refused == ())
+
+
 # ------------------------------------------------------------------------------ sources that do not serve
 
 

@@ -331,6 +331,14 @@ class Policy(_Model):
                               "(sudo: `sysctl -w vm.drop_caches=3`): on GB10 the GPU cannot use the cache that "
                               "MemAvailable counts as free.")
     retention: Retention = Field(default_factory=Retention)
+    on_failed_change: Literal["rollback", "hold"] = Field(
+        "rollback", description="A change whose serving never answers (its start fails, or it is not healthy "
+        "within serving.health_timeout) or that the image refuses: `rollback` brings the last generation that "
+        "served back up and holds the new one until the file changes; `hold` keeps trying the new one (with "
+        "backoff) while the API stays down. docs/operations.md \"History and rollback\".")
+    history: int = Field(10, ge=2, le=100, description="How many generations of this file the state directory "
+                         "keeps (`reconciler history`, `reconciler rollback`); the last one that served is kept "
+                         "besides.")
     listen: Listen = Field(
         "127.0.0.1:9464", description="Metrics and status endpoint. Keep it on localhost unless you mean it.")
 
@@ -404,6 +412,9 @@ class Desired(_Model):
     # A view of one deployment of a file of several (`view`): what only the whole file can judge (our stale
     # containers) is then judged once, on the whole, not in each view.
     _part: bool = PrivateAttr(default=False)
+    # The text this state was read from (None: built in code): a generation's history keeps it, so `reconciler
+    # rollback` writes back the owner's own file, comments included, not a dump of its meaning.
+    _source: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -448,6 +459,27 @@ class Desired(_Model):
         out = self.model_copy()
         out._secret_values = {name: environ[name] for name in declared}
         return out
+
+    def __eq__(self, other: object) -> bool:
+        """Equal in meaning: the fields, the secrets' values and whether it is a view. The text a state was read
+        from is not part of it (a prefix of a file that parses to the whole is the whole: tests/unit/
+        test_truncation.py; two saves of one meaning are one desired state)."""
+        if not isinstance(other, Desired):
+            return NotImplemented
+        return (self.__dict__ == other.__dict__ and self._secret_values == other._secret_values
+                and self._part == other._part)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as pydantic's models are unless frozen
+
+    def with_source(self, text: str) -> Desired:
+        out = self.model_copy()
+        out._source = text
+        return out
+
+    @property
+    def source(self) -> str | None:
+        """The text this state was read from; None for a state built in code."""
+        return self._source
 
     def secret_names_for(self, node: Node) -> list[str]:
         """The secrets `node`'s serving container gets: `head` only where the API runs (`api_node`: the head, or

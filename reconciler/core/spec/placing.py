@@ -187,7 +187,7 @@ def parse(doc: loader.Document, filename: str) -> Desired:
         raise InvalidDesiredState(filename, problems + _unended(doc)) from None
     if unended := _unended(doc):
         raise InvalidDesiredState(filename, unended)
-    return desired
+    return desired.with_source(doc.text)
 
 
 ENVIRONMENT = "the reconciler's environment (systemd: EnvironmentFile=, see docs/security.md)"

@@ -1,0 +1,269 @@
+"""Each generation's desired state, kept, and the rollback of a change that never served.
+
+Argo Rollouts and Flagger abort a release that fails its analysis back to the stable version; a Kubernetes
+Deployment only stops progressing (`progressDeadlineSeconds`) and waits for a person. On a Spark the cost of a
+change that cannot serve is the API down until someone acts, so the reconciler keeps every generation's file (the
+text the owner wrote, comments included: `reconciler rollback` writes it back) with when it was taken, when it
+first served (converged) and how it ended, and with `policy.on_failed_change: rollback` brings the last generation
+that served back up when a new one fails (docs/operations.md "History and rollback").
+
+A rollback is a hold, not an edit: the file still says the failed generation, the daemon enforces the one it brought
+back, and says so (status phase RolledBack, `reconciler_rolled_back`, the RolledBack alert) until the file changes.
+The hold is kept in the state dir, so a daemon restart does not try the failed change again.
+
+Layout, per desired-state path (`generations.path_key`): `history-KEY/index.json` (the entries and the hold) and
+`history-KEY/GEN.yaml` (each kept generation's text), all written with `generations.write_durably`. The newest
+`policy.history` generations are kept, and besides them the newest that served (what a rollback needs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from reconciler.edge import log
+from reconciler.loop.generations import path_key, write_durably
+
+_log = log.get("reconciler.history")
+
+#: How a generation ended, as `reconciler history` shows it.
+IN_FORCE, SERVED, REPLACED, FAILED, ROLLED_BACK = "in force", "served", "replaced", "failed", "rolled back"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One generation: its number and content hash, when it was taken (became the generation in force), when it
+    first served (converged; 0: never), when another replaced it (0: in force), how it ended, and why."""
+
+    generation: int
+    hash: str
+    taken: float
+    served: float = 0.0
+    ended: float = 0.0
+    outcome: str = IN_FORCE
+    why: str = ""
+
+    @classmethod
+    def from_dict(cls, data: object) -> Entry:
+        if not isinstance(data, dict):
+            raise ValueError("an entry is not a JSON object")
+        entry = cls(**{k: data[k] for k in ("generation", "hash", "taken", "served", "ended", "outcome", "why")
+                       if k in data})
+        if type(entry.generation) is not int or not isinstance(entry.hash, str) or not isinstance(entry.outcome, str):
+            raise ValueError(f"entry {entry.generation!r} is not a generation")
+        if not all(type(t) in (int, float) and t >= 0 for t in (entry.taken, entry.served, entry.ended)):
+            raise ValueError(f"entry {entry.generation} has a time that is not one")
+        return entry
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The failed generation (`generation`, its `hash`) the daemon does not enforce, the one it brought back
+    (`to`), why, and since when (unix time)."""
+
+    generation: int
+    hash: str
+    to: int
+    why: str
+    since: float
+
+
+@dataclass
+class History:
+    """The entries, oldest first, and the rollback hold (None: the daemon enforces the file)."""
+
+    entries: list[Entry] = field(default_factory=list)
+    hold: Hold | None = None
+
+    def entry(self, generation: int) -> Entry | None:
+        return next((e for e in self.entries if e.generation == generation), None)
+
+    def last_served(self, before: int) -> Entry | None:
+        """The newest generation older than `before` that served: what a rollback brings back."""
+        return next((e for e in reversed(self.entries) if e.generation < before and e.served), None)
+
+    def table(self) -> str:
+        """`reconciler history`: a line per generation, newest first, and the hold."""
+        def when(t: float) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+        rows = [("GEN", "TAKEN", "SERVED", "ENDED", "OUTCOME")] + [
+            (str(e.generation), when(e.taken), when(e.served), when(e.ended),
+             e.outcome + (f": {e.why}" if e.why else "")) for e in reversed(self.entries)]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4] for r in rows]
+        if not self.entries:
+            lines.append("(no generation kept)")
+        if self.hold is not None:
+            lines.append(f"\nrolled back: generation {self.hold.generation} is held, {self.hold.to} is served in its "
+                         f"place since {when(self.hold.since)} ({self.hold.why})")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"entries": [asdict(e) for e in self.entries],
+                           "hold": asdict(self.hold) if self.hold else None}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> History:
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+            raise ValueError("not a history: no entries")
+        hold = data.get("hold")
+        if hold is not None and not isinstance(hold, dict):
+            raise ValueError("the hold is not a JSON object")
+        try:
+            return cls([Entry.from_dict(e) for e in data["entries"]], Hold(**hold) if hold else None)
+        except TypeError as exc:  # a field missing or unknown
+            raise ValueError(str(exc)) from None
+
+
+def directory(state_dir: Path, path: Path) -> Path:
+    return Path(state_dir) / f"history-{path_key(path)}"
+
+
+def read(state_dir: Path, path: Path) -> History:
+    """The history of the desired state at `path`; an empty one when there is none. One that cannot be read is
+    logged and moved aside (`index.json.corrupt`) and starts again: the texts stay where they are."""
+    index = directory(state_dir, path) / "index.json"
+    try:
+        return History.from_json(index.read_text())
+    except FileNotFoundError:
+        return History()
+    except (OSError, ValueError) as exc:
+        aside = index.with_name("index.json.corrupt")
+        try:
+            index.replace(aside)
+        except OSError:
+            pass
+        _log.error("history.corrupt", file=str(index), error=str(exc), kept=str(aside))
+        return History()
+
+
+def text_of(state_dir: Path, path: Path, generation: int) -> str | None:
+    """The file as it was at `generation`; None when it is not kept."""
+    try:
+        return (directory(state_dir, path) / f"{generation}.yaml").read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+
+
+class HistoryStore:
+    """The daemon's writer of one file's history. A write that fails is logged and the history stays in memory:
+    the history informs rollbacks and people, it never blocks the loop (the generation store says whether the state
+    dir holds the generation in force)."""
+
+    def __init__(self, state_dir: Path, path: Path, keep: int = 10) -> None:
+        self.dir = directory(state_dir, path)
+        self.history = read(state_dir, path)
+        self.keep = keep
+        self.error: str | None = None  # why the last write failed (None: the disk holds it)
+
+    @property
+    def hold(self) -> Hold | None:
+        return self.history.hold
+
+    def taken(self, generation: int, digest: str, text: str | None, now: float) -> Hold | None:
+        """`generation` (content `digest`, read from `text`) is the file's generation in force. The one before it
+        ended (served, or replaced before it did); a new content ends a rollback hold. Returns the hold that
+        still applies: the same failed content read again after a daemon restart stays held."""
+        h = self.history
+        current = h.entry(generation)
+        if current is not None and current.hash == digest:
+            return h.hold if h.hold is not None and h.hold.hash == digest else None
+        h.entries = [e if e.ended or e.outcome != IN_FORCE else
+                     replace(e, ended=now, outcome=SERVED if e.served else REPLACED) for e in h.entries
+                     if e.generation != generation]
+        h.entries.append(Entry(generation, digest, now))
+        h.hold = None
+        self._write(text, generation)
+        return None
+
+    def served(self, generation: int, now: float) -> None:
+        """`generation` converged: it served. Said once, at the first time."""
+        e = self.history.entry(generation)
+        if e is not None and not e.served:
+            self._update(replace(e, served=now))
+
+    def failed(self, generation: int, why: str, now: float) -> Entry | None:
+        """`generation` failed before it served: the entry that a rollback brings back (None: none served before
+        it, so there is nothing to go back to), recorded with the hold; or, with nothing to go back to, only
+        the failure."""
+        e = self.history.entry(generation)
+        if e is None or e.served:
+            return None
+        back = self.history.last_served(generation)
+        outcome = f"{ROLLED_BACK} to {back.generation}" if back else FAILED
+        self._update(replace(e, outcome=outcome, why=why, ended=now if back else 0.0))
+        if back is not None:
+            self.history.hold = Hold(generation, e.hash, back.generation, why, now)
+            self._write(None, None)
+        return back
+
+    def text(self, generation: int) -> str | None:
+        try:
+            return (self.dir / f"{generation}.yaml").read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def _update(self, entry: Entry) -> None:
+        self.history.entries = [entry if e.generation == entry.generation else e for e in self.history.entries]
+        self._write(None, None)
+
+    def _pruned(self) -> list[Entry]:
+        """The newest `keep` entries and the newest that served."""
+        entries = self.history.entries
+        kept = entries[-self.keep:]
+        last = next((e for e in reversed(entries) if e.served), None)
+        return [e for e in entries if e in kept or e is last]
+
+    def _write(self, text: str | None, generation: int | None) -> None:
+        try:
+            if text is not None and generation is not None:
+                write_durably(self.dir / f"{generation}.yaml", text)
+            self.history.entries = self._pruned()
+            write_durably(self.dir / "index.json", self.history.to_json())
+            kept = {f"{e.generation}.yaml" for e in self.history.entries}
+            for old in self.dir.glob("*.yaml"):
+                if old.name not in kept:
+                    old.unlink()
+            self.error = None
+        except OSError as exc:
+            self.error = f"cannot write the history in {self.dir}: {exc.strerror or exc}"
+            _log.warning("history.unwritten", error=self.error)
+
+
+def rollback_target(history: History, generation: int | None) -> Entry:
+    """The generation `reconciler rollback` writes back: the one asked for, else the one the daemon brought back
+    (a hold), else the newest that served before the newest taken. ValueError says why there is none."""
+    if generation is not None:
+        entry = history.entry(generation)
+        if entry is None:
+            kept = ", ".join(str(e.generation) for e in history.entries) or "none"
+            raise ValueError(f"generation {generation} is not kept (kept: {kept})")
+        return entry
+    if history.hold is not None and (held := history.entry(history.hold.to)) is not None:
+        return held
+    newest = history.entries[-1].generation if history.entries else 0
+    back = history.last_served(newest)
+    if back is None:
+        raise ValueError("no generation before the newest served: name one (`reconciler history` lists them)")
+    return back
+
+
+def write_back(path: Path, text: str, now: float) -> Path:
+    """Write a kept generation's `text` over the desired-state file, atomically and durably, with the file's owner
+    and mode kept (the daemon refuses a file others may change), after a copy of what it held
+    (`NAME.before-rollback-UNIXTIME`, same owner and mode). Returns the copy's path."""
+    path = Path(path)
+    st = path.stat()
+    copy = path.with_name(f"{path.name}.before-rollback-{int(now)}")
+    for target, content in ((copy, path.read_text()), (path, text)):
+        write_durably(target, content)
+        os.chmod(target, stat.S_IMODE(st.st_mode))
+        if os.geteuid() == 0:
+            os.chown(target, st.st_uid, st.st_gid)
+    return copy

@@ -1,0 +1,236 @@
+"""History and rollback (reconciler.loop.history): a change that never serves brings the last generation that
+served back up, holds the failed one until the file changes, says so, and survives a daemon restart; the
+history keeps each generation's own text, and `reconciler rollback` writes one back without losing the file.
+
+The controller runs with the fakes of test_controller_loop (scripted observations, a gate for the steps); the
+oracle for "what is enforced" is the file's own text (its max_model_len), not the controller's plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from reconciler.cli import main
+from reconciler.core.observed import ServeFlags
+from reconciler.core.spec import load, loads
+from reconciler.core.vllm import parse_serve_help
+from reconciler.loop import history
+from reconciler.loop.history import FAILED, IN_FORCE, REPLACED, SERVED, HistoryStore
+from reconciler.loop.metrics import REGISTRY
+from tests.unit.test_controller_loop import Gate, Script, _condition, _controller
+
+OLD, NEW = "max_model_len: 32768", "max_model_len: 16384"
+
+
+def _edit(path, old, new) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def _failed_start(desired_path, tmp_path, converged, policy: str | None = None):
+    """Generation 1 serves; generation 2 (max_model_len halved) is started and its await-health fails."""
+    if policy:
+        _edit(desired_path, "policy:", f"policy:\n  on_failed_change: {policy}")
+    gate = Gate(failing=("await-health",))
+    gate.release.set()
+    c, requests = _controller(desired_path, tmp_path, Script(converged), gate)
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
+    assert c.reconcile({"start"}).phase == "Converged"
+    _edit(desired_path, OLD, NEW)
+    c.reconcile({"file"})
+    assert c.store.generation == 2 and any("await-health" in s for s in gate.batches[-1]), "the change starts"
+    assert c.operations.join(20)
+    return c, gate
+
+
+def test_a_change_whose_start_fails_brings_back_the_last_generation_that_served(desired_path, tmp_path, converged):
+    before = REGISTRY.get_sample_value("reconciler_rollbacks_total") or 0
+    c, gate = _failed_start(desired_path, tmp_path, converged)
+    result = c.reconcile({"operation"})
+
+    assert c.desired is not None and c.desired.serving.max_model_len == 32768, "generation 1's state is enforced"
+    assert c.held is not None and (c.held.generation, c.held.to) == (2, 1)
+    assert result.phase == "RolledBack" and c.status["phase"] == "RolledBack"
+    assert c.status["rollback"]["to"] == 1 and "await-health" in c.status["rollback"]["why"]
+    rolled = _condition(c.status, "", "RolledBack")
+    assert rolled["status"] == "True" and "`reconciler rollback 1`" in rolled["message"]
+    assert _condition(c.status, "", "Ready")["status"] == "False", "the file's generation is not what runs"
+    assert REGISTRY.get_sample_value("reconciler_rolled_back") == 1
+    assert REGISTRY.get_sample_value("reconciler_rolled_back_to_generation") == 1
+    assert REGISTRY.get_sample_value("reconciler_rollbacks_total") == before + 1
+    assert REGISTRY.get_sample_value("reconciler_converged") == 0
+    assert c.store.observed_generation == 1, "generation 2 was never reached"
+    kept = history.read(tmp_path / "state", desired_path)
+    assert [(e.generation, e.outcome) for e in kept.entries] == [(1, SERVED), (2, "rolled back to 1")]
+    assert kept.entries[0].served > 0 and kept.entries[1].served == 0
+
+
+def test_a_rollback_survives_a_daemon_restart_and_ends_when_the_file_changes(desired_path, tmp_path, converged):
+    c, _ = _failed_start(desired_path, tmp_path, converged)
+    c.reconcile({"operation"})
+    assert c.held is not None
+
+    again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    assert again.reconcile({"start"}).phase == "RolledBack", "the failed change is not tried again"
+    assert again.store.generation == 2 and again.desired is not None and again.desired.serving.max_model_len == 32768
+
+    _edit(desired_path, NEW, "max_model_len: 8192")
+    gate = Gate()
+    again.operations = type(again.operations)(on_end=lambda: None, run=gate)
+    again.reconcile({"file"})
+    assert again.held is None and again.store.generation == 3
+    assert again.desired is not None and again.desired.serving.max_model_len == 8192
+    assert REGISTRY.get_sample_value("reconciler_rolled_back") == 0
+    gate.release.set()
+    assert again.operations.join(20)
+
+
+def test_a_change_the_image_refuses_is_rolled_back_before_anything_stops(desired_path, tmp_path, converged):
+    gate = Gate()
+    c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
+    known = parse_serve_help((Path(__file__).with_name("fixtures") / "vllm-0.32.0-cpu-serve-help-all.txt").read_text())
+    c.flags = SimpleNamespace(  # type: ignore[assignment]
+        get=lambda wanted: ServeFlags(image_id=wanted[1], flags=[f for f in known if f != "--max-model-len"]))
+    assert c.reconcile({"start"}).phase == "Converged"
+    _edit(desired_path, OLD, NEW)
+    assert c.reconcile({"file"}).phase == "RolledBack"
+    assert gate.batches == [], "nothing was stopped or started"
+    assert c.held is not None and "does not know --max-model-len" in c.held.why
+    assert c.desired is not None and c.desired.serving.max_model_len == 32768
+
+
+def test_policy_hold_keeps_trying_the_change(desired_path, tmp_path, converged):
+    c, _ = _failed_start(desired_path, tmp_path, converged, policy="hold")
+    c.reconcile({"operation"})
+    assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
+    assert c.status["phase"] != "RolledBack" and c.status["rollback"] is None
+
+
+def test_a_first_generation_that_fails_has_nothing_to_go_back_to(desired_path, tmp_path, converged):
+    _edit(desired_path, OLD, NEW)  # what runs is not the file's first generation: it restarts, and fails
+    gate = Gate(failing=("await-health",))
+    gate.release.set()
+    c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.reconcile({"start"})
+    assert c.operations.join(20)
+    assert any("await-health" in s for s in gate.batches[-1]), "the first start is made"
+    c.reconcile({"operation"})
+    assert c.held is None
+    assert [(e.generation, e.outcome) for e in history.read(tmp_path / "state", desired_path).entries] == [
+        (1, FAILED)]
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+
+def test_the_history_keeps_the_newest_and_the_last_that_served(tmp_path):
+    store = HistoryStore(tmp_path, tmp_path / "c.yaml", keep=3)
+    store.taken(1, "h1", "one\n", 10.0)
+    store.served(1, 11.0)
+    for g in range(2, 7):
+        store.taken(g, f"h{g}", f"text {g}\n", 10.0 * g)
+    kept = history.read(tmp_path, tmp_path / "c.yaml")
+    assert [e.generation for e in kept.entries] == [1, 4, 5, 6], "the newest 3, and 1: the last that served"
+    assert [e.outcome for e in kept.entries] == [SERVED, REPLACED, REPLACED, IN_FORCE]
+    assert sorted(p.name for p in store.dir.glob("*.yaml")) == ["1.yaml", "4.yaml", "5.yaml", "6.yaml"]
+    assert history.text_of(tmp_path, tmp_path / "c.yaml", 1) == "one\n"
+
+
+def test_the_same_content_read_again_is_not_a_new_entry(tmp_path):
+    store = HistoryStore(tmp_path, tmp_path / "c.yaml")
+    store.taken(1, "h1", "one\n", 10.0)
+    store.taken(1, "h1", "one\n", 20.0)
+    assert [(e.generation, e.taken) for e in store.history.entries] == [(1, 10.0)]
+
+
+def test_an_unreadable_history_is_moved_aside_and_starts_again(tmp_path):
+    where = history.directory(tmp_path, tmp_path / "c.yaml")
+    where.mkdir()
+    (where / "index.json").write_text('{"entries": [{"generation": "x"}]}')
+    assert history.read(tmp_path, tmp_path / "c.yaml").entries == []
+    assert (where / "index.json.corrupt").exists()
+
+
+@pytest.mark.parametrize("broken", ['{"entries": 3}', "[]", '{"entries": [], "hold": 1}', "{", '{"entries": [{}]}'])
+def test_a_history_that_is_not_one_is_refused(broken):
+    with pytest.raises(ValueError):
+        history.History.from_json(broken)
+
+
+def test_the_rollback_target(tmp_path):
+    store = HistoryStore(tmp_path, tmp_path / "c.yaml")
+    for g, served in ((1, True), (2, True), (3, False)):
+        store.taken(g, f"h{g}", f"t{g}", float(g))
+        if served:
+            store.served(g, float(g))
+    h = store.history
+    assert history.rollback_target(h, None).generation == 2, "the newest that served before the newest"
+    assert history.rollback_target(h, 1).generation == 1
+    with pytest.raises(ValueError, match="generation 9 is not kept"):
+        history.rollback_target(h, 9)
+    store.failed(3, "await-health failed", 4.0)
+    assert h.hold is not None and h.hold.to == 2
+    assert history.rollback_target(h, None).generation == 2
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+def _served_then_changed(desired_path, tmp_path):
+    """Generation 1 (the file as it is) served; generation 2 (an edit) is in force."""
+    first = desired_path.read_text()
+    store = HistoryStore(tmp_path / "state", desired_path)
+    store.taken(1, load(desired_path).fingerprint(), first, 100.0)
+    store.served(1, 150.0)
+    _edit(desired_path, OLD, NEW)
+    store.taken(2, load(desired_path).fingerprint(), desired_path.read_text(), 200.0)
+    return first
+
+
+def test_reconciler_rollback_writes_the_generation_back_and_keeps_a_copy(desired_path, tmp_path):
+    first = _served_then_changed(desired_path, tmp_path)
+    second = desired_path.read_text()
+    os.chmod(desired_path, 0o640)
+    out = CliRunner().invoke(main, ["rollback", str(desired_path), "--state-dir", str(tmp_path / "state")],
+                             env=dict(os.environ))
+    assert out.exit_code == 0, out.output
+    assert desired_path.read_text() == first, "the owner's own text, comments included"
+    assert stat.S_IMODE(desired_path.stat().st_mode) == 0o640
+    [copy] = tmp_path.glob("cluster.yaml.before-rollback-*")
+    assert copy.read_text() == second
+    assert loads(desired_path.read_text()).serving.max_model_len == 32768
+
+
+def test_reconciler_rollback_writes_nothing_that_is_not_valid_today(desired_path, tmp_path):
+    _served_then_changed(desired_path, tmp_path)
+    (history.directory(tmp_path / "state", desired_path) / "1.yaml").write_text("nodes: [\n")
+    before = desired_path.read_text()
+    out = CliRunner().invoke(main, ["rollback", str(desired_path), "1", "--state-dir", str(tmp_path / "state")],
+                             env=dict(os.environ))
+    assert out.exit_code == 3 and "not valid today" in out.output
+    assert desired_path.read_text() == before and not list(tmp_path.glob("cluster.yaml.before-rollback-*"))
+
+
+def test_reconciler_history_lists_the_generations(desired_path, tmp_path):
+    _served_then_changed(desired_path, tmp_path)
+    state = str(tmp_path / "state")
+    text = CliRunner().invoke(main, ["history", str(desired_path), "--state-dir", state])
+    assert text.exit_code == 0
+    lines = text.output.splitlines()
+    assert lines[0].split() == ["GEN", "TAKEN", "SERVED", "ENDED", "OUTCOME"]
+    assert lines[1].split()[0] == "2" and lines[1].endswith(IN_FORCE)
+    assert lines[2].split()[0] == "1" and lines[2].endswith(SERVED)
+    doc = json.loads(CliRunner().invoke(main, ["history", str(desired_path), "--state-dir", state, "--json"]).output)
+    assert [e["generation"] for e in doc["entries"]] == [1, 2] and doc["hold"] is None
+    none = CliRunner().invoke(main, ["history", str(tmp_path / "other.yaml"), "--state-dir", state])
+    assert none.exit_code == 1 and "no generation kept" in none.output
