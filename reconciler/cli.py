@@ -434,7 +434,8 @@ def rollback(file: Path, generation: int | None, state_dir: Path, env_file: Path
         click.echo(f"reconciler rollback: the text of generation {entry.generation} is not kept in "
                    f"{kept.directory(state_dir, file)}", err=True)
         sys.exit(Exit.ERROR)
-    _, problems = trusted_files.load_text(text, file, _secrets(env_file))
+    kept_at = kept.directory(state_dir, file) / f"{entry.generation}.yaml"
+    _, problems = trusted_files.load_text(text, file, _secrets(env_file), kept_at)
     if problems:
         click.echo(f"reconciler rollback: generation {entry.generation} is not valid today; nothing written:\n"
                    + "\n".join(problems), err=True)

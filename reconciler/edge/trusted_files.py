@@ -167,10 +167,12 @@ def load(path: str | Path, secrets: Secrets | None, uid: int | None = None) -> t
     return (None, unsafe) if unsafe else (desired, [])
 
 
-def load_text(text: str, path: str | Path, secrets: Secrets, uid: int | None = None
+def load_text(text: str, path: str | Path, secrets: Secrets, read_from: Path, uid: int | None = None
               ) -> tuple[Desired | None, list[str]]:
-    """A kept generation's text (reconciler.loop.history) judged as `load` judges the file at `path`: its own
-    problems, the secrets it names, the files it trusts. A rollback brings back only what would be taken today."""
+    """A kept generation's text (reconciler.loop.history), read from `read_from`, judged as `load` judges the file
+    at `path`: its own problems, the secrets it names, the files it trusts, and `read_from` itself (and the
+    directories above it), which is then as much the desired state as the file. A rollback brings back only what
+    would be taken today."""
     try:
         desired = spec.loads(text, str(path)).with_secrets(secrets.environ)
     except spec.InvalidDesiredState as exc:
@@ -178,5 +180,5 @@ def load_text(text: str, path: str | Path, secrets: Secrets, uid: int | None = N
     except spec.MissingSecrets as exc:
         return None, [f"{name} is not set in {secrets.where} (or holds a control character)"
                       for name in exc.names + exc.unusable]
-    unsafe = problems(trusted_paths(desired, path), uid)
+    unsafe = problems([Trusted(Path(read_from)), *trusted_paths(desired, path)], uid)
     return (None, unsafe) if unsafe else (desired, [])

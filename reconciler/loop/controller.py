@@ -177,6 +177,7 @@ class Controller:
             self.held = None
             if hold is not None and (back := self._brought_back(hold)) is not None:
                 self._enforce(back, held=hold)  # a restart keeps the rollback: the failed change is not tried again
+                self.log.warning("rollback.kept", generation=hold.generation, to=hold.to, error=hold.why)
                 return True
         elif self.store.pending is None or digest == self.read_only:
             return False  # the content in force, or the one observed already
@@ -213,7 +214,7 @@ class Controller:
         None, said at error, when it is not kept or is no longer valid: the file's generation is enforced then."""
         text = self.history.text(hold.to)
         desired, problems = (None, [f"generation {hold.to} is not kept in {self.history.dir}"]) if text is None \
-            else trusted_files.load_text(text, self.path, self.secrets())
+            else trusted_files.load_text(text, self.path, self.secrets(), self.history.dir / f"{hold.to}.yaml")
         if desired is None:
             self.log.error("rollback.impossible", generation=hold.generation, to=hold.to, errors=problems)
             return None

@@ -174,9 +174,10 @@ class HistoryStore:
         current = h.entry(generation)
         if current is not None and current.hash == digest:
             return h.hold if h.hold is not None and h.hold.hash == digest else None
+        # Numbers at or above this one belong to a count that restarted (a state file lost, issue 34): forgotten.
         h.entries = [e if e.ended or e.outcome != IN_FORCE else
                      replace(e, ended=now, outcome=SERVED if e.served else REPLACED) for e in h.entries
-                     if e.generation != generation]
+                     if e.generation < generation]
         h.entries.append(Entry(generation, digest, now))
         h.hold = None
         self._write(text, generation)

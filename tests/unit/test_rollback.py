@@ -234,3 +234,38 @@ def test_reconciler_history_lists_the_generations(desired_path, tmp_path):
     assert [e["generation"] for e in doc["entries"]] == [1, 2] and doc["hold"] is None
     none = CliRunner().invoke(main, ["history", str(tmp_path / "other.yaml"), "--state-dir", state])
     assert none.exit_code == 1 and "no generation kept" in none.output
+
+
+def test_a_count_that_restarted_forgets_the_numbers_it_reuses(tmp_path):
+    """A lost state file restarts the generations at 1 (generations.read_record): the history's old 1..3 are
+    another count's, and a rollback must never pick one of them by number."""
+    store = HistoryStore(tmp_path, tmp_path / "c.yaml")
+    for g in (1, 2, 3):
+        store.taken(g, f"h{g}", f"t{g}", float(g))
+        store.served(g, float(g))
+    store.taken(1, "new", "fresh", 10.0)
+    assert [(e.generation, e.hash) for e in store.history.entries] == [(1, "new")]
+    assert history.text_of(tmp_path, tmp_path / "c.yaml", 1) == "fresh"
+    assert store.history.last_served(1) is None
+
+
+def test_a_kept_text_others_may_change_is_never_brought_back(desired_path, tmp_path, converged):
+    """The kept text is as much the desired state as the file: a copy anyone may write is refused like the file
+    would be (trusted_files.load_text), and the file's generation stays in force."""
+    c, _ = _failed_start(desired_path, tmp_path, converged)
+    kept = history.directory(tmp_path / "state", desired_path) / "1.yaml"
+    os.chmod(kept, 0o666)
+    c.reconcile({"operation"})
+    assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
+    out = CliRunner().invoke(main, ["rollback", str(desired_path), "1", "--state-dir", str(tmp_path / "state")],
+                             env=dict(os.environ))
+    assert out.exit_code == 3 and "writable by others" in out.output
+
+
+def test_a_generation_that_served_is_repaired_in_place_not_rolled_back(desired_path, tmp_path, converged):
+    """A start that fails after the generation served is a wedge or a crash (restarted after unhealthy_grace),
+    never a failed change."""
+    c, _ = _failed_start(desired_path, tmp_path, converged)
+    c.history.served(2, 1.0)  # generation 2 had served before its start failed
+    c.reconcile({"operation"})
+    assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
