@@ -1,4 +1,4 @@
-"""`python -m bench [all|noop|drift|edit|weights|image|verify|footprint|scaling|sim|vllm-start ...] [--quick]
+"""`python -m bench [all|noop|drift|edit|weights|image|verify|footprint|scaling|sim|vllm-start|downtime ...] [--quick]
 [--results DIR] [--no-doc]`: run benchmarks on the testbed and write docs/benchmarks.md from bench/results/*.json.
 
 --quick: tiny counts (the smoke test in `make test`); results go to a temp dir (or --results) and the doc is not
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import daemon, noop, report, sim, vllm_start, weights
+from bench import daemon, downtime, noop, report, sim, vllm_start, weights
 from bench.common import RESULTS, Options, testbed_lock
 
 BENCHMARKS = {
@@ -27,8 +27,10 @@ BENCHMARKS = {
     "scaling": noop.run_scaling,
     "sim": sim.run_sim,  # after scaling: it replays the probe outputs scaling recorded
     "vllm-start": vllm_start.run_vllm_start,
+    "downtime": downtime.run_downtime,
 }
-NOT_QUICK = {"vllm-start"}  # minutes of real vLLM starts; tests/e2e/test_real_vllm.py already checks it works
+#: Minutes of real vLLM starts each: tests/e2e/test_real_vllm.py already checks that it works.
+NOT_QUICK = {"vllm-start", "downtime"}
 
 
 def _run(names, opts, failed) -> None:

@@ -25,7 +25,10 @@ import stat
 import sys
 import time
 
-INTERVAL = 0.1  # seconds between passes: the cache a copy builds in between is bounded by its rate x this
+# seconds between passes: the cache a copy builds in between is bounded by its rate x this. 0.25, not 0.1: each
+# pass waits for the writeback of what grew (`fdatasync`), and ten such waits a second on both ends cost the copy
+# ~15% on the testbed (docs/weights-transport.md "Speed"); ~0.5 GB at a Spark's ~2 GB/s, of ~20 GiB left.
+INTERVAL = 0.25
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 

@@ -45,6 +45,7 @@ MODULE = "models"
 USER = "fabric"
 GRACE = 2.0  # seconds between SIGTERM and SIGKILL at teardown
 ACCEPT_WINDOW = 60.0  # seconds the listener waits for all its connections
+POLL = 0.2  # seconds between looks at the lifeline, the deadline and the daemons, when nothing wakes it sooner
 LOG_TAIL = 4000  # bytes of the daemons' log shown when one failed
 MIN_VERSION = (3, 1, 0)  # `--dparam` (the secret's FIFO), `munge symlinks`, `refuse options` by long name
 MUNGED = "/rsyncd-munged"  # where a munged link would point: it must not exist, or munged links could be followed
@@ -125,13 +126,14 @@ def main(argv: list[str]) -> int:
     stopping: list[str] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGHUP, lambda *_: stopping.append("SIGHUP"))
+    woken = child_exits()
     listener = socket.create_server((bind, 0), backlog=streams)
     print(f"port {listener.getsockname()[1]}", flush=True)
     stdin = sys.stdin.fileno()
     status = None
     try:
         status = serve(listener, stdin, peer, streams, rundir, config_path, line, children, stopping, end,
-                       accept_end)
+                       accept_end, woken)
         return status
     finally:
         listener.close()
@@ -142,8 +144,21 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(rundir, ignore_errors=True)
 
 
+def child_exits() -> int:
+    """A descriptor that becomes readable when a daemon exits (SIGCHLD through `signal.set_wakeup_fd`), so the
+    serve loop reaps it at once: the step waits for every daemon's `daemon 0` (`rsyncd.confirm`) before its
+    `sync -f`, and a poll alone left up to POLL on every copy's path (measured ~0.13 s of a 2.7 s copy)."""
+    r, w = os.pipe()
+    for fd in (r, w):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler (not SIG_DFL, which ignores): the wakeup fd fires
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    return r
+
+
 def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: str, config_path: str, line: bytes,
-          children: list[subprocess.Popen[bytes]], stopping: list[str], end: float, accept_end: float) -> int:
+          children: list[subprocess.Popen[bytes]], stopping: list[str], end: float, accept_end: float,
+          woken: int | None = None) -> int:
     """Serve connections from `peer`, one daemon each, until `streams` daemons ended well. Returns the exit status.
 
     Neither a stranger nor a failed daemon ends the step (issue 31): a connection from any other address (a local
@@ -163,7 +178,14 @@ def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: 
             return 3
         # while every slot has a live daemon, a connection waits in the backlog: a slot may free up
         watched: list[int | socket.socket] = [stdin, listener] if waiting else [stdin]
-        ready, _, _ = select.select(watched, [], [], 0.2)
+        if woken is not None:
+            watched.append(woken)
+        ready, _, _ = select.select(watched, [], [], POLL)
+        if woken is not None and woken in ready:
+            try:
+                os.read(woken, 4096)  # drain: whatever exited is reaped below
+            except BlockingIOError:
+                pass
         if stdin in ready and not os.read(stdin, 4096):
             good += reap(children)
             if good >= streams:
