@@ -106,14 +106,41 @@ def answers(tb, timeout: float = 5) -> bool:
     return res.returncode == 0 and '"choices"' in res.stdout
 
 
-def first_answer(tb, since: float, timeout: float = DEADLINE) -> float:
-    """Seconds from `since` (time.monotonic()) to the first completion answered."""
+def first_answer(tb, since: float, timeout: float = DEADLINE, watch: str | None = None) -> float:
+    """Seconds from `since` (time.monotonic()) to the first completion answered; with `watch`, the head's
+    container of that name must keep running meanwhile (its last log lines say why it did not)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if answers(tb, timeout=2):
             return time.monotonic() - since
+        if watch and tb.docker("head", "inspect", "--format", "{{.State.Running}}", watch,
+                               check=False).stdout.strip() != "true":
+            logs = tb.docker("head", "logs", "--tail", "15", watch, check=False)
+            raise RuntimeError(f"{watch} exited before answering: {(logs.stdout + logs.stderr)[-1500:]}")
         time.sleep(PROBE_EVERY)
     raise TimeoutError(f"no completion within {timeout:.0f}s")
+
+
+@contextlib.contextmanager
+def co_tenants_stopped(tb):
+    """The seed's co-tenants (a GLM on the head's :8000 among them) stopped while a cold start is measured alone:
+    the reconciler stops them as part of the seed's apply, a start by hand must not find the port taken. Started
+    again after."""
+    stopped = {}
+    for node in ("head", "worker"):
+        ours = set(tb.docker(node, "ps", "--format", "{{.Names}}", "--filter", "label=spark-reconciler.managed=true",
+                             check=False).stdout.split())
+        names = [n for n in tb.docker(node, "ps", "--format", "{{.Names}}", check=False).stdout.split()
+                 if n not in ours]
+        if names:
+            tb.docker(node, "stop", "-t", "5", *names, check=False)
+        stopped[node] = names
+    try:
+        yield
+    finally:
+        for node, names in stopped.items():
+            if names:
+                tb.docker(node, "start", *names, check=False)
 
 
 def apply(path: Path) -> None:
@@ -150,7 +177,7 @@ def raw_start(tb, path: Path) -> float:
     for spec in reversed(launch_specs(desired)):  # rank 1 first, as the reconciler starts them
         tb.docker(spec.node, *spec.run_argv(0))
     try:
-        return first_answer(tb, t0)
+        return first_answer(tb, t0, watch="vllm_serving")
     finally:
         remove_serving(tb)
 
@@ -171,7 +198,8 @@ def seed_parts(tb, desired: dict) -> dict[str, float]:
     subprocess.run(["cp", "-a", str(src), str(dst)], check=True, timeout=DEADLINE)
     subprocess.run(["sync", "-f", str(dst)], check=True, timeout=DEADLINE)
     weights_s = time.monotonic() - t0
-    cold_s = raw_start(tb, tb.state / "downtime-seed.yaml")
+    with co_tenants_stopped(tb):
+        cold_s = raw_start(tb, tb.state / "downtime-seed.yaml")
     shutil.rmtree(dst, ignore_errors=True)
     tb.docker("worker", "rmi", "-f", image.IMAGE, check=False)
     tb.docker("worker", "image", "prune", "-f", check=False)

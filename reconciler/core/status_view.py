@@ -31,8 +31,9 @@ from reconciler.core.text import printable
 #: A JSON object of the /status document, as the daemon sent it: read field by field, trusted in nothing.
 Doc = dict[str, Any]
 
-#: Conditions whose True is the news (a step held, vLLM's queue full); for every other one, a status but True is.
-TRUE_IS_NEWS = frozenset({"StepsHeld", "ServingBusy"})
+#: Conditions whose True is the news (a step held, vLLM's queue full, a failed change rolled back); for every other
+#: one, a status but True is.
+TRUE_IS_NEWS = frozenset({"StepsHeld", "ServingBusy", "RolledBack"})
 
 #: NODES: column -> the condition it summarizes and the word for its good status (else the condition's reason).
 NODE_COLUMNS = (("GPU", "GpuReady", "ok"), ("FABRIC", "FabricLinkUp", "up"), ("WEIGHTS", "WeightsInSync", "in sync"),

@@ -244,3 +244,19 @@ def test_a_document_it_cannot_read_raises(doc, error):
     """The client turns these into "did not answer a reconciler status document" (exit 1)."""
     with pytest.raises(error):
         status_text(doc, 80, 0)
+
+
+def test_a_rollback_is_the_news_and_its_absence_is_not():
+    """RolledBack=True says what runs instead of the file and what to do, in the cluster's conditions (listed
+    whole, as Ready and DesiredStateValid are); False says the file is in force."""
+    doc = fixture("status-held")
+    quiet = {**doc, "conditions": [*doc["conditions"], {
+        "node": "", "type": "RolledBack", "status": "False", "reason": "FileInForce", "message": "",
+        "lastTransitionTime": "2026-12-02T15:41:18Z"}]}
+    assert "FileInForce" in row(status_text(quiet, 200, doc["time"]), "RolledBack", "False")
+    news = {**doc, "phase": "RolledBack", "conditions": [*doc["conditions"], {
+        "node": "", "type": "RolledBack", "status": "True", "reason": "FailedChange",
+        "message": "generation 3 never served (await-health/head: exited); generation 2 is served in its place",
+        "lastTransitionTime": "2026-12-02T15:41:18Z"}]}
+    shown = status_text(news, 200, doc["time"])
+    assert "FailedChange" in row(shown, "RolledBack", "True") and "generation 2 is served" in shown
