@@ -403,7 +403,11 @@ def history(file: Path, state_dir: Path, as_json: bool) -> None:
     operations.md "History and rollback"). Exit 1 when none is kept."""
     from reconciler.loop import history as kept
 
-    found = kept.read(state_dir, file)
+    try:
+        found = kept.read(state_dir, file, daemon=False)
+    except (OSError, ValueError) as exc:
+        click.echo(printable(f"reconciler history: cannot read the history in {state_dir}: {exc}"), err=True)
+        sys.exit(Exit.ERROR)
     click.echo(found.to_json() if as_json else found.table())
     sys.exit(Exit.OK if found.entries else Exit.ERROR)
 
@@ -413,7 +417,10 @@ def history(file: Path, state_dir: Path, as_json: bool) -> None:
 @click.argument("generation", type=click.IntRange(min=1), required=False)
 @_STATE_DIR
 @_env_file_option
-def rollback(file: Path, generation: int | None, state_dir: Path, env_file: Path) -> None:
+@click.option("--daemon-user", default=None,
+              help="The user the daemon runs as (systemd User=), whose files are judged. [default: this user; as "
+                   "root, spark, the shipped unit's]")
+def rollback(file: Path, generation: int | None, state_dir: Path, env_file: Path, daemon_user: str | None) -> None:
     """Write a kept generation's text back over FILE (default: the one the daemon rolled back to, else the newest
     that served before the newest), atomically, after a copy of what FILE held: the file stays the truth, and the
     daemon takes it as a new generation. The text is validated first (as `validate` does); nothing is written
@@ -423,11 +430,15 @@ def rollback(file: Path, generation: int | None, state_dir: Path, env_file: Path
     from reconciler.edge import trusted_files
     from reconciler.loop import history as kept
 
-    found = kept.read(state_dir, file)
     try:
-        entry = kept.rollback_target(found, generation)
-    except ValueError as exc:
-        click.echo(f"reconciler rollback: {exc}", err=True)
+        _user, uid = trusted_files.daemon_user(daemon_user)
+    except KeyError:
+        click.echo(printable(f"reconciler rollback: no user {daemon_user!r} on this host (--daemon-user)"), err=True)
+        sys.exit(Exit.ERROR)
+    try:
+        entry = kept.rollback_target(kept.read(state_dir, file, daemon=False), generation)
+    except (OSError, ValueError) as exc:
+        click.echo(printable(f"reconciler rollback: {exc}"), err=True)
         sys.exit(Exit.ERROR)
     text = kept.text_of(state_dir, file, entry.generation)
     if text is None:
@@ -435,12 +446,16 @@ def rollback(file: Path, generation: int | None, state_dir: Path, env_file: Path
                    f"{kept.directory(state_dir, file)}", err=True)
         sys.exit(Exit.ERROR)
     kept_at = kept.directory(state_dir, file) / f"{entry.generation}.yaml"
-    _, problems = trusted_files.load_text(text, file, _secrets(env_file), kept_at)
+    _, problems = trusted_files.load_text(text, file, _secrets(env_file), kept_at, uid)
     if problems:
         click.echo(f"reconciler rollback: generation {entry.generation} is not valid today; nothing written:\n"
                    + "\n".join(problems), err=True)
         sys.exit(Exit.INVALID)
-    copy = kept.write_back(file, text, time.time())
+    try:
+        copy = kept.write_back(file, text, time.time())
+    except OSError as exc:
+        click.echo(printable(f"reconciler rollback: cannot write {file}: {exc}; nothing changed"), err=True)
+        sys.exit(Exit.ERROR)
     click.echo(f"{file}: generation {entry.generation} written back (what it held is in {copy}); the daemon takes "
                "it as a new generation")
 

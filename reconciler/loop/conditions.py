@@ -133,8 +133,8 @@ def phase_of(snap: Snapshot) -> str:
         return "Invalid"
     if snap.paused:
         return "Paused"
-    if snap.held_change is not None:  # whatever the plan of the generation brought back says: not the file's
-        return "RolledBack"
+    if snap.held_change is not None and plan is not None and not plan.changes:  # what was brought back serves
+        return "RolledBack"  # (until it does, the phase says how its start goes; the condition says it is held)
     if plan is not None and not plan.changes:
         return "Converged"
     if snap.held or (plan is not None and (plan.blocked or any(d.blocking for d in plan.drift))):

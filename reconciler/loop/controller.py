@@ -122,7 +122,9 @@ class Controller:
         self.backoff: Backoff | None = None
         self.reconciles = 0
         self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
-        self._start_failed: str | None = None  # a start of the file's generation failed (_record): why
+        #: A start failed (_record): the file's generation it was started for, its deployment, why.
+        self._start_failed: tuple[int, str | None, str] | None = None
+        self._failures_said: set[tuple[int, str]] = set()  # (generation, what) said once: not every reconcile
         self.image_answer: ServeFlags | None = None  # what the serving image said of itself (FlagsQuery)
 
     @property
@@ -175,7 +177,7 @@ class Controller:
             if self.held is not None and hold is None:
                 self.log.info("rollback.ended", generation=self.store.generation, was=self.held.to)
             self.held = None
-            if hold is not None and (back := self._brought_back(hold)) is not None:
+            if hold is not None and (back := self._brought_back(hold.generation, hold.to)) is not None:
                 self._enforce(back, held=hold)  # a restart keeps the rollback: the failed change is not tried again
                 self.log.warning("rollback.kept", generation=hold.generation, to=hold.to, error=hold.why)
                 return True
@@ -209,43 +211,55 @@ class Controller:
         """The generation whose state the daemon enforces: the file's, or the one a rollback brought back."""
         return self.held.to if self.held is not None else self.store.generation
 
-    def _brought_back(self, hold: Hold) -> spec.Desired | None:
-        """The generation `hold` brings back, judged as the file would be today (its text kept in the history);
-        None, said at error, when it is not kept or is no longer valid: the file's generation is enforced then."""
-        text = self.history.text(hold.to)
-        desired, problems = (None, [f"generation {hold.to} is not kept in {self.history.dir}"]) if text is None \
-            else trusted_files.load_text(text, self.path, self.secrets(), self.history.dir / f"{hold.to}.yaml")
+    def _brought_back(self, generation: int, to: int) -> spec.Desired | None:
+        """Generation `to`, to be enforced in the place of `generation`, judged as the file would be today (its text
+        kept in the history, and that copy's owner and mode); None, said once at error, when it is not kept or is
+        no longer valid: the file's generation is enforced then."""
+        text = self.history.text(to)
+        kept = self.history.dir / f"{to}.yaml"
+        desired, problems = (None, [f"generation {to} is not kept in {self.history.dir}"]) if text is None \
+            else trusted_files.load_text(text, self.path, self.secrets(), kept)
         if desired is None:
-            self.log.error("rollback.impossible", generation=hold.generation, to=hold.to, errors=problems)
+            if (generation, "impossible") not in self._failures_said:
+                self._failures_said.add((generation, "impossible"))
+                self.log.error("rollback.impossible", generation=generation, to=to, errors=problems)
             return None
         for value in desired.secret_values():
             log.register_secret(value)
         return desired
 
-    def _failed_change(self, why: str) -> None:
-        """The file's generation failed before it ever served: with policy.on_failed_change rollback, bring back
-        the last generation that served and hold this one until the file changes. Said either way."""
+    def _failed_change(self, why: str, deployment: str | None) -> None:
+        """The file's generation failed before it ever served (a start of `deployment`'s failed, or the image
+        refused it): with policy.on_failed_change rollback, bring back the last generation that served, when the
+        failing deployment is one the change touched (a failure of what the change left as it was is not the
+        change's: it is retried as before), and hold this one until the file changes. Said once either way."""
         desired, generation = self.desired, self.store.generation
-        if desired is None or self.held is not None or self.read_only is not None:
+        if (desired is None or self.held is not None or self.read_only is not None
+                or desired.policy.mode != "enforce" or desired.policy.paused):
             return
         entry = self.history.history.entry(generation)
         if entry is None or entry.served:
             return  # it served: a later failure is a wedge or a crash, repaired in place, not a failed change
-        if desired.policy.on_failed_change != "rollback":
-            self.log.warning("change.failed", generation=generation, error=why, policy="hold")
+        why = _first_line(log.redact_text(why))  # kept on disk and shown by `reconciler history`
+        back = self.history.history.last_served(generation)
+        brought = None
+        if back is not None and desired.policy.on_failed_change == "rollback":
+            brought = self._brought_back(generation, back.generation)
+        if brought is not None and deployment is not None and not _touches(desired, brought, deployment):
+            return  # not the change's failure: what failed is as it was in the generation that served
+        if brought is None or back is None:
+            self.history.failed(generation, why)
+            if (generation, "failed") not in self._failures_said:
+                self._failures_said.add((generation, "failed"))
+                self.log.warning("change.failed", generation=generation, error=why,
+                                 rollback=("policy.on_failed_change is hold" if desired.policy.on_failed_change
+                                           == "hold" else "no earlier generation to bring back"
+                                           if back is None else f"generation {back.generation} cannot be taken"))
             return
-        back = self.history.failed(generation, why, self.clock())
-        hold = self.history.hold
-        if back is None or hold is None:
-            self.log.warning("change.failed", generation=generation, error=why,
-                             rollback="no earlier generation served: nothing to bring back")
-            return
-        brought = self._brought_back(hold)
-        if brought is None:
-            return
+        hold = self.history.rolled_back(generation, back.generation, why, self.clock())
         self._enforce(brought, held=hold)
         metrics.rollbacks.inc()
-        self.log.warning("change.rolled_back", generation=generation, to=hold.to, error=why)
+        self.log.warning("change.rolled_back", generation=generation, to=back.generation, error=why)
 
     def _end_generation(self, old: spec.Desired, new: spec.Desired) -> None:
         """Steps of the old generation that the new one makes wrong (a 12 h sync of a model no longer wanted) must
@@ -276,10 +290,10 @@ class Controller:
         self.reconciles += 1
         trigger = sorted(reasons)
         failures = self._record(self.operations.drain())
-        if self._start_failed:  # before the file is read again: the failure is of the generation in force now
-            self._failed_change(self._start_failed)
-        self._start_failed = None
         self._reread(reasons, trigger)
+        failed, self._start_failed = self._start_failed, None
+        if failed is not None and failed[0] == self.store.generation:  # an edit since: that one is tried instead
+            self._failed_change(failed[2], failed[1])
         desired = self.desired
         observed: Observed | None = None
         current: Plan | None = None
@@ -293,7 +307,7 @@ class Controller:
                 self._say_troubles(observed)
                 current = planning.plan(desired, observed)
                 if current.refused and self.held is None and current.mode == "enforce":
-                    self._failed_change("the image refuses the start: " + "; ".join(current.refused))
+                    self._failed_change("the image refuses the start: " + "; ".join(current.refused), None)
                     if self.desired is not desired:  # rolled back: plan what was brought back
                         desired = self.desired
                         assert desired is not None
@@ -303,7 +317,8 @@ class Controller:
                 self._verify_next(desired, current)
                 if not current.changes and self.read_only is None and self.held is None:
                     self.store.converged(self.clock())  # observing only, or rolled back: not the file's to reach
-                    self.history.served(self.store.generation, self.clock())
+                    if current.mode == "enforce":  # what a rollback may bring back: a generation that serves
+                        self.history.served(self.store.generation, self.clock())
                     metrics.last_converged.set(self.store.last_converged)
         except Exception as exc:  # a bug must not freeze the status at its last value
             error = f"reconcile crashed: {type(exc).__name__}: {exc}"
@@ -481,8 +496,11 @@ class Controller:
             elif r.result in ("failed", "blocked"):
                 self.backoff.failed(r.step.id, r.message, self.monotonic())
                 failures.append(f"{r.step.id}: {r.message}")
-                if r.step.kind in START_KINDS and self._launched.get(r.step.id) == self.store.generation:
-                    self._start_failed = f"{r.step.id}: {r.message}"
+                # Only a start that ran and failed: one that is blocked (a container not ours in the way, memory
+                # short with nothing stopped) is the node's condition, not the change's.
+                if r.result == "failed" and r.step.kind in START_KINDS and r.step.id in self._launched:
+                    whose = r.step.deployment or (self.desired.deployment_names[0] if self.desired else None)
+                    self._start_failed = (self._launched[r.step.id], whose, f"{r.step.id}: {r.message}")
             elif r.result == "deferred":  # said, never counted: the next reconcile tries again
                 failures.append(f"{r.step.id}: {r.message}")
             self._launched.pop(r.step.id, None)
@@ -585,6 +603,21 @@ def _trouble(obs: NodeObservation) -> tuple[str, str] | None:
 #: The steps whose failure is a start that failed: of the file's generation before it served, a failed change
 #: (`Controller._failed_change`).
 START_KINDS = frozenset({"start-serving", "launch-model", "await-health"})
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """A failure as the history keeps it: its first line (a start's message carries the container's log tail)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def _touches(new: spec.Desired, old: spec.Desired, deployment: str) -> bool:
+    """Whether the change from `old` to `new` touched what `deployment` starts: it is new, or its model, serving,
+    the nodes or the trust differ."""
+    if deployment not in old.deployment_names:
+        return True
+    a, b = new.view(deployment), old.view(deployment)
+    return (a.deployment, a.nodes, a.trust) != (b.deployment, b.nodes, b.trust)
 
 
 #: Step reports (`_progress`) that say something went wrong: logged at warning, not info.

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from reconciler.core.text import printable
 from reconciler.edge import log
 from reconciler.loop.generations import path_key, write_durably
 
@@ -93,14 +94,14 @@ class History:
 
         rows = [("GEN", "TAKEN", "SERVED", "ENDED", "OUTCOME")] + [
             (str(e.generation), when(e.taken), when(e.served), when(e.ended),
-             e.outcome + (f": {e.why}" if e.why else "")) for e in reversed(self.entries)]
+             printable(e.outcome + (f": {e.why}" if e.why else ""))) for e in reversed(self.entries)]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4] for r in rows]
         if not self.entries:
             lines.append("(no generation kept)")
         if self.hold is not None:
-            lines.append(f"\nrolled back: generation {self.hold.generation} is held, {self.hold.to} is served in its "
-                         f"place since {when(self.hold.since)} ({self.hold.why})")
+            lines.append(printable(f"\nrolled back: generation {self.hold.generation} is held, {self.hold.to} is "
+                                   f"served in its place since {when(self.hold.since)} ({self.hold.why})"))
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -125,15 +126,19 @@ def directory(state_dir: Path, path: Path) -> Path:
     return Path(state_dir) / f"history-{path_key(path)}"
 
 
-def read(state_dir: Path, path: Path) -> History:
-    """The history of the desired state at `path`; an empty one when there is none. One that cannot be read is
-    logged and moved aside (`index.json.corrupt`) and starts again: the texts stay where they are."""
+def read(state_dir: Path, path: Path, daemon: bool = True) -> History:
+    """The history of the desired state at `path`; an empty one when there is none. For the daemon (`daemon`),
+    one that cannot be parsed is logged and moved aside (`index.json.corrupt`) and starts again: the texts stay
+    where they are. For a command (`daemon=False`), nothing is moved: an OSError (a state dir this user may not
+    read) or a ValueError says why."""
     index = directory(state_dir, path) / "index.json"
     try:
         return History.from_json(index.read_text())
     except FileNotFoundError:
         return History()
     except (OSError, ValueError) as exc:
+        if not daemon:
+            raise
         aside = index.with_name("index.json.corrupt")
         try:
             index.replace(aside)
@@ -173,36 +178,42 @@ class HistoryStore:
         h = self.history
         current = h.entry(generation)
         if current is not None and current.hash == digest:
-            return h.hold if h.hold is not None and h.hold.hash == digest else None
+            held = h.hold is not None and h.hold.hash == digest and h.hold.generation == generation
+            return h.hold if held and not current.served else None
         # Numbers at or above this one belong to a count that restarted (a state file lost, issue 34): forgotten.
-        h.entries = [e if e.ended or e.outcome != IN_FORCE else
-                     replace(e, ended=now, outcome=SERVED if e.served else REPLACED) for e in h.entries
-                     if e.generation < generation]
+        h.entries = [e if e.ended else replace(e, ended=now, outcome=e.outcome if e.outcome != IN_FORCE
+                                               else SERVED if e.served else REPLACED)
+                     for e in h.entries if e.generation < generation]
         h.entries.append(Entry(generation, digest, now))
         h.hold = None
         self._write(text, generation)
         return None
 
     def served(self, generation: int, now: float) -> None:
-        """`generation` converged: it served. Said once, at the first time."""
+        """`generation` converged, enforcing: it served. Said once, at the first time; a failure said of it
+        before (a first generation that failed, then came up) is over, and so is any hold of it."""
         e = self.history.entry(generation)
         if e is not None and not e.served:
-            self._update(replace(e, served=now))
+            if self.history.hold is not None and self.history.hold.generation == generation:
+                self.history.hold = None
+            self._update(replace(e, served=now, outcome=IN_FORCE, why=""))
 
-    def failed(self, generation: int, why: str, now: float) -> Entry | None:
-        """`generation` failed before it served: the entry that a rollback brings back (None: none served before
-        it, so there is nothing to go back to), recorded with the hold; or, with nothing to go back to, only
-        the failure."""
+    def failed(self, generation: int, why: str) -> None:
+        """`generation` failed before it served, with nothing to bring back (or a policy that does not): said in
+        its entry, written only when that changes (a failure seen every reconcile is one write)."""
+        e = self.history.entry(generation)
+        if e is not None and not e.served and (e.outcome, e.why) != (FAILED, why):
+            self._update(replace(e, outcome=FAILED, why=why))
+
+    def rolled_back(self, generation: int, to: int, why: str, now: float) -> Hold | None:
+        """`generation` failed before it served and `to` is enforced in its place: the hold, recorded (None: the
+        generation is not one to hold)."""
         e = self.history.entry(generation)
         if e is None or e.served:
             return None
-        back = self.history.last_served(generation)
-        outcome = f"{ROLLED_BACK} to {back.generation}" if back else FAILED
-        self._update(replace(e, outcome=outcome, why=why, ended=now if back else 0.0))
-        if back is not None:
-            self.history.hold = Hold(generation, e.hash, back.generation, why, now)
-            self._write(None, None)
-        return back
+        self.history.hold = Hold(generation, e.hash, to, why, now)
+        self._update(replace(e, outcome=f"{ROLLED_BACK} to {to}", why=why, ended=now))
+        return self.history.hold
 
     def text(self, generation: int) -> str | None:
         try:
@@ -256,15 +267,43 @@ def rollback_target(history: History, generation: int | None) -> Entry:
 
 
 def write_back(path: Path, text: str, now: float) -> Path:
-    """Write a kept generation's `text` over the desired-state file, atomically and durably, with the file's owner
-    and mode kept (the daemon refuses a file others may change), after a copy of what it held
-    (`NAME.before-rollback-UNIXTIME`, same owner and mode). Returns the copy's path."""
-    path = Path(path)
-    st = path.stat()
-    copy = path.with_name(f"{path.name}.before-rollback-{int(now)}")
-    for target, content in ((copy, path.read_text()), (path, text)):
-        write_durably(target, content)
-        os.chmod(target, stat.S_IMODE(st.st_mode))
-        if os.geteuid() == 0:
-            os.chown(target, st.st_uid, st.st_gid)
+    """Write a kept generation's `text` over the desired-state file, atomically and durably, after a copy of what
+    it held (`NAME.before-rollback-UNIXTIME[-N]` beside it, never over an earlier copy). Both are written with the
+    file's owner and mode before they take their names (the daemon refuses a file others may change, and a crash
+    between a rename and a chmod would leave it unreadable to the daemon's user). A symlinked file is written
+    where it points (a desired state kept in a checkout stays there). Returns the copy's path."""
+    real = Path(os.path.realpath(path))
+    st = real.stat()
+    copy = real.with_name(f"{real.name}.before-rollback-{int(now)}")
+    n = 1
+    while copy.exists():
+        n += 1
+        copy = real.with_name(f"{real.name}.before-rollback-{int(now)}-{n}")
+    _write_as(copy, real.read_text(), st)
+    _write_as(real, text, st)
     return copy
+
+
+def _write_as(file: Path, text: str, st: os.stat_result) -> None:
+    """`text` into `file` by a rename, with `st`'s mode (and owner, as root) set on the temporary file first."""
+    tmp = file.with_name(f".{file.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        if os.geteuid() == 0:
+            os.fchown(fd, st.st_uid, st.st_gid)
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, file)
+    directory_fd = os.open(file.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)

@@ -18,10 +18,15 @@ import pytest
 from click.testing import CliRunner
 
 from reconciler.cli import main
+from reconciler.core import spec
 from reconciler.core.observed import ServeFlags
+from reconciler.core.planning import Step, plan
+from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import load, loads
 from reconciler.core.vllm import parse_serve_help
+from reconciler.edge.execute import StepResult
 from reconciler.loop import history
+from reconciler.loop.controller import _touches
 from reconciler.loop.history import FAILED, IN_FORCE, REPLACED, SERVED, HistoryStore
 from reconciler.loop.metrics import REGISTRY
 from tests.unit.test_controller_loop import Gate, Script, _condition, _controller
@@ -178,7 +183,7 @@ def test_the_rollback_target(tmp_path):
     assert history.rollback_target(h, 1).generation == 1
     with pytest.raises(ValueError, match="generation 9 is not kept"):
         history.rollback_target(h, 9)
-    store.failed(3, "await-health failed", 4.0)
+    store.rolled_back(3, 2, "await-health failed", 4.0)
     assert h.hold is not None and h.hold.to == 2
     assert history.rollback_target(h, None).generation == 2
 
@@ -201,8 +206,8 @@ def test_reconciler_rollback_writes_the_generation_back_and_keeps_a_copy(desired
     first = _served_then_changed(desired_path, tmp_path)
     second = desired_path.read_text()
     os.chmod(desired_path, 0o640)
-    out = CliRunner().invoke(main, ["rollback", str(desired_path), "--state-dir", str(tmp_path / "state")],
-                             env=dict(os.environ))
+    out = CliRunner().invoke(main, ["rollback", str(desired_path), "--state-dir", str(tmp_path / "state"),
+                                    "--daemon-user", "root"], env=dict(os.environ))
     assert out.exit_code == 0, out.output
     assert desired_path.read_text() == first, "the owner's own text, comments included"
     assert stat.S_IMODE(desired_path.stat().st_mode) == 0o640
@@ -215,8 +220,8 @@ def test_reconciler_rollback_writes_nothing_that_is_not_valid_today(desired_path
     _served_then_changed(desired_path, tmp_path)
     (history.directory(tmp_path / "state", desired_path) / "1.yaml").write_text("nodes: [\n")
     before = desired_path.read_text()
-    out = CliRunner().invoke(main, ["rollback", str(desired_path), "1", "--state-dir", str(tmp_path / "state")],
-                             env=dict(os.environ))
+    out = CliRunner().invoke(main, ["rollback", str(desired_path), "1", "--state-dir", str(tmp_path / "state"),
+                                    "--daemon-user", "root"], env=dict(os.environ))
     assert out.exit_code == 3 and "not valid today" in out.output
     assert desired_path.read_text() == before and not list(tmp_path.glob("cluster.yaml.before-rollback-*"))
 
@@ -257,15 +262,153 @@ def test_a_kept_text_others_may_change_is_never_brought_back(desired_path, tmp_p
     os.chmod(kept, 0o666)
     c.reconcile({"operation"})
     assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
-    out = CliRunner().invoke(main, ["rollback", str(desired_path), "1", "--state-dir", str(tmp_path / "state")],
-                             env=dict(os.environ))
+    kept_history = history.read(tmp_path / "state", desired_path)
+    assert kept_history.hold is None, "no hold is recorded for a rollback that was not made"
+    assert kept_history.entries[-1].outcome == FAILED
+    out = CliRunner().invoke(main, ["rollback", str(desired_path), "1", "--state-dir", str(tmp_path / "state"),
+                                    "--daemon-user", "root"], env=dict(os.environ))
     assert out.exit_code == 3 and "writable by others" in out.output
+
+    os.chmod(kept, 0o600)  # fixed: generation 2 now comes up and serves; a restart must not roll it back
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.history.served(2, 5.0)
+    again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    again.reconcile({"start"})
+    assert again.held is None and again.desired is not None and again.desired.serving.max_model_len == 16384
+
+
+def _converged_on(desired_path, observed):
+    desired = load(desired_path, os.environ)
+    for _ in range(3):
+        observed = apply_plan(desired, observed, plan(desired, observed))
+    assert not plan(desired, observed).changes
+    return observed
+
+
+def _a_start_of(c, generation: int, result: str = "failed") -> None:
+    """A start of `generation` that ended with `result`, as the operations report it."""
+    step = Step("await-health", "spark-1a32", "wait")
+    c._launched[step.id] = generation
+    c._record([StepResult(step, result, 1.0, "vllm_serving on spark-1a32 is exited (exit 1):\nTraceback ...")])
 
 
 def test_a_generation_that_served_is_repaired_in_place_not_rolled_back(desired_path, tmp_path, converged):
-    """A start that fails after the generation served is a wedge or a crash (restarted after unhealthy_grace),
-    never a failed change."""
-    c, _ = _failed_start(desired_path, tmp_path, converged)
-    c.history.served(2, 1.0)  # generation 2 had served before its start failed
+    """A start that fails after the generation served (converged, for real) is a wedge or a crash (restarted after
+    unhealthy_grace), never a failed change."""
+    gate = Gate()
+    gate.release.set()
+    c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.reconcile({"start"})
+    _edit(desired_path, OLD, NEW)
+    c._observe_fn = Script(_converged_on(desired_path, converged))
+    assert c.reconcile({"file"}).phase == "Converged" and c.store.generation == 2
+    _a_start_of(c, 2)
     c.reconcile({"operation"})
     assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
+    assert history.read(tmp_path / "state", desired_path).entries[-1].outcome == IN_FORCE
+
+
+def test_a_start_of_an_earlier_generation_that_fails_after_an_edit_rolls_nothing_back(desired_path, tmp_path,
+                                                                                     converged):
+    gate = Gate()
+    c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.reconcile({"start"})
+    _edit(desired_path, OLD, NEW)
+    c.reconcile({"file"})
+    _a_start_of(c, 2)
+    _edit(desired_path, NEW, "max_model_len: 8192")  # generation 3 arrives with the failure of 2's start
+    c.reconcile({"file", "operation"})
+    assert c.store.generation == 3 and c.held is None
+    assert c.desired is not None and c.desired.serving.max_model_len == 8192
+    gate.release.set()
+    assert c.operations.join(20)
+
+
+def test_the_reason_kept_is_one_line_and_never_a_secret(desired_path, tmp_path, converged):
+    from reconciler.edge import log
+
+    log.register_secret("hf_s3cr3tvalue42")
+    c, _ = _failed_start(desired_path, tmp_path, converged)
+    _a_start_of(c, 2)
+    c._start_failed = (2, "default", "await-health/spark-1a32: token hf_s3cr3tvalue42 refused\nline two")
+    c.reconcile({"operation"})
+    index = (history.directory(tmp_path / "state", desired_path) / "index.json").read_text()
+    assert "hf_s3cr3tvalue42" not in index and "line two" not in index
+    assert c.held is not None and "\n" not in c.held.why
+
+
+def test_an_observed_generation_is_never_what_a_rollback_brings_back(desired_path, tmp_path, converged):
+    """Generation 1 only observed (policy.mode observe) matched the cluster: it did not serve by the reconciler's
+    hand, and bringing it back would stop nothing and start nothing."""
+    _edit(desired_path, "  mode: enforce", "  mode: observe")
+    gate = Gate(failing=("await-health",))
+    gate.release.set()
+    c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.reconcile({"start"})
+    _edit(desired_path, "  mode: observe", "  mode: enforce")
+    _edit(desired_path, OLD, NEW)
+    c.reconcile({"file"})
+    assert any("await-health" in x for x in gate.batches[-1]), "generation 2's start is made, and fails"
+    assert c.operations.join(20)
+    c.reconcile({"operation"})
+    assert c.held is None
+    assert [e.served for e in history.read(tmp_path / "state", desired_path).entries] == [0.0, 0.0]
+
+
+def test_only_a_deployment_the_change_touched_rolls_the_file_back():
+    from tests.unit.test_deployments_plan import _two
+
+    before = _two()
+    data = before.model_dump(mode="json")
+    data["deployments"][1]["serving"]["max_model_len"] = 1024
+    after = spec.Desired.model_validate(data)
+    assert _touches(after, before, "small") and not _touches(after, before, "big")
+    data["deployments"].append({**data["deployments"][1], "name": "third", "serving": {
+        **data["deployments"][1]["serving"], "container_name": "vllm_third", "port": 8004,
+        "gpu_memory_utilization": 0.05, "served_model_name": "third"}})
+    assert _touches(spec.Desired.model_validate(data), before, "third"), "a new deployment is the change's"
+
+
+def _served_then(desired_path, tmp_path, converged, old: str, new: str):
+    """Generation 1 serves (converged); generation 2 is the edit `old` -> `new`."""
+    c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    assert c.reconcile({"start"}).phase == "Converged"
+    _edit(desired_path, old, new)
+    c.reconcile({"file"})
+    assert c.store.generation == 2
+    return c
+
+
+def test_a_start_that_is_blocked_is_the_nodes_condition_not_a_failed_change(desired_path, tmp_path, converged):
+    c = _served_then(desired_path, tmp_path, converged, OLD, NEW)
+    _a_start_of(c, 2, "blocked")  # e.g. a container not ours holds the name, or memory short with nothing stopped
+    c.reconcile({"operation"})
+    assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
+
+
+def test_a_failure_of_what_the_change_left_as_it_was_is_not_the_changes(desired_path, tmp_path, converged):
+    """The edit changes only the resync interval; the serving it left as it was fails its start: retried as
+    before, not a reason to go back."""
+    from reconciler.core.observed import Container
+    from tests.unit.test_controller_loop import WORKER, _with
+
+    worker = converged.node(WORKER)
+    intruder = Container(name="intruder", id="i1", image="busybox", state="running")
+    busy = _with(converged, WORKER, containers=[*worker.containers, intruder])  # generation 2 does not converge
+    c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    assert c.reconcile({"start"}).phase == "Converged"
+    _edit(desired_path, "resync_interval: 30s", "resync_interval: 20s")
+    c._observe_fn = Script(busy)
+    c.reconcile({"file"})
+    assert c.store.generation == 2 and not history.read(tmp_path / "state", desired_path).entries[-1].served
+    _a_start_of(c, 2)
+    c.reconcile({"operation"})
+    assert c.held is None and c.desired is not None and c.desired.policy.resync_interval == 20
+    c.operations.cancel_all()  # the co-tenant's stop, held at the gate
+    assert c.operations.join(20)
