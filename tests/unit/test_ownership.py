@@ -125,3 +125,16 @@ def stop_serving_on(desired: Desired, name: str, labels: dict[str, str], observe
 
 def _step(name: str) -> Step:
     return Step("stop-serving", NODE, "test", (), container=name)
+
+
+def test_a_headless_rank_is_stopped_with_a_short_grace_and_the_api_rank_with_the_policys(desired):
+    """A headless rank (role worker) has no API and nothing to drain: vLLM itself SIGKILLs its workers 5 s after
+    SIGTERM, and in an ordered restart they wait that long for rank 0 (measured: 5.5 s of outage). The API rank
+    keeps `policy.timeouts.stop_grace` to drain its requests."""
+    from reconciler.core.observed import LABEL_ROLE
+
+    own = {LABEL_MANAGED: "true", LABEL_INSTANCE: desired.instance}
+    ran, _ = stop_serving_on(desired, "vllm_serving", {**own, LABEL_ROLE: "worker"})
+    assert ran[0] == "docker stop -t 1 vllm_serving"
+    ran, _ = stop_serving_on(desired, "vllm_serving", {**own, LABEL_ROLE: "head"})
+    assert ran[0] == "docker stop -t 30 vllm_serving"
