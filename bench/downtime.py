@@ -9,11 +9,12 @@ last completion the old generation answered to the first the new one answers.
 
 Each round, in this order (so drift of the machine hits every row alike):
 
-1. **seed -> first completion**: the seed (the worker has neither the image nor the model), `reconciler apply`,
-   and the first completion answered, next to its parts each measured alone on the same state: the image copy
-   (`docker save` on the head piped into `docker load` on the worker, no SSH: docker's own ends), the weights copy
-   (`cp -a` of the model tree: the filesystem's own speed) and a cold start (`raw_start`: the reconciler's own
-   `docker run` argv on both nodes, rank 1 first, to the first completion; nothing else);
+1. **seed -> first completion**: the seed (the worker has neither the image nor the model, its fabric port is
+   down, co-tenants hold the head's port), `reconciler apply`, and the first completion answered, next to its
+   parts each measured alone on the state that apply reached with the worker's copies and the serving removed:
+   the image copy (`docker save` on the head piped into `docker load` on the worker, no SSH: docker's own ends),
+   the weights copy (`cp -a` of the model tree: the filesystem's own speed) and a cold start (`raw_start`: the
+   reconciler's own `docker run` argv on both nodes, rank 1 first, to the first completion; nothing else);
 2. **serving change** (`max_model_len`, alternating between two values): the outage of `reconciler apply`, next
    to a cold start alone of the new generation (`raw_start`, measured after it);
 3. **model change** (the tiny Llama <-> the second model; its weights staged while the old one serves): the
@@ -183,26 +184,26 @@ def raw_start(tb, path: Path) -> float:
 
 
 def seed_parts(tb, desired: dict) -> dict[str, float]:
-    """The seed's first apply in its parts, each alone on the seed state, which is restored after each."""
+    """The seed's first apply in its parts, each alone, on the state that apply reached with the worker's copies
+    and the serving containers removed again (the fabric link up and the co-tenants stopped, as the apply left
+    them: a start cannot rendezvous over a link that is down). Leaves the copies in place and nothing serving."""
     head, worker = tb.node("head"), tb.node("worker")
     hub = desired["model"]["path"]
     tree = f"models--{image.MODEL_ID.replace('/', '--')}"
     src, dst = Path(hub["head"]) / tree, Path(hub["worker"]) / tree
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_serving(tb)
+    shutil.rmtree(dst, ignore_errors=True)
+    tb.docker("worker", "rmi", "-f", image.IMAGE, check=False)
     t0 = time.monotonic()
     subprocess.run(f"docker -H {head.docker_host} save {image.IMAGE} | docker -H {worker.docker_host} load -q",
                    shell=True, check=True, capture_output=True, timeout=DEADLINE)
     image_s = time.monotonic() - t0
-    shutil.rmtree(dst, ignore_errors=True)
     t0 = time.monotonic()
     subprocess.run(["cp", "-a", str(src), str(dst)], check=True, timeout=DEADLINE)
     subprocess.run(["sync", "-f", str(dst)], check=True, timeout=DEADLINE)
     weights_s = time.monotonic() - t0
     with co_tenants_stopped(tb):
         cold_s = raw_start(tb, tb.state / "downtime-seed.yaml")
-    shutil.rmtree(dst, ignore_errors=True)
-    tb.docker("worker", "rmi", "-f", image.IMAGE, check=False)
-    tb.docker("worker", "image", "prune", "-f", check=False)
     return {"image": image_s, "weights": weights_s, "cold_start": cold_s}
 
 
@@ -295,7 +296,6 @@ def run_downtime(opts: Options) -> dict:
             path = tb.state / "downtime.yaml"
             save_as_editor(path, data)
             second, second_rev = tb.second_model()
-            parts = seed_parts(tb, data)
             since = time.monotonic()
             proc = subprocess.Popen([CLI, "apply", str(path), "--yes"], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
@@ -303,6 +303,8 @@ def run_downtime(opts: Options) -> dict:
                 rows["seed_apply"].append(first_answer(tb, since))
             finally:
                 proc.wait(DEADLINE)
+            parts = seed_parts(tb, data)
+            apply(path)  # serving again under the reconciler (its copies are in place: a start, not measured)
             for key, row in (("image", "seed_image"), ("weights", "seed_weights"), ("cold_start", "seed_cold")):
                 rows[row].append(parts[key])
             opts.log(f"downtime round {i + 1}: seed -> first completion {rows['seed_apply'][-1]:.1f}s; parts: "
