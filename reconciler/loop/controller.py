@@ -181,6 +181,8 @@ class Controller:
                 self._enforce(back, held=hold)  # a restart keeps the rollback: the failed change is not tried again
                 self.log.warning("rollback.kept", generation=hold.generation, to=hold.to, error=hold.why)
                 return True
+            if hold is not None:  # what it brought back can no longer be taken: the file's generation is tried
+                self.history.release()
         elif self.store.pending is None or digest == self.read_only:
             return False  # the content in force, or the one observed already
         elif self.desired is not None and self.read_only is None:  # the recorded generation stays in force

@@ -215,6 +215,12 @@ class HistoryStore:
         self._update(replace(e, outcome=f"{ROLLED_BACK} to {to}", why=why, ended=now))
         return self.history.hold
 
+    def release(self) -> None:
+        """The hold ends without a new content (what it brought back can no longer be taken)."""
+        if self.history.hold is not None:
+            self.history.hold = None
+            self._write(None, None)
+
     def text(self, generation: int) -> str | None:
         try:
             return (self.dir / f"{generation}.yaml").read_text()

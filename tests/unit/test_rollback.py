@@ -412,3 +412,15 @@ def test_a_failure_of_what_the_change_left_as_it_was_is_not_the_changes(desired_
     assert c.held is None and c.desired is not None and c.desired.policy.resync_interval == 20
     c.operations.cancel_all()  # the co-tenant's stop, held at the gate
     assert c.operations.join(20)
+
+
+def test_a_hold_whose_generation_can_no_longer_be_taken_ends_at_a_restart(desired_path, tmp_path, converged):
+    c, _ = _failed_start(desired_path, tmp_path, converged)
+    c.reconcile({"operation"})
+    assert c.held is not None
+    (history.directory(tmp_path / "state", desired_path) / "1.yaml").write_text("nodes: [\n")
+    again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
+    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    again.reconcile({"start"})
+    assert again.held is None and again.desired is not None and again.desired.serving.max_model_len == 16384
+    assert history.read(tmp_path / "state", desired_path).hold is None, "the history says no rollback holds"
