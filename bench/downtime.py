@@ -43,6 +43,7 @@ import yaml
 
 from bench.common import ROOT, Options, on_testbed, save, summary
 from bench.daemon import Daemon
+from testbed.proc import wait_for
 from testbed.realvllm import image
 
 PROBE_EVERY = 0.25  # seconds between two completions of the prober: the outage's resolution
@@ -195,8 +196,15 @@ def seed_parts(tb, desired: dict) -> dict[str, float]:
     shutil.rmtree(dst, ignore_errors=True)
     tb.docker("worker", "rmi", "-f", image.IMAGE, check=False)
     t0 = time.monotonic()
-    subprocess.run(f"docker -H {head.docker_host} save {image.IMAGE} | docker -H {worker.docker_host} load -q",
-                   shell=True, check=True, capture_output=True, timeout=DEADLINE)
+    save = subprocess.Popen(["docker", "-H", head.docker_host, "save", image.IMAGE], stdout=subprocess.PIPE)
+    try:
+        subprocess.run(["docker", "-H", worker.docker_host, "load", "-q"], stdin=save.stdout, check=True,
+                       capture_output=True, timeout=DEADLINE)
+    finally:
+        assert save.stdout is not None
+        save.stdout.close()
+        if save.wait(DEADLINE) != 0:
+            raise RuntimeError(f"docker save {image.IMAGE} on the head failed ({save.returncode})")
     image_s = time.monotonic() - t0
     t0 = time.monotonic()
     subprocess.run(["cp", "-a", str(src), str(dst)], check=True, timeout=DEADLINE)
@@ -228,15 +236,6 @@ def _phase(d: Daemon, phase: str) -> bool:
         return False
 
 
-def _wait(pred, what: str, timeout: float = DEADLINE):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := pred():
-            return got
-        time.sleep(0.5)
-    raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-
-
 def wedge(tb, path: Path, data: dict) -> float:
     """Freeze -> first completion again, under the daemon."""
     data = json.loads(json.dumps(data))
@@ -245,7 +244,7 @@ def wedge(tb, path: Path, data: dict) -> float:
     save_as_editor(path, data)
     d = Daemon(path)
     try:
-        _wait(lambda: _phase(d, "Converged"), "the daemon converged")
+        wait_for(lambda: _phase(d, "Converged"), DEADLINE, "the daemon converged")
         pid = int(tb.docker("head", "inspect", "--format", "{{.State.Pid}}", "vllm_serving").stdout)
         with Prober(tb) as probe:
             time.sleep(4 * PROBE_EVERY)
@@ -264,7 +263,7 @@ def failed_change(tb, path: Path, data: dict) -> tuple[float, float]:
     save_as_editor(path, data)
     d = Daemon(path)  # a state dir of its own: generation 1 is what serves
     try:
-        _wait(lambda: _phase(d, "Converged"), "the daemon converged")
+        wait_for(lambda: _phase(d, "Converged"), DEADLINE, "the daemon converged")
         broken, revision = tb.broken_model()
         bad = json.loads(json.dumps(data))
         bad["model"].update(id=broken, revision=revision)
@@ -272,7 +271,7 @@ def failed_change(tb, path: Path, data: dict) -> tuple[float, float]:
             time.sleep(4 * PROBE_EVERY)
             since = time.monotonic()
             save_as_editor(path, bad)
-            _wait(lambda: _phase(d, "RolledBack"), "the rollback")
+            wait_for(lambda: _phase(d, "RolledBack"), DEADLINE, "the rollback")
             back = probe.answered_after(since, DEADLINE)
             outage = probe.outage(since)
         return back - since, outage

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,15 +45,20 @@ def observe_only(desired: Desired) -> Desired:
     return desired.model_copy(update={"policy": desired.policy.model_copy(update={"mode": "observe"})})
 
 
-def write_durably(file: Path, text: str) -> None:
+def write_durably(file: Path, text: str, like: os.stat_result | None = None) -> None:
     """Replace `file` with `text` so that after a crash or a power loss it holds the old text or the new one:
     written to a temporary file, fsynced, renamed over it, and the directory fsynced (the rename itself). A write
-    that fails (a full disk) removes its temporary file, which gives the room back."""
+    that fails (a full disk) removes its temporary file, which gives the room back. `like`: the mode (and, as
+    root, the owner) the file gets, set on the temporary file before the rename (default 0600, this user's)."""
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(".tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            if like is not None:
+                os.fchmod(fd, stat.S_IMODE(like.st_mode))
+                if os.geteuid() == 0:
+                    os.fchown(fd, like.st_uid, like.st_gid)
             data = text.encode()
             while data:
                 data = data[os.write(fd, data):]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -150,9 +149,13 @@ def read(state_dir: Path, path: Path, daemon: bool = True) -> History:
 
 def text_of(state_dir: Path, path: Path, generation: int) -> str | None:
     """The file as it was at `generation`; None when it is not kept."""
+    return _kept_text(directory(state_dir, path), generation)
+
+
+def _kept_text(where: Path, generation: int) -> str | None:
     try:
-        return (directory(state_dir, path) / f"{generation}.yaml").read_text()
-    except (FileNotFoundError, UnicodeDecodeError):
+        return (where / f"{generation}.yaml").read_text()
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -222,10 +225,7 @@ class HistoryStore:
             self._write(None, None)
 
     def text(self, generation: int) -> str | None:
-        try:
-            return (self.dir / f"{generation}.yaml").read_text()
-        except (OSError, UnicodeDecodeError):
-            return None
+        return _kept_text(self.dir, generation)
 
     def _update(self, entry: Entry) -> None:
         self.history.entries = [entry if e.generation == entry.generation else e for e in self.history.entries]
@@ -285,31 +285,6 @@ def write_back(path: Path, text: str, now: float) -> Path:
     while copy.exists():
         n += 1
         copy = real.with_name(f"{real.name}.before-rollback-{int(now)}-{n}")
-    _write_as(copy, real.read_text(), st)
-    _write_as(real, text, st)
+    write_durably(copy, real.read_text(), like=st)
+    write_durably(real, text, like=st)
     return copy
-
-
-def _write_as(file: Path, text: str, st: os.stat_result) -> None:
-    """`text` into `file` by a rename, with `st`'s mode (and owner, as root) set on the temporary file first."""
-    tmp = file.with_name(f".{file.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, stat.S_IMODE(st.st_mode))
-        if os.geteuid() == 0:
-            os.fchown(fd, st.st_uid, st.st_gid)
-        data = text.encode()
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, file)
-    directory_fd = os.open(file.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory_fd)
-    finally:
-        os.close(directory_fd)
