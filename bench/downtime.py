@@ -17,8 +17,8 @@ Each round, in this order (so drift of the machine hits every row alike):
    reconciler's own `docker run` argv on both nodes, rank 1 first, to the first completion; nothing else);
 2. **serving change** (`max_model_len`, alternating between two values): the outage of `reconciler apply`, next
    to a cold start alone of the new generation (`raw_start`, measured after it);
-3. **model change** (the tiny Llama <-> the second model; its weights staged while the old one serves): the
-   same;
+3. **model change** (the tiny Llama -> the second model, as each round begins from the seed; its weights
+   staged while the old one serves): the same;
 4. **wedge**: the daemon serving with `unhealthy_grace` GRACE; the API server frozen (SIGSTOP: alive, holding
    its memory, answering nothing); the time from the freeze to the first completion answered again, next to
    GRACE + a cold start alone;
@@ -50,7 +50,7 @@ PROBE_EVERY = 0.25  # seconds between two completions of the prober: the outage'
 GRACE = 20  # unhealthy_grace of the wedge round, in seconds
 DEADLINE = 900.0  # any one wait of a round
 CLI = str(ROOT / ".venv" / "bin" / "reconciler")
-LENGTHS = (1024, 2048)  # max_model_len alternates between these: each serving change is a change
+LENGTHS = (1024, 2048)  # max_model_len alternates between these (the seed's is 4096): each is a change
 
 
 class Prober:
@@ -224,6 +224,8 @@ def change(tb, path: Path, data: dict) -> tuple[float, float]:
         apply(path)
         probe.answered_after(since, DEADLINE)
         outage = probe.outage(since)
+    if not outage:  # a change restarts the serving: no failed completion means the edit changed nothing
+        raise RuntimeError(f"the change to {path.name} stopped nothing: it measured no outage")
     cold = raw_start(tb, path)
     apply(path)  # back up under the reconciler (a cold start, not measured)
     return outage, cold
@@ -314,8 +316,7 @@ def run_downtime(opts: Options) -> dict:
             outage, cold = change(tb, path, data)
             rows["serving_outage"].append(outage)
             rows["serving_cold"].append(cold)
-            model = (second, second_rev) if i % 2 == 0 else (image.MODEL_ID, image.MODEL_REVISION)
-            data["model"].update(id=model[0], revision=model[1])
+            data["model"].update(id=second, revision=second_rev)  # each round begins from the seed's model
             m_outage, m_cold = change(tb, path, data)
             rows["model_outage"].append(m_outage)
             rows["model_cold"].append(m_cold)
