@@ -45,6 +45,7 @@ class Step:
     wrapper: tuple[str, ...] | None = None  # launch-model: the image's Entrypoint that `vllm serve` runs under
     remove: tuple[str, ...] | None = None  # prune-weights: tree roots; prune-images: content ids (retention)
     deployment: str | None = None  # whose step, in a file of several (None: the node's own, or a file of one)
+    grace: int | None = None  # stop-serving: `docker stop -t` (None: the policy's stop_grace; a headless rank 1 s)
 
     @property
     def id(self) -> str:
@@ -57,7 +58,8 @@ class Step:
     def params(self) -> dict[str, str]:
         fields: dict[str, str | int | tuple[str, ...] | None] = {
             "container": self.container, "source": self.source, "image": self.image, "content": self.content,
-            "path": self.path, "rank": self.rank, "wrapper": self.wrapper, "remove": self.remove}
+            "path": self.path, "rank": self.rank, "wrapper": self.wrapper, "remove": self.remove,
+            "grace": self.grace}
         return {name: " ".join(value) if isinstance(value, tuple) else str(value)
                 for name, value in fields.items() if value is not None}
 
@@ -294,10 +296,10 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     steps: list[Step] = []
     stops: dict[str, Step] = {}
 
-    def stop(node: str, container: str, reason: str, after: tuple[str, ...]) -> None:
+    def stop(node: str, container: str, reason: str, after: tuple[str, ...], grace: int | None = None) -> None:
         if node in down:
             return
-        step = Step("stop-serving", node, reason, after, container=container)
+        step = Step("stop-serving", node, reason, after, container=container, grace=grace)
         if step.id not in stops:
             stops[step.id] = step
             steps.append(step)
@@ -310,8 +312,9 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     if why.reason is None:
         return Serving((*steps, *why.steps), why.blocked)
     if alien := _image_refuses(desired, observed):
-        return Serving(tuple(steps), (Blocker(head, alien.reason),),
-                       f"the image refuses the start: see the blocker on {head}", alien.reason if alien.final else None)
+        held = "the image refuses the start" if alien.final else "it waits for the serving image's answer"
+        return Serving(tuple(steps), (Blocker(head, alien.reason),), f"{held}: see the blocker on {head}",
+                       alien.reason if alien.final else None)
     hurdles = list(dict.fromkeys(_restart_hurdles(drift, serving)))
     staging = [s for s in before if s.kind in ("download", "pull-image")]  # their result is planned next pass
     if hurdles or staging:
@@ -327,7 +330,7 @@ def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], bef
     for node in serving:
         c = observed.node(node).container(name)
         if c is not None and c.owned_by(ours):
-            stop(node, name, f"ordered restart ({why.reason})", prereq)
+            stop(node, name, f"ordered restart ({why.reason})", prereq, WEDGED_STOP_GRACE if why.wedged else None)
     image = observed.node(head).images.get(desired.serving.image)
     wrapper = serve_wrapper(image.entrypoint) if image else ()
     steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps), wrapper)
@@ -342,6 +345,14 @@ class Restart:
     reason: str | None = None
     steps: tuple[Step, ...] = ()
     blocked: tuple[Blocker, ...] = ()
+    wedged: bool = False  # it served, then failed its health check for the whole grace: nothing left to drain
+
+
+#: `docker stop -t` for a generation restarted because it is wedged: it has not answered its health check for the
+#: whole `serving.unhealthy_grace`, so there is nothing left to drain, and a frozen process (a hung collective, a
+#: SIGSTOP) never acts on SIGTERM: the policy's stop_grace (30 s) would be 30 s more of outage before docker's
+#: SIGKILL (measured on the testbed: the wedge round of bench/downtime.py took grace + cold start + 28 s).
+WEDGED_STOP_GRACE = 1
 
 
 def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], restart: list[Drift],
@@ -364,7 +375,7 @@ def _why_restart(desired: Desired, observed: Observed, drift: list[Drift], resta
                                    "serving containers are up; wait for the API to become healthy"),))
     if not wedged:
         return Restart(blocked=(Blocker(head, _grace_note(desired, observed)),))
-    return Restart(f"{head}: {_explain(unhealthy)}; {_grace_note(desired, observed)}")
+    return Restart(f"{head}: {_explain(unhealthy)}; {_grace_note(desired, observed)}", wedged=True)
 
 
 def unhealthy_grace(desired: Desired, observed: Observed) -> float:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from reconciler.core.observed import DeploymentFacts, Image, NodeObservation, Observed
+from reconciler.core.observed import DeploymentFacts, Image, NodeObservation, Observed, ServeFlags
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, Node
 from reconciler.edge.image_flags import flags_once, flags_wanted
@@ -165,16 +165,37 @@ def observe(desired: Desired, sessions: Sessions, timeout: float = 20.0, cancel:
     observed = Observed(nodes=nodes)
     if not ask_flags:
         return observed, durations
+    return with_flags(desired, observed, lambda view, wanted: flags_once(view, sessions, *wanted)), durations
+
+
+#: The image's answer for one deployment (its view of the file, and the (node, image id) to ask), None for none.
+Answer = Callable[[Desired, tuple[str, str]], ServeFlags | None]
+
+
+def with_flags(desired: Desired, observed: Observed, answer: Answer, starting_only: bool = True) -> Observed:
+    """`observed` with each deployment's serving image's answer (`answer`: at once, or a pending one from a
+    question beside the caller), where a node holds that image; with `starting_only`, only where a plan of this
+    observation would start serving (asking imports torch: tens of seconds). A file of one keeps its answer as
+    `serve_flags`, a file of several each deployment's under its name; answers `observed` held before are
+    replaced (whether a start is planned is judged without them: a pending one holds the start)."""
+    observed = observed.model_copy(update={"serve_flags": None, "deployment_flags": {}})
     if len(desired.deployments) == 1:
-        if (wanted := flags_wanted(desired, observed)) and _starts_serving(desired, observed):
-            observed = observed.model_copy(update={"serve_flags": flags_once(desired, sessions, *wanted)})
-        return observed, durations
+        if (wanted := flags_wanted(desired, observed)) and (not starting_only or _starts_serving(desired, observed)):
+            observed = observed.model_copy(update={"serve_flags": answer(desired, wanted)})
+        return observed
     flags = {}
     for view in desired.views():
         seen = observed.view(view.deployment.name)
-        if (wanted := flags_wanted(view, seen)) and _starts_serving(view, seen):
-            flags[view.deployment.name] = flags_once(view, sessions, *wanted)
-    return observed.model_copy(update={"deployment_flags": flags}), durations
+        wanted = flags_wanted(view, seen)
+        if wanted and (not starting_only or _starts_serving(view, seen)) and (got := answer(view, wanted)):
+            flags[view.deployment.name] = got
+    return observed.model_copy(update={"deployment_flags": flags})
+
+
+def flags_pending(observed: Observed) -> bool:
+    """Whether an answer `with_flags` attached is still pending (the serving start waits for it)."""
+    answers = [observed.serve_flags, *observed.deployment_flags.values()]
+    return any(a is not None and a.pending for a in answers)
 
 
 class _Probe(threading.Thread):

@@ -33,16 +33,18 @@ from rich.text import Text
 
 from reconciler.core import planning
 from reconciler.core.exits import Exit
-from reconciler.core.observed import Observed
+from reconciler.core.observed import Observed, ServeFlags
 from reconciler.core.planning import Plan
 from reconciler.core.render import plan_text
 from reconciler.core.spec import Desired
 from reconciler.core.text import printable
 from reconciler.edge.execute import execute
+from reconciler.edge.image_flags import FLAGS_DEADLINE, ask_serve_flags
 from reconciler.edge.lease import Holder, LeaseHeld, LeaseUnreachable, held
-from reconciler.edge.observe import observe
+from reconciler.edge.observe import flags_pending, observe, with_flags
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
+from reconciler.loop.operations import FlagsQuery
 
 
 @dataclass(frozen=True)
@@ -188,20 +190,25 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
            generation: int) -> int:
     console = Console(stderr=False)
     view = _ProgressView(console)
+    image = _ImageQuestion(desired, sessions)
     try:
-        observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command)
+        observed = image.attach(_probe(desired, sessions))
         current = planning.plan(desired, observed)
+        if flags_pending(observed) and (dry_run or not yes or not current.steps):
+            observed = image.answered(observed)  # what is shown or confirmed is the whole plan, the start judged
+            current = planning.plan(desired, observed)
         click.echo(plan_text(current), nl=False)
         if dry_run or not current.steps:
             return _outcome(observed, current, dry_run)
         if not yes and not click.confirm("Apply these steps?", default=False):
             click.echo("Nothing changed.")
             return Exit.ERROR
-        for _ in range(max_passes):
+        passes = max_passes + flags_pending(observed)  # a pass that only waited for the image's answer is free
+        for _ in range(passes):
             ctx = StepContext(desired=desired, sessions=sessions, observed=observed, generation=generation,
                               progress=view)
             outcome = execute(current, ctx, on_event=lambda e, f: _echo(e, f))
-            observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command)
+            observed = image.answered(image.attach(_probe(desired, sessions)))
             current = planning.plan(desired, observed)
             if not outcome.ok or not current.steps:
                 break
@@ -214,6 +221,45 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
         return _outcome(observed, current, dry_run=False)
     finally:
         view.stop()
+
+
+def _probe(desired: Desired, sessions: Sessions) -> Observed:
+    observed, _ = observe(desired, sessions, timeout=desired.policy.timeouts.command, ask_flags=False)
+    return observed
+
+
+class _ImageQuestion:
+    """The serving image's answer to `apply` (its `vllm serve --help=all` and Ray), asked as the daemon asks,
+    beside the work (`FlagsQuery`), but only where a plan would start serving. With `--yes` and other steps to
+    run (the seed's image and weights copies, the link), those run while the image is asked, which imports torch
+    (~26 s on the testbed), instead of after it; the start, held while the answer is pending, comes in the next
+    pass (bench/downtime.py, the seed row). A plan shown for confirmation, or a dry run's, waits for the answer:
+    what a person confirms includes the start, judged."""
+
+    def __init__(self, desired: Desired, sessions: Sessions):
+        self._about: dict[str, Desired] = {}  # image id -> the deployment whose image it is
+        self._answer = threading.Event()
+        self._query = FlagsQuery(lambda holder, image_id: ask_serve_flags(self._about[image_id], sessions, holder,
+                                                                          image_id),
+                                 on_answer=self._answer.set)
+        self.desired = desired
+
+    def _flags_of(self, view: Desired, wanted: tuple[str, str]) -> ServeFlags | None:
+        self._about[wanted[1]] = view
+        return self._query.get(wanted)
+
+    def attach(self, observed: Observed) -> Observed:
+        """`observed` with the answer at hand (pending while asked) where a plan of it would start serving."""
+        return with_flags(self.desired, observed, self._flags_of)
+
+    def answered(self, observed: Observed) -> Observed:
+        """`observed` once no answer it holds is pending (each question ends by its own deadline)."""
+        deadline = time.monotonic() + FLAGS_DEADLINE + 30
+        while flags_pending(observed) and time.monotonic() < deadline:
+            self._answer.wait(max(0.0, deadline - time.monotonic()))
+            self._answer.clear()
+            observed = self.attach(observed)
+        return observed
 
 
 def _outcome(observed: Observed, current: Plan, dry_run: bool) -> Exit:

@@ -31,9 +31,9 @@ from reconciler.core.observed import NodeObservation, Observed, ServeFlags
 from reconciler.core.planning import STEP_KINDS, Blocker, Plan, Step, unhealthy_grace
 from reconciler.edge import log, trusted_files
 from reconciler.edge.execute import StepResult
-from reconciler.edge.image_flags import ask_serve_flags, flags_wanted
+from reconciler.edge.image_flags import ask_serve_flags
 from reconciler.edge.lease import RENEW_AFTER
-from reconciler.edge.observe import observe
+from reconciler.edge.observe import observe, with_flags
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 from reconciler.edge.trusted_files import Secrets
@@ -370,18 +370,16 @@ class Controller:
         observed, durations = self._observe_fn(desired, self.sessions, timeout=desired.policy.timeouts.command,
                                                cancel=self.cancel, ask_flags=False)
         observed = self.health.annotate(desired, observed, self.monotonic())
-        if len(desired.deployments) == 1:
-            observed = observed.model_copy(update={"serve_flags": self.flags.get(flags_wanted(desired, observed))})
-        else:  # each deployment's image is asked (once per image id) and its answer kept under its name
-            answers = {}
-            for view in desired.views():
-                if (wanted := flags_wanted(view, observed.view(view.deployment.name))) is not None:
-                    self._asking[wanted[1]] = view
-                    answers[view.deployment.name] = self.flags.get(wanted)
-            observed = observed.model_copy(update={"deployment_flags": {k: v for k, v in answers.items() if v}})
+        # every image id seen is asked beside the loop, a start planned or not: its answer is ready when one is
+        observed = with_flags(desired, observed, self._flags_of, starting_only=False)
         self.image_answer = observed.view(desired.deployment_names[0]).serve_flags  # /status: the image's vLLM
         StatusPublisher.observation(desired, observed, durations)
         return observed
+
+    def _flags_of(self, view: spec.Desired, wanted: tuple[str, str]) -> ServeFlags | None:
+        """The answer at hand about `view`'s image (a pending one while `FlagsQuery` asks beside the loop)."""
+        self._asking[wanted[1]] = view
+        return self.flags.get(wanted)
 
     def _ask_flags(self, holder: str, image_id: str) -> ServeFlags:
         """Ask the image `image_id` on `holder`, run under the reference of the deployment that wants it."""

@@ -11,6 +11,7 @@ what a plan says, which `plan`, `apply` and `/status` print.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,12 @@ def step(sid: str, reason: str, after: tuple[str, ...] = (), **params: str) -> S
     return step
 
 
-def ordered_restart(why: str, before: tuple[str, ...] = (), stopped: tuple[str, ...] = STOPS) -> list[Step]:
-    """Stop every running rank, start ranks 1-3 headless, rank 0 last, then wait for health (native launcher)."""
-    stops = [step(s, f"ordered restart ({why})", before, container="vllm_serving") for s in stopped]
+def ordered_restart(why: str, before: tuple[str, ...] = (), stopped: tuple[str, ...] = STOPS,
+                    grace: int | None = None) -> list[Step]:
+    """Stop every running rank (`grace`: the plan's own `docker stop -t`, a wedged generation's), start ranks 1-3
+    headless, rank 0 last, then wait for health (native launcher)."""
+    stops = [dataclasses.replace(step(s, f"ordered restart ({why})", before, container="vllm_serving"), grace=grace)
+             for s in stopped]
     starts = [step(f"start-serving/{w}", f"start rank {i} (headless) first", before + stopped, rank=str(i))
               for i, w in enumerate(WORKERS, start=1)]
     head = step("start-serving/head", "start rank 0 last: it waits for the workers",
@@ -219,7 +223,8 @@ def test_a_wedged_serving_is_restarted_in_order_after_a_grace_that_doubles(desir
     note = (f"serving served, then failed its health check for {2 * grace:.0f}s; restarted in order after "
             f"{2 * grace:.0f}s")
     why = f"head: api/:8000: expected healthy, serving tiny-moe, completing, observed unhealthy; {note}"
-    assert steps_and_blockers(desired, changed(seen, "head", serving=wedged)) == (ordered_restart(why), [])
+    # stopped with 1 s, not stop_grace: it has not answered for the whole grace, and a frozen rank ignores SIGTERM
+    assert steps_and_blockers(desired, changed(seen, "head", serving=wedged)) == (ordered_restart(why, grace=1), [])
     waiting = wedged.model_copy(update={"unhealthy_for": 2 * grace - 1})
     assert steps_and_blockers(desired, changed(seen, "head", serving=waiting))[0] == []
 

@@ -77,8 +77,10 @@ def stop_serving(given: Given, step: Step) -> Actions:
         raise StepFailed(problem)
     if seen.container.running:
         headless = seen.container.labels.get(LABEL_ROLE) == "worker"
-        policy = int(given.desired.policy.timeouts.stop_grace)
-        yield from _stop(given, node, name, min(policy, HEADLESS_STOP_GRACE) if headless else policy)
+        grace = int(given.desired.policy.timeouts.stop_grace)
+        for shorter in (HEADLESS_STOP_GRACE if headless else None, step.grace):  # the plan's: a wedged generation
+            grace = grace if shorter is None else min(grace, shorter)
+        yield from _stop(given, node, name, grace)
     if name != given.desired.serving.container_name:
         return
     yield from run(node, "docker", "rm", name)

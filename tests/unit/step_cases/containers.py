@@ -24,8 +24,16 @@ def _co_tenant(name: str, node: str = HEAD) -> Step:
     return Step("stop-container", node, "not allowed", (), container=name)
 
 
-def _serving(name: str = SERVING, node: str = HEAD) -> Step:
-    return Step("stop-serving", node, "restart", (), container=name)
+def _serving(name: str = SERVING, node: str = HEAD, grace: int | None = None) -> Step:
+    return Step("stop-serving", node, "restart", (), container=name, grace=grace)
+
+
+def _stopped_and_removed(grace: int, node: str = HEAD) -> list[str]:
+    return [f"read {node} container {SERVING}", f"run {node} docker stop -t {grace} {SERVING}",
+            f"wait {node} container {SERVING}", f"run {node} docker rm {SERVING}", f"wait {node} container {SERVING}"]
+
+
+GONE_AFTER_STOP = [inspected(SERVING, labels=OURS), inspected(SERVING, "exited", labels=OURS), no_such(SERVING)]
 
 
 STOP_NODE = [f"read {HEAD} container vllm_node", f"run {HEAD} docker stop -t 30 vllm_node",
@@ -70,6 +78,11 @@ CASES = [
           f"wait {HEAD} container {SERVING}", f"run {HEAD} docker rm {SERVING}", f"wait {HEAD} container {SERVING}"],
          facts={f"{HEAD} container {SERVING}": [inspected(SERVING, labels=OURS),
                                                 inspected(SERVING, "exited", labels=OURS), no_such(SERVING)]}),
+    Case("serving: a wedged generation (the plan's grace, 1 s): stopped with it, not the policy's 30 s",
+         _serving(grace=1), _stopped_and_removed(1), facts={f"{HEAD} container {SERVING}": GONE_AFTER_STOP},
+         timeouts={f"{HEAD} docker stop -t 1 {SERVING}": 31}),
+    Case("serving: the plan's grace never lengthens the policy's", _serving(grace=600), _stopped_and_removed(30),
+         facts={f"{HEAD} container {SERVING}": GONE_AFTER_STOP}),
     Case("serving: ours already stopped: removed only", _serving(),
          [f"read {HEAD} container {SERVING}", f"run {HEAD} docker rm {SERVING}", f"wait {HEAD} container {SERVING}"],
          facts={f"{HEAD} container {SERVING}": [inspected(SERVING, "exited", labels=OURS), no_such(SERVING)]}),
