@@ -82,7 +82,7 @@ def run_step(ctx: StepContext, step: Step, on_event: Callable[[str, dict[str, An
     ctx = dataclasses.replace(ctx, cancel=cancel if cancel is not None else ctx.cancel)
     step_ctx = dataclasses.replace(ctx, deadline=start + step_timeout(ctx, step))
     on_event("step.start", {"step": step})
-    logger.info("step.start", reason=step.reason)
+    logger.info("step.start", reason=step.reason, params=step.params)  # what it acts on, and how (a stop's grace)
     try:
         for attempt in Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(retries.attempts),
                                 wait=wait_exponential_jitter(initial=retries.backoff_initial,
