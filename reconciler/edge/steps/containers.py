@@ -77,10 +77,9 @@ def stop_serving(given: Given, step: Step) -> Actions:
         raise StepFailed(problem)
     if seen.container.running:
         headless = seen.container.labels.get(LABEL_ROLE) == "worker"
-        grace = int(given.desired.policy.timeouts.stop_grace)
-        for shorter in (HEADLESS_STOP_GRACE if headless else None, step.grace):  # the plan's: a wedged generation
-            grace = grace if shorter is None else min(grace, shorter)
-        yield from _stop(given, node, name, grace)
+        graces = (int(given.desired.policy.timeouts.stop_grace), HEADLESS_STOP_GRACE if headless else None,
+                  step.grace)  # the plan's own: a wedged generation's
+        yield from _stop(given, node, name, min(g for g in graces if g is not None))
     if name != given.desired.serving.container_name:
         return
     yield from run(node, "docker", "rm", name)
