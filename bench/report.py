@@ -241,7 +241,9 @@ def _details(r: dict[str, dict]) -> list[str]:
         c = d["section_ms_head"]
         out.append(f"No-op cycle, 2 nodes: {spread(d['project'], precise)} wall, head CPU "
                    f"{spread(d['head_cpu'], precise)} per cycle; Ansible {spread(d['ansible'])}; floor "
-                   f"{spread(d['floor'], precise)}. Probe sections on the head, each run alone locally (median ms, "
+                   f"{spread(d['floor'], precise)}; two deployments {spread(d['two_deployments'], precise)} wall, "
+                   f"head CPU {spread(d['two_deployments_head_cpu'], precise)} per cycle. Probe sections on the "
+                   "head, each run alone locally (median ms, "
                    f"including one `testbed exec` of {c.get('(exec overhead)', 0)} ms): "
                    + ", ".join(f"{k} {v}" for k, v in c.items() if k != "(exec overhead)") + ".")
     if "weights" in r:
@@ -347,10 +349,10 @@ MISSED: dict[str, str | dict[str, str]] = {
     "noop": {
         "two deployments": "a file of two deployments is probed once per node, but each deployment is parsed, "
                            "diffed and planned on its own (and planned once more to know whether its image must "
-                           "be asked), all on the head's share of the same 2 vCPUs. The row is the run's first "
-                           "and moves with the VM: its head CPU per cycle (in the details) moved with its wall "
-                           "time, and the one-deployment cycle it is divided by did not. `python -m bench noop "
-                           "--no-doc --results DIR` on the same commit measures the row again on its own.",
+                           "be asked), all on the head's share of the same 2 vCPUs. The ratio moves from run to run "
+                           "on this VM by more than its margin: the two cycles' head CPU, side by side in the "
+                           "details, is the figure to read with it. `python -m bench noop --no-doc --results DIR` "
+                           "on the same commit measures the row again on its own.",
         "": "the probe's process start-ups on the node (curl, ip, find) dominate; see the probe sections above."},
     "weights": "here the two ends, the page cache and the loop device behind the worker's filesystem share the "
                "same 2 vCPUs, and raw TCP does no work per byte (no checksum, no file list, no page-cache bound: "
@@ -371,13 +373,14 @@ MISSED: dict[str, str | dict[str, str]] = {
     "scaling": "all testbed nodes' probe scripts run on the same 2 cores, so their CPU adds up in wall time; the "
                "head's own CPU per node (7b) and the simulated cluster (9) are what grows on a real head.",
     "sim": "the head's per-node work is above the budget; the profile under the table says where it goes.",
-    "downtime": "a frozen API sends no event and is seen only by a probe: the first observation that finds it "
-                "comes up to one `resync_interval` (3 s in this round) after the freeze, and each probe of the "
-                "frozen /health waits its whole 2 s deadline, at the grace's start and again at its end (the "
-                "daemon looks again exactly when the grace ends, `health-recheck`). That detection, about 4-7 s, "
-                "is not in `unhealthy_grace` + a cold start. The rest is the path a serving change also takes "
-                "(both ranks stopped with 1 s, the page-cache drop, the memory check, the health poll): its "
-                "margin is in the serving change's row.",
+    "downtime": {
+        "wedge": "a frozen API sends no event and is seen only by a probe: the first observation that finds it "
+                 "comes up to one `resync_interval` (3 s in this round) after the freeze, and each probe of the "
+                 "frozen /health waits its whole 2 s deadline, at the grace's start and again at its end (the "
+                 "daemon looks again exactly when the grace ends, `health-recheck`). That detection, about 4-7 s, "
+                 "is not in `unhealthy_grace` + a cold start. The rest is the path a serving change also takes "
+                 "(both ranks stopped with 1 s, the page-cache drop, the memory check, the health poll): its "
+                 "margin is in the serving change's row."},
 }
 
 

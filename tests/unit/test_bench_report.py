@@ -15,8 +15,13 @@ def test_a_benchmark_whose_rows_miss_for_different_reasons_gives_each_row_its_ow
 
 
 def test_a_benchmark_with_one_reason_gives_it_to_every_row_and_one_without_gives_none():
-    assert report._why_missed("downtime", "10 wedge: freeze -> first completion again") == report.MISSED["downtime"]
+    assert report._why_missed("image", "4b image to the worker") == report.MISSED["image"]
     assert report._why_missed("edit", "3 edit -> first step") == ""
+
+
+def test_the_wedges_reason_is_not_given_to_a_change_row():
+    assert "frozen API" in report._why_missed("downtime", "10 wedge: freeze -> first completion again")
+    assert report._why_missed("downtime", "10 API outage of a model change") == ""
 
 
 def test_every_row_the_committed_results_miss_says_why():
