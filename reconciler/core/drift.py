@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, get_args
 
 from reconciler.core.budget import budgets, gib
+from reconciler.core.completeness import incomplete_reason
 from reconciler.core.fabric import ports_seen, twin_only_down
 from reconciler.core.observed import (
     LABEL_INSTANCE,
@@ -497,12 +498,8 @@ def _source_drift(desired: Desired, src_obs: NodeObservation, res: str) -> Drift
     there, and the drift says how (blocking). Either way nothing is copied or started before they are there: the
     plan's restart waits for the download step (planning._serving_steps)."""
     source, model = desired.source_node, desired.model
-    weights = src_obs.weights
-    if weights is None or not weights.present:
-        problem = f"missing in {model.path_on(source)}"
-    elif (unresolved := unresolved_revision(desired, weights)) is not None:
-        problem = unresolved
-    else:
+    problem = source_problem(desired, src_obs.weights)
+    if problem is None:
         return None
     fetch = f"`hf download {model.id} --revision {model.revision}`"
     if desired.node(source).internet:
@@ -511,6 +508,20 @@ def _source_drift(desired: Desired, src_obs: NodeObservation, res: str) -> Drift
     return Drift(source, "weights", res, f"{model.id} at revision {model.revision} on the source",
                  f"{problem}: {source} has no internet in the file, so put them there ({fetch} where the Hub is "
                  f"reachable, then copy the tree to {model.path_on(source)})", actionable=False, blocking=True)
+
+
+def source_problem(desired: Desired, weights: Weights | None) -> str | None:
+    """Why the source's tree cannot be copied or served as the declared revision, or None: missing, the revision
+    not resolvable offline, or a download not finished (core/completeness). One verdict for the plan, the
+    preflight and the download step's own check after `hf download`."""
+    model = desired.model
+    if weights is None or not weights.present:
+        return f"missing in {model.path_on(desired.source_node)}"
+    if (unresolved := unresolved_revision(desired, weights)) is not None:
+        return unresolved
+    if (partial := incomplete_reason(weights, model.revision, model.layout)) is not None:
+        return f"incomplete in {weights.root}: {partial}"
+    return None
 
 
 def unresolved_revision(desired: Desired, weights: Weights) -> str | None:

@@ -28,7 +28,7 @@ from reconciler.core.drift import (
     image_puller,
     missing_bytes,
     short_of,
-    unresolved_revision,
+    source_problem,
 )
 from reconciler.core.observed import Link, NodeObservation, Observed
 from reconciler.core.spec import Desired, Node
@@ -190,7 +190,7 @@ def wants_hf(desired: Desired, facts: Mapping[str, NodeFacts]) -> bool:
     """`hf` is needed on the source when it has internet and lacks the weights: `apply` downloads them there."""
     source = desired.source_node
     obs = facts[source].observation if source in facts else None
-    return desired.node(source).internet and obs is not None and _weights_missing(desired, obs) is not None
+    return desired.node(source).internet and obs is not None and source_problem(desired, obs.weights) is not None
 
 
 def hop_pairs(desired: Desired) -> list[tuple[str, str]]:
@@ -404,19 +404,11 @@ def gpu_check(node: Node, f: NodeFacts) -> Check:
     return Check("gpu", node.name, "ok", seen + ("; docker's `nvidia` runtime registered" if f.runtimes else ""))
 
 
-def _weights_missing(desired: Desired, obs: NodeObservation) -> str | None:
-    """Why the source's weights cannot be copied or served as they are, or None."""
-    weights = obs.weights
-    if weights is None or not weights.present:
-        return f"missing in {desired.model.path_on(desired.source_node)}"
-    return unresolved_revision(desired, weights)
-
-
 def weights_check(desired: Desired, node: Node, f: NodeFacts, local: LocalFacts) -> Check:
     obs = f.observation
     assert obs is not None
     model = desired.model
-    problem = _weights_missing(desired, obs)
+    problem = source_problem(desired, obs.weights)
     if problem is None:
         assert obs.weights is not None
         return Check("weights", node.name, "ok", f"{model.id}: {len(obs.weights.files)} files, "

@@ -123,6 +123,8 @@ def test_apply_shows_the_download_as_a_bar_of_the_hubs_size():
 def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_exit: int = 0):
     """The download step driven from recorded answers (tests/unit/step_driver.py): the Hub's size answer, the
     fetch's output (`bytes N` lines) and exit. Returns the driver, the fetch's command line and the step's body."""
+    from reconciler.core.observed import WeightFile, Weights
+    from reconciler.edge.manifest import Listing
     from reconciler.edge.ssh import Result
     from reconciler.edge.steps.actions import Given
     from reconciler.edge.steps.staging import download, download_argv
@@ -139,7 +141,11 @@ def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_e
     given = Given(desired, fresh)
     fetch = f"{HEAD} " + shlex.join(download_argv(given, step))
     model = desired.model
-    driver = Driver(facts={f"{HEAD} hub-size {model.id}@{model.revision}": [Raw(json.dumps(hub))]},
+    whole = Listing(Weights(root=desired.weights_root(HEAD), present=True, files=[
+        WeightFile(path=f"refs/{model.revision}", size=40), WeightFile(path=f"snapshots/{'1' * 40}/config.json",
+                                                                       size=2)]), {})
+    driver = Driver(facts={f"{HEAD} hub-size {model.id}@{model.revision}": [Raw(json.dumps(hub))],
+                           f"{HEAD} weights": [whole]},
                     results={fetch: [Result("", "hf: command not found" if hf_exit else "", hf_exit)]},
                     outputs={fetch: [b"bytes 1024\nbytes 4096\n"]})
     return driver, fetch, lambda: download(given, step)
@@ -165,7 +171,8 @@ def test_the_download_runs_hf_with_the_token_on_stdin_only(seed):
     desired, _ = seed
     model = desired.model
     assert driver.transcript == [f"read {HEAD} hub-size {model.id}@{model.revision}", "report download.start",
-                                 f"run {fetch}", "report download.progress", "report download.done"]
+                                 f"run {fetch}", "report download.progress", f"read {HEAD} weights",
+                                 "report download.done"]
     assert driver.stdin == {fetch: b"hf_secret\n"} and "hf_secret" not in fetch
     assert shlex.split(fetch)[-5:] == [model.id, "--revision", model.revision, "--cache-dir", model.path_on(HEAD)]
     # the size query: the token in the script on sh's stdin, handed to curl by the printf builtin (`-H @-`)

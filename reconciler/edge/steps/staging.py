@@ -19,8 +19,9 @@ from __future__ import annotations
 import re
 
 from reconciler.core.budget import gib
-from reconciler.core.drift import DISK_MARGIN
+from reconciler.core.drift import DISK_MARGIN, source_problem
 from reconciler.core.planning import Step
+from reconciler.edge.manifest import listing_fact
 from reconciler.edge.probes import hub_size_fact
 from reconciler.edge.ssh import CommandFailed
 from reconciler.edge.steps.actions import Actions, Given, Report, Run, StepBlocked, StepFailed, read
@@ -78,8 +79,10 @@ class Grown:
 
 
 def download(given: Given, step: Step) -> Actions:
-    """Fetch the declared revision on the source, behind the disk preflight; the next observation lists the tree
-    and plans the copies from it."""
+    """Fetch the declared revision on the source, behind the disk preflight; then list the tree and judge it as
+    the plan does (`source_problem`): `hf download` exiting 0 beside a tree that still reads incomplete (a
+    leftover partial of another download) fails the step naming it, rather than downloading again every cycle.
+    The next observation lists the tree and plans the copies from it."""
     node, model, desired = step.node, given.desired.model, given.desired
     token = _token(given)
     size = yield from read(node, hub_size_fact(model.id, model.revision, token, desired.policy.timeouts.command))
@@ -115,6 +118,12 @@ def download(given: Given, step: Step) -> Actions:
         why = HF_FIX if exc.exit_code == 127 else exc.stderr.strip()[-600:]
         raise StepFailed(f"`hf download {model.id} --revision {model.revision}` on {node} failed (exit "
                          f"{exc.exit_code}) after {grown.done} bytes: {why}") from None
+    after = yield from read(node, listing_fact(desired.weights_root(node)))
+    if (problem := source_problem(desired, after.weights)) is not None:
+        raise StepFailed(f"`hf download {model.id} --revision {model.revision}` on {node} finished, yet the tree "
+                         f"is {problem}: a leftover of another download (another revision's, or one still "
+                         "running); once no `hf download` runs there, remove what is named, and the next "
+                         "reconcile judges the tree again")
     yield Report("download.done", {"node": node, "bytes": grown.done, "bytes_total": total})
 
 

@@ -12,6 +12,7 @@ from reconciler.core.drift import DISK_MARGIN
 from reconciler.core.observed import NodeObservation, Observed, WeightFile, Weights
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
+from reconciler.edge.manifest import Listing
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps.actions import Given
 from reconciler.edge.steps.staging import _FETCH, download_argv
@@ -41,6 +42,15 @@ def _observed(free: int | None = None, have: int = 0) -> Observed:
     return Observed(nodes={HEAD: head, WORKER: NodeObservation(name=WORKER, reachable=True)})
 
 
+def _listed(*paths: str, root: str = f"{HUB_PATH}/models--Qwen--Qwen3.5-122B-A10B-FP8") -> Listing:
+    """The tree as the step re-reads it after `hf download` (`listing_fact`), parsed."""
+    return Listing(Weights(root=root, present=True, files=[WeightFile(path=p, size=1) for p in paths]), {})
+
+
+#: What a finished download leaves: the ref and the snapshot's files (whole: no partial, no gap in a series).
+WHOLE = _listed("refs/main", f"snapshots/{'3' * 40}/config.json",
+                f"snapshots/{'3' * 40}/model-00001-of-00001.safetensors")
+LISTED = f"{HEAD} weights"
 DOWNLOAD = Step("download", HEAD, "absent", (), path=HUB_PATH)
 FETCH = f"{HEAD} " + shlex.join(download_argv(Given(sample(), _observed()), DOWNLOAD))
 PULL = Step("pull-image", HEAD, "absent", (), image=IMAGE)
@@ -48,8 +58,8 @@ PULL = Step("pull-image", HEAD, "absent", (), image=IMAGE)
 
 def _download(name: str, commands: list[str], *, free: int | None = 200 * GIB, have: int = 0,
               answer: Raw = ANSWER, fetched: Result | None = None, raises: str | None = None,
-              error: str = "StepFailed") -> Case:
-    return Case(name, DOWNLOAD, commands, facts={SIZE: [answer]},
+              error: str = "StepFailed", after: Listing = WHOLE) -> Case:
+    return Case(name, DOWNLOAD, commands, facts={SIZE: [answer], LISTED: [after]},
                 results={FETCH: [fetched]} if fetched is not None else {}, raises=raises, error=error,
                 observed=lambda: _observed(free, have))
 
@@ -60,7 +70,7 @@ def _pull(name: str, commands: list[str], *, free: int | None = 200 * GIB, pulle
                 raises=raises, error=error, observed=lambda: _observed(free))
 
 
-FETCHED = [f"read {SIZE}", "report download.start", f"run {FETCH}", "report download.done"]
+FETCHED = [f"read {SIZE}", "report download.start", f"run {FETCH}", f"read {LISTED}", "report download.done"]
 
 CASES = [
     _download("the revision fits: fetched with the Hub's CLI", FETCHED),
@@ -82,6 +92,14 @@ CASES = [
               raises="the Hub's answer for Qwen/Qwen3.5-122B-A10B-FP8 at main: .*nothing was downloaded"),
     _download("no `hf` on the node: says how to install it", FETCHED[:3], fetched=Result("", "hf: not found", 127),
               raises="failed \\(exit 127\\) after 0 bytes: install the Hub's CLI .*pipx install huggingface_hub"),
+    _download("`hf download` exits 0 beside a leftover partial of another download: the step names it, once",
+              FETCHED[:4], after=_listed("refs/main", f"blobs/{'e' * 40}.2ed6410c.incomplete",
+                                         f"snapshots/{'3' * 40}/config.json"),
+              raises=r"finished, yet the tree is incomplete in .*blobs/e{40}\.2ed6410c\.incomplete still "
+                     "downloading .*remove what is named"),
+    _download("`hf download` exits 0 yet a shard of the series is absent: the step names it", FETCHED[:4],
+              after=_listed("refs/main", f"snapshots/{'3' * 40}/model-00002-of-00002.safetensors"),
+              raises="model-00001-of-00002.safetensors missing from a sharded checkpoint"),
     _download("the fetch fails: its stderr", FETCHED[:3], fetched=Result("", "RepositoryNotFoundError: 404", 1),
               raises="`hf download Qwen/Qwen3.5-122B-A10B-FP8 --revision main` on spark-1a32 failed \\(exit 1\\) "
                      "after 0 bytes: RepositoryNotFoundError: 404"),
@@ -117,9 +135,12 @@ def _fetch(node: str, root: str, model: str, revision: str, into: tuple[str, str
 
 def _fetched_by(name: str, desired: Callable[[], Desired], node: str, path: str, fetch: str) -> Case:
     size = f"{node} hub-size {desired().model.id}@{desired().model.revision}"
+    root, rev = desired().weights_root(node), desired().model.revision
     return Case(name, Step("download", node, "absent", (), path=path),
-                [f"read {size}", "report download.start", fetch, "report download.done"],
-                facts={size: [ANSWER]}, desired=desired, observed=lambda: reachable(node))
+                [f"read {size}", "report download.start", fetch, f"read {node} weights", "report download.done"],
+                facts={size: [ANSWER], f"{node} weights": [_listed(
+                    f"refs/{rev}", f"snapshots/{rev if len(rev) == 40 else '3' * 40}/config.json", root=root)]},
+                desired=desired, observed=lambda: reachable(node))
 
 
 TESTBED_HUB = "/srv/spark-testbed/head/models/hub"  # the recorded testbed's head: a path per node
@@ -128,7 +149,8 @@ CASES += [
     Case("a node never listed has nothing yet: the whole revision and the margin must fit", DOWNLOAD,
          [f"read {SIZE}"], facts={SIZE: [ANSWER]}, observed=lambda: _unlisted(TOTAL + DISK_MARGIN - 1),
          raises="needs 101.0 GiB free", error="StepBlocked"),
-    Case("a node never listed with room for all of it: fetched", DOWNLOAD, FETCHED, facts={SIZE: [ANSWER]},
+    Case("a node never listed with room for all of it: fetched", DOWNLOAD, FETCHED,
+         facts={SIZE: [ANSWER], LISTED: [WHOLE]},
          observed=lambda: _unlisted(TOTAL + DISK_MARGIN)),
     _download("a tree already as large as the revision needs only the margin", FETCHED, free=DISK_MARGIN,
               have=TOTAL + GIB),
