@@ -51,7 +51,7 @@ def incomplete_reason(weights: Weights, revision: str, layout: str) -> str | Non
     Judged on the revision's own snapshot where the revision is a commit; for a branch or tag (whose commit only
     `refs/<rev>`'s bytes name) every snapshot in the tree must be whole."""
     files = weights.files
-    streaming = _streaming(files, layout)
+    streaming = _streaming(weights, layout)
     if streaming:
         return f"{_named(streaming)} still downloading ({PARTIAL_SUFFIX}: a cut `hf download`, which resumes)"
     groups = _revision_groups(files, revision, layout)
@@ -69,22 +69,20 @@ def incomplete_reason(weights: Weights, revision: str, layout: str) -> str | Non
     return None
 
 
-def _streaming(files: list[WeightFile], layout: str) -> list[str]:
+def _streaming(weights: Weights, layout: str) -> list[str]:
     """The partial files that stand for a file not yet whole. In a cache, `blobs/<etag>.incomplete` (clients
     before huggingface_hub PR #4228) or `blobs/<etag>.<uuid8>.incomplete` (2.x: one per process, removed on an
     exception but left behind by a kill, never resumed): one whose `blobs/<etag>` is there is a leftover of an
     earlier, cut attempt at a file that has since arrived whole. A plain dir's partials
     (`.cache/huggingface/download/<hash>.<etag>[.<uuid8>].incomplete`) cannot be matched to their file from
     the listing, so each counts; the download step names a leftover that outlives a finished download."""
-    names = {f.path for f in files}
+    names = {f.path for f in weights.files}
     out = []
-    for f in files:
-        if not f.path.endswith(PARTIAL_SUFFIX):
-            continue
-        head, _, base = f.path.rpartition("/")
+    for path in weights.partials:
+        head, _, base = path.rpartition("/")
         if layout == "hf-cache" and head == "blobs" and f"blobs/{base.split('.', 1)[0]}" in names:
             continue
-        out.append(f.path)
+        out.append(path)
     return out
 
 

@@ -222,6 +222,10 @@ class Weights(_Model):
                               "(outside the tree: WHERE)`; the first few only (`unsafe_count` has them all). A tree "
                               "with any is never copied: rsync would carry what they point to")
     unsafe_count: int = 0
+    partials: list[str] = Field(default_factory=list, description="files a Hub client is streaming or left behind "
+                                "when cut (`*.incomplete`): not the model's, so never listed in `files`, never "
+                                "copied or compared; they only tell whether a download finished "
+                                "(core/completeness)")
     truncated: str | None = Field(None, description="why the listing is partial (more entries or levels than the "
                                   "probe lists): a partial view is never synced from")
 

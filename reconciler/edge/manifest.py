@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from reconciler.core.completeness import PARTIAL_SUFFIX
 from reconciler.core.observed import WeightFile, Weights
 from reconciler.edge.probes import Fact, Section, node_output
 from reconciler.edge.ssh import quote_word
@@ -216,8 +217,11 @@ def read_listing(root: str, sec: Section | None) -> Listing:
     files, resolved = [], {}
     unsafe = [f"{seen.odd} names or link values with a tab or newline, not listed (`find -name '*[[:cntrl:]]*' "
               "-o -lname '*[[:cntrl:]]*'` shows them)"] if seen.odd else []
+    partials = []
     for path, e in sorted(seen.tree.items()):
-        if e.kind == "f":
+        if e.kind == "f" and path.endswith(PARTIAL_SUFFIX):
+            partials.append(path)
+        elif e.kind == "f":
             files.append(WeightFile(path=path, size=e.size, mtime=float(e.mtime)))
             resolved[path] = (e.size, e.mtime)
         elif e.kind == "l":
@@ -231,7 +235,7 @@ def read_listing(root: str, sec: Section | None) -> Listing:
                 resolved[path] = (target.size, target.mtime)
             files.append(WeightFile(path=path, size=size, mtime=float(e.mtime), link_target=e.value))
     weights = Weights(root=root, present=bool(files), files=files, unsafe=unsafe[:UNSAFE_SHOWN],
-                      unsafe_count=len(unsafe), truncated=_truncation(seen))
+                      unsafe_count=len(unsafe), truncated=_truncation(seen), partials=partials)
     return Listing(weights, resolved)
 
 

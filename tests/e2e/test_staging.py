@@ -91,3 +91,48 @@ def test_a_gated_model_downloads_only_with_the_token_scoped_internet(fresh, tmp_
     seen = [r for r in hub.requests(since) if "tiny-moe" in r.get("path", "")]
     asked = [r for r in seen if r.get("kind") in ("info", "tree", "resolve")]  # the CDN's signed URLs need none
     assert asked and all(r["auth"] for r in asked), asked[:3]
+
+
+def _cut_by_its_deadline(tb, tmp_path, deadline: str) -> str:
+    """The fresh head's file at revision `main` (the client writes refs/main before any file, as on the Hub),
+    the download's deadline `deadline`."""
+    data = yaml.safe_load(tb.desired_state_fresh.read_text())
+    data["model"]["revision"] = "main"
+    data["policy"].setdefault("timeouts", {})["weights_sync"] = deadline
+    out = tmp_path / f"cut-{deadline}.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
+    return str(out)
+
+
+def test_a_download_cut_halfway_is_taken_up_again_and_nothing_stops_for_it(fresh, tmp_path):
+    """Issue 52, item 1, for real: the Hub throttled so that the download step's own deadline cuts `hf download`
+    halfway (as a reboot, a daemon restart or a Hub error at hour two would). What is left is the real client's
+    cut tree: refs/main, part of the snapshot, partials. It is not the model: the next plan downloads again and
+    neither copies it, stops GLM nor starts; once the Hub is fast again the download finishes and the cluster
+    converges on the whole tree."""
+    tb = fresh
+    hub.configure(throttle=2_000_000)  # ~64 MB of tiny-moe: over 30 s, against a 6 s deadline
+    cut = _cut_by_its_deadline(tb, tmp_path, "6s")
+    first = reconciler("apply", cut, "--yes", "--max-passes", "1", timeout=600)
+    out = first.stdout + first.stderr
+    assert first.returncode == 1 and "download/head" in out, out
+    assert tb.exec("head", f"test -s {TREE}/refs/main").returncode == 0, "the premise: the ref came first"
+    left = tb.exec("head", f"find {TREE}/blobs -name '*.incomplete'", check=True).stdout.split()
+    assert left, "the premise: the cut left partials"
+    assert containers(tb, "head")["vllm_node"]["State"]["Running"], "GLM is not stopped for a cut download"
+
+    planned = reconciler("plan", cut, "--json", timeout=300)
+    steps = [s["id"] for s in json.loads(planned.stdout)["steps"]]
+    assert "download/head" in steps, steps
+    assert not [s for s in steps if s.split("/")[0] in ("weights", "start-serving", "launch-model",
+                                                          "stop-container", "stop-serving")], steps
+    assert tb.exec("worker", "test -e /srv/spark-testbed/worker/models/hub/models--testorg--tiny-moe"
+                   ).returncode != 0, "nothing of a cut tree is copied"
+
+    hub.configure(throttle=0)
+    converged = reconciler("apply", _cut_by_its_deadline(tb, tmp_path, "1h"), "--yes", timeout=900)
+    assert converged.returncode == 0, converged.stdout + converged.stderr
+    whole = {p: h for p, h in content_hashes(tb, "head", TREE).items() if not p.endswith(".incomplete")}
+    assert sum(p.endswith(".safetensors") for p in whole) >= 2
+    assert content_hashes(tb, "worker", "/srv/spark-testbed/worker/models/hub/models--testorg--tiny-moe") == whole
+    assert "vllm_node" not in {n for n, c in containers(tb, "head").items() if c["State"]["Running"]}

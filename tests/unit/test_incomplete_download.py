@@ -50,8 +50,8 @@ def _cut(raw: dict, keep_shards: int, partial: bool) -> Observed:
     out = [f for f in files if f["path"] == "refs/main" or f in kept or f["path"] in blobs]
     if partial and keep_shards < len(links):
         nxt = links[keep_shards]
-        out.append({"path": "blobs/" + os.path.basename(nxt["link_target"]) + ".incomplete", "size": 1 << 30,
-                    "mtime": 1764000000.0})
+        raw["nodes"][HEAD]["weights"]["partials"] = ["blobs/" + os.path.basename(nxt["link_target"]) +
+                                                     ".2ed6410c.incomplete"]
     raw["nodes"][HEAD]["weights"]["files"] = out
     return Observed.model_validate(raw)
 
@@ -93,9 +93,10 @@ def test_the_whole_seed_tree_is_complete(cluster_yaml, seed_snapshot):
 
 
 def _w(*paths: str, broken: tuple[str, ...] = ()) -> Weights:
+    """A listing as the manifest parses it: partials apart from the files."""
     return Weights(root="/m", present=True, files=[
         WeightFile(path=p, size=None if p in broken else 1, link_target="../../blobs/x" if p in broken else None)
-        for p in paths])
+        for p in paths if not p.endswith(".incomplete")], partials=[p for p in paths if p.endswith(".incomplete")])
 
 
 def test_a_broken_snapshot_link_is_incomplete_and_an_unrelated_commit_is_not_judged():
@@ -185,7 +186,8 @@ def test_the_real_client_killed_halfway_leaves_an_incomplete_tree_and_resumes_it
         assert incomplete_reason(whole, "main", "hf-cache") is None, [f.path for f in whole.files]
         # huggingface_hub 2.x names each partial per process and a kill leaves them: the finished blob beside one
         # is what says it is a leftover (core/completeness._streaming)
-        assert any(f.path.endswith(".incomplete") for f in whole.files), [f.path for f in whole.files]
+        assert whole.partials, [f.path for f in whole.files]
+        assert not any(f.path.endswith(".incomplete") for f in whole.files), "a partial is never the model's"
         assert any(f.path.endswith(".safetensors") for f in whole.files)
     finally:
         standin.stop()

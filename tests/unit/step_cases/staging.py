@@ -44,7 +44,9 @@ def _observed(free: int | None = None, have: int = 0) -> Observed:
 
 def _listed(*paths: str, root: str = f"{HUB_PATH}/models--Qwen--Qwen3.5-122B-A10B-FP8") -> Listing:
     """The tree as the step re-reads it after `hf download` (`listing_fact`), parsed."""
-    return Listing(Weights(root=root, present=True, files=[WeightFile(path=p, size=1) for p in paths]), {})
+    return Listing(Weights(root=root, present=True, files=[WeightFile(path=p, size=1) for p in paths
+                                                           if not p.endswith(".incomplete")],
+                           partials=[p for p in paths if p.endswith(".incomplete")]), {})
 
 
 #: What a finished download leaves: the ref and the snapshot's files (whole: no partial, no gap in a series).
