@@ -19,8 +19,8 @@ from reconciler.core.retention import removals
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
 
-StepKind = Literal["stop-container", "link", "prune-weights", "prune-images", "download", "pull-image", "image",
-                   "weights", "stop-serving",
+StepKind = Literal["stop-container", "start-container", "link", "prune-weights", "prune-images", "download",
+                   "pull-image", "image", "weights", "stop-serving",
                    "start-serving", "launch-model", "await-health"]
 STEP_KINDS: tuple[StepKind, ...] = get_args(StepKind)
 
@@ -46,6 +46,7 @@ class Step:
     remove: tuple[str, ...] | None = None  # prune-weights: tree roots; prune-images: content ids (retention)
     deployment: str | None = None  # whose step, in a file of several (None: the node's own, or a file of one)
     grace: int | None = None  # stop-serving: `docker stop -t` (None: the policy's stop_grace; a headless rank 1 s)
+    container_id: str | None = None  # start-container: the container the reconciler stopped (core/restore)
 
     @property
     def id(self) -> str:
@@ -59,7 +60,7 @@ class Step:
         fields: dict[str, str | int | tuple[str, ...] | None] = {
             "container": self.container, "source": self.source, "image": self.image, "content": self.content,
             "path": self.path, "rank": self.rank, "wrapper": self.wrapper, "remove": self.remove,
-            "grace": self.grace}
+            "grace": self.grace, "container_id": self.container_id}
         return {name: " ".join(value) if isinstance(value, tuple) else str(value)
                 for name, value in fields.items() if value is not None}
 
@@ -530,7 +531,7 @@ def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...], wr
 
 
 #: Steps that act on a node for the whole file, whichever deployment's plan finds them: said once, untagged.
-NODE_STEPS: frozenset[StepKind] = frozenset({"stop-container", "link"})
+NODE_STEPS: frozenset[StepKind] = frozenset({"stop-container", "start-container", "link"})
 
 
 def _plan_several(desired: Desired, observed: Observed) -> Plan:

@@ -12,7 +12,8 @@ from reconciler.core.planning import Plan
 from reconciler.core.spec import format_duration
 from reconciler.core.text import printable
 
-_SIGN = {"stop-container": "-", "stop-serving": "-", "link": "~", "prune-weights": "-", "prune-images": "-",
+_SIGN = {"stop-container": "-", "start-container": "+", "stop-serving": "-", "link": "~", "prune-weights": "-",
+         "prune-images": "-",
          "download": "+", "pull-image": "+", "image": "+", "weights": "+",
          "start-serving": "+", "launch-model": "+", "await-health": "?"}
 

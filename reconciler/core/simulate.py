@@ -59,8 +59,9 @@ def _effect(desired: Desired, obs: Observed, step: Step) -> Observed:
         return _staged(desired, obs, step)
     nodes = dict(obs.nodes)
     node = _node(obs, step.node)
-    if step.kind == "stop-container":
-        containers = [c.model_copy(update={"state": "exited"}) if c.name == step.container else c
+    if step.kind in ("stop-container", "start-container"):
+        state = "exited" if step.kind == "stop-container" else "running"
+        containers = [c.model_copy(update={"state": state}) if c.name == step.container else c
                       for c in node.containers]
         nodes[step.node] = node.model_copy(update={"containers": containers})
     elif step.kind == "link":

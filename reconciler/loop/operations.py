@@ -151,6 +151,12 @@ def _stale_co_tenant(step: Step, old: Desired, new: Desired) -> str | None:  # s
     return None
 
 
+def _stale_restore(step: Step, old: Desired, new: Desired) -> str | None:  # start-container
+    """A co-tenant brought back after a failed first generation: a new file is a new attempt, planned afresh
+    (its own co-tenant stops included); the start is not carried over."""
+    return "a new desired state: the failed generation's rollback ends" if old != new else None
+
+
 def _stale_link(step: Step, old: Desired, new: Desired) -> str | None:
     return f"the fabric of {step.node} changed" if old.node(step.node).fabric != new.node(step.node).fabric else None
 
@@ -165,7 +171,8 @@ def _stale_retention(step: Step, old: Desired, new: Desired) -> str | None:  # p
 #: Per step kind, what makes one in flight wrong under a new desired state (every StepKind has one: a test says so).
 STALE_BY_KIND: dict[str, Callable[[Step, Desired, Desired], str | None]] = {
     "weights": _stale_weights, "download": _stale_weights, "image": _stale_image, "pull-image": _stale_image,
-    **dict.fromkeys(SERVING_CHAIN, _stale_serving), "stop-container": _stale_co_tenant, "link": _stale_link,
+    **dict.fromkeys(SERVING_CHAIN, _stale_serving), "stop-container": _stale_co_tenant,
+    "start-container": _stale_restore, "link": _stale_link,
     "prune-weights": _stale_retention, "prune-images": _stale_retention}
 
 

@@ -79,6 +79,7 @@ def plan_of(kind: str) -> Callable[[Given, Step], Actions]:
 
     plans: dict[str, Callable[[Given, Step], Actions]] = {
         "stop-container": containers.stop_container,
+        "start-container": containers.start_container,
         "stop-serving": containers.stop_serving,
         "link": link.converge_link,
         "prune-weights": retention.prune_weights,

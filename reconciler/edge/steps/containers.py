@@ -8,10 +8,21 @@ acting (`probes.container_fact`): the plan may be minutes old.
 
 from __future__ import annotations
 
-from reconciler.core.observed import LABEL_INSTANCE, LABEL_ROLE, Container
-from reconciler.core.planning import Step
-from reconciler.edge.probes import container_fact
-from reconciler.edge.steps.actions import Actions, Given, Read, Run, StepFailed, read, run, wait
+from reconciler.core.observed import LABEL_INSTANCE, LABEL_ROLE, Container, Memory
+from reconciler.core.planning import Step, kind_and_node
+from reconciler.edge.probes import MEMORY, container_fact
+from reconciler.edge.steps.actions import (
+    Actions,
+    Given,
+    Read,
+    Report,
+    Run,
+    StepFailed,
+    StepTimedOut,
+    read,
+    run,
+    wait,
+)
 
 #: How long a stopped container may take to show as stopped, and a removed one as gone, after docker said so.
 STOPPED_WITHIN = 15.0
@@ -63,6 +74,55 @@ def stop_container(given: Given, step: Step) -> Actions:
     if seen.container.managed:
         raise StepFailed(f"{name} on {node} is managed by the reconciler; co-tenant stop refused")
     yield from _stop(given, node, name)
+    # what the generation in force stopped, for the abort to what ran before it (core/restore)
+    yield Report("co-tenant.stopped", {"node": node, "container": name, "id": seen.container.id})
+
+
+#: How long a restored co-tenant waits for the memory the failed ranks held to come back (GB10 returns it with a
+#: lag of up to a minute, serving.MEMORY_SETTLE) and how often it looks: it starts once two reads SETTLE_POLL
+#: apart differ by less than SETTLED_WITHIN, or at the deadline (it ran in this memory before the generation).
+SETTLE_DEADLINE = 90.0
+SETTLE_POLL = 2.0
+SETTLED_WITHIN = 1 << 30
+
+
+def start_container(given: Given, step: Step) -> Actions:
+    """`docker start` a co-tenant the failed generation stopped (core/restore), re-read right before: only the very
+    container it stopped (the same id), not running, not managed. One removed or recreated since is left alone
+    (said, not failed). After the node's failed ranks were stopped, the start waits for memory to settle."""
+    name, node, wanted = step.container, step.node, step.container_id
+    assert name is not None and wanted is not None, "the restore plan sets both for a start-container step"
+    seen = yield from read(node, container_fact(name))
+    if seen is None or seen.container.id != wanted or seen.container.running:
+        yield Report("co-tenant.not-restored", {"node": node, "container": name,
+                                                "why": "gone" if seen is None else "running" if
+                                                seen.container.running else "replaced since"})
+        return
+    if seen.container.managed:
+        raise StepFailed(f"{name} on {node} is managed by a reconciler; never started as a co-tenant")
+    if any(kind_and_node(a) == ("stop-serving", node) for a in step.after):
+        yield from _settled(node)
+    yield Run(node, ("docker", "start", wanted), timeout=given.desired.policy.timeouts.command + 30)
+    yield from wait(Read(node, container_fact(name)), lambda now: now is not None and now.container.running,
+                    timeout=STOPPED_WITHIN, what=f"{name} to run on {node}")
+    yield Report("co-tenant.restored", {"node": node, "container": name, "id": wanted})
+
+
+def _settled(node: str) -> Actions:
+    """Wait until MemAvailable stops rising (or the deadline): the failed ranks' memory is back."""
+    last: list[int] = []
+
+    def steady(memory: Memory | None) -> bool:
+        if memory is None:
+            return False
+        last.append(memory.available_bytes)
+        return len(last) > 1 and abs(last[-1] - last[-2]) < SETTLED_WITHIN
+
+    try:
+        yield from wait(Read(node, MEMORY), steady, timeout=SETTLE_DEADLINE, interval=SETTLE_POLL,
+                        what="memory to settle")
+    except StepTimedOut:
+        pass  # it ran in this memory before: start it and let docker say
 
 
 def stop_serving(given: Given, step: Step) -> Actions:
