@@ -26,6 +26,7 @@ from reconciler.core.drift import (
 )
 from reconciler.core.observed import NodeObservation, Observed, ServingApi
 from reconciler.core.planning import Plan, kind_and_node
+from reconciler.core.restore import AS_FOUND
 from reconciler.loop.history import Hold
 
 
@@ -166,6 +167,11 @@ def _rolled_back(hold: Hold | None) -> Condition:
     (reconciler.loop.history)."""
     if hold is None:
         return _cond("", "RolledBack", False, "FileInForce")
+    if hold.to == 0:  # a first generation: what ran before it (core/restore)
+        return _cond("", "RolledBack", True, "FailedFirstGeneration",
+                     f"generation {hold.generation} never served ({hold.why}); to: {AS_FOUND} (its ranks stopped, the "
+                     "co-tenants it stopped started again) until the file changes: fix the file, and it is tried "
+                     "again")
     return _cond("", "RolledBack", True, "FailedChange",
                  f"generation {hold.generation} never served ({hold.why}); generation {hold.to} is served in its "
                  f"place until the file changes: fix the file, or `reconciler rollback {hold.to}` to make the file "

@@ -29,6 +29,7 @@ from typing import Any
 from reconciler.core import planning, spec
 from reconciler.core.observed import NodeObservation, Observed, ServeFlags
 from reconciler.core.planning import STEP_KINDS, Blocker, Plan, Step, unhealthy_grace
+from reconciler.core.restore import AS_FOUND, StoppedCoTenant, restore_plan
 from reconciler.edge import log, trusted_files
 from reconciler.edge.execute import StepResult
 from reconciler.edge.image_flags import ask_serve_flags
@@ -124,6 +125,8 @@ class Controller:
         self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
         #: A start failed (_record): the file's generation it was started for, its deployment, why.
         self._start_failed: tuple[int, str | None, str] | None = None
+        self._stopped: list[tuple[int, StoppedCoTenant]] = []  # from the step threads, for _record
+        self._stopped_lock = threading.Lock()
         self._failures_said: set[tuple[int, str]] = set()  # (generation, what) said once: not every reconcile
         self.image_answer: ServeFlags | None = None  # what the serving image said of itself (FlagsQuery)
 
@@ -177,6 +180,10 @@ class Controller:
             if self.held is not None and hold is None:
                 self.log.info("rollback.ended", generation=self.store.generation, was=self.held.to)
             self.held = None
+            if hold is not None and hold.to == 0:  # back to what ran before it: the same file, restored
+                self._enforce(desired, held=hold)
+                self.log.warning("rollback.kept", generation=hold.generation, to=AS_FOUND, error=hold.why)
+                return True
             if hold is not None and (back := self._brought_back(hold.generation, hold.to)) is not None:
                 self._enforce(back, held=hold)  # a restart keeps the rollback: the failed change is not tried again
                 self.log.warning("rollback.kept", generation=hold.generation, to=hold.to, error=hold.why)
@@ -249,6 +256,9 @@ class Controller:
             brought = self._brought_back(generation, back.generation)
         if brought is not None and deployment is not None and not _touches(desired, brought, deployment):
             return  # not the change's failure: what failed is as it was in the generation that served
+        if back is None and desired.policy.on_failed_change == "rollback" and entry.stopped:
+            self._abort_to_as_found(generation, why)
+            return
         if brought is None or back is None:
             self.history.failed(generation, why)
             if (generation, "failed") not in self._failures_said:
@@ -262,6 +272,23 @@ class Controller:
         self._enforce(brought, held=hold)
         metrics.rollbacks.inc()
         self.log.warning("change.rolled_back", generation=generation, to=back.generation, error=why)
+
+    def _abort_to_as_found(self, generation: int, why: str) -> None:
+        """A first generation failed after it stopped co-tenants: hold it and bring back what ran before it
+        (generation 0, core/restore): its ranks stopped, the co-tenants it stopped started again."""
+        assert self.desired is not None
+        hold = self.history.rolled_back(generation, 0, why, self.clock())
+        self._enforce(self.desired, held=hold)
+        metrics.rollbacks.inc()
+        self.log.warning("change.rolled_back", generation=generation, to=AS_FOUND, error=why)
+
+    def _restored(self, desired: spec.Desired, observed: Observed, current: Plan) -> Plan:
+        """The plan in force: the file's (`current`), or while a first generation is held back to what ran before
+        it, the restore plan of the co-tenants that generation stopped."""
+        if self.held is None or self.held.to != 0:
+            return current
+        entry = self.history.history.entry(self.held.generation)
+        return restore_plan(desired, observed, entry.stopped if entry is not None else (), self.held.generation)
 
     def _end_generation(self, old: spec.Desired, new: spec.Desired) -> None:
         """Steps of the old generation that the new one makes wrong (a 12 h sync of a model no longer wanted) must
@@ -307,7 +334,7 @@ class Controller:
                 if self.cancel.is_set():
                     return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
                 self._say_troubles(observed)
-                current = planning.plan(desired, observed)
+                current = self._restored(desired, observed, planning.plan(desired, observed))
                 if current.refused and self.held is None and current.mode == "enforce":
                     self._failed_change("the image refuses the start: " + "; ".join(current.refused), None)
                     if self.desired is not desired:  # rolled back: plan what was brought back
@@ -406,7 +433,9 @@ class Controller:
         self.log.info("reconcile.plan", generation=self.store.generation, trigger=trigger,
                       steps=[s.id for s in runnable], waiting=waiting or None, drift=len(current.drift))
         ctx = StepContext(desired=desired, sessions=self.sessions, observed=observed,
-                          generation=self.enforced_generation, progress=self._progress, cancel=self.cancel)
+                          generation=self.enforced_generation,
+                          progress=self._progress_of(self.store.generation if self.held is None else None),
+                          cancel=self.cancel)
         if self.held is None:
             self._launched.update({s.id: self.store.generation for s in runnable})
         self.operations.launch(runnable, ctx, on_event=self._on_step)
@@ -486,7 +515,12 @@ class Controller:
         return 202, {"id": request.id, "joined": joined, "targets": nodes, "pid": pid}
 
     def _record(self, results: list[StepResult]) -> list[str]:
-        """Finished steps into the holds (only the loop writes them); returns the failures, one line each."""
+        """Finished steps into the holds and the co-tenants they stopped into the history (only the loop writes
+        them); returns the failures, one line each."""
+        with self._stopped_lock:
+            stopped, self._stopped = self._stopped, []
+        for generation, tenant in stopped:
+            self.history.stopped(generation, tenant)
         failures = []
         for r in results:
             if self.backoff is None:
@@ -531,6 +565,18 @@ class Controller:
             return None
         seconds, why = min(due)
         return max(0.0, seconds), why
+
+    def _progress_of(self, generation: int | None) -> Callable[[str, dict[str, Any]], None]:
+        """The steps' report function for a batch launched for `generation` (None: a rollback's): a co-tenant they
+        stop is remembered for that generation (`_restore`), handed to the loop's thread, which alone writes
+        the history."""
+        def progress(event: str, fields: dict[str, Any]) -> None:
+            if event == "co-tenant.stopped" and generation is not None:
+                with self._stopped_lock:
+                    self._stopped.append((generation, StoppedCoTenant(fields["node"], fields["container"],
+                                                                      fields["id"])))
+            self._progress(event, fields)
+        return progress
 
     def _progress(self, event: str, fields: dict[str, Any]) -> None:
         """Steps report here (from their threads): bytes, or a cold start's stage and line, into the operation

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from reconciler.core.restore import AS_FOUND, StoppedCoTenant
 from reconciler.core.text import printable
 from reconciler.edge import log
 from reconciler.loop.generations import path_key, write_durably
@@ -46,18 +47,28 @@ class Entry:
     ended: float = 0.0
     outcome: str = IN_FORCE
     why: str = ""
+    #: The co-tenants this generation stopped (node, name, container id): what a rollback to generation 0 starts.
+    stopped: tuple[StoppedCoTenant, ...] = ()
 
     @classmethod
     def from_dict(cls, data: object) -> Entry:
         if not isinstance(data, dict):
             raise ValueError("an entry is not a JSON object")
         entry = cls(**{k: data[k] for k in ("generation", "hash", "taken", "served", "ended", "outcome", "why")
-                       if k in data})
+                       if k in data}, stopped=_stopped(data.get("stopped", [])))
         if type(entry.generation) is not int or not isinstance(entry.hash, str) or not isinstance(entry.outcome, str):
             raise ValueError(f"entry {entry.generation!r} is not a generation")
         if not all(type(t) in (int, float) and t >= 0 for t in (entry.taken, entry.served, entry.ended)):
             raise ValueError(f"entry {entry.generation} has a time that is not one")
         return entry
+
+
+def _stopped(data: object) -> tuple[StoppedCoTenant, ...]:
+    """The `stopped` list of an entry as written (`[node, name, id]` each); ValueError when it is not one."""
+    if not isinstance(data, list) or not all(isinstance(t, list) and len(t) == 3 and
+                                             all(isinstance(v, str) for v in t) for t in data):
+        raise ValueError("an entry's `stopped` is not a list of [node, name, id]")
+    return tuple(StoppedCoTenant(*t) for t in data)
 
 
 @dataclass(frozen=True)
@@ -99,12 +110,14 @@ class History:
         if not self.entries:
             lines.append("(no generation kept)")
         if self.hold is not None:
-            lines.append(printable(f"\nrolled back: generation {self.hold.generation} is held, {self.hold.to} is "
+            back = AS_FOUND if self.hold.to == 0 else f"generation {self.hold.to}"
+            lines.append(printable(f"\nrolled back: generation {self.hold.generation} is held, {back} is "
                                    f"served in its place since {when(self.hold.since)} ({self.hold.why})"))
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({"entries": [asdict(e) for e in self.entries],
+        return json.dumps({"entries": [{**asdict(e), "stopped": [[t.node, t.name, t.id] for t in e.stopped]}
+                                       for e in self.entries],
                            "hold": asdict(self.hold) if self.hold else None}, indent=1)
 
     @classmethod
@@ -201,6 +214,13 @@ class HistoryStore:
                 self.history.hold = None
             self._update(replace(e, served=now, outcome=IN_FORCE, why=""))
 
+    def stopped(self, generation: int, tenant: StoppedCoTenant) -> None:
+        """`generation` stopped the co-tenant `tenant` to make room (written at once: a crash right after must not
+        forget what to bring back). A container stopped again under the same id is recorded once."""
+        e = self.history.entry(generation)
+        if e is not None and tenant not in e.stopped:
+            self._update(replace(e, stopped=(*e.stopped, tenant)))
+
     def failed(self, generation: int, why: str) -> None:
         """`generation` failed before it served, with nothing to bring back (or a policy that does not): said in
         its entry, written only when that changes (a failure seen every reconcile is one write)."""
@@ -215,7 +235,7 @@ class HistoryStore:
         if e is None or e.served:
             return None
         self.history.hold = Hold(generation, e.hash, to, why, now)
-        self._update(replace(e, outcome=f"{ROLLED_BACK} to {to}", why=why, ended=now))
+        self._update(replace(e, outcome=f"{ROLLED_BACK} to {AS_FOUND if to == 0 else to}", why=why, ended=now))
         return self.history.hold
 
     def release(self) -> None:

@@ -266,12 +266,12 @@ def test_every_typed_field_of_a_step_is_in_its_params():
     """`params` names the fields one by one (no getattr by name): a field added to Step and not there fails here.
     The deployment is not a parameter but whose step it is, like its node: in the id and in `as_dict`."""
     values = {"container": "c", "source": "s", "image": "i", "content": "x", "path": "/p", "rank": 1,
-              "wrapper": ("a", "b"), "remove": ("r",), "grace": 1}
+              "wrapper": ("a", "b"), "remove": ("r",), "grace": 1, "container_id": "0123abcd"}
     own = {f.name for f in dataclasses.fields(Step)} - {"kind", "node", "reason", "after", "deployment"}
     assert own == set(values)
     assert Step("image", "n1", "why", **values).params == {
         "container": "c", "source": "s", "image": "i", "content": "x", "path": "/p", "rank": "1", "wrapper": "a b",
-        "remove": "r", "grace": "1"}
+        "remove": "r", "grace": "1", "container_id": "0123abcd"}
 
 
 def test_a_snapshot_from_before_issue_34_still_loads_without_its_restart_count() -> None:

@@ -7,6 +7,7 @@ from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.edge.ssh import Result
 from tests.unit.step_cases import HEAD, WORKER, Case, inspected, no_such, sample
+from tests.unit.step_driver import Raw
 
 INSTANCE = "10.1.230.180:22"  # the sample head's ssh host:port: this cluster's label while it has no cluster id
 OURS = {LABEL_MANAGED: "true", LABEL_INSTANCE: INSTANCE}
@@ -37,9 +38,45 @@ GONE_AFTER_STOP = [inspected(SERVING, labels=OURS), inspected(SERVING, "exited",
 
 
 STOP_NODE = [f"read {HEAD} container vllm_node", f"run {HEAD} docker stop -t 30 vllm_node",
-             f"wait {HEAD} container vllm_node"]
+             f"wait {HEAD} container vllm_node", "report co-tenant.stopped"]
+
+#: The id `inspected` gives every container: the one the failed generation stopped.
+STOPPED_ID = "c0ffee" * 10 + "0123"
+
+
+def _restore(after: tuple[str, ...] = (), container_id: str = STOPPED_ID) -> Step:
+    return Step("start-container", HEAD, "ran before generation 1", after, container="vllm_node",
+                container_id=container_id)
+
+
+def _meminfo(available_gib: float) -> Raw:
+    return Raw(f"MemTotal:       127535224 kB\nMemAvailable:   {int(available_gib * (1 << 20))} kB")
+
+
+RESTARTED = [f"run {HEAD} docker start {STOPPED_ID}", f"wait {HEAD} container vllm_node", "report co-tenant.restored"]
 
 CASES = [
+    # start-container: generation 0's restore (core/restore), only the very container that was stopped
+    Case("restore: the co-tenant the failed generation stopped is started by its id", _restore(),
+         [f"read {HEAD} container vllm_node", *RESTARTED],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node", "exited"), inspected("vllm_node")]}),
+    Case("restore: after the node's failed rank stopped, it waits for memory to stop rising first",
+         _restore(after=(f"stop-serving/{HEAD}/{SERVING}",)),
+         [f"read {HEAD} container vllm_node", f"wait {HEAD} meminfo", *RESTARTED],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node", "exited"), inspected("vllm_node")],
+                f"{HEAD} meminfo": [_meminfo(20), _meminfo(60), _meminfo(95), _meminfo(95.5)]}),
+    Case("restore: removed meanwhile: said, nothing run", _restore(),
+         [f"read {HEAD} container vllm_node", "report co-tenant.not-restored"],
+         facts={f"{HEAD} container vllm_node": [no_such("vllm_node")]}),
+    Case("restore: another container under its name now: never started", _restore(container_id="ab" * 32),
+         [f"read {HEAD} container vllm_node", "report co-tenant.not-restored"],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node", "exited")]}),
+    Case("restore: running again already: nothing run", _restore(),
+         [f"read {HEAD} container vllm_node", "report co-tenant.not-restored"],
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node")]}),
+    Case("restore: a managed container is never started as a co-tenant", _restore(),
+         [f"read {HEAD} container vllm_node"], raises="managed by a reconciler; never started as a co-tenant",
+         facts={f"{HEAD} container vllm_node": [inspected("vllm_node", "exited", labels=OURS)]}),
     Case("co-tenant: a running unlisted container is stopped, never removed", _co_tenant("vllm_node"), STOP_NODE,
          facts={f"{HEAD} container vllm_node": [inspected("vllm_node"), inspected("vllm_node", "exited")]},
          timeouts={f"{HEAD} docker stop -t 30 vllm_node": 60}),  # the grace, and 30 s for docker to say so
@@ -61,7 +98,7 @@ CASES = [
          [f"read {HEAD} container vllm_node"],
          facts={f"{HEAD} container vllm_node": [inspected("vllm_node", labels=OURS)]},
          raises="vllm_node on spark-1a32 is managed by the reconciler; co-tenant stop refused"),
-    Case("co-tenant: a stop that never shows fails the step", _co_tenant("vllm_node"), STOP_NODE,
+    Case("co-tenant: a stop that never shows fails the step", _co_tenant("vllm_node"), STOP_NODE[:3],
          facts={f"{HEAD} container vllm_node": [inspected("vllm_node")]},
          raises="timed out after 15s waiting for vllm_node to stop on spark-1a32"),
     Case("co-tenant: docker stop failing fails the step", _co_tenant("vllm_node"), STOP_NODE[:2],
