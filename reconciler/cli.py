@@ -629,13 +629,33 @@ def _init_text(document: dict[str, Any], used: list[Recipe], drafts: list[NodeDr
     out["deployments"] = deployments = CommentedSeq(_commented(d) for d in document["deployments"])
     for i, recipe in enumerate(used):
         about = [f"recipe {recipe.name}: {recipe.description}",
-                 f"its sources and why each value: the header of recipes/{recipe.name}.yaml (reconciler/files/recipes)"]
+                 f"its sources and why each value: the header of recipes/{recipe.name}.yaml (reconciler/files/recipes)",
+                 *_init_cautions(recipe)]
         deployments.yaml_set_comment_before_after_key(i, before="\n".join(["", *about] if i else about), indent=2)
     out["co_tenants"] = _co_tenants(drafts, FIRST_API_PORT)
     out["policy"] = _policy()
     for section in ("deployments", "co_tenants", "policy"):
         _above(out, section, [], indent=0, blank=True)
     return "\n".join(map(printable, _dump(out).split("\n")))
+
+
+def _init_cautions(recipe: Recipe) -> list[str]:
+    """What to know before serving `recipe` on the image it names: that no record shows it serving there (its
+    header's `unverified:`), and what it needs that the image is not known to provide (`Recipe.lacks`)."""
+    out = [f"UNVERIFIED: {recipe.unverified}"] if recipe.unverified else []
+    if recipe.image_known() is None:
+        out.append(f"IMAGE UNKNOWN TO INIT: {recipe.serving.get('image')} is not one whose Ray and vLLM init knows; "
+                   "`reconciler plan` asks it before anything starts")
+    return out + [f"NEEDS WHAT ITS IMAGE LACKS: {lack}" for lack in recipe.lacks()]
+
+
+def _init_warnings(used: list[Recipe]) -> None:
+    """Each picked recipe's cautions on stderr, once per recipe: they do not stop the file (its fields are valid;
+    `plan` judges the image itself before anything starts), but an operator should not learn them from a failed
+    start."""
+    for recipe in {r.name: r for r in used}.values():
+        for caution in _init_cautions(recipe):
+            click.echo(printable(f"init: warning: recipe {recipe.name}: {caution}"), err=True)
 
 
 def _refused(exc: spec.InvalidDesiredState) -> None:
@@ -664,9 +684,11 @@ def init(picks: tuple[str, ...], list_only: bool, head: str | None, workers: tup
          output: Path | None) -> None:
     """Write a desired state that serves recipes (docs/recipes.md): the nodes drafted as discover drafts them,
     but from their addresses alone (every guess marked `# GUESS:`), one deployment per --recipe, each with its own
-    container name and ports. The file is judged as `validate` judges it before anything is written. Exit 0
-    written, 3 not a valid file (e.g. a node's memory fractions add up past 1; nothing written), 1 an unknown
-    recipe, a recipe that cannot be placed or a missing --head."""
+    container name and ports. The file is judged as `validate` judges it before anything is written. A recipe
+    no record shows serving on its image (`unverified:`), or that needs what its image is not known to provide
+    (Ray, a vLLM fix), is said on stderr and in the file, and written all the same. Exit 0 written, 3 not a valid
+    file (e.g. a node's memory fractions add up past 1; nothing written), 1 an unknown recipe, a recipe that
+    cannot be placed or a missing --head."""
     from reconciler import files
     from reconciler.core import recipes
     from reconciler.edge.discover.render import SshChoice
@@ -688,11 +710,13 @@ def init(picks: tuple[str, ...], list_only: bool, head: str | None, workers: tup
     except recipes.RecipeError as exc:
         click.echo(printable(f"init: {exc}"), err=True)
         sys.exit(Exit.ERROR)
-    text = _init_text(document, [known[p.recipe] for p in chosen], drafts)
+    used = [known[p.recipe] for p in chosen]
+    text = _init_text(document, used, drafts)
     try:
         spec.loads(text, filename=str(output or "<init>"))
     except spec.InvalidDesiredState as exc:
         _refused(exc)
+    _init_warnings(used)
     if output is None:
         click.echo(text, nl=False)
     else:

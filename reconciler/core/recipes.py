@@ -10,19 +10,34 @@ A recipe is a deployment fragment (`name`, `model` without `path`, `serving`) wi
 cluster: where it runs (`serving.nodes`), its container name and its ports are `compose`'s, the model's path is the
 operator's (`init --models-path`). Pure: the texts come in (reconciler.files reads them), a document goes out, and
 `reconciler.core.spec` judges it like any file (the budget rule across deployments among its rules).
+
+A recipe also says how far it is proven: its header has a `proven:` line (the record that served it on the image it
+names) or an `unverified:` line (why not), and `init` prints the second. What it needs of its image beyond its
+flags (Ray for `launcher: ray`, vLLM's native multi-node, a vLLM fix named in its `needs:`) is checked against what
+the image is known to provide (`KNOWN_IMAGES`, from its publisher's record): init reads no node, so it cannot ask
+the image itself as `plan` does (reconciler/edge/image_flags.py).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 #: What a recipe holds: one deployment, as the desired state's `deployments:` list spells it.
 RECIPE_KEYS = ("name", "model", "serving")
+#: What it may hold besides, of its own and never composed: the vLLM changes it needs of its image, each with why
+#: (`vllm-project/vllm#N: why`), checked against `KNOWN_IMAGES`.
+NEEDS = "needs"
+#: The header lines that say how far a recipe is proven: exactly one of them (and its indented continuation).
+PROVEN, UNVERIFIED = "proven:", "unverified:"
+#: vLLM's native multi-node flags (--nnodes, --node-rank, --master-addr, --headless), which the native launcher
+#: renders across nodes: vllm-project/vllm PR #23691 (core/planning.NATIVE_MULTI_NODE_FLAGS).
+NATIVE_MULTI_NODE = "vllm-project/vllm#23691"
 #: What depends on the cluster, so `compose` sets it and a recipe may not: the placement, the names and ports
 #: that must differ between deployments sharing a node, the path of the operator's model store.
 PLACED_SERVING_KEYS = ("nodes", "container_name", "port", "master_port", "ray_port")
@@ -33,6 +48,28 @@ FIRST_API_PORT, FIRST_MASTER_PORT, FIRST_RAY_PORT = 8000, 29501, 6379
 
 class RecipeError(ValueError):
     """A recipe that cannot be read or placed: the message says which and why."""
+
+
+@dataclass(frozen=True)
+class KnownImage:
+    """What an image a recipe names is known to provide, from its publisher's record: the vLLM it ships, whether
+    it has Ray, the vLLM changes it is known to carry."""
+
+    vllm: str
+    has_ray: bool
+    carries: frozenset[str]
+    source: str
+
+
+#: The images the recipes name, as their publishers describe them. A recipe's needs are checked against these;
+#: an image not listed cannot be judged by init (`plan` asks it). tests/unit/test_recipes.py holds each entry to
+#: the image's recorded answer (tests/fixtures/image-answers.yaml).
+KNOWN_IMAGES: dict[str, KnownImage] = {
+    "nvcr.io/nvidia/vllm:26.05-py3": KnownImage(
+        vllm="0.20.1", has_ray=False, carries=frozenset({NATIVE_MULTI_NODE}),
+        source="NVIDIA's vLLM Release 26.05 notes (vLLM 0.20.1); NVIDIA/dgx-spark-playbooks nvidia/vllm/README.md: "
+               "\"The 26.05-py3 NGC image ships without ray\""),
+}
 
 
 class UnknownRecipe(RecipeError):
@@ -50,6 +87,47 @@ class Recipe:
     description: str
     header: str
     fragment: Mapping[str, Any]
+    needs: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def proven(self) -> str | None:
+        """The header's `proven:` paragraph: the record that served this recipe on the image it names."""
+        return _paragraph(self.header, PROVEN)
+
+    @property
+    def unverified(self) -> str | None:
+        """The header's `unverified:` paragraph: why no record shows this recipe serving on the image it names."""
+        return _paragraph(self.header, UNVERIFIED)
+
+    def requires(self) -> dict[str, str]:
+        """What it needs of its image beyond flags, each with why: Ray for `launcher: ray`, vLLM's native
+        multi-node when the native launcher spans nodes, and its own `needs:`."""
+        launcher = self.serving.get("launcher", "native")
+        out = {"ray": "serving.launcher is ray (`ray start` runs in the image)"} if launcher == "ray" else {}
+        if launcher == "native" and self.gpus > 1:
+            out[NATIVE_MULTI_NODE] = "the native launcher runs one rank per node with --nnodes/--headless"
+        return out | dict(self.needs)
+
+    def image_known(self, images: Mapping[str, KnownImage] | None = None) -> KnownImage | None:
+        """What its image (`serving.image`) is known to provide, by `images` (default `KNOWN_IMAGES`); None: not
+        described there, so not judged here (`plan` asks the image itself)."""
+        return (KNOWN_IMAGES if images is None else images).get(str(self.serving.get("image", "")))
+
+    def lacks(self, images: Mapping[str, KnownImage] | None = None) -> list[str]:
+        """What it needs that its image is known not to provide, or not known to, in words; empty when the image is
+        known to provide all of it, or is not described (`image_known`)."""
+        image = str(self.serving.get("image", ""))
+        known = self.image_known(images)
+        if known is None:
+            return []
+        out = []
+        for need, why in self.requires().items():
+            if need == "ray" and not known.has_ray:
+                out.append(f"{why}, but {image} ships without Ray ({known.source}): use launcher: native, or an "
+                           "image with Ray")
+            elif need != "ray" and need not in known.carries:
+                out.append(f"it needs {need} ({why}), which {image} (vLLM {known.vllm}) is not known to carry")
+        return out
 
     @property
     def serving(self) -> Mapping[str, Any]:
@@ -68,7 +146,7 @@ class Recipe:
     def summary(self) -> str:
         """One line for `reconciler init --list`: what it takes of the cluster, and what it is."""
         share = f"tp {self.gpus}, {self.memory_fraction:g} of {'each' if self.gpus > 1 else 'its'} node"
-        return f"{self.name:<20} {share:<24} {self.description}"
+        return f"{self.name:<20} {share:<24} {self.description}" + (" (unverified)" if self.unverified else "")
 
 
 def _header(text: str) -> list[str]:
@@ -80,9 +158,31 @@ def _header(text: str) -> list[str]:
     return lines
 
 
+def _paragraph(header: str, key: str) -> str | None:
+    """The header line starting with `key`, joined with the indented lines that continue it; None without one."""
+    lines = header.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(key):
+            rest = [more.strip() for more in itertools.takewhile(lambda m: m.startswith(" "), lines[i + 1:])]
+            return " ".join([line[len(key):].strip(), *rest]).strip()
+    return None
+
+
+def _status_problems(header: str) -> list[str]:
+    said = [key for key in (PROVEN, UNVERIFIED) if _paragraph(header, key)]
+    return [] if len(said) == 1 else [f"its header says either `{PROVEN} <the record that served it on its image>` "
+                                      f"or `{UNVERIFIED} <why not>`, once"]
+
+
+def _needs_problems(needs: object) -> list[str]:
+    if isinstance(needs, dict) and all(isinstance(k, str) and isinstance(v, str) and v for k, v in needs.items()):
+        return []
+    return [f"{NEEDS} maps each vLLM change it needs (`vllm-project/vllm#N`) to why"]
+
+
 def _fragment_problems(data: object) -> list[str]:
-    if not isinstance(data, dict) or set(data) != set(RECIPE_KEYS):
-        return [f"holds exactly {', '.join(RECIPE_KEYS)} (one deployment)"]
+    if not isinstance(data, dict) or not set(RECIPE_KEYS) <= set(data) <= {*RECIPE_KEYS, NEEDS}:
+        return [f"holds exactly {', '.join(RECIPE_KEYS)} (one deployment), and may say what it {NEEDS}"]
     if not isinstance(data["model"], dict) or not isinstance(data["serving"], dict):
         return ["model and serving are mappings"]
     out = ["model.path is the operator's (init --models-path)"] if "path" in data["model"] else []
@@ -92,17 +192,21 @@ def _fragment_problems(data: object) -> list[str]:
 
 def parse(name: str, text: str) -> Recipe:
     """The recipe `name` from its file's text; RecipeError when it is not one deployment free of placement, or has
-    no header to say what it is."""
+    no header to say what it is and how far it is proven."""
     header = _header(text)
     problems = [] if header and header[0].strip() else ["starts with a comment line saying what it serves"]
+    problems += _status_problems("\n".join(header))
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {name}: not YAML: {exc}") from None
     problems += _fragment_problems(data)
+    if isinstance(data, dict) and NEEDS in data:
+        problems += _needs_problems(data[NEEDS])
     if problems:
         raise RecipeError(f"recipe {name}: " + "; ".join(problems))
-    return Recipe(name, header[0].strip(), "\n".join(header), data)
+    fragment = {key: data[key] for key in RECIPE_KEYS}
+    return Recipe(name, header[0].strip(), "\n".join(header), fragment, dict(data.get(NEEDS, {})))
 
 
 def catalogue(texts: Mapping[str, str]) -> dict[str, Recipe]:

@@ -1,13 +1,17 @@
-"""Recipes (reconciler/files/recipes, reconciler.core.recipes) and `reconciler init` (issue 35, item 4).
+"""Recipes (reconciler/files/recipes, reconciler.core.recipes) and `reconciler init` (issue 35, item 4; issue 52,
+item 3: recipes that run on the image they name).
 
 The oracles are independent of the recipe files: `ORACLE` is written from the public sources each recipe cites
-(docs/research/recipes.md), the reserved flags from vLLM's and the spec's documented meaning, the plan from the
-recorded seed snapshot. `init` runs as the installed console script, and its file is judged by `validate`.
+(docs/research/recipes.md, docs/recipes.md), the reserved flags from vLLM's and the spec's documented meaning, the
+plan from the recorded seed snapshot, and each image's answer (`vllm serve --help=all`, Ray, the variables its vLLM
+reads) from the real thing, recorded in tests/fixtures (image-answers.yaml says which recording is whose, and from
+where). `init` runs as the installed console script, and its file is judged by `validate`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -17,8 +21,10 @@ import yaml
 
 from reconciler import files
 from reconciler.core import recipes, spec
-from reconciler.core.observed import Observed
-from reconciler.core.planning import Plan, plan
+from reconciler.core.observed import Image, Observed, ServeFlags
+from reconciler.core.planning import plan
+from reconciler.core.simulate import apply_plan
+from reconciler.core.vllm import parse_serve_help
 from tests.unit.conftest import BASE_YAML, REPO
 
 RECIPES = recipes.catalogue(files.recipes())
@@ -27,34 +33,55 @@ MODELS = "/home/spark/.cache/huggingface/hub"
 PAIR = yaml.safe_load(BASE_YAML)["nodes"]
 SEED_NODES = yaml.safe_load((REPO / "desired-state" / "cluster.yaml").read_text())["nodes"]
 
-#: What the public record says of each recipe: model id, tensor parallel size, memory fraction, flag sequences its
-#: extra_args must hold, and the sources its header must cite (repo@commit path, or the thread / model card).
+#: What the public record says of each recipe: model id, tensor parallel size, memory fraction, launcher, flag
+#: sequences its extra_args must hold (`--max-num-seqs` in every one), env, how far it is proven on the image it
+#: names, and the sources its header must cite (repo@commit path, or the thread / model card / page).
+NGC_26_05 = "nvcr.io/nvidia/vllm:26.05-py3"
 ORACLE: dict[str, dict[str, Any]] = {
     "qwen3.5-122b-fp8": {
-        "model": "Qwen/Qwen3.5-122B-A10B-FP8", "tp": 2, "gmu": 0.7, "max_model_len": 262144, "launcher": "ray",
-        "flags": ["--kv-cache-dtype fp8", "--enable-expert-parallel"],
-        "env": {"VLLM_FLASHINFER_MOE_BACKEND": "latency"},
+        # eugr's flags; launcher native: NGC 26.05 has no Ray (NVIDIA's playbook), spark-arena runs it without a
+        # backend flag; the SM121-on-NGC backends from conselara
+        "model": "Qwen/Qwen3.5-122B-A10B-FP8", "tp": 2, "gmu": 0.7, "max_model_len": 262144, "launcher": "native",
+        "flags": ["--max-num-seqs 4", "--kv-cache-dtype fp8", "--enable-expert-parallel",
+                  '--speculative-config {"method":"mtp","num_speculative_tokens":1}', "--language-model-only",
+                  "--tool-call-parser qwen3_coder", "--reasoning-parser qwen3", "--attention-backend TRITON_ATTN",
+                  "--moe-backend marlin"],
+        "env": {}, "status": "unverified",
         "cites": ["eugr/spark-vllm-docker@8c6eb1f6cfb7701f07fdcddc9bf27288b82247ce recipes/qwen3.5-122b-fp8.yaml",
+                  "spark-arena/recipe-registry@307578001460733fcb9335d0e84f8d3e38e40552 "
+                  "experimental-recipes/eugr-vllm/qwen3.5-122b-a10b-fp8-vllm.yaml",
+                  "NVIDIA/dgx-spark-playbooks@0db7c141da60870ca6ed5c99436320f4e35cd531 nvidia/vllm/README.md",
+                  "https://conselara.dev/notes/vllm-dgx-spark-sm121-gotchas/",
                   "https://huggingface.co/Qwen/Qwen3.5-122B-A10B-FP8"]},
     "glm-4.7-flash": {
+        # the recipe's parsers and limits; NVFP4 MoE on SM121 on NGC: Marlin, FlashInfer's FP4 MoE off (conselara)
         "model": "GadflyII/GLM-4.7-Flash-NVFP4", "tp": 1, "gmu": 0.7, "max_model_len": 202752,
-        "flags": ["--tool-call-parser glm47", "--reasoning-parser glm45"],
+        "flags": ["--tool-call-parser glm47", "--reasoning-parser glm45", "--max-num-seqs 64", "--moe-backend marlin"],
+        "env": {"VLLM_USE_FLASHINFER_MOE_FP4": "0"}, "status": "unverified",
+        "needs": ["vllm-project/vllm#43889"],
         "cites": ["sonusflow/spark-vllm-docker@30f16f1d4e8db252d4cd95f88588d39d291f87fc recipes/glm-4.7-flash-awq.yaml",
-                  "https://huggingface.co/GadflyII/GLM-4.7-Flash-NVFP4"]},
+                  "https://huggingface.co/GadflyII/GLM-4.7-Flash-NVFP4",
+                  "https://github.com/vllm-project/vllm/issues/43888", "https://github.com/vllm-project/vllm/pull/43889",
+                  "https://conselara.dev/notes/vllm-dgx-spark-sm121-gotchas/"]},
     "gpt-oss-120b": {
+        # eugr's parsers and quantization; its FlashInfer attention and MXFP4 MoE replaced by SM121's on NGC
         "model": "openai/gpt-oss-120b", "tp": 1, "gmu": 0.7,
-        "flags": ["--tool-call-parser openai", "--reasoning-parser openai_gptoss", "--quantization mxfp4"],
-        "env": {"VLLM_USE_FLASHINFER_MOE_MXFP4_MXFP8": "1"},
+        "flags": ["--max-num-seqs 4", "--tool-call-parser openai", "--reasoning-parser openai_gptoss",
+                  "--quantization mxfp4", "--attention-backend TRITON_ATTN", "--moe-backend marlin"],
+        "env": {}, "status": "unverified",
         "cites": ["eugr/spark-vllm-docker@9a40b2907dfa9da694b12c575cff1b12f50033cb recipes/openai-gpt-oss-120b.yaml",
+                  "https://conselara.dev/notes/vllm-dgx-spark-sm121-gotchas/",
                   "https://huggingface.co/openai/gpt-oss-120b"]},
     "bge-m3": {
-        "model": "BAAI/bge-m3", "tp": 1, "gmu": 0.05, "max_model_len": 8192, "flags": ["--runner pooling"],
-        "cites": ["d9628102/ai-agent-os docs/gx10-known-issues.md",
+        # served on NGC 26.05 (vLLM 0.20.1) with --runner pooling by the GX10 record
+        "model": "BAAI/bge-m3", "tp": 1, "gmu": 0.05, "max_model_len": 8192,
+        "flags": ["--runner pooling", "--max-num-seqs"], "env": {}, "status": "proven",
+        "cites": ["d9628102/ai-agent-os@3c5255a509e21ce8013b3b63032514ecc63bd5bf docs/gx10-known-issues.md",
                   "thebroadercollective/spark-vllm-docker@07a8cb328cf8d1512e4c821d1ffe2476982a7aa3 "
                   "recipes/km-embed-text.yaml", "https://huggingface.co/BAAI/bge-m3"]},
     "bge-reranker-v2-m3": {
         "model": "BAAI/bge-reranker-v2-m3", "tp": 1, "gmu": 0.08, "max_model_len": 8192,
-        "flags": ["--runner pooling --convert classify"],
+        "flags": ["--runner pooling --convert classify", "--max-num-seqs"], "env": {}, "status": "unverified",
         "cites": ["thebroadercollective/spark-vllm-docker@07a8cb328cf8d1512e4c821d1ffe2476982a7aa3 "
                   "recipes/km-rerank.yaml", "https://huggingface.co/BAAI/bge-reranker-v2-m3"]},
 }
@@ -96,6 +123,77 @@ def extra(recipe: str) -> str:
     return " ".join(RECIPES[recipe].serving.get("extra_args", []))
 
 
+# ---------------------------------------------------------------------------------------------- the images' answers
+
+FIXTURES = REPO / "tests" / "fixtures"
+#: image reference -> its recorded answer: vLLM version, Ray, the recordings of its `--help=all` and its variables
+ANSWERS: dict[str, dict[str, Any]] = yaml.safe_load((FIXTURES / "image-answers.yaml").read_text())
+
+
+def help_text(image: str) -> str:
+    return (FIXTURES / ANSWERS[image]["help"]).read_text()
+
+
+def image_flags(image: str) -> list[str]:
+    return parse_serve_help(help_text(image))
+
+
+def image_envs(image: str) -> set[str]:
+    lines = (FIXTURES / ANSWERS[image]["envs"]).read_text().splitlines()
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def listed_choices(text: str) -> dict[str, set[str]]:
+    """The flags whose `--help=all` line lists their values (`  --runner {auto,draft,generate,pooling}`)."""
+    out = {}
+    for line in text.splitlines():
+        if m := re.match(r"  (--[\w-]+) \{([^}]*)\}", line):
+            out[m.group(1)] = set(m.group(2).split(","))
+    return out
+
+
+def answered(observed: Observed, node: str, image: str) -> Observed:
+    """`observed` with `image` on `node` (its own id when the snapshot holds it) and the image's recorded answer for
+    that id, as `observe` attaches it (reconciler/edge/image_flags.py)."""
+    held = observed.node(node).images.get(image) or Image(id="sha256:" + "a" * 64, content="sha256:" + "b" * 64)
+    nodes = {**observed.nodes, node: observed.node(node).model_copy(
+        update={"images": {**observed.node(node).images, image: held}})}
+    answer = ServeFlags(image_id=held.id, flags=image_flags(image), has_ray=ANSWERS[image]["has_ray"],
+                        version=str(ANSWERS[image]["vllm"]))
+    return observed.model_copy(update={"nodes": nodes, "serve_flags": answer})
+
+
+def serving_problems(recipe: recipes.Recipe, seed_snapshot: Path, passes: int = 4) -> list[str]:
+    """Every blocker and refusal of the plans that bring `recipe`, alone on the seed's two Sparks, from the recorded
+    seed to converged, its image answering as recorded: each plan applied in the simulator until nothing is left.
+    Empty when it converges without one; a plan that still has changes after `passes` says so."""
+    doc = recipes.compose({recipe.name: recipe}, [recipes.Pick(recipe.name)], SEED_NODES, MODELS)
+    desired = spec.loads(as_text(doc), "<composed>")
+    problems: list[str] = []
+    for view in desired.views():
+        observed = answered(seed(seed_snapshot), view.api_node.name, view.serving.image)
+        for _ in range(passes):
+            step = plan(view, observed)
+            problems += [f"{b.node}: {b.reason}" for b in step.blocked] + [f"refused: {r}" for r in step.refused]
+            if problems or not step.changes:
+                break
+            observed = apply_plan(view, observed, step)
+        else:
+            problems.append(f"{view.name}: still changing after {passes} plans")
+    return problems
+
+
+def variant(name: str, text: str) -> recipes.Recipe:
+    """A recipe as a test writes it: a header that says what it is and that it is unverified, then the YAML."""
+    return recipes.parse(name, f"# {name}: a test's variant\n# unverified: a test's\n{text}")
+
+
+def with_serving(name: str, **changes: Any) -> recipes.Recipe:
+    """The recipe `name` with some of its serving fields changed."""
+    fragment = {**RECIPES[name].fragment, "serving": {**RECIPES[name].serving, **changes}}
+    return variant(name, yaml.safe_dump(fragment, sort_keys=False))
+
+
 # ---------------------------------------------------------------------------------------------- the recipes
 
 
@@ -114,7 +212,7 @@ def test_a_recipe_says_what_the_public_record_says(name):
     assert (recipe.gpus, serving["gpu_memory_utilization"]) == (want["tp"], want["gmu"])
     assert serving.get("max_model_len") == want.get("max_model_len")
     assert serving.get("launcher", "native") == want.get("launcher", "native")
-    assert serving.get("env", {}) == want.get("env", serving.get("env", {}))
+    assert serving.get("env", {}) == want["env"]
     for flags in want["flags"]:
         assert flags in extra(name), f"{name}: {flags!r} not in extra_args {extra(name)!r}"
 
@@ -151,20 +249,113 @@ def test_a_recipe_alone_validates_on_a_pair(name):
     assert spans == (["head-a", "worker-b"] if ORACLE[name]["tp"] == 2 else ["head-a"])
 
 
+def test_every_recipe_names_an_image_whose_real_answer_is_recorded():
+    for name, recipe in RECIPES.items():
+        image = recipe.serving["image"]
+        assert image in ANSWERS, f"{name}: no recorded answer of {image} in tests/fixtures/image-answers.yaml"
+        answer = ANSWERS[image]
+        assert f"vLLM {answer['vllm']}" in help_text(image).split("\n", 1)[0], "the recording names its version"
+        assert "--headless" in image_flags(image) and len(image_flags(image)) > 300
+        assert "VLLM_USE_FLASHINFER_MOE_FP4" in image_envs(image)
+
+
 @pytest.mark.parametrize("name", sorted(ORACLE))
-def test_a_recipe_alone_on_the_seed_nodes_plans_against_the_recorded_seed(name, seed_snapshot):
-    desired = composed(name, nodes=SEED_NODES)
-    for view in desired.views():
-        assert isinstance(plan(view, seed(seed_snapshot)), Plan)
+def test_a_recipe_serves_on_its_images_recorded_answer_without_a_blocker(name, seed_snapshot):
+    """Composed alone on the seed's two Sparks and planned from the recorded seed to converged, its image answering
+    with its real `--help=all`, Ray and version: no plan on the way has a blocker or a refusal (a flag the image's
+    vLLM does not know, `launcher: ray` on an image without Ray, ...)."""
+    assert serving_problems(RECIPES[name], seed_snapshot) == []
+
+
+@pytest.mark.parametrize(("recipe", "why"), [
+    # the flagship as it was before issue 52: launcher ray on NGC 26.05, which ships without Ray
+    (lambda: with_serving("qwen3.5-122b-fp8", launcher="ray"), "has no `ray` command"),
+    # eugr's --swap-space 16, which vLLM 0.20.1 no longer has
+    (lambda: with_serving("bge-m3", extra_args=["--runner", "pooling", "--swap-space", "16"]),
+     "--swap-space is not a flag of `vllm serve`"),
+    # a flag vLLM dropped (`--task`, refused since 0.10.1), across both nodes with the native launcher
+    (lambda: with_serving("qwen3.5-122b-fp8", extra_args=["--task", "embed"]), "--task is not a flag"),
+])
+def test_the_judge_of_a_recipe_reports_what_its_image_refuses(recipe, why, seed_snapshot):
+    problems = serving_problems(recipe(), seed_snapshot)
+    assert problems and any(why in p for p in problems), problems
+
+
+@pytest.mark.parametrize("name", sorted(ORACLE))
+def test_every_value_a_recipe_gives_a_flag_with_listed_choices_is_one_its_image_lists(name):
+    image = RECIPES[name].serving["image"]
+    choices = listed_choices(help_text(image))
+    args = list(RECIPES[name].serving.get("extra_args", []))
+    checked = 0
+    for flag, value in zip(args, [*args[1:], None], strict=True):
+        if flag in choices and value is not None:
+            assert value in choices[flag], f"{name}: {flag} {value} is not one of {sorted(choices[flag])}"
+            checked += 1
+    assert checked or not {"--runner", "--tool-call-parser", "--moe-backend"} & set(args)
+
+
+@pytest.mark.parametrize("name", sorted(ORACLE))
+def test_every_vllm_variable_a_recipe_sets_is_one_its_vllm_reads(name):
+    env = RECIPES[name].serving.get("env", {})
+    unknown = [k for k in env if k.startswith("VLLM_") and k not in image_envs(RECIPES[name].serving["image"])]
+    assert unknown == [], f"{name}: vLLM {ANSWERS[RECIPES[name].serving['image']]['vllm']} does not read {unknown}"
+
+
+def test_what_init_knows_of_an_image_is_its_recorded_answer():
+    """init reads no node: it judges a recipe's needs by `KNOWN_IMAGES`, which must say what the image answers."""
+    for image, known in recipes.KNOWN_IMAGES.items():
+        answer = ANSWERS[image]
+        assert (known.vllm, known.has_ray) == (str(answer["vllm"]), answer["has_ray"])
+        native = {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"} <= set(image_flags(image))
+        assert (recipes.NATIVE_MULTI_NODE in known.carries) == native
+    assert {r.serving["image"] for r in RECIPES.values()} <= set(recipes.KNOWN_IMAGES)
+
+
+@pytest.mark.parametrize("name", sorted(ORACLE))
+def test_a_recipe_says_how_far_it_is_proven_and_needs_only_what_its_image_has(name):
+    recipe, want = RECIPES[name], ORACLE[name]
+    assert (recipe.proven is not None, recipe.unverified is not None) == (want["status"] == "proven",
+                                                                          want["status"] == "unverified")
+    if recipe.proven:
+        assert recipe.serving["image"] in recipe.proven, "a proven recipe names the image it was proven on"
+    assert sorted(recipe.needs) == want.get("needs", [])
+    lacks = recipe.lacks()
+    assert len(lacks) == len(want.get("needs", [])) and all(n in " ".join(lacks) for n in want.get("needs", []))
+
+
+def test_a_recipe_that_needs_what_its_image_lacks_is_told():
+    ray = with_serving("qwen3.5-122b-fp8", launcher="ray").lacks()
+    assert len(ray) == 1 and "ships without Ray" in ray[0] and NGC_26_05 in ray[0]
+    assert with_serving("qwen3.5-122b-fp8", launcher="native").lacks() == []
+    known = {NGC_26_05: recipes.KnownImage(vllm="0.10.2", has_ray=True, carries=frozenset(), source="a test")}
+    old = with_serving("qwen3.5-122b-fp8", launcher="native").lacks(known)
+    assert len(old) == 1 and recipes.NATIVE_MULTI_NODE in old[0] and "vLLM 0.10.2" in old[0]
+    assert with_serving("qwen3.5-122b-fp8", launcher="ray").lacks(known) == []
+    other = with_serving("bge-m3", image="vllm/vllm-openai:v0.20.1")
+    assert other.image_known() is None and other.lacks() == []
+    assert RECIPES["bge-m3"].image_known() == recipes.KNOWN_IMAGES[NGC_26_05]
 
 
 @pytest.mark.parametrize(("text", "why"), [
     ("name: x\nmodel: {id: a/b}\nserving: {image: i}\n", "starts with a comment line"),
-    ("# x\nname: x\nmodel: {id: a/b, path: /srv/m}\nserving: {image: i}\n", "model.path is the operator's"),
-    ("# x\nname: x\nmodel: {id: a/b}\nserving: {image: i, port: 8001}\n", "serving.port is init's"),
-    ("# x\nname: x\nmodel: {id: a/b}\nserving: {image: i, nodes: [a]}\n", "serving.nodes is init's"),
-    ("# x\nname: x\nmodel: {id: a/b}\n", "holds exactly name, model, serving"),
-    ("# x\n[unclosed\n", "not YAML"),
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b, path: /srv/m}\nserving: {image: i}\n",
+     "model.path is the operator's"),
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b}\nserving: {image: i, port: 8001}\n", "serving.port is init's"),
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b}\nserving: {image: i, nodes: [a]}\n",
+     "serving.nodes is init's"),
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b}\n", "holds exactly name, model, serving"),
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b}\nserving: {image: i}\nextra: 1\n",
+     "holds exactly name, model, serving"),
+    ("# x\n# unverified: t\n[unclosed\n", "not YAML"),
+    # how far it is proven: said once, one way
+    ("# x\nname: x\nmodel: {id: a/b}\nserving: {image: i}\n", "either `proven: "),
+    ("# x\n# proven: r\n# unverified: t\nname: x\nmodel: {id: a/b}\nserving: {image: i}\n", "either `proven: "),
+    ("# x\n# unverified:\nname: x\nmodel: {id: a/b}\nserving: {image: i}\n", "either `proven: "),
+    # what it needs: a change, and why
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b}\nserving: {image: i}\nneeds: [vllm-project/vllm#1]\n",
+     "needs maps each vLLM change"),
+    ("# x\n# unverified: t\nname: x\nmodel: {id: a/b}\nserving: {image: i}\nneeds: {vllm-project/vllm#1: ''}\n",
+     "needs maps each vLLM change"),
 ])
 def test_a_recipe_that_places_itself_or_says_nothing_of_itself_is_refused(text, why):
     with pytest.raises(recipes.RecipeError, match=why):
@@ -186,7 +377,7 @@ def test_the_seed_owners_mix_composes_and_fits_the_head(seed_snapshot):
                  if "spark-5be3" in [n.name for n in desired.view(d.name).serving_nodes]]
     assert on_worker == [RECIPES["qwen3.5-122b-fp8"].fragment["name"]]
     for view in desired.views():
-        assert isinstance(plan(view, seed(seed_snapshot)), Plan)
+        assert plan(view, answered(seed(seed_snapshot), view.api_node.name, view.serving.image)).refused == ()
 
 
 def test_a_mix_that_over_commits_a_node_is_refused_with_the_numbers():
@@ -203,15 +394,17 @@ def test_the_same_recipe_twice_gets_a_name_a_container_and_a_port_of_its_own():
 
 
 def test_deployments_sharing_nodes_get_rendezvous_and_ray_ports_of_their_own():
-    native = recipes.parse("tp2", "# a TP-2 model, native launcher\nname: tp2\nmodel: {id: a/b}\n"
-                                  "serving: {image: i, tensor_parallel_size: 2, gpu_memory_utilization: 0.1}\n")
-    known = {**RECIPES, "tp2": native}
-    doc = document("tp2", "tp2", "qwen3.5-122b-fp8", known=known)
+    native = variant("tp2", "name: tp2\nmodel: {id: a/b}\n"
+                            "serving: {image: i, tensor_parallel_size: 2, gpu_memory_utilization: 0.1}\n")
+    ray = variant("tp2-ray", "name: tp2-ray\nmodel: {id: a/b}\nserving: {image: i, launcher: ray, "
+                             "tensor_parallel_size: 2, gpu_memory_utilization: 0.1}\n")
+    known = {**RECIPES, "tp2": native, "tp2-ray": ray}
+    doc = document("tp2", "tp2", "tp2-ray", "qwen3.5-122b-fp8", known=known)
     servings = [d["serving"] for d in doc["deployments"]]
-    assert [s.get("master_port") for s in servings] == [29501, 29502, None]
-    assert [s.get("ray_port") for s in servings] == [None, None, 6381]
-    assert [s["port"] for s in servings] == [8000, 8001, 8002]
-    assert spec.loads(as_text(doc)).deployment_names == ["tp2", "tp2-2", "qwen35-122b-fp8"]
+    assert [s.get("master_port") for s in servings] == [29501, 29502, None, 29504]
+    assert [s.get("ray_port") for s in servings] == [None, None, 6381, None]
+    assert [s["port"] for s in servings] == [8000, 8001, 8002, 8003]
+    assert spec.loads(as_text(doc)).deployment_names == ["tp2", "tp2-2", "tp2-ray", "qwen35-122b-fp8"]
 
 
 def test_an_unknown_recipe_is_named_with_the_list_of_recipes():
@@ -260,6 +453,8 @@ def test_init_lists_the_recipes_with_a_line_each(console_script):
         lines = result.stdout.splitlines()
         assert [line.split()[0] for line in lines] == sorted(RECIPES)
         assert all(RECIPES[line.split()[0]].description in line for line in lines)
+        assert all(line.endswith("(unverified)") == (ORACLE[line.split()[0]]["status"] == "unverified")
+                   for line in lines)
 
 
 @pytest.mark.parametrize("name", sorted(ORACLE))
@@ -271,6 +466,14 @@ def test_init_writes_one_recipe_as_a_file_validate_takes(console_script, tmp_pat
     text = out.read_text()
     assert text.endswith("\n...\n") and "# GUESS:" in text
     assert validate_problems(console_script, out) == (0, [])
+    warned = [line for line in result.stderr.splitlines() if line.startswith("init: warning: ")]
+    unverified = [line for line in warned if f"recipe {name}: UNVERIFIED: " in line]
+    lacking = [line for line in warned if f"recipe {name}: NEEDS WHAT ITS IMAGE LACKS: " in line]
+    assert len(unverified) == (ORACLE[name]["status"] == "unverified") and unverified == [
+        line for line in unverified if RECIPES[name].unverified[:60] in line]
+    assert len(lacking) == len(ORACLE[name].get("needs", [])) and len(warned) == len(unverified) + len(lacking)
+    assert ("# UNVERIFIED: " in text) == (ORACLE[name]["status"] == "unverified")
+    assert text.count("# NEEDS WHAT ITS IMAGE LACKS: ") == len(lacking)
     desired = spec.load(out)
     assert desired.deployment_names == [RECIPES[name].fragment["name"]]
     worker = desired.nodes[1]
@@ -319,3 +522,16 @@ def test_init_names_an_unknown_recipe_and_lists_the_recipes(console_script, tmp_
 def test_init_without_a_head_is_a_usage_error(console_script):
     result = run(console_script, "init", "--recipe", "bge-m3")
     assert result.returncode == 1 and "--head" in result.stderr and not result.stdout
+
+
+def test_init_cautions_say_what_a_recipe_lacks_and_what_init_cannot_judge():
+    """What init writes above a deployment and on stderr, for recipes no shipped one is: the flagship as it was
+    before issue 52 (launcher ray on NGC 26.05), and a recipe naming an image init knows nothing of."""
+    from reconciler.cli import _init_cautions
+
+    ray = _init_cautions(with_serving("qwen3.5-122b-fp8", launcher="ray"))
+    assert [c.split(":", 1)[0] for c in ray] == ["UNVERIFIED", "NEEDS WHAT ITS IMAGE LACKS"]
+    assert "ships without Ray" in ray[1] and "use launcher: native" in ray[1]
+    other = _init_cautions(with_serving("bge-m3", image="vllm/vllm-openai:v0.20.1"))
+    assert [c.split(":", 1)[0] for c in other] == ["UNVERIFIED", "IMAGE UNKNOWN TO INIT"]
+    assert "vllm/vllm-openai:v0.20.1" in other[1] and "`reconciler plan` asks it" in other[1]
