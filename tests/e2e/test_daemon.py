@@ -137,9 +137,43 @@ def test_push_events_detect_and_repair_drift_long_before_the_resync(daemon, seed
     assert served(tb) == ["tiny-moe"]
 
 
+def test_a_failed_first_deploy_brings_glm_back_answering(seed_testbed, tmp_path):
+    """Issue 52, item 2, the seed story: the head serves GLM (`vllm_node`) and the daemon's first generation stops
+    it to make room; that start then fails (the serving stand-in exits at start-up, as an NCCL error or a kernel
+    bug would, past every preflight). With nothing that served before, the daemon goes back to what ran before
+    it: the failed ranks stopped, GLM started again, the very container it stopped, answering on its port; the
+    generation is held (RolledBack, "to: the co-tenants as found") until the file changes."""
+    tb = seed_testbed
+    glm_id = tb.docker("head", "inspect", "--format", "{{.Id}}", "vllm_node").stdout.strip()
+    tb.fault("crash-serving", "head")
+    desired = write_desired(tmp_path / "cluster.yaml")
+    d = Daemon(desired, tmp_path / "state").start()
+    try:
+        rolled = wait_for(lambda: (s := d.status()) and s["phase"] == "RolledBack" and s, 240,
+                          "the failed first generation rolled back to the co-tenants as found")
+        assert rolled["rollback"]["generation"] == 1 and rolled["rollback"]["to"] == 0, rolled["rollback"]
+        cond = next(c for c in rolled["conditions"] if c["node"] == "" and c["type"] == "RolledBack")
+        assert cond["status"] == "True" and "to: the co-tenants as found" in cond["message"], cond
+        assert served(tb) == ["glm-4.5-air"], "GLM answers on the head's port again"
+        now = tb.docker("head", "inspect", "--format", "{{.Id}} {{.State.Running}}", "vllm_node").stdout.split()
+        assert now == [glm_id, "true"], "the very container the reconciler stopped, started again"
+        running = tb.docker("head", "ps", "--format", "{{.Names}}").stdout.split()
+        assert "vllm_serving" not in running, "the failed rank is stopped"
+        assert d.metric("reconciler_rolled_back") == 1
+        history = subprocess.run([CLI, "history", str(desired), "--state-dir", str(d.state_dir), "--json"],
+                                 capture_output=True, text=True, check=False, timeout=60)
+        entry = json.loads(history.stdout)["entries"][0]
+        assert entry["outcome"] == "rolled back to the co-tenants as found", entry
+        assert ["head", "vllm_node", glm_id] in entry["stopped"], entry
+    finally:
+        d.close()
+        tb.fault("crash-serving", "head", clear=True)
+
+
 def test_a_step_that_keeps_failing_is_held_not_hammered(seed_testbed, tmp_path):
     def quick_hold(d):
         d["policy"]["retries"] = {"attempts": 1, "backoff_initial": "1s", "backoff_max": "1h", "hold_after": 3}
+        d["policy"]["on_failed_change"] = "hold"  # the holds are the subject: a first failure is not rolled back
 
     tb = seed_testbed
     tb.fault("crash-serving", "head")
