@@ -14,6 +14,7 @@ from typing import Final, Literal, get_args
 
 from reconciler.core.budget import budgets, gib
 from reconciler.core.completeness import incomplete_reason
+from reconciler.core.cuda import judge
 from reconciler.core.fabric import ports_seen, twin_only_down
 from reconciler.core.observed import (
     LABEL_INSTANCE,
@@ -442,6 +443,24 @@ def _gpu_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[D
     return out
 
 
+def _driver_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
+    """The serving image's CUDA against each usable serving node's driver (core/cuda), once the image answered:
+    below its CUDA major's floor a start cannot succeed, so it blocks before anything stops; in minor-version
+    compatibility it is said (report only) and the start goes on."""
+    flags = observed.serve_flags
+    if desired.serving.docker.gpus is None or flags is None:
+        return []
+    out = []
+    for name in ready:
+        stack = observed.node(name).gpu_stack
+        verdict = judge(stack.driver if stack is not None else None, flags.cuda_version, flags.cuda_driver_version,
+                        flags.require_cuda)
+        if verdict is not None:
+            out.append(Drift(name, "gpu", f"gpu/{name}/cuda", f"a driver for {desired.serving.image}'s CUDA",
+                             verdict.why, actionable=False, blocking=verdict.blocking))
+    return out
+
+
 def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
     """Every usable serving node but the source matches the source's manifest."""
     out = []
@@ -617,6 +636,7 @@ def _deployment_drift(desired: Desired, observed: Observed, nodes: list[Drift]) 
     ready = [n.name for n in desired.nodes if n.name in serving and observed.node(n.name).usable]  # in file order
     holder = image_holder(desired, observed)
     out += _gpu_drift(desired, observed, ready)
+    out += _driver_drift(desired, observed, ready)
     out += _image_drift(desired, observed, ready, holder)
     out += _weights_drift(desired, observed, ready)
     served = serving_drift(desired, observed,

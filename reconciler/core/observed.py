@@ -431,6 +431,12 @@ class ServeFlags(_Model):
                                  "start` in it); None: not known")
     version: str | None = Field(None, description="the image's vLLM version (`importlib.metadata`, else `vllm "
                                 "--version`); None: it did not say")
+    cuda_version: str | None = Field(None, description="the image's `CUDA_VERSION` (NGC and CUDA base images set it: "
+                                     "`13.2.1.006`); None: not set")
+    cuda_driver_version: str | None = Field(None, description="the image's `CUDA_DRIVER_VERSION`: the driver its "
+                                            "CUDA shipped with (NGC images set it); None: not set")
+    require_cuda: str | None = Field(None, description="the image's `NVIDIA_REQUIRE_CUDA`, which "
+                                     "nvidia-container-cli checks at start; None: not set")
     error: str | None = Field(None, description="why the image could not be asked: a serving (re)start is refused "
                               "until it can (asked again with backoff)")
     pending: bool = Field(False, description="asked, no answer yet: a serving (re)start waits for it")

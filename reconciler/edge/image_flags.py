@@ -11,6 +11,7 @@ from __future__ import annotations
 from reconciler.core.drift import image_holder
 from reconciler.core.observed import LABEL_QUERY, Observed, ServeFlags
 from reconciler.core.spec import Desired
+from reconciler.core.text import printable
 from reconciler.core.vllm import parse_serve_help
 from reconciler.edge.ssh import RemoteError, Sessions
 
@@ -29,10 +30,26 @@ def flags_wanted(desired: Desired, observed: Observed) -> tuple[str, str] | None
 
 # One throw-away container answers both questions: `sh` is in every vLLM image (NGC's and vLLM's own are Ubuntu).
 # The version: the installed distribution's metadata (no torch import), else `vllm --version`.
+# Its CUDA, from the image's own configuration (ENV, which a container inherits): what `core.cuda` judges against
+# each node's driver.
 _ASK_IMAGE = ('if command -v ray >/dev/null 2>&1; then echo "@@ray yes"; else echo "@@ray no"; fi; '
               'v=$(python3 -c "import importlib.metadata as m; print(m.version(\'vllm\'))" 2>/dev/null) || '
               'v=$(vllm --version 2>/dev/null | tail -n 1); echo "@@version $v"; '
+              'printf "@@env CUDA_VERSION=%s\\n@@env CUDA_DRIVER_VERSION=%s\\n@@env NVIDIA_REQUIRE_CUDA=%s\\n" '
+              '"${CUDA_VERSION:-}" "${CUDA_DRIVER_VERSION:-}" "${NVIDIA_REQUIRE_CUDA:-}"; '
               'exec vllm serve --help=all')
+_ENV_CAP = 2000  # characters of one variable kept: NVIDIA_REQUIRE_CUDA lists every driver branch (~1.5 kB)
+
+
+def _image_env(stdout: str) -> dict[str, str]:
+    """The `@@env NAME=VALUE` lines, empty values left out, each value printable and capped."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("@@env ") and "=" in line:
+            name, _, value = line[len("@@env "):].partition("=")
+            if value.strip():
+                out[name] = printable(value.strip())[:_ENV_CAP]
+    return out
 
 
 def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id: str) -> ServeFlags:
@@ -48,10 +65,13 @@ def ask_serve_flags(desired: Desired, sessions: Sessions, holder: str, image_id:
         has_ray = {"@@ray yes": True, "@@ray no": False}.get(ray_line.strip())
         version = next((line[len("@@version "):].strip()[:64] for line in res.stdout.splitlines()
                         if line.startswith("@@version ")), "") or None
+        env = _image_env(res.stdout)
         error = None if flags else f"exit {res.exit_code}, no flags listed: {res.stderr.strip()[-300:]}"
     except RemoteError as exc:
-        flags, error, version = [], exc.message, None
-    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, version=version, error=error)
+        flags, error, version, env = [], exc.message, None, {}
+    return ServeFlags(image_id=image_id, flags=flags, has_ray=has_ray, version=version, error=error,
+                      cuda_version=env.get("CUDA_VERSION"), cuda_driver_version=env.get("CUDA_DRIVER_VERSION"),
+                      require_cuda=env.get("NVIDIA_REQUIRE_CUDA"))
 
 
 _asked: dict[str, ServeFlags] = {}  # image id -> its flags: an id is a content hash, the same id knows the same
