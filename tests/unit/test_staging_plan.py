@@ -128,6 +128,7 @@ def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_e
     from reconciler.edge.ssh import Result
     from reconciler.edge.steps.actions import Given
     from reconciler.edge.steps.staging import download, download_argv
+    from tests.unit.step_cases.staging import bounds
     from tests.unit.step_driver import Driver, Raw
 
     desired, observed = seed
@@ -144,9 +145,10 @@ def _download(seed, free: int, hub: dict, *, token_scope: str = "internet", hf_e
     whole = Listing(Weights(root=desired.weights_root(HEAD), present=True, files=[
         WeightFile(path=f"refs/{model.revision}", size=40), WeightFile(path=f"snapshots/{'1' * 40}/config.json",
                                                                        size=2)]), {})
+    _, _, ready = bounds(HEAD, desired.weights_root(HEAD))
     driver = Driver(facts={f"{HEAD} hub-size {model.id}@{model.revision}": [Raw(json.dumps(hub))],
                            f"{HEAD} weights": [whole]},
-                    results={fetch: [Result("", "hf: command not found" if hf_exit else "", hf_exit)]},
+                    results={**ready, fetch: [Result("", "hf: command not found" if hf_exit else "", hf_exit)]},
                     outputs={fetch: [b"bytes 1024\nbytes 4096\n"]})
     return driver, fetch, lambda: download(given, step)
 
@@ -170,10 +172,14 @@ def test_the_download_runs_hf_with_the_token_on_stdin_only(seed):
     assert driver.drive(body()) is None
     desired, _ = seed
     model = desired.model
+    from tests.unit.step_cases.staging import bounds
+
+    starts, stops, _ = bounds(HEAD, desired.weights_root(HEAD))
     assert driver.transcript == [f"read {HEAD} hub-size {model.id}@{model.revision}", "report download.start",
-                                 f"run {fetch}", "report download.progress", f"read {HEAD} weights",
-                                 "report download.done"]
-    assert driver.stdin == {fetch: b"hf_secret\n"} and "hf_secret" not in fetch
+                                 *starts, f"run {fetch}", "report download.progress", *stops,
+                                 f"read {HEAD} weights", "report download.done"]
+    assert driver.stdin[fetch] == b"hf_secret\n" and "hf_secret" not in fetch
+    assert not [k for k, v in driver.stdin.items() if k != fetch and v], "only the fetch is sent the token"
     assert shlex.split(fetch)[-5:] == [model.id, "--revision", model.revision, "--cache-dir", model.path_on(HEAD)]
     # the size query: the token in the script on sh's stdin, handed to curl by the printf builtin (`-H @-`)
     (section, line) = hub_size_fact(model.id, model.revision, "hf_secret", 30).lines
@@ -196,7 +202,7 @@ def test_a_token_scoped_to_the_head_is_not_the_downloads(seed):
 
     driver, fetch, body = _download(seed, free=8 << 30, hub=HUB, token_scope="head")
     assert driver.drive(body()) is None
-    assert driver.stdin == {fetch: b"\n"}
+    assert driver.stdin[fetch] == b"\n" and not [v for k, v in driver.stdin.items() if k != fetch and v]
     desired, _ = seed
     (_, line) = hub_size_fact(desired.model.id, desired.model.revision, None, 30).lines
     assert line.startswith("printf %s 'Accept: application/json\n' | curl ")

@@ -115,7 +115,8 @@ FETCH_OUTPUT = [b"bytes 1024\n", b"bytes 1024\n", b"du: cannot access 'x'\n", b"
 
 
 def test_a_download_runs_supervised_at_the_weights_deadline_and_reports_the_tree_as_it_grows() -> None:
-    driver = Recorder({stg.SIZE: [stg.ANSWER], stg.LISTED: [stg.WHOLE]}, outputs={stg.FETCH: FETCH_OUTPUT})
+    driver = Recorder({stg.SIZE: [stg.ANSWER], stg.LISTED: [stg.WHOLE]}, stg.BOUND_READY,
+                      outputs={stg.FETCH: FETCH_OUTPUT})
     assert driver.drive(download(Given(sample(), stg._observed(200 * stg.GIB)), stg.DOWNLOAD)) is None
     fetch = driver.command("sh")
     assert (fetch.node, fetch.timeout, fetch.long) == (HEAD, 43_200, True)
@@ -131,7 +132,8 @@ def test_the_hubs_size_is_asked_with_the_token_scoped_to_internet() -> None:
     data = sample().model_dump(mode="json")
     data["serving"]["secrets"] = {**data["serving"]["secrets"], "HF_TOKEN": "internet"}
     desired = Desired.model_validate(data).with_secrets({"VLLM_API_KEY": "k", "HF_TOKEN": "hf_secret"})
-    driver = Recorder({stg.SIZE: [stg.ANSWER], stg.LISTED: [stg.WHOLE]}, {stg.FETCH: [Result("", "", 0)]})
+    driver = Recorder({stg.SIZE: [stg.ANSWER], stg.LISTED: [stg.WHOLE]},
+                      {**stg.BOUND_READY, stg.FETCH: [Result("", "", 0)]})
     driver.drive(download(Given(desired, stg._observed(200 * stg.GIB)), stg.DOWNLOAD))
     size, _listing = driver.reads
     assert "'Authorization: Bearer hf_secret\n'" in size.fact.lines[1]

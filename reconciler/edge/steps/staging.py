@@ -21,10 +21,11 @@ import re
 from reconciler.core.budget import gib
 from reconciler.core.drift import DISK_MARGIN, source_problem
 from reconciler.core.planning import Step
-from reconciler.edge.manifest import listing_fact
+from reconciler.edge.manifest import listing_fact, weights_store
 from reconciler.edge.probes import hub_size_fact
 from reconciler.edge.ssh import CommandFailed
 from reconciler.edge.steps.actions import Actions, Given, Report, Run, StepBlocked, StepFailed, read
+from reconciler.edge.steps.drop_behind import end_bound, start_bound
 
 #: The one secret the download may carry, and only when the file scopes it to `internet` (docs/security.md).
 TOKEN = "HF_TOKEN"
@@ -78,8 +79,17 @@ class Grown:
         return True
 
 
+def _download_trees(root: str) -> tuple[str, ...]:
+    """What `hf download` writes into: the model's tree, and beside an hf-cache tree the hub's shared blob store,
+    where huggingface_hub puts Xet files (`manifest.weights_store`)."""
+    store = weights_store(root)
+    return (root,) if store is None else (root, store)
+
+
 def download(given: Given, step: Step) -> Actions:
-    """Fetch the declared revision on the source, behind the disk preflight; then list the tree and judge it as
+    """Fetch the declared revision on the source, behind the disk preflight and between page-cache bounds on what
+    it writes (a 119 GB download beside a serving generation would otherwise fill a GB10's one memory pool with
+    cache: `drop_behind`); then list the tree and judge it as
     the plan does (`source_problem`): `hf download` exiting 0 beside a tree that still reads incomplete (a
     leftover partial of another download) fails the step naming it, rather than downloading again every cycle.
     The next observation lists the tree and plans the copies from it."""
@@ -111,6 +121,9 @@ def download(given: Given, step: Step) -> Actions:
 
     yield Report("download.start", {"node": node, "model": model.id, "revision": model.revision,
                                     "bytes_total": total})
+    bounds = []
+    for tree in _download_trees(desired.weights_root(node)):
+        bounds.append((yield from start_bound(given, node, tree, "the download")))
     try:
         yield Run(node, download_argv(given, step), stdin=f"{token or ''}\n".encode(),
                   timeout=desired.policy.timeouts.weights_sync, long=True, on_output=seen)
@@ -118,6 +131,8 @@ def download(given: Given, step: Step) -> Actions:
         why = HF_FIX if exc.exit_code == 127 else exc.stderr.strip()[-600:]
         raise StepFailed(f"`hf download {model.id} --revision {model.revision}` on {node} failed (exit "
                          f"{exc.exit_code}) after {grown.done} bytes: {why}") from None
+    for bound in reversed(bounds):
+        yield from end_bound(bound)
     after = yield from read(node, listing_fact(desired.weights_root(node)))
     if (problem := source_problem(desired, after.weights)) is not None:
         raise StepFailed(f"`hf download {model.id} --revision {model.revision}` on {node} finished, yet the tree "

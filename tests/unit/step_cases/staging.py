@@ -54,6 +54,18 @@ WHOLE = _listed("refs/main", f"snapshots/{'3' * 40}/config.json",
                 f"snapshots/{'3' * 40}/model-00001-of-00001.safetensors")
 LISTED = f"{HEAD} weights"
 DOWNLOAD = Step("download", HEAD, "absent", (), path=HUB_PATH)
+
+
+def bounds(node: str, root: str) -> tuple[list[str], list[str], dict[str, list[Result]]]:
+    """The page-cache bounds a download runs between (`drop_behind`): on the model's tree and, beside an hf-cache
+    tree, the hub's shared blob store. Their start lines, their stop lines and their `ready` answers."""
+    trees = [root, f"{root.rsplit('/', 1)[0]}/blobs"] if "/models--" in root else [root]
+    keys = [f"{node} " + shlex.join(["python3", "-c", "<drop_behind_helper.py>", t, "43200"]) for t in trees]
+    return ([f"start {k}" for k in keys], [f"stop end {k}" for k in reversed(keys)],
+            {f"start {k}": [Result("ready\n", "", 0)] for k in keys})
+
+
+BOUND_STARTS, BOUND_STOPS, BOUND_READY = bounds(HEAD, f"{HUB_PATH}/models--Qwen--Qwen3.5-122B-A10B-FP8")
 FETCH = f"{HEAD} " + shlex.join(download_argv(Given(sample(), _observed()), DOWNLOAD))
 PULL = Step("pull-image", HEAD, "absent", (), image=IMAGE)
 
@@ -62,7 +74,8 @@ def _download(name: str, commands: list[str], *, free: int | None = 200 * GIB, h
               answer: Raw = ANSWER, fetched: Result | None = None, raises: str | None = None,
               error: str = "StepFailed", after: Listing = WHOLE) -> Case:
     return Case(name, DOWNLOAD, commands, facts={SIZE: [answer], LISTED: [after]},
-                results={FETCH: [fetched]} if fetched is not None else {}, raises=raises, error=error,
+                results={**BOUND_READY, **({FETCH: [fetched]} if fetched is not None else {})}, raises=raises,
+                error=error,
                 observed=lambda: _observed(free, have))
 
 
@@ -72,7 +85,9 @@ def _pull(name: str, commands: list[str], *, free: int | None = 200 * GIB, pulle
                 raises=raises, error=error, observed=lambda: _observed(free))
 
 
-FETCHED = [f"read {SIZE}", "report download.start", f"run {FETCH}", f"read {LISTED}", "report download.done"]
+FETCHED = [f"read {SIZE}", "report download.start", *BOUND_STARTS, f"run {FETCH}", *BOUND_STOPS, f"read {LISTED}",
+           "report download.done"]
+RAN = FETCHED[:5]  # up to the fetch, which fails
 
 CASES = [
     _download("the revision fits: fetched with the Hub's CLI", FETCHED),
@@ -92,17 +107,17 @@ CASES = [
               raises="the Hub's answer for .* gives no size for some files; nothing was downloaded"),
     _download("the Hub's answer is not JSON: nothing fetched", [f"read {SIZE}"], answer=Raw("<html>"),
               raises="the Hub's answer for Qwen/Qwen3.5-122B-A10B-FP8 at main: .*nothing was downloaded"),
-    _download("no `hf` on the node: says how to install it", FETCHED[:3], fetched=Result("", "hf: not found", 127),
+    _download("no `hf` on the node: says how to install it", RAN, fetched=Result("", "hf: not found", 127),
               raises="failed \\(exit 127\\) after 0 bytes: install the Hub's CLI .*pipx install huggingface_hub"),
     _download("`hf download` exits 0 beside a leftover partial of another download: the step names it, once",
-              FETCHED[:4], after=_listed("refs/main", f"blobs/{'e' * 40}.2ed6410c.incomplete",
+              FETCHED[:-1], after=_listed("refs/main", f"blobs/{'e' * 40}.2ed6410c.incomplete",
                                          f"snapshots/{'3' * 40}/config.json"),
               raises=r"finished, yet the tree is incomplete in .*blobs/e{40}\.2ed6410c\.incomplete still "
                      "downloading .*remove what is named"),
-    _download("`hf download` exits 0 yet a shard of the series is absent: the step names it", FETCHED[:4],
+    _download("`hf download` exits 0 yet a shard of the series is absent: the step names it", FETCHED[:-1],
               after=_listed("refs/main", f"snapshots/{'3' * 40}/model-00002-of-00002.safetensors"),
               raises="model-00001-of-00002.safetensors missing from a sharded checkpoint"),
-    _download("the fetch fails: its stderr", FETCHED[:3], fetched=Result("", "RepositoryNotFoundError: 404", 1),
+    _download("the fetch fails: its stderr", RAN, fetched=Result("", "RepositoryNotFoundError: 404", 1),
               raises="`hf download Qwen/Qwen3.5-122B-A10B-FP8 --revision main` on spark-1a32 failed \\(exit 1\\) "
                      "after 0 bytes: RepositoryNotFoundError: 404"),
     _pull("the pull: docker pull with the user's logins", [f"run {HEAD} docker pull {IMAGE}", "report pull.done"]),
@@ -138,8 +153,10 @@ def _fetch(node: str, root: str, model: str, revision: str, into: tuple[str, str
 def _fetched_by(name: str, desired: Callable[[], Desired], node: str, path: str, fetch: str) -> Case:
     size = f"{node} hub-size {desired().model.id}@{desired().model.revision}"
     root, rev = desired().weights_root(node), desired().model.revision
+    starts, stops, ready = bounds(node, root)
     return Case(name, Step("download", node, "absent", (), path=path),
-                [f"read {size}", "report download.start", fetch, f"read {node} weights", "report download.done"],
+                [f"read {size}", "report download.start", *starts, fetch, *stops, f"read {node} weights",
+                 "report download.done"], results=ready,
                 facts={size: [ANSWER], f"{node} weights": [_listed(
                     f"refs/{rev}", f"snapshots/{rev if len(rev) == 40 else '3' * 40}/config.json", root=root)]},
                 desired=desired, observed=lambda: reachable(node))
@@ -152,7 +169,7 @@ CASES += [
          [f"read {SIZE}"], facts={SIZE: [ANSWER]}, observed=lambda: _unlisted(TOTAL + DISK_MARGIN - 1),
          raises="needs 101.0 GiB free", error="StepBlocked"),
     Case("a node never listed with room for all of it: fetched", DOWNLOAD, FETCHED,
-         facts={SIZE: [ANSWER], LISTED: [WHOLE]},
+         facts={SIZE: [ANSWER], LISTED: [WHOLE]}, results=BOUND_READY,
          observed=lambda: _unlisted(TOTAL + DISK_MARGIN)),
     _download("a tree already as large as the revision needs only the margin", FETCHED, free=DISK_MARGIN,
               have=TOTAL + GIB),
@@ -161,7 +178,7 @@ CASES += [
     _fetched_by("a path per node: the tree's size is measured at this node's own root", load, "head", TESTBED_HUB,
                 _fetch("head", f"{TESTBED_HUB}/models--testorg--tiny-moe", "testorg/tiny-moe", "1" * 40,
                        ("--cache-dir", TESTBED_HUB))),
-    _download("the fetch fails with a long stderr: only its last 600 characters", FETCHED[:3],
+    _download("the fetch fails with a long stderr: only its last 600 characters", RAN,
               fetched=Result("", "x" + "y" * 600, 1), raises="after 0 bytes: y{600}$"),
     _pull("exactly the margin free in docker's data root: pulled", [f"run {HEAD} docker pull {IMAGE}",
                                                                    "report pull.done"], free=DISK_MARGIN),
