@@ -248,8 +248,13 @@ class EngineLoad(_Model):
 
     running: float = Field(description="vllm:num_requests_running")
     waiting: float = Field(description="vllm:num_requests_waiting")
-    tokens: float = Field(description="vllm:prompt_tokens_total + vllm:generation_tokens_total: counted per engine "
-                          "step, so they grow while long generations run")
+    tokens: float = Field(description="vllm:prompt_tokens_total + vllm:generation_tokens_total: generation tokens "
+                          "grow per engine step while long generations run; prompt tokens only when a request's "
+                          "prefill completes (vLLM 0.20.1 `v1/metrics/stats.py`: `update_from_output` counts them "
+                          "`if is_prefilling`, and the scheduler emits no partial-prefill output)")
+    kv_usage: float | None = Field(None, description="vllm:kv_cache_usage_perc: set every engine step from the KV "
+                                   "blocks allocated, so it moves while a chunked prefill runs with no token coming "
+                                   "out; None: the image does not export it")
 
 
 class ServingApi(_Model):

@@ -641,7 +641,9 @@ def api_script(desired: Desired) -> list[str]:
 #: a real vLLM's page is tens of KB of histograms, filtered on the node.
 ENGINE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                   "vllm:generation_tokens_total")
-_ENGINE_LINES = "^(" + "|".join(ENGINE_METRICS) + ")[{ ]"
+#: Read when the image exports it: what moves while a long chunked prefill is the only work (core.observed.EngineLoad).
+KV_USAGE = "vllm:kv_cache_usage_perc"
+_ENGINE_LINES = "^(" + "|".join((*ENGINE_METRICS, KV_USAGE)) + ")[{ ]"
 
 
 def _sample(line: str) -> tuple[str, float | None]:
@@ -671,12 +673,12 @@ def parse_engine(sec: Section | None) -> EngineLoad | None:
     sums: dict[str, float] = {}
     for line in sec.body.splitlines():
         name, value = _sample(line)
-        if name in ENGINE_METRICS and value is not None:
+        if (name in ENGINE_METRICS or name == KV_USAGE) and value is not None:
             sums[name] = sums.get(name, 0.0) + value
     if not all(m in sums for m in ENGINE_METRICS):
         return None
     return EngineLoad(running=sums[ENGINE_METRICS[0]], waiting=sums[ENGINE_METRICS[1]],
-                      tokens=sums[ENGINE_METRICS[2]] + sums[ENGINE_METRICS[3]])
+                      tokens=sums[ENGINE_METRICS[2]] + sums[ENGINE_METRICS[3]], kv_usage=sums.get(KV_USAGE))
 
 
 @node_output("completion")
@@ -1020,3 +1022,57 @@ def start_fact(desired: Desired, container: str) -> Fact[StartSeen]:
                 (*one.lines, *api.lines, "sec start_log",
                  f"timeout {START_LOG_DEADLINE} docker logs --tail {START_LOG_LINES} {quote_word(container)} 2>&1 | "
                  f"tail -c {MAX_TEXT}; rc 0"), parse)
+
+
+# -- the memory a rank holds once it serves (steps/serving.py, await-health) ------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A serving node once its rank answers: MemTotal and MemAvailable (`memory`, None when unread), the rank
+    container's cgroup memory.current (`current`: the Docker Engine API's `memory_stats.usage`, memory.current on
+    cgroup v2 and memory.usage_in_bytes on v1; None when unread) and the names of the containers running on the
+    node (`running`: whose reservations the budget counts there now)."""
+
+    memory: Memory | None
+    current: int | None
+    running: tuple[str, ...]
+
+
+def parse_stats_usage(sec: Section | None) -> int | None:
+    """`memory_stats.usage` of one `GET /containers/NAME/stats?stream=false` answer; None for anything else (an
+    engine that did not answer, a container not running: docker then sends `"memory_stats":{}`)."""
+    if sec is None or sec.rc != 0:
+        return None
+    try:
+        usage = json.loads(sec.body).get("memory_stats", {}).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, int) and not isinstance(usage, bool) and usage >= 0 else None
+
+
+def parse_rank_memory(sections: dict[str, Section]) -> RankMemory:
+    """The reading, each part on its own: a part that does not parse is unread (None, or no running names), never
+    a ProbeError. The rank already serves; what it holds is told, never a reason to fail its start."""
+    try:
+        memory = parse_memory(sections.get("meminfo"))
+    except ProbeError:
+        memory = None
+    try:
+        ok, _, found = parse_containers(sections.get("containers"))
+    except ProbeError:
+        ok, found = False, []
+    running = tuple(c.name for c in found if c.running) if ok else ()
+    return RankMemory(memory, parse_stats_usage(sections.get("stats")), running)
+
+
+def rank_memory_fact(container: str) -> Fact[RankMemory]:
+    """The node of a rank that serves: /proc/meminfo, its running containers (`containers_script`) and the
+    container's memory from the Docker Engine API over the socket (the reading docker's own `docker stats` makes,
+    the same on the cgroup v2 of DGX OS and the cgroup v1 of the testbed's engines; `one-shot`: one sample, no
+    second for the CPU's rate)."""
+    url = f"http://docker/containers/{container}/stats?stream=false&one-shot=true"
+    return Fact(f"rank-memory {container}",
+                (*memory_script(), *containers_script(), "sec stats",
+                 f"curl -sf --max-time 10 --unix-socket \"$sock\" {quote_word(url)} 2>&1; rc $?"),
+                parse_rank_memory)

@@ -61,6 +61,7 @@ class HealthWatch:
         self.serving_since: float | None = None
         self.restarts = 0
         self.tokens: float | None = None  # the engine's token count at the last probe that read it (this container)
+        self.kv_usage: float | None = None  # and its KV cache usage then
         self._wedged = False  # the current container served and now fails: its replacement is a restart for health
 
     def annotate(self, desired: Desired, observed: Observed, now: float) -> Observed:
@@ -76,7 +77,7 @@ class HealthWatch:
             if self._wedged:
                 self.restarts += 1
             self.container_id, self.served, self._wedged = container.id, False, False
-            self.unhealthy_since = self.serving_since = self.tokens = None
+            self.unhealthy_since = self.serving_since = self.tokens = self.kv_usage = None
         grace = desired.serving.unhealthy_grace
         busy = self._busy(desired, serving)
         if serving.serves(desired.served_name) or busy:
@@ -111,12 +112,20 @@ class HealthWatch:
         schedules first come, first served (priority scheduling is opt-in, vllm-project/vllm PR #5958) and Spark
         recipes keep `--max-num-seqs` at 1-4, so with every slot taken by long generations the probe's one token
         waits in the queue. That is serving at capacity, not a wedge; a wedged engine's counters stand still.
-        The baseline is read after the probe's own completion, so a freeze shows at the first failed check."""
-        engine, before = serving.engine, self.tokens
+        The baseline is read after the probe's own completion, so a freeze shows at the first failed check.
+
+        A chunked prefill longer than the grace with nothing else decoding counts no token until it completes
+        (vLLM counts prompt tokens per finished prefill), but every chunk allocates KV blocks: a KV cache usage
+        that moved while a request runs is progress too."""
+        engine, before, kv_before = serving.engine, self.tokens, self.kv_usage
         if engine is not None:
-            self.tokens = engine.tokens
-        return (not serving.serves(desired.served_name) and desired.served_name in serving.models
-                and engine is not None and before is not None and engine.tokens > before)
+            self.tokens, self.kv_usage = engine.tokens, engine.kv_usage
+        if serving.serves(desired.served_name) or desired.served_name not in serving.models or engine is None:
+            return False
+        tokens_grew = before is not None and engine.tokens > before
+        prefilling = (engine.running > 0 and kv_before is not None and engine.kv_usage is not None
+                      and engine.kv_usage != kv_before)
+        return tokens_grew or prefilling
 
 
 class HealthWatches:

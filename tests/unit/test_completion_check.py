@@ -217,3 +217,18 @@ def test_odd_metrics_lines_are_skipped_never_the_heads_probe():
     assert parse_engine(Section("\n".join(lines), 0)) == EngineLoad(running=2, waiting=1, tokens=100)
     assert parse_engine(Section("\n".join(lines[:2]), 0)) is None, "no token counters: not an answer"
     assert parse_engine(Section("", 1)) is None and parse_engine(Section("x", 2)) is None
+
+
+def test_the_kv_cache_gauge_is_read_where_the_image_exports_it():
+    """vLLM 0.20.1's loggers.py exports `vllm:kv_cache_usage_perc` per engine: summed like the counters, and the
+    probe's own grep pattern keeps its line (what moves during a long chunked prefill, health_watch._busy)."""
+    import re
+
+    from reconciler.edge.probes import _ENGINE_LINES, Section, parse_engine
+
+    lines = ['vllm:num_requests_running{engine="0",model_name="m"} 1.0', 'vllm:num_requests_waiting{engine="0"} 0',
+             'vllm:prompt_tokens_total{engine="0"} 10', 'vllm:generation_tokens_total{engine="0"} 90',
+             'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25', "vllm:kv_cache_usage_percent 9"]
+    kept = [line for line in lines if re.match(_ENGINE_LINES, line)]
+    assert kept == lines[:5], "a longer name is not the gauge"
+    assert parse_engine(Section("\n".join(kept), 0)) == EngineLoad(running=1, waiting=0, tokens=100, kv_usage=0.25)

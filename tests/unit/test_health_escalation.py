@@ -252,6 +252,39 @@ def test_a_busy_engine_that_freezes_is_restarted_a_grace_after_the_first_probe_w
     assert _restarts_in_order(desired, plan(desired, watch.annotate(desired, stuck, now=t + 3 + GRACE + 1)))
 
 
+def _prefilling(desired, kv: float | None) -> ServingApi:
+    """One long prompt in chunked prefill, nothing else decoding: vLLM counts its prompt tokens only when the
+    prefill completes (0.20.1 `v1/metrics/stats.py`), so the tokens stand still while its KV blocks grow."""
+    from reconciler.core.observed import EngineLoad
+
+    name = desired.serving.served_model_name or desired.model.id
+    return ServingApi(reachable=True, healthy=True, models=[name], completion_error="no answer within 5s",
+                      engine=EngineLoad(running=1, waiting=1, tokens=5000, kv_usage=kv))
+
+
+def test_a_chunked_prefill_longer_than_the_grace_is_busy_while_its_kv_cache_grows(desired, deployed):
+    """Issue 52, item 10: a 200k-token prompt prefilling for ten graces, no token counted meanwhile: the KV cache
+    usage moves at every probe, so it is busy, never restarted; once it stands still too, it is a wedge."""
+    watch, t = HealthWatch(), 1000.0
+    watch.annotate(desired, _head_serving(desired, deployed, _prefilling(desired, 0.01)), now=t)
+    for i in range(1, 11):
+        seen = watch.annotate(desired, _head_serving(desired, deployed, _prefilling(desired, 0.01 + 0.05 * i)),
+                              now=t + i * GRACE)
+        api = seen.node(desired.head.name).serving
+        assert api.busy and api.unhealthy_for is None, i
+        assert not plan(desired, seen).steps, i
+    stuck = _head_serving(desired, deployed, _prefilling(desired, 0.51))
+    watch.annotate(desired, stuck, now=t + 11 * GRACE)
+    assert _restarts_in_order(desired, plan(desired, watch.annotate(desired, stuck, now=t + 12 * GRACE + 1)))
+
+
+def test_an_image_without_the_kv_gauge_is_judged_on_its_tokens_alone(desired, deployed):
+    watch, t = HealthWatch(), 1000.0
+    watch.annotate(desired, _head_serving(desired, deployed, _prefilling(desired, None)), now=t)
+    seen = watch.annotate(desired, _head_serving(desired, deployed, _prefilling(desired, None)), now=t + 3)
+    assert not seen.node(desired.head.name).serving.busy
+
+
 # ------------------------------------------------------------------------ the watch itself (issue 34, mutation)
 
 def _head(desired: Desired, observed: Observed, serving: ServingApi | None, cid: str = "c1",
