@@ -6,7 +6,11 @@ A Spark's QSFP port shows up as two netdevs on two PCIe x4 links (the first, `fa
 interfaces), so without it nothing starts. The twin only adds bandwidth: NCCL opens an HCA's port only when it is
 ACTIVE (`ncclIbInit` in NCCL's src/transport/net_ib.cc skips ports whose state is not IBV_PORT_ACTIVE) and serves
 on the other half, so a twin without carrier, or with its RDMA port DOWN, degrades the fabric; it does not stop a
-start (docs/troubleshooting.md, "ReconcilerFabricPortDegraded")."""
+start (docs/troubleshooting.md, "ReconcilerFabricPortDegraded").
+
+The twins are also two paths to one node: the link step changes one port's MTU over a session to the other's
+address when the node's own session arrives on the port it changes (`other_port`, `reaches`; docs/troubleshooting.md,
+"MTU reset to 1500 after a firmware reboot")."""
 
 from __future__ import annotations
 
@@ -34,3 +38,19 @@ def twin_only_down(node: Node, obs: NodeObservation) -> bool:
 def carrying_rdma_devices(node: Node, obs: NodeObservation) -> list[str]:
     """The RDMA devices of the ports that carry now, in declared order: what NCCL_IB_HCA lists at a start."""
     return [port.rdma_device for port, link in ports_seen(node, obs) if port.rdma_device and carries(port, link)]
+
+
+def other_port(node: Node, index: int) -> tuple[int, FabricPort] | None:
+    """The node's other declared port and its index: the twin for the first port, the first for the twin; None
+    when the node declares no twin."""
+    ports = node.fabric.ports()
+    if len(ports) < 2:
+        return None
+    other = 1 - index
+    return other, ports[other]
+
+
+def reaches(want: FabricPort, link: Link | None) -> bool:
+    """A session can arrive over this port: it passes traffic (`Link.up`) and holds its declared address. Its RDMA
+    port's state does not matter to TCP."""
+    return link is not None and link.up and str(want.address) in link.addresses

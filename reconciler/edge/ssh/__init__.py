@@ -3,7 +3,7 @@
 - `commands`: the command line a node receives: quoting, the node-side deadline, the exact sudo commands;
 - `errors`: what can go wrong, as types the loop decides by;
 - `session`: one persistent paramiko session per node (host-key policy, jump hosts, channels under deadlines, the
-  one read loop) and the pool of them.
+  one read loop) and the pool of them, which also gives a node over another of its fabric addresses (`via`).
 
 The names below are the package's interface; the rest of the reconciler imports them from here.
 """
@@ -45,6 +45,7 @@ from reconciler.edge.ssh.session import (
     Sessions,
     answer_deadline,
     node_deadline,
+    via,
 )
 
 __all__ = ["ENDED_BY_TIMEOUT", "ISOLATION", "KEEPALIVE", "KEEPALIVE_MISSES", "KILL_AFTER", "MAX_CHANNELS",
@@ -52,4 +53,4 @@ __all__ = ["ENDED_BY_TIMEOUT", "ISOLATION", "KEEPALIVE", "KEEPALIVE_MISSES", "KI
            "CommandFailed", "CommandTimeout", "Companion", "HostKeyRejected", "OutputTooLarge", "RemoteError",
            "Result", "Session", "Sessions", "Unreachable", "answer_deadline", "bounded", "fabric_host_keys",
            "hop_address", "hop_options", "node_deadline", "quote", "quote_word", "sudo_allowed", "sudo_argv",
-           "sudo_commands", "sudoers_line", "sudoers_snippet"]
+           "sudo_commands", "sudoers_line", "sudoers_snippet", "via"]

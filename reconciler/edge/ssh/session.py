@@ -114,11 +114,15 @@ class Session:
     name (every error names it) and its `ssh` settings, nothing else of the node: discover opens sessions to hosts
     that are not in any desired state yet."""
 
-    def __init__(self, name: str, ssh: Ssh, gateway: Session | None = None, sudo: Sequence[tuple[str, ...]] = ()):
+    def __init__(self, name: str, ssh: Ssh, gateway: Session | None = None, sudo: Sequence[tuple[str, ...]] = (),
+                 address: str | None = None):
         self.name = name
         self.ssh = ssh
         self.gateway = gateway
         self.sudo = tuple(sudo)  # the exact commands this node may be sent as root (sudo_commands)
+        #: The one address the path goes to instead of `host` and its fallbacks (`over`); None: the node's own path.
+        self.address = address
+        self._over: dict[str, Session] = {}
         self._client: paramiko.SSHClient | None = None
         self._lock = threading.Lock()
         self._channels = threading.BoundedSemaphore(MAX_CHANNELS)
@@ -134,8 +138,21 @@ class Session:
         daemon's accept window ended every stream (issue 31). Made on first use, closed with this one."""
         with self._lock:
             if self._bulk is None:
-                self._bulk = Session(self.name, self.ssh, self.gateway, self.sudo)
+                self._bulk = Session(self.name, self.ssh, self.gateway, self.sudo, self.address)
             return self._bulk
+
+    def over(self, address: str) -> Session:
+        """A second connection to the same node whose path goes to `address` only (another of its addresses: the
+        link step changes a fabric port's MTU over the node's other port, never over a session that arrives on
+        the port it changes). Nothing else differs: the handshake still names `host`, so the host key is checked
+        under the node's own known_hosts entry (no new trust), the user, key and exact sudo commands are the
+        node's. Made on first use, closed with this one."""
+        with self._lock:
+            session = self._over.get(address)
+            if session is None:
+                session = self._over[address] = Session(self.name, self.ssh, self.gateway, self.sudo, address)
+            session.sudo = self.sudo  # the node's commands as they are now (Sessions.update)
+            return session
 
     # -- connection -------------------------------------------------------------------------------------------
 
@@ -161,9 +178,12 @@ class Session:
 
     def _path(self) -> socket.socket | paramiko.Channel:
         """The byte path to the node: to `host`, else to each of `fallback_hosts` in turn (the worker reached over
-        its fabric while one half of the port is down). The SSH handshake that follows names `host` whatever the
-        path, so its known_hosts entry vouches for the node on every address (OpenSSH's HostKeyAlias)."""
+        its fabric while one half of the port is down); to `address` alone for a session `over` another address.
+        The SSH handshake that follows names `host` whatever the path, so its known_hosts entry vouches for the
+        node on every address (OpenSSH's HostKeyAlias)."""
         ssh = self.ssh
+        if self.address is not None:
+            return self._open_path(self.address)
         if not ssh.fallback_hosts:
             return self._open_path(ssh.host)
         failed = []
@@ -236,11 +256,13 @@ class Session:
 
     def _connect_typed(self) -> paramiko.SSHClient:
         name, ssh = self.name, self.ssh
-        where = f"{ssh.user}@{ssh.host}:{ssh.port}" + (f" via {self.gateway.name}" if self.gateway else "")
+        at = f" (reached at {self.address})" if self.address else ""
+        where = (f"{ssh.user}@{self.address or ssh.host}:{ssh.port}" + (f" as {ssh.host}" if self.address else "")
+                 + (f" via {self.gateway.name}" if self.gateway else ""))
         try:
             return self._connect()
         except BadHostKeyException as exc:
-            raise HostKeyRejected(name, f"host key for {ssh.host} CHANGED (got {exc.key.get_name()} "
+            raise HostKeyRejected(name, f"host key for {ssh.host}{at} CHANGED (got {exc.key.get_name()} "
                                         f"{exc.key.get_base64()[:16]}..., known_hosts {ssh.known_hosts} has "
                                         f"another): refusing to connect; verify the node, then update "
                                         f"known_hosts") from None
@@ -267,9 +289,11 @@ class Session:
             self._client = None
 
     def close(self) -> None:
-        """Close the session (and its bulk sibling); never waits long behind a (re)connect that holds the lock."""
-        if self._bulk is not None:
-            self._bulk.close()
+        """Close the session (and its bulk and `over` siblings); never waits long behind a (re)connect that holds
+        the lock."""
+        for sibling in [self._bulk, *self._over.values()]:
+            if sibling is not None:
+                sibling.close()
         if self._lock.acquire(timeout=1.0):
             try:
                 self._close_locked()
@@ -656,17 +680,31 @@ def _close_quietly(client: paramiko.SSHClient) -> None:
         client.close()
 
 
+#: Between a node's name and one of its fabric addresses in the name `via` makes (a node's name never holds it:
+#: `NodeName`).
+VIA = "@"
+
+
+def via(node: str, address: str) -> str:
+    """The name under which `Sessions` gives `node` over `address`, one of its declared fabric ports' addresses
+    (`Session.over`): what a step names as the node of an action that must not travel over the node's own session
+    (the link step's MTU change of the port that session arrives on)."""
+    return f"{node}{VIA}{address}"
+
+
 class Sessions:
     """The pool: one Session per node of the desired state, jump hosts wired to their gateway's session."""
 
     def __init__(self, desired: Desired):
         self._sessions: dict[str, Session] = {}
+        self._addresses: dict[str, frozenset[str]] = {}
         self.update(desired)
 
     def update(self, desired: Desired) -> None:
         """Keep sessions whose SSH settings did not change; rebuild the others (level-triggered config)."""
         old = self._sessions
         self._sessions = {}
+        self._addresses = {n.name: frozenset(str(p.address.ip) for p in n.fabric.ports()) for n in desired.nodes}
         for node in self._in_jump_order(desired):
             gateway = self._sessions.get(node.ssh.jump) if node.ssh.jump else None
             kept, sudo = old.get(node.name), tuple(sudo_commands(desired, node))
@@ -690,7 +728,14 @@ class Sessions:
         return done
 
     def __getitem__(self, name: str) -> Session:
-        return self._sessions[name]
+        """A node's session by its name; by `via(node, address)`, the same node over that address, which must be
+        one its fabric declares (`Session.over`): no other address is ever dialled under the node's host key."""
+        node, sep, address = name.partition(VIA)
+        if not sep:
+            return self._sessions[node]
+        if address not in self._addresses.get(node, ()):
+            raise KeyError(f"{address!r} is not a fabric address of {node!r}")
+        return self._sessions[node].over(address)
 
     def close(self) -> None:
         for session in self._sessions.values():

@@ -65,11 +65,6 @@ CASES = [
          ["read head links", "wait head links", f"wait {ping('head', IF0, '10.232.0.11')}",
           "read head links", "wait head links", f"wait {ping('head', IF1, '10.232.1.11')}"],
          facts={"head links": [sections_of(RAW["outputs"]["head"])]}, **_recorded()),
-    Case("link: the MTU self-cut guard: the SSH session arrives on the port: refused, nothing run", _step(),
-         [f"read {W1} links", f"read {W1} session-address"],
-         facts={f"{W1} links": [AT_1500], f"{W1} session-address": [ARRIVES_ON_IT]},
-         raises=r"not changing the MTU of enp1s0f1np1 on worker1 to 9000: the reconciler's SSH session arrives on it "
-                r"\(10.232.0.11\)", **_recorded()),
     Case("link: MTU 1500 after a firmware reboot, the session elsewhere: set to 9000", _step(),
          [f"read {W1} links", f"read {W1} session-address", SET_MTU, *UP[1:], *UP_TWIN],
          facts={f"{W1} links": [AT_1500, ports()], f"{W1} session-address": [ARRIVES_ELSEWHERE]}, **_recorded()),
@@ -177,4 +172,81 @@ def _head_not_serving() -> Any:
 CASES += [
     Case("link: a worker pings the head's port, even when the head does not serve", _step(), [*UP, *UP_TWIN],
          facts={f"{W1} links": [ports()]}, desired=_head_not_serving, observed=lambda: observe(load())),
+]
+
+
+# -- issue 52, item 9: the MTU of the port the node's session arrives on (the sample's worker is reached over its
+# first fabric port, which a firmware reboot resets to 1500) is set over a session to the node's other declared
+# port (`ssh.via`: NODE@ADDRESS); without one, only when the peer's end already runs the target MTU.
+
+OVER_TWIN, OVER_FIRST = f"{W1}@10.232.1.11", f"{W1}@10.232.0.11"
+ARRIVES_ON_TWIN = Raw("10.232.1.10 40022 10.232.1.11 22")
+TWIN_DOWN = _port("link-twin", flags=["BROADCAST", "MULTICAST"], operstate="DOWN")
+HEAD_AT_9000 = ports()  # the head's ports as its probe shows them (the recorded shape, MTU 9000, up)
+HEAD_AT_1500 = ports(_port("link", mtu=1500))
+
+
+def _set_mtu(node: str, interface: str = IF0) -> str:
+    return f"run {node} sudo /usr/sbin/ip link set dev {interface} mtu 9000"
+
+
+def _worker1_without_twin() -> Any:
+    """The recorded testbed with worker1 declaring its first port only: no other path to it."""
+    d = load()
+    w1 = d.node(W1)
+    w1 = w1.model_copy(update={"fabric": w1.fabric.model_copy(update={"twin": None})})
+    return d.model_copy(update={"nodes": [w1 if n.name == W1 else n for n in d.nodes]})
+
+
+#: The cases whose MTU change runs over `NODE@ADDRESS`: tests/unit/test_link_over_twin.py runs them (and checks
+#: their sudo line against the node's own), since test_step_cases.py's sudoers check looks the transcript's node
+#: up in the file by name.
+OVER_OTHER_PORT = [
+    Case("link: the session arrives on the port at 1500: its MTU is set over a session to the twin's address",
+         _step(),
+         [f"read {W1} links", f"read {W1} session-address", f"read {OVER_TWIN} session-address",
+          "report link.mtu-over-other-port", _set_mtu(OVER_TWIN), *UP[1:], *UP_TWIN],
+         facts={f"{W1} links": [AT_1500, ports()], f"{W1} session-address": [ARRIVES_ON_IT],
+                f"{OVER_TWIN} session-address": [ARRIVES_ON_TWIN]}, **_recorded()),
+    Case("link: the other way round: the session arrives on the twin at 1500: set over the first port's address",
+         _step(),
+         [*UP, f"read {W1} links", f"read {W1} session-address", f"read {OVER_FIRST} session-address",
+          "report link.mtu-over-other-port", _set_mtu(OVER_FIRST, IF1), *UP_TWIN[1:]],
+         facts={f"{W1} links": [*[ports(twin=_port("link-twin", mtu=1500))] * 3, ports()],
+                f"{W1} session-address": [ARRIVES_ON_TWIN],
+                f"{OVER_FIRST} session-address": [ARRIVES_ON_IT]}, **_recorded()),
+]
+
+CASES += [
+    Case("link: the twin down (no other path), the peer's end at 9000: set over the session itself", _step(),
+         [f"read {W1} links", f"read {W1} session-address", "read head links", "report link.mtu-peer-at-target",
+          SET_MTU, *UP[1:], *UP_TWIN],
+         facts={f"{W1} links": [ports(_port("link", mtu=1500), TWIN_DOWN), ports(twin=TWIN_DOWN), ports()],
+                f"{W1} session-address": [ARRIVES_ON_IT], "head links": [HEAD_AT_9000]}, **_recorded()),
+    Case("link: the session over the twin arrives elsewhere: not taken for a path; the peer's end decides", _step(),
+         [f"read {W1} links", f"read {W1} session-address", f"read {OVER_TWIN} session-address", "read head links",
+          "report link.mtu-peer-at-target", SET_MTU, *UP[1:], *UP_TWIN],
+         facts={f"{W1} links": [AT_1500, ports()], f"{W1} session-address": [ARRIVES_ON_IT],
+                f"{OVER_TWIN} session-address": [ARRIVES_ON_IT], "head links": [HEAD_AT_9000]}, **_recorded()),
+    Case("link: the MTU self-cut guard: no other path and the peer's end at 1500: refused, nothing run", _step(),
+         [f"read {W1} links", f"read {W1} session-address", "read head links"],
+         facts={f"{W1} links": [ports(_port("link", mtu=1500), TWIN_DOWN)], f"{W1} session-address": [ARRIVES_ON_IT],
+                "head links": [HEAD_AT_1500]},
+         raises=r"not changing the MTU of enp1s0f1np1 on worker1 to 9000: the reconciler's SSH session arrives on it "
+                r"\(10.232.0.11\), its other port enP2p1s0f1np1 is not up with 10.232.1.11/24, and the peer's end "
+                r"\(enp1s0f1np1 on head\) runs MTU 1500, not 9000; a path without jumbo frames would cut the node "
+                r"off. Declare the node's twin \(`fabric.twin`\) and bring it up, set the MTU with netplan on the "
+                r"node, or reach it over its management port", **_recorded()),
+    Case("link: no twin declared and the peer's end down: refused", _step(),
+         [f"read {W1} links", f"read {W1} session-address", "read head links"],
+         facts={f"{W1} links": [AT_1500], f"{W1} session-address": [ARRIVES_ON_IT],
+                "head links": [ports(_port("link", flags=["BROADCAST", "MULTICAST"], operstate="DOWN"))]},
+         raises=r"arrives on it \(10.232.0.11\), it declares no twin to be reached over, and the peer's end "
+                r"\(enp1s0f1np1 on head\) is not up;", desired=_worker1_without_twin,
+         observed=lambda: observe(load())),
+    Case("link: no twin declared, the peer's end at 9000: set over the session itself", _step(),
+         [f"read {W1} links", f"read {W1} session-address", "read head links", "report link.mtu-peer-at-target",
+          SET_MTU, *UP[1:]],
+         facts={f"{W1} links": [AT_1500, ports()], f"{W1} session-address": [ARRIVES_ON_IT],
+                "head links": [HEAD_AT_9000]}, desired=_worker1_without_twin, observed=lambda: observe(load())),
 ]
