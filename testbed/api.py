@@ -345,6 +345,7 @@ def desired_state(lay: Layout, state: Path | None = None, serving: Serving = STA
             "  mode: enforce",
             "  resync_interval: 30s",
             "  memory_margin: 1GiB",
+            "  memory_overhead_per_instance: 128MiB   # the stand-in's STANDIN_RUNTIME_BYTES, beyond its pool",
             "  timeouts: {stop_grace: 5s}",
             '  listen: "127.0.0.1:9464"',
             "..."]

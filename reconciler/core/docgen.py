@@ -41,9 +41,11 @@ fabric addresses share one subnet and differ; `serving.port`, `master_port` and 
 never match a managed serving container; `serving.extra_args` may not carry flags the reconciler sets itself.
 Across deployments: names and container names are unique; two deployments on one node listen on other ports (the
 API; the rendezvous port of native ranks across nodes; Ray's port); and the `gpu_memory_utilization` of the
-deployments on one node add up to at most 1 (vLLM's fraction is per instance, of the whole GPU). The plan also
-checks the bytes on each node: every deployment's fraction of the node's memory, the `co_tenants.memory` of the
-allowed co-tenants running there and `policy.memory_margin` must fit in its total, or nothing stops.
+deployments on one node add up to at most `policy.gpu_memory_utilization_ceiling` (0.90: vLLM's fraction is per
+instance, of the whole GPU, and each instance and the OS hold memory beyond it). The plan also checks the bytes on
+each node: every deployment's fraction of the node's memory, one `policy.memory_overhead_per_instance` per `vllm
+serve` there, the `co_tenants.memory` of the allowed co-tenants running there and `policy.memory_margin` must fit in
+its total, or nothing stops.
 """
 
 

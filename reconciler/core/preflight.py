@@ -126,6 +126,7 @@ class NodeFacts:
     groups: tuple[str, ...] | None = None
     runtimes: tuple[str, ...] | None = None  # docker info's Runtimes; None: not read
     hops: tuple[HopAnswer, ...] = ()
+    default_target: str | None = None  # `systemctl get-default`; None: not read (no systemd)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,7 @@ def _node_checks(desired: Desired, node: Node, f: NodeFacts, facts: Mapping[str,
         out.append(weights_check(desired, node, f, local))
     if node.name in _serving(desired):
         out.append(disk_check(desired, node, observed))
+        out.append(desktop_check(node, f))
     out += [hop_check(desired, source, target, facts)
             for source, target in hop_pairs(desired) if source == node.name]
     return [c for c in out if c is not None]
@@ -465,6 +467,26 @@ def disk_check(desired: Desired, node: Node, observed: Observed) -> Check:
     return Check("disk", node.name, "fail", f"{where} ({path}): {why}",
                  Fix(f"df -h {target}; du -xsh {target}/* | sort -h  # remove what is not needed, or let "
                      "policy.retention.prune remove older copies", "root", node.name))
+
+
+#: What DGX OS boots into by default: the desktop (Xorg and gnome-shell on the GB10, in the unified memory the
+#: ranks need); a serving node is better without it.
+GRAPHICAL = "graphical.target"
+
+
+def desktop_check(node: Node, f: NodeFacts) -> Check | None:
+    """A serving node that boots into the desktop: DGX OS runs Xorg and gnome-shell on the GB10 by default, in the
+    one pool of memory the ranks share, outside anything the budget reserves (issue 52). A warn: `apply` converges
+    all the same, with less room than policy.memory_margin assumes. None when systemd did not say (not DGX OS)."""
+    if f.default_target is None:
+        return None
+    if f.default_target != GRAPHICAL:
+        return Check("desktop", node.name, "ok", f"boots into {f.default_target}")
+    return Check("desktop", node.name, "warn",
+                 "boots into graphical.target: Xorg and gnome-shell hold unified memory on the GB10 the serving "
+                 "ranks share, beside what policy.memory_margin keeps for the OS",
+                 Fix("sudo systemctl set-default multi-user.target && sudo systemctl isolate multi-user.target "
+                     "(or reboot)", node.ssh.user, node.name))
 
 
 def _disk_needs(desired: Desired, name: str, observed: Observed) -> dict[str, int]:

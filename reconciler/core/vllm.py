@@ -28,6 +28,7 @@ from reconciler.core.observed import (
     Observed,
 )
 from reconciler.core.spec import Desired, Node, Serving
+from reconciler.core.spec.models import MEMORY_OVERHEAD_PER_INSTANCE
 from reconciler.core.text import printable
 
 HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface/hub"
@@ -301,11 +302,13 @@ def parse_serve_help(text: str) -> list[str]:
     return flags
 
 
-def memory_for(utilization: float, total_bytes: int, margin: int) -> int:
-    """What MemAvailable must cover before vLLM starts on a node of `total_bytes` unified memory: the share it
-    takes (`utilization` of the total, as vLLM sizes its pool) plus `margin` for the rest. The one formula;
-    `memory_needed` applies it to a desired state, `largest_utilization` inverts it."""
-    return int(utilization * total_bytes) + margin
+def memory_for(utilization: float, total_bytes: int, margin: int,
+               overhead: int = MEMORY_OVERHEAD_PER_INSTANCE) -> int:
+    """What MemAvailable must cover before vLLM starts on a node of `total_bytes` unified memory: the pool it
+    takes (`utilization` of the total, as vLLM sizes it), what the instance holds outside its pool (`overhead`,
+    policy.memory_overhead_per_instance) and `margin` for the rest of the node. The one formula; `memory_terms`
+    spells it out for a desired state, `largest_utilization` inverts it."""
+    return int(utilization * total_bytes) + overhead + margin
 
 
 _SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -352,6 +355,9 @@ def pools(serving: Serving) -> bool:
 
 #: The name of the margin's term in `memory_terms` (a node's budget counts it once, core/budget.py).
 MARGIN_TERM = "policy.memory_margin"
+#: The name of the term of what a `vllm serve` holds outside its pool (once per rank: a node's budget counts it for
+#: every deployment on the node).
+OVERHEAD_TERM = "policy.memory_overhead_per_instance"
 
 
 def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> list[tuple[str, int]]:
@@ -362,8 +368,11 @@ def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None =
       over tensor x pipeline parallel ranks; the whole `gpu_memory_utilization` pool when the tree's size is not
       known) plus that KV cache;
     - `--cpu-offload-gb` GiB of weights vLLM keeps in CPU memory, which on GB10 is the same memory;
-    - policy.memory_margin for everything else.
-    The drift that reports too little memory and the start's preflight read the same terms."""
+    - policy.memory_overhead_per_instance: what the `vllm serve` holds outside its pool (its API server, the CUDA
+      context taken before the pool is sized, CUDA graphs captured after it; none when the file sets 0);
+    - policy.memory_margin for everything else on the node.
+    The drift that reports too little memory, the start's preflight and the node's budget (every term but the
+    margin, for each deployment on the node; the margin once) read the same terms."""
     s = desired.serving
     pool = int(s.gpu_memory_utilization * total_bytes)
     kv_text = flag_value(s.extra_args, "--kv-cache-memory-bytes")
@@ -383,13 +392,15 @@ def memory_terms(desired: Desired, total_bytes: int, weights_bytes: int | None =
         gib = 0.0
     if gib > 0 and gib < 2**20:  # vLLM refuses what is not a number; nothing sane is a PiB
         terms.append(("--cpu-offload-gb", int(gib * 2**30)))
+    if desired.policy.memory_overhead_per_instance:
+        terms.append((OVERHEAD_TERM, desired.policy.memory_overhead_per_instance))
     return terms + [(MARGIN_TERM, desired.policy.memory_margin)]
 
 
 def memory_needed(desired: Desired, total_bytes: int, weights_bytes: int | None = None) -> int:
     """The sum of `memory_terms`: what MemAvailable must cover before a rank starts. Without the flags that change
-    how vLLM sizes memory it is `memory_for` the file's gpu_memory_utilization and policy.memory_margin (the
-    formula `largest_utilization` inverts for discover)."""
+    how vLLM sizes memory it is `memory_for` the file's gpu_memory_utilization, policy.memory_margin and
+    policy.memory_overhead_per_instance (the formula `largest_utilization` inverts for discover)."""
     return sum(size for _, size in memory_terms(desired, total_bytes, weights_bytes))
 
 
@@ -406,11 +417,13 @@ def memory_words(desired: Desired, total_bytes: int, weights_bytes: int | None =
             + f" = {sum(size for _, size in terms) / 2**30:.1f} GiB")
 
 
-def largest_utilization(total_bytes: int, available_bytes: int, margin: int) -> float:
-    """The inverse of `memory_for`: the largest utilization u with `memory_for(u, total_bytes, margin) <=
-    available_bytes` (0 when not even the margin fits). `discover` guesses gpu_memory_utilization with it: the guess
-    and the memory check that `memory_needed` makes read the same formula."""
-    return max(0.0, (available_bytes - margin) / total_bytes)
+def largest_utilization(total_bytes: int, available_bytes: int, margin: int,
+                        overhead: int = MEMORY_OVERHEAD_PER_INSTANCE) -> float:
+    """The inverse of `memory_for`: the largest utilization u with `memory_for(u, total_bytes, margin, overhead)
+    <= available_bytes` (0 when not even the margin and the overhead fit). `discover` guesses
+    gpu_memory_utilization with it: the guess and the memory check that `memory_needed` makes read the same
+    formula."""
+    return max(0.0, (available_bytes - margin - overhead) / total_bytes)
 
 
 def launch_specs(desired: Desired, instance: str | None = None) -> list[LaunchSpec]:

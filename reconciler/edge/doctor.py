@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import stat
 import threading
@@ -98,6 +99,7 @@ def doctor_script(desired: Desired, node: Node) -> Sealed:
              "if [ -n \"$p\" ]; then printf 'have %s %s\\n' \"$b\" \"$p\"; "
              "else printf 'missing %s\\n' \"$b\"; fi; done; rc 0",
              "sec rsync", "rsync --version 2>&1 | head -n 1; [ ! -e /rsyncd-munged ] || echo munged; rc 0",
+             "sec default_target", "systemctl get-default 2>/dev/null; rc $?",
              "sec sudo", *_sudo_lines(desired, node), "rc 0",
              *image_script(desired.serving.image), *link_script(node),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
@@ -183,6 +185,16 @@ def parse_sudo(sec: Section | None, commands: list[tuple[str, ...]]) -> tuple[Su
     return tuple(answers.get(i, SudoAnswer(argv, -1, "no answer")) for i, argv in enumerate(commands))
 
 
+_TARGET = re.compile(r"[A-Za-z0-9@._-]{1,128}\.target")
+
+
+def parse_default_target(sec: Section | None) -> str | None:
+    """`systemctl get-default`'s unit (`graphical.target`); None when systemd did not answer with one (a node
+    without systemd, a container): the desktop check is then not made."""
+    line = sec.body.strip().splitlines()[0].strip() if sec is not None and sec.rc == 0 and sec.body.strip() else ""
+    return line if _TARGET.fullmatch(line) else None
+
+
 def parse_hops(desired: Desired, node: Node, sections: dict[str, Section]) -> tuple[HopAnswer, ...]:
     out = []
     for source, target in hop_pairs(desired):
@@ -214,7 +226,8 @@ def parse_doctor(desired: Desired, node: Node, output: str, nonce: str, sent: fl
         rsync_version=rsync_lines[0][:200] if rsync_lines else None, rsync_munged="munged" in rsync_lines[1:],
         sudo=parse_sudo(sections.get("sudo"), sudo_commands(desired, node)),
         sudoers_line=sudoers_line(desired, node), uid=uid, groups=groups,
-        runtimes=parse_runtimes(sections.get("docker_info")), hops=parse_hops(desired, node, sections))
+        runtimes=parse_runtimes(sections.get("docker_info")), hops=parse_hops(desired, node, sections),
+        default_target=parse_default_target(sections.get("default_target")))
 
 
 def read_node(desired: Desired, sessions: Sessions, node: Node, timeout: float) -> NodeFacts:

@@ -598,6 +598,8 @@ class Controller:
             self.operations.progress("download", node, fields.get("bytes_done", 0), fields["bytes_total"])
         elif event in ("serving.stage", "serving.progress"):
             self.operations.stage("await-health", node, fields["stage"], fields["percent"], fields["line"])
+        elif event == "serving.memory":  # a rank's node once it served: its overshoot, into /status and metrics
+            self.publisher.memory(fields, self.clock())
         levels = {"debug": self.log.debug, "info": self.log.info, "warning": self.log.warning}
         levels[progress_level(event)](event, **{k: v for k, v in fields.items() if k != "step"})
 

@@ -71,6 +71,18 @@ fabric_port_up = Gauge("reconciler_fabric_port_up", "1 when this declared fabric
                        "link and stops nothing.", ["node", "interface"], registry=REGISTRY)
 memory_available = Gauge("reconciler_memory_available_bytes", "MemAvailable of the node (unified memory).",
                          ["node"], registry=REGISTRY)
+memory_overshoot = Gauge("reconciler_memory_overshoot_bytes", "Read once the deployment's rank on the node served: "
+                         "what the node held (MemTotal - MemAvailable) beyond what the budget reserved for the "
+                         "holders running there (each rank's pool and policy.memory_overhead_per_instance, the "
+                         "co-tenants' co_tenants.memory); below 0 the reservations were not all used. Above "
+                         "policy.memory_margin (reconciler_memory_margin_bytes) the node is past its whole budget.",
+                         ["node", "deployment"], registry=REGISTRY)
+serving_memory_current = Gauge("reconciler_serving_memory_current_bytes", "The rank container's cgroup "
+                               "memory.current once it served (docker's memory_stats.usage): its host side; on a "
+                               "GB10 the CUDA allocations are charged to no cgroup.", ["node", "deployment"],
+                               registry=REGISTRY)
+memory_margin = Gauge("reconciler_memory_margin_bytes", "policy.memory_margin of the desired state in force: what "
+                      "an overshoot may take before the node is past its budget.", registry=REGISTRY)
 weights_bytes = Gauge("reconciler_weights_bytes", "Model bytes on the node (synced) and on the source (expected).",
                       ["node", "state"], registry=REGISTRY)
 weights_sync_bytes = Counter("reconciler_weights_sync_bytes_total", "Bytes copied to the node by weight syncs.",

@@ -9,9 +9,12 @@ generation shown is then the one recorded and in force, never one that a restart
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reconciler.core.budget import overshoot
 from reconciler.core.drift import DRIFT_KINDS
 from reconciler.core.fabric import carries, ports_seen
 from reconciler.core.observed import Observed
@@ -26,10 +29,16 @@ class StatusPublisher:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.status: dict[str, Any] = {"phase": "Converging", "conditions": [], "generation": 0,
-                                       "observedGeneration": 0, "lastPlan": None, "lastError": None}
+                                       "observedGeneration": 0, "lastPlan": None, "lastError": None, "memory": []}
         self._held: set[tuple[str, str]] = set()  # (kind, node) shown as 1 on the step_hold gauge
         self._failing: set[tuple[str, str]] = set()  # (kind, node) above 0 on the step_failures gauge
         self._roles: set[tuple[str, str]] = set()  # (node, role) on the node_role gauge
+        self._desired: Desired | None = None  # the desired state in force (`roles`): what a memory reading is judged by
+        # (node, deployment) -> a rank's `serving.memory` reading and its time, kept until its deployment leaves the
+        # node; written from the steps' threads (`memory`), so under a lock
+        self._readings: dict[tuple[str, str], tuple[Mapping[str, Any], float]] = {}
+        self._memory_view: list[dict[str, Any]] = []
+        self._memory_lock = threading.Lock()
 
     def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float,
                 state_error: str | None = None) -> None:
@@ -50,6 +59,7 @@ class StatusPublisher:
             "rollback": None if snap.held_change is None else {
                 "generation": snap.held_change.generation, "to": snap.held_change.to, "why": snap.held_change.why,
                 "since": snap.held_change.since},
+            "memory": self.memory_view(),
         })
         metrics.set_phase(phase)
         metrics.set_conditions([{"node": c["node"], "type": c["type"], "status": c["status"]} for c in conds])
@@ -102,6 +112,58 @@ class StatusPublisher:
         metrics.set_deployments([{"deployment": view.deployment.name, "model": view.model.id,
                                   "served_name": view.served_name, "endpoint": endpoint(view)}
                                  for view in desired.views()])
+        metrics.memory_margin.set(desired.policy.memory_margin)
+        self._desired = desired
+        self._judge_memory()
+
+    def memory(self, fields: Mapping[str, Any], now: float) -> None:
+        """A rank's node once its deployment served (await-health's `serving.memory`: node, deployment, MemTotal,
+        MemAvailable, the container's memory.current, the running containers, the weights' size), judged against
+        the budget of the desired state in force (`core.budget.overshoot`) into /status (`memory`) and the
+        overshoot gauges. The reading replaces the rank's last one; it stays until the next start of the rank or
+        until its deployment leaves the node. Called from a step's thread."""
+        with self._memory_lock:
+            self._readings[(str(fields["node"]), str(fields["deployment"]))] = (dict(fields), now)
+        self._judge_memory()
+
+    def memory_view(self) -> list[dict[str, Any]]:
+        with self._memory_lock:
+            return list(self._memory_view)
+
+    def _judge_memory(self) -> None:
+        """Every reading judged by the desired state in force; a reading of a deployment no longer on its node (or
+        in the file) is dropped, and its series with it."""
+        desired = self._desired
+        if desired is None:
+            return
+        with self._memory_lock:
+            view: list[dict[str, Any]] = []
+            for (node, deployment), (f, when) in sorted(self._readings.items()):
+                spans = deployment in desired.deployment_names and node in {
+                    n.name for n in desired.view(deployment).serving_nodes}
+                if not spans:
+                    del self._readings[(node, deployment)]
+                    for gauge in (metrics.memory_overshoot, metrics.serving_memory_current):
+                        _forget(gauge, node, deployment)
+                    continue
+                current = f.get("current") if isinstance(f.get("current"), int) else None
+                if current is None:
+                    _forget(metrics.serving_memory_current, node, deployment)
+                else:
+                    metrics.serving_memory_current.labels(node=node, deployment=deployment).set(current)
+                total, available = f.get("total"), f.get("available")
+                if not isinstance(total, int) or not isinstance(available, int):
+                    _forget(metrics.memory_overshoot, node, deployment)
+                    view.append({"node": node, "deployment": deployment, "memoryCurrent": current,
+                                 "overshoot": None, "time": when, "words": f"{node}: /proc/meminfo unread"})
+                    continue
+                weights = f.get("weights")
+                found = overshoot(desired, node, deployment, total, available, set(f.get("running") or ()),
+                                  {deployment: weights if isinstance(weights, int) else None}, current)
+                metrics.memory_overshoot.labels(node=node, deployment=deployment).set(found.bytes)
+                view.append({**found.as_dict(), "time": when})
+            self._memory_view = view
+            self.status["memory"] = view
 
     @staticmethod
     def observation(desired: Desired, observed: Observed, durations: dict[str, float]) -> None:
@@ -150,6 +212,14 @@ class StatusPublisher:
         container = head.container(view.serving.container_name) if head else None
         started = started_timestamp(container.started_at) if container is not None and container.running else None
         metrics.serving_started.labels(deployment).set(started or 0)
+
+
+def _forget(gauge: Any, node: str, deployment: str) -> None:
+    """Remove one (node, deployment) series, if the gauge has it."""
+    try:
+        gauge.remove(node, deployment)
+    except KeyError:
+        pass
 
 
 def endpoint(desired: Desired) -> str:

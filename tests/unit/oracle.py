@@ -428,6 +428,7 @@ def _short_of_memory(desired: Desired, before: Observed, node: str) -> bool:
         return False
     mem = obs.memory
     return mem is not None and mem.available_bytes < (desired.serving.gpu_memory_utilization * mem.total_bytes
+                                                      + desired.policy.memory_overhead_per_instance
                                                       + desired.policy.memory_margin)
 
 

@@ -131,12 +131,15 @@ def test_an_over_committed_node_is_refused_with_the_numbers(problems):
     base = spec.loads(BASE_YAML).serving.gpu_memory_utilization
     line = _line_of(text, "gpu_memory_utilization: 0.5", after="name: small")
     assert problems(text) == [f"X:{line}:29: deployments[1].serving.gpu_memory_utilization: node 'head-a' is "
-                              f"over-committed: big {base:g} + small 0.5 = {base + 0.5:g} of its memory (at most 1)"]
+                              f"over-committed: big {base:g} + small 0.5 = {base + 0.5:g} of its memory (at most 0.9, "
+                              "policy.gpu_memory_utilization_ceiling: a GB10 also holds each instance's memory "
+                              "outside its pool and the OS's)"]
 
 
-def test_fractions_that_add_up_to_the_whole_node_pass(problems):
+def test_fractions_that_add_up_to_the_ceiling_pass_and_a_hair_more_does_not(problems):
     base = spec.loads(BASE_YAML).serving.gpu_memory_utilization
-    assert problems(_two(gpu_memory_utilization=round(1 - base, 6))) == []
+    assert problems(_two(gpu_memory_utilization=round(0.9 - base, 6))) == []
+    assert problems(_two(gpu_memory_utilization=round(0.9 - base + 0.001, 6)))
 
 
 def test_names_and_container_names_are_unique(problems):

@@ -215,15 +215,16 @@ class Watching(Driver):
 def _await(*logs: str) -> list[tuple[str, dict]]:
     """await-health over the recorded testbed: the head's log at each poll (`probes.start_fact`), its API serving
     at the last one; the reports it made."""
-    from tests.unit.step_cases.serving import NAME, RUNNING, head
+    from tests.unit.step_cases.serving import NAME, READINGS, RUNNING, head
 
     desired = load()
-    driver = Watching(facts={**RUNNING, f"head start {NAME}": [*(head(api="down", log=log) for log in logs[:-1]),
-                                                             head(log=logs[-1])]})
+    driver = Watching(facts={**RUNNING, **READINGS,
+                             f"head start {NAME}": [*(head(api="down", log=log) for log in logs[:-1]),
+                                                    head(log=logs[-1])]})
     given = Given(desired, Observed(nodes={n.name: NodeObservation(name=n.name, reachable=True)
                                            for n in desired.nodes}))
     assert driver.drive(serving.await_health(given, Step("await-health", desired.head.name, "health"))) is None
-    return driver.reports
+    return [r for r in driver.reports if r[0] != "serving.memory"]  # the nodes' readings once it serves
 
 
 def test_the_health_wait_reports_each_change_of_the_heads_log():

@@ -395,9 +395,9 @@ def test_the_same_recipe_twice_gets_a_name_a_container_and_a_port_of_its_own():
 
 def test_deployments_sharing_nodes_get_rendezvous_and_ray_ports_of_their_own():
     native = variant("tp2", "name: tp2\nmodel: {id: a/b}\n"
-                            "serving: {image: i, tensor_parallel_size: 2, gpu_memory_utilization: 0.1}\n")
+                            "serving: {image: i, tensor_parallel_size: 2, gpu_memory_utilization: 0.05}\n")
     ray = variant("tp2-ray", "name: tp2-ray\nmodel: {id: a/b}\nserving: {image: i, launcher: ray, "
-                             "tensor_parallel_size: 2, gpu_memory_utilization: 0.1}\n")
+                             "tensor_parallel_size: 2, gpu_memory_utilization: 0.05}\n")
     known = {**RECIPES, "tp2": native, "tp2-ray": ray}
     doc = document("tp2", "tp2", "tp2-ray", "qwen3.5-122b-fp8", known=known)
     servings = [d["serving"] for d in doc["deployments"]]

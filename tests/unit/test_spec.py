@@ -468,7 +468,7 @@ def test_defaults(base_yaml):
     p = d.policy
     assert p.mode == "enforce" and p.paused is False and p.resync_interval == 30
     assert p.listen == "127.0.0.1:9464"
-    assert p.memory_margin == 4 * 2**30 and p.drop_caches is True
+    assert p.memory_margin == 6 * 2**30 and p.drop_caches is True
     assert p.timeouts.step == 120 and p.timeouts.stop_grace == 30
     assert p.retries.attempts == 3 and p.retries.hold_after == 5
     assert p.weights.bandwidth_limit is None

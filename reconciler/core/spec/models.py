@@ -184,6 +184,12 @@ class DockerOptions(_Model):
         return {name: value for name, value in sorted(merged.items()) if value is not None}
 
 
+#: What each `vllm serve` holds outside its pool, the margin a node keeps, and the most a node's fractions add up to
+#: (Policy: the figures behind each are in its field's description and docs/operations.md "The memory budget").
+MEMORY_OVERHEAD_PER_INSTANCE = 8 * 2**30
+MEMORY_MARGIN = 6 * 2**30
+UTILIZATION_CEILING = 0.9
+
 #: What NGC's containers are told to run with (NVIDIA's vLLM playbook: `--ulimit memlock=-1 --ulimit
 #: stack=67108864`), and a nofile high enough for vLLM's API server under load.
 DEFAULT_ULIMITS = {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"}
@@ -218,7 +224,10 @@ class Serving(_Model):
     port: Port = 8000
     master_port: Port = 29501
     ray_port: Port = 6379
-    gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        0.8, gt=0, le=1, description="vLLM's pool on each node of the deployment, as a fraction of the node's "
+        "whole memory (weights, activations, KV cache). The deployments on a node add up to at most "
+        "policy.gpu_memory_utilization_ceiling; each rank also holds policy.memory_overhead_per_instance.")
     max_model_len: int | None = Field(None, ge=16, le=10_000_000)
     served_model_name: ServedName | None = None
     extra_args: list[ExtraArg] = Field(default_factory=list)
@@ -326,7 +335,28 @@ class Policy(_Model):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     retries: Retries = Field(default_factory=Retries)
     weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
-    memory_margin: SizeInBytes = Field(4 * 2**30, description="MemAvailable must exceed gmu x MemTotal + this.")
+    memory_overhead_per_instance: SizeInBytes = Field(
+        MEMORY_OVERHEAD_PER_INSTANCE, description="What each `vllm serve` holds outside its "
+        "gpu_memory_utilization pool: counted once per rank of every deployment on a node, in the node's budget "
+        "and in each start's memory check. vLLM's fraction is the model executor's (`--help=all`): its API server "
+        "process, the CUDA context it takes before sizing the pool, and (in releases that do not estimate them) "
+        "the CUDA graphs captured after the KV cache is sized lie outside it. Measured on GB10: about 13 GiB "
+        "beyond the pool at 0.80 (huggingface.co nvidia/GLM-5.3-Flash-FP4-Local discussion #7, caches dropped), "
+        "at most 9.5 GiB at 0.90 with the OS's share in it (d9628102/ai-agent-os docs/gx10-known-issues.md §6). "
+        "Tune it from `reconciler_memory_overshoot_bytes` (docs/operations.md \"The memory budget\").")
+    memory_margin: SizeInBytes = Field(
+        MEMORY_MARGIN, description="What a node holds besides the ranks and the co-tenants' reservations (the "
+        "kernel, DGX OS's services, docker, sshd, a desktop if one runs, page cache that stays): counted once per "
+        "node. A start needs MemAvailable >= its pool + memory_overhead_per_instance + this; a node's budget is "
+        "its ranks' terms + co_tenants.memory + this. On the GB10 of discussion #7 everything but vLLM held about "
+        "4.5 GiB (121.6 - 97.3 pool - 13 beyond it - 6.8 free).")
+    gpu_memory_utilization_ceiling: float = Field(
+        UTILIZATION_CEILING, gt=0, le=1, description="The most the gpu_memory_utilization of the deployments on "
+        "one node may add up to (a file above it is refused at its line). 0.90 is the public record's hard limit "
+        "on a GB10 (conselara.dev: \"never exceed 0.90; in practice 0.85\"; at 0.90 one instance left 2.6 of "
+        "121.63 GiB and a second could not start, gx10-known-issues.md §6); CUDA's free memory caps near "
+        "101-102 of 121.69 GiB on some images (MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks#47). The plan then "
+        "checks the bytes against the node's real total.")
     drop_caches: bool = Field(True, description="Write back and drop the page cache before every serving start "
                               "(sudo: `sysctl -w vm.drop_caches=3`): on GB10 the GPU cannot use the cache that "
                               "MemAvailable counts as free.")

@@ -390,20 +390,28 @@ def _ports_across_deployments(f: _Facts) -> list[_Problem]:
 
 
 def _memory_fractions(f: _Facts) -> list[_Problem]:
-    """Unified memory is one budget per node: the deployments on a node may together ask for at most all of it.
-    vLLM's gpu_memory_utilization is a per-instance fraction of the whole GPU ("if you have two vLLM instances
-    running on the same GPU, you can set the GPU memory utilization to 0.5 for each", vllm/config/cache.py), so
-    fractions that add up past 1 cannot all start, whatever the node holds; the plan checks the bytes, with the
-    co-tenants and the margin, against the node's real total (core/budget.py)."""
+    """Unified memory is one budget per node: the deployments on a node may together ask for at most
+    policy.gpu_memory_utilization_ceiling of it (0.90 by default), one deployment alone included. vLLM's
+    gpu_memory_utilization is a per-instance fraction of the whole GPU ("if you have two vLLM instances running on
+    the same GPU, you can set the GPU memory utilization to 0.5 for each", vllm/config/cache.py), so fractions add
+    up; and on a GB10 a node whose fractions reach the whole of it cannot start them all, whatever it holds: each
+    instance holds memory outside its pool, and so does the OS (the ceiling's description cites the figures). The
+    file does not know the node's MemTotal: the plan checks the bytes, with each rank's overhead, the co-tenants
+    and the margin, against the node's real total (core/budget.py). The last deployment on the node is pointed
+    at."""
     out: list[_Problem] = []
     spans = _spans(f)
+    ceiling = f.d.policy.gpu_memory_utilization_ceiling
     for node in f.d.nodes:
         on = [(i, d) for i, d in enumerate(f.d.deployments) if node.name in spans[i]]
         total = sum(d.serving.gpu_memory_utilization for _, d in on)
-        if len(on) > 1 and total > 1 + 1e-9:
+        if on and total > ceiling + 1e-9:
             shares = " + ".join(f"{d.name} {d.serving.gpu_memory_utilization:g}" for _, d in on)
+            summed = f" = {round(total, 9):g}" if len(on) > 1 else ""
             out.append((("deployments", on[-1][0], "serving", "gpu_memory_utilization"),
-                        f"node {node.name!r} is over-committed: {shares} = {total:g} of its memory (at most 1)"))
+                        f"node {node.name!r} is over-committed: {shares}{summed} of its memory (at "
+                        f"most {ceiling:g}, policy.gpu_memory_utilization_ceiling: a GB10 also holds each "
+                        "instance's memory outside its pool and the OS's)"))
     return out
 
 

@@ -34,11 +34,12 @@ from reconciler.edge.probes import (
     StartSeen,
     container_fact,
     log_tail_fact,
+    rank_memory_fact,
     ray_nodes_fact,
     serve_processes_fact,
     start_fact,
 )
-from reconciler.edge.ssh import RemoteError, quote
+from reconciler.edge.ssh import Cancelled, RemoteError, quote
 from reconciler.edge.steps import note
 from reconciler.edge.steps.actions import (
     Action,
@@ -48,6 +49,7 @@ from reconciler.edge.steps.actions import (
     Report,
     Run,
     StepBlocked,
+    StepCancelled,
     StepDeferred,
     StepFailed,
     StepTimedOut,
@@ -276,7 +278,7 @@ def await_health(given: Given, step: Step) -> Actions:
     deadline: each round's wait is capped by what is left of it). Each poll reads the head's container, API and
     log in one round trip (`probes.start_fact`); a change of the log is reported (`StartWatch`); the other nodes'
     containers are read every WORKERS_EVERY polls. A container that is not running fails the step with its last
-    log lines."""
+    log lines. Once it serves, each rank's node is read (`memory_readings`)."""
     d = given.desired
     head, want = step.node, d.served_name
     specs = launch_specs(d)
@@ -300,6 +302,31 @@ def await_health(given: Given, step: Step) -> Actions:
             yield from _not_running(head, name, seen.container)
         if seen.api.serves(want):
             yield watch.served()
+            yield from memory_readings(given, specs)
             return
         if (report := watch.seen(seen.log)) is not None:
             yield report
+
+
+def memory_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
+    """Once the deployment serves, each rank's node as it holds it now (`probes.rank_memory_fact`: MemTotal,
+    MemAvailable, the rank container's cgroup memory.current, the running containers), reported as
+    `serving.memory`: the status publisher judges it against the budget (`core.budget.overshoot`) into /status and
+    `reconciler_memory_overshoot_bytes`, so an owner tunes policy.memory_overhead_per_instance and
+    policy.memory_margin from the node's own numbers. The API already serves: a node that does not answer is said
+    (`serving.memory-unread`), never a failure of the step; a cancel still ends it."""
+    d = given.desired
+    weights = weights_size(d, given.observed)
+    for spec in specs:
+        try:
+            seen = yield from read(spec.node, rank_memory_fact(spec.container_name))
+        except (Cancelled, StepCancelled):
+            raise
+        except (RemoteError, StepFailed) as exc:
+            yield Report("serving.memory-unread", {"node": spec.node, "error": str(exc)[:200]})
+            continue
+        memory = seen.memory
+        yield Report("serving.memory", {
+            "node": spec.node, "deployment": d.deployment.name, "container": spec.container_name,
+            "total": memory.total_bytes if memory else None, "available": memory.available_bytes if memory else None,
+            "current": seen.current, "running": list(seen.running), "weights": weights})

@@ -48,11 +48,13 @@ def ours(state: str = "running", spec_hash: str | None = None, exit_code: int = 
 
 
 def meminfo(available_gib: float) -> Raw:
-    """A DGX Spark's /proc/meminfo (MemTotal 121.6 GiB); the sample needs 101.3 GiB available."""
+    """A DGX Spark's /proc/meminfo (MemTotal 121.6 GiB); the sample needs 109.3 GiB available."""
     return Raw(f"MemTotal:       127535224 kB\nMemAvailable:   {int(available_gib * (1 << 20))} kB")
 
 
-TOTAL_KB, NEED_KB = 127535220, 106222480  # 0.8 x 127535220 kB = 102028176 kB, + policy.memory_margin 4194304 kB
+# 0.8 x 127535220 kB = 102028176 kB, + policy.memory_overhead_per_instance (the default 8 GiB) 8388608 kB,
+# + policy.memory_margin (the sample's 4 GiB) 4194304 kB
+TOTAL_KB, NEED_KB = 127535220, 114611088
 
 
 def at_need(kib: int = 0) -> Raw:
@@ -177,6 +179,29 @@ def _recorded(**kw: Any) -> dict[str, Any]:
 WORKERS_READ = [f"read {w} container {NAME}" for w in WORKERS]
 RUNNING = {f"{w} container {NAME}": [inspected(NAME)] for w in WORKERS}
 
+# The Docker Engine API's `GET /containers/vllm_serving/stats?stream=false&one-shot=true` as the testbed's engines
+# (cgroup v1) answer it, cut to its memory: `memory_stats.usage` is the cgroup's memory.usage_in_bytes (on DGX OS's
+# cgroup v2, memory.current, with `inactive_file` among its stats instead of `cache`). The fields and the formula
+# `docker stats` shows (usage - cache on v1, usage - inactive_file on v2) are docs.docker.com's ("Get container
+# stats based on resource usage", Engine API v1.44+); the numbers are the stand-in's: gmu 0.05 of the node's 8 GiB
+# (429496729 bytes) and its 128 MiB STANDIN_RUNTIME_BYTES, plus its Python.
+STATS_V1 = ('{"read":"2026-12-06T10:02:11.504361875Z","preread":"0001-01-01T00:00:00Z","memory_stats":{"usage":'
+            '592801792,"max_usage":601882624,"stats":{"active_anon":579289088,"active_file":4112384,"cache":'
+            '8486912,"inactive_anon":0,"inactive_file":4374528,"rss":579289088,"total_cache":8486912,'
+            '"total_inactive_file":4374528,"total_rss":579289088},"limit":8589934592},"name":"/vllm_serving"}')
+
+
+def rank_memory(node: str) -> dict[str, Section]:
+    """A serving node once its rank answers (`probes.rank_memory_fact`), from the recording: its /proc/meminfo and
+    containers as the probe read them, the rank's stats (`STATS_V1`)."""
+    seen = sections_of(RAW["outputs"][node])
+    return {"meminfo": seen["meminfo"], "containers": seen["containers"], "stats": Section(STATS_V1, 0)}
+
+
+READINGS = {f"{n} rank-memory {NAME}": [rank_memory(n)] for n in ("head", *WORKERS)}
+DONE = ["report serving.done", *(line for n in ("head", *WORKERS)
+                                 for line in (f"read {n} rank-memory {NAME}", "report serving.memory"))]
+
 CASES = [
     # -- start-serving
     Case("start-serving: nothing there: caches dropped, memory enough, `served` noted, caches made, run, running",
@@ -206,7 +231,8 @@ CASES = [
          [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo"],
          facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(60), meminfo(110)]},
          raises=r"spark-1a32: 60.0 GiB available, but gpu_memory_utilization 0.8 x 121.6 GiB 97.3 GiB \+ "
-                r"policy.memory_margin 4.0 GiB = 101.3 GiB is needed$", error="StepBlocked"),
+                r"policy.memory_overhead_per_instance 8.0 GiB \+ policy.memory_margin 4.0 GiB = 109.3 GiB is "
+                r"needed$", error="StepBlocked"),
     Case("start-serving: memory short after a stop: waits for it, then deferred (never counted toward holds)",
          _start(after=(STOP,)), [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo",
                                  f"wait {HEAD} meminfo"],
@@ -280,7 +306,7 @@ CASES = [
     Case("start-serving: one kB short after the settle: deferred", _start(after=(STOP,)),
          [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo", f"wait {HEAD} meminfo"],
          facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [at_need(-1)]},
-         raises=r"spark-1a32: 101.3 GiB available, but .* = 101.3 GiB is needed, up to 90 s after the stop",
+         raises=r"spark-1a32: 109.3 GiB available, but .* = 109.3 GiB is needed, up to 90 s after the stop",
          error="StepDeferred"),
     Case("start-serving: /proc/meminfo unanswered while settling fails the step, naming the node",
          _start(after=(STOP,)), [f"read {HEAD} container {NAME}", *DROP, f"read {HEAD} meminfo",
@@ -297,7 +323,8 @@ CASES = [
          facts={f"{HEAD} container {NAME}": [no_such(NAME)], f"{HEAD} meminfo": [meminfo(20)]},
          desired=_kv_cache, observed=_with_weights, error="StepBlocked",
          raises=r"^spark-1a32: 20.0 GiB available, but the rank's share of the weights 10.0 GiB \+ "
-                r"--kv-cache-memory-bytes 8.0 GiB \+ policy.memory_margin 4.0 GiB = 22.0 GiB is needed$"),
+                r"--kv-cache-memory-bytes 8.0 GiB \+ policy.memory_overhead_per_instance 8.0 GiB \+ "
+                r"policy.memory_margin 4.0 GiB = 30.0 GiB is needed$"),
     Case("start-serving: the container dead at start: fails at once with its exit code and last lines", _start(),
          [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED, f"read {HEAD} logs {NAME}"],
          facts={f"{HEAD} container {NAME}": [no_such(NAME), ours("dead", exit_code=137)], **ENOUGH,
@@ -334,25 +361,26 @@ CASES = [
          raises=r"timed out after 120s waiting for 2 nodes in `ray status`"),
     # -- await-health
     Case("await-health: serving at the first poll: the other nodes read, the head's poll, done", _health(),
-         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", "report serving.done"],
-         facts={**RUNNING, f"head start {NAME}": [head()]}, **_recorded()),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *DONE],
+         facts={**RUNNING, **READINGS, f"head start {NAME}": [head()]}, **_recorded()),
     Case("await-health: each change of the head's log is reported once, then done", _health(),
          ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", "report serving.stage",
           *WORKERS_READ, f"wait head start {NAME}", "report serving.progress", *WORKERS_READ,
-          f"wait head start {NAME}", "report serving.done"],
-         facts={**RUNNING, f"head start {NAME}": [head(api="down"), head(api="down", log=LOADING),
+          f"wait head start {NAME}", *DONE],
+         facts={**RUNNING, **READINGS, f"head start {NAME}": [head(api="down"), head(api="down", log=LOADING),
                                                     head(api="down", log=LOADING), head(api="down", log=MORE),
                                                     head(log=MORE)]}, **_recorded()),
     Case("await-health: quiet polls read the other nodes again every few polls", _health(),
          ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *WORKERS_READ, f"wait head start {NAME}",
-          "report serving.done"],
-         facts={**RUNNING, f"head start {NAME}": [*[head(api="down")] * 5, head()]}, **_recorded()),
+          *DONE],
+         facts={**RUNNING, **READINGS, f"head start {NAME}": [*[head(api="down")] * 5, head()]}, **_recorded()),
     Case("await-health: a quiet head is polled five times before the other nodes are read again", _health(),
-         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", "report serving.done"],
-         facts={**RUNNING, f"head start {NAME}": [*[head(api="down")] * 4, head()]}, **_recorded()),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *DONE],
+         facts={**RUNNING, **READINGS, f"head start {NAME}": [*[head(api="down")] * 4, head()]}, **_recorded()),
     Case("await-health: a head serving alone polls on: no other node's round ends its wait", _health(),
-         ["report serving.stage", f"wait head start {NAME}", "report serving.done"],
-         facts={f"head start {NAME}": [*[head(api="down")] * 5, head()]},
+         ["report serving.stage", f"wait head start {NAME}", "report serving.done", f"read head rank-memory {NAME}",
+          "report serving.memory"],
+         facts={f"head start {NAME}": [*[head(api="down")] * 5, head()], **READINGS},
          desired=lambda: _alone(load()), observed=lambda: observe(load())),
     Case("await-health: a worker's container exited: fails with its exit code and last lines", _health(),
          ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *WORKERS_READ[:1],
@@ -381,6 +409,13 @@ CASES = [
          desired=lambda: _alone(load()), observed=lambda: observe(load()),
          raises=r"timed out after 120s waiting for http://127.0.0.1:8000/health on head, 'tiny-moe' in /v1/models "
                 "and one completion"),
+    Case("await-health: a node whose reading does not parse is reported as read, unread parts empty", _health(),
+         ["report serving.stage", f"wait head start {NAME}", "report serving.done", f"read head rank-memory {NAME}",
+          "report serving.memory"],
+         facts={f"head start {NAME}": [head()], f"head rank-memory {NAME}": [
+             {"meminfo": Section("MemTotal: lots", 0), "containers": Section("API [not json", 0),
+              "stats": Section("curl: (7) Couldn't connect to server", 7)}]},
+         desired=lambda: _alone(load()), observed=lambda: observe(load())),
 ]
 
 
