@@ -389,7 +389,12 @@ def gpu_check(node: Node, f: NodeFacts) -> Check:
     if stack is None:
         return Check("gpu", node.name, "warn", "the GPU stack was not read")
     if stack.error is not None:
-        fix = (Fix("apt-get install -y nvidia-driver-580-open  # DGX OS ships it", "root", node.name)
+        # nvidia-smi missing: the driver's user space is gone. On DGX OS it comes back through the OS's own update
+        # (signed modules); a driver package installed by hand builds DKMS modules that Secure Boot refuses until a
+        # MOK is enrolled at the console, which a remote owner cannot do (issue 52).
+        fix = (Fix("apt-get update && apt-get full-upgrade  # DGX OS's own update restores the driver, signed; "
+                   "not a hand-installed nvidia-driver package (Secure Boot would need a MOK enrolled at the "
+                   "console)", "root", node.name)
                if stack.status == 127 else reboot)
         return Check("gpu", node.name, "fail", printable(f"nvidia-smi exited {stack.status}: {stack.error}"), fix)
     if not stack.hook:

@@ -233,7 +233,8 @@ def test_hf_is_asked_only_where_apply_downloads():
     (GpuStack(error="Failed to initialize NVML: Driver/library version mismatch", status=18, hook=True), None,
      "fail", "systemctl reboot  # once the running generation can be spared"),
     (GpuStack(error="nvidia-smi: command not found", status=127, hook=True), None, "fail",
-     "apt-get install -y nvidia-driver-580-open  # DGX OS ships it"),
+     "apt-get update && apt-get full-upgrade  # DGX OS's own update restores the driver, signed; not a "
+     "hand-installed nvidia-driver package (Secure Boot would need a MOK enrolled at the console)"),
     (GpuStack(gpu="NVIDIA GB10", driver="580.95.05", hook=False), None, "fail",
      "apt-get install -y nvidia-container-toolkit && systemctl restart docker"),
     (GpuStack(gpu="NVIDIA GB10", driver="580.95.05", hook=True), ("runc",), "warn",
