@@ -205,7 +205,10 @@ def plan(file: str, snapshot: Path | None, as_json: bool, env_file: Path) -> Non
         observed = _observe(desired)
     else:
         try:
-            observed = Observed.model_validate_json(snapshot.read_bytes())
+            observed = Observed.model_validate_json(snapshot.read_bytes()).by_deployment(
+                {v.deployment.name: {n.name: v.weights_root(n.name) for n in v.nodes
+                                     if isinstance(v.model.path, str) or n.name in v.model.path}
+                 for v in desired.views()})
         except ValidationError as exc:
             click.echo(f"{snapshot}: not an observed-state snapshot: {exc.error_count()} errors, first: "
                        f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}", err=True)

@@ -154,10 +154,13 @@ class Container(_Model):
 
 
 class RdmaPort(_Model):
-    """Kernel strings as read from /sys/class/infiniband/DEV/ports/1/{state,phys_state}."""
+    """Kernel strings as read from /sys/class/infiniband/DEV/ports/1/{state,phys_state}, and the port's RoCE v2
+    GIDs (`gid_attrs/types/N` reading "RoCE v2": index -> `gids/N` as the kernel prints it, `%pI6`)."""
 
     state: str  # e.g. "4: ACTIVE", "1: DOWN"
     phys_state: str  # e.g. "5: LinkUp", "3: Disabled"
+    roce_v2_gids: dict[int, str] = Field(default_factory=dict, description="index -> GID of the port's RoCE v2 "
+                                         "entries (an IPv4 one reads 0000:0000:0000:0000:0000:ffff:c0a8:c80d)")
 
     @property
     def active(self) -> bool:
@@ -486,6 +489,22 @@ class Observed(_Model):
                                            "disk_free": facts.disk_free})
         return self.model_copy(update={"nodes": {name: one(node) for name, node in self.nodes.items()},
                                        "serve_flags": self.deployment_flags.get(deployment, self.serve_flags)})
+
+    def by_deployment(self, roots: dict[str, dict[str, str]]) -> Observed:
+        """A snapshot of the single form (no node holds per-deployment facts: a file of one observed it) read for a
+        file of several: each deployment gets a node's tree only where that tree is its own (`roots`: deployment ->
+        node -> Desired.weights_root), else none (not listed). Without this every deployment would take the one
+        tree listed for its own (`plan --observed`, issue 52). The API and the disk room stay the node's."""
+        if len(roots) < 2 or any(node.deployments for node in self.nodes.values()):
+            return self
+
+        def spread(node: NodeObservation) -> NodeObservation:
+            tree = node.weights
+            facts = {name: DeploymentFacts(weights=tree if tree is not None and tree.root == where.get(node.name)
+                                           else None, serving=node.serving, disk_free=node.disk_free)
+                     for name, where in roots.items()}
+            return node.model_copy(update={"deployments": facts})
+        return self.model_copy(update={"nodes": {name: spread(node) for name, node in self.nodes.items()}})
 
     @property
     def partial(self) -> bool:
