@@ -14,6 +14,9 @@ address when the node's own session arrives on the port it changes (`other_port`
 
 from __future__ import annotations
 
+import ipaddress
+from dataclasses import dataclass
+
 from reconciler.core.observed import Link, NodeObservation
 from reconciler.core.spec import FabricPort, Node
 
@@ -38,6 +41,34 @@ def twin_only_down(node: Node, obs: NodeObservation) -> bool:
 def carrying_rdma_devices(node: Node, obs: NodeObservation) -> list[str]:
     """The RDMA devices of the ports that carry now, in declared order: what NCCL_IB_HCA lists at a start."""
     return [port.rdma_device for port, link in ports_seen(node, obs) if port.rdma_device and carries(port, link)]
+
+
+@dataclass(frozen=True)
+class RdmaAtStart:
+    """What a start tells NCCL of the node's fabric as it is then (`core.vllm.at_start`): the RDMA devices whose
+    ports carry, and the RoCE v2 IPv4 GID index of the first of them (None: not read, or none matches)."""
+
+    devices: list[str]
+    gid_index: int | None
+
+
+def rdma_at_start(node: Node, obs: NodeObservation) -> RdmaAtStart:
+    """The carrying devices and the GID index NCCL must use on them: the RoCE v2 entry whose GID is the IPv4-mapped
+    form of the port's declared address (`::ffff:a.b.c.d`). NCCL's default index is 0 (RoCE v1, link-local on a
+    ConnectX), and the index of the v2 IPv4 entry moves when the GID table is rebuilt (a firmware update, an
+    address added): read at every start, never assumed (sparkrun detects it the same way, from show_gids)."""
+    devices = carrying_rdma_devices(node, obs)
+    for port, link in ports_seen(node, obs):
+        if port.rdma_device in devices and link is not None and link.rdma is not None:
+            want = ipv4_gid(str(port.address.ip))
+            index = next((i for i, gid in sorted(link.rdma.roce_v2_gids.items()) if gid == want), None)
+            return RdmaAtStart(devices, index)
+    return RdmaAtStart(devices, None)
+
+
+def ipv4_gid(address: str) -> str:
+    """`192.168.200.13` as the kernel prints its IPv4-mapped GID (`%pI6`): 0000:...:ffff:c0a8:c80d."""
+    return ipaddress.IPv6Address(f"::ffff:{address}").exploded
 
 
 def other_port(node: Node, index: int) -> tuple[int, FabricPort] | None:

@@ -14,6 +14,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from reconciler.core.fabric import RdmaAtStart
 from reconciler.core.observed import (
     LABEL_GENERATION,
     LABEL_INSTANCE,
@@ -174,15 +175,29 @@ def _hca(devices: list[str]) -> str:
     return devices[0] if len(devices) == 1 else "=" + ",".join(devices)
 
 
-def at_start(spec: LaunchSpec, carrying: list[str]) -> LaunchSpec:
-    """The launch as the start runs it, given the RDMA devices whose ports carry now (core/fabric.py): with a
+#: What a start tells NCCL on a fabric with RDMA devices, unless serving.env says otherwise. NCCL_NET=IB: NCCL
+#: uses the IB/RoCE transport or fails, where without it a rank whose RDMA init fails (no /dev/infiniband, memlock,
+#: a wrong GID) falls back to NET/Socket silently, at a quarter of the speed (NCCL docs, NCCL_NET: "make sure NCCL
+#: ... doesn't automatically fall back"; timothystewart6 PR #24: IB disabled "cuts throughput ~4x"; sparkrun sets
+#: it too). NCCL_DEBUG=INFO with the INIT and NET subsystems: the rank logs the transport it chose ("via NET/IB"),
+#: which the health wait reads; set at the start only, so a running generation is not restarted for it.
+NCCL_AT_START = {"NCCL_NET": "IB", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+
+
+def at_start(spec: LaunchSpec, rdma: RdmaAtStart) -> LaunchSpec:
+    """The launch as the start runs it, given the node's fabric then (core/fabric.py `rdma_at_start`): with a
     twin down, NCCL_IB_HCA lists the ports that carry, which is what NCCL would use anyway (it skips a port that
-    is not ACTIVE), so the container's environment says what the fabric is. With none carrying nothing changes:
-    the first port's drift blocks that start."""
+    is not ACTIVE), so the container's environment says what the fabric is; NCCL is held to its IB transport
+    (`NCCL_AT_START`) on the RoCE v2 IPv4 GID read from the port (NCCL_IB_GID_INDEX). What serving.env sets
+    stays. With none carrying nothing changes: the first port's drift blocks that start."""
     declared = spec.env.get("NCCL_IB_HCA")
-    if declared is None or not carrying or _hca(carrying) == declared:
+    if declared is None or not rdma.devices:
         return spec
-    return dataclasses.replace(spec, start_env=(("NCCL_IB_HCA", _hca(carrying)),))
+    extra = {**NCCL_AT_START, **({"NCCL_IB_GID_INDEX": str(rdma.gid_index)} if rdma.gid_index is not None else {})}
+    start = {k: v for k, v in extra.items() if k not in spec.env}
+    if _hca(rdma.devices) != declared:
+        start["NCCL_IB_HCA"] = _hca(rdma.devices)
+    return dataclasses.replace(spec, start_env=tuple(sorted(start.items()))) if start else spec
 
 
 def _env(desired: Desired, node: Node) -> dict[str, str]:

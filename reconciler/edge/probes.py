@@ -40,6 +40,7 @@ from reconciler.core.observed import (
 )
 from reconciler.core.platforms import image_platform
 from reconciler.core.spec import Desired, Node
+from reconciler.core.text import printable
 from reconciler.core.vllm import pools
 from reconciler.edge.ssh import ENDED_BY_TIMEOUT, CommandTimeout, Session, quote, quote_word
 
@@ -279,9 +280,14 @@ def link_script(node: Node) -> list[str]:
                   f"sec rdma{suffix}"]
         if port.rdma_device:
             sysfs = f"/sys/class/infiniband/{port.rdma_device}/ports/1"
+            # the RoCE v2 GIDs: `grep -l` names the types that say so (an unused entry's type is EINVAL, hence
+            # 2>/dev/null), each printed `gid N VALUE` after the two state lines (NCCL_IB_GID_INDEX, at_start)
+            gids = (f"(cd {quote_word(sysfs + '/gid_attrs/types')} 2>/dev/null && grep -lx 'RoCE v2' -- * "
+                    "2>/dev/null | head -n 64 | while read -r i; do printf 'gid %s %s\\n' \"$i\" "
+                    "\"$(cat ../../gids/\"$i\" 2>/dev/null)\"; done)")
             lines.append(f"if [ -d {quote_word(sysfs)} ]; then "
                          f"cat {quote_word(sysfs + '/state')} {quote_word(sysfs + '/phys_state')}; "
-                         "rc $?; else rc 2; fi")
+                         f"r=$?; {gids}; rc $r; else rc 2; fi")
         else:
             lines.append("rc 2")
     return lines
@@ -304,9 +310,18 @@ def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) ->
         return Link(name=name, exists=False)
     rdma = None
     if rdma_sec is not None and rdma_sec.rc == 0:
-        state, _, phys = rdma_sec.body.partition("\n")
-        rdma = RdmaPort(state=state.strip(), phys_state=phys.strip())
+        lines = rdma_sec.body.split("\n")
+        state, phys = (lines + ["", ""])[:2]
+        rdma = RdmaPort(state=state.strip(), phys_state=phys.strip(), roce_v2_gids=_gids(lines[2:]))
     return _link(name, data[0], rdma)
+
+
+_GID = re.compile(r"^gid (\d{1,4}) ((?:[0-9a-f]{4}:){7}[0-9a-f]{4})$")
+
+
+def _gids(lines: list[str]) -> dict[int, str]:
+    """The `gid N VALUE` lines of a port's RoCE v2 entries; any other line (a GID that did not read) is left out."""
+    return {int(m.group(1)): m.group(2) for line in lines if (m := _GID.match(line.strip()))}
 
 
 def parse_links(node: Node, sections: dict[str, Section]) -> tuple[Link, Link | None]:
@@ -610,6 +625,27 @@ def completion_argv(desired: Desired) -> list[str]:
                     "-w", "\\n%{http_code}", "-d", body, url)
 
 
+VERIFY_DEADLINE = 30  # seconds for the verify's answer: a few tokens, after the first request of a fresh engine
+
+
+def verify_argv(desired: Desired) -> list[str]:
+    """serving.verify's one request (`curl`, body then the HTTP code on its own line), beside the completion's and
+    sent the same way (`api_argv`: the API key's header from stdin): greedy (`temperature` 0, so the same weights
+    give the same text), at most `max_tokens`, to /v1/completions with the prompt as it is or to
+    /v1/chat/completions with the prompt as the user's message. The prompt is the file's, validated there; the
+    body is JSON, quoted once."""
+    verify = desired.serving.verify
+    assert verify is not None, "a verify is asked only of a deployment that declares one"
+    common = {"model": desired.served_name, "max_tokens": verify.max_tokens, "temperature": 0}
+    if verify.endpoint == "chat":
+        body, path = {**common, "messages": [{"role": "user", "content": verify.prompt}]}, "/v1/chat/completions"
+    else:
+        body, path = {**common, "prompt": verify.prompt}, "/v1/completions"
+    url = f"http://127.0.0.1:{desired.serving.port}{path}"
+    return api_argv(desired, "-s", "-m", str(VERIFY_DEADLINE), "-H", "Content-Type: application/json",
+                    "-w", "\\n%{http_code}", "-d", json.dumps(body), url)
+
+
 def api_script(desired: Desired) -> list[str]:
     """The `health`, `models` and `completion` sections of the head's API (`parse_serving`).
 
@@ -698,6 +734,77 @@ def parse_completion(sec: Section | None) -> str | None:
     except (ValueError, AttributeError):
         return "the answer is not JSON"
     return None if isinstance(choices, list) and choices else "the answer has no choices"
+
+
+@dataclass(frozen=True)
+class VerifyAnswer:
+    """What serving.verify's request got: the answer's text (None when there is none), or why not (`problem`:
+    printable, short); `answered`: the API gave an HTTP answer (a wrong one included), so asking again changes
+    nothing; False while no answer came (curl's deadline, a refused connection): worth another try."""
+
+    text: str | None
+    problem: str = ""
+    answered: bool = True
+
+
+VERIFY_SHOWN = 200  # characters of an answer or an error a message quotes
+
+
+def shown(text: str) -> str:
+    """Node text as a message quotes it: one printable line, at most VERIFY_SHOWN characters."""
+    text = printable(text)
+    return text if len(text) <= VERIFY_SHOWN else text[:VERIFY_SHOWN - 1] + "…"
+
+
+def _error_of(body: str) -> str:
+    """The message of an error answer (vLLM's `{"error": {"message": ...}}`, an older `{"message": ...}`, a
+    proxy's `{"detail": ...}`), else the body itself."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body
+    error = doc.get("error", doc) if isinstance(doc, dict) else None
+    if isinstance(error, dict):
+        said = error.get("message") or error.get("detail")
+        return said if isinstance(said, str) else body
+    return error if isinstance(error, str) else body
+
+
+def _answer_text(body: str, chat: bool) -> str | None:
+    """The first choice's text (`text` of a completion, `message.content` of a chat completion); None when the
+    answer has none (not JSON, no choice, a null content)."""
+    try:
+        choices = json.loads(body).get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else {}
+        text = choice.get("message", {}).get("content") if chat else choice.get("text")
+    except (ValueError, AttributeError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+@node_output("verify")
+def parse_verify(sec: Section | None, port_owner: Section | None, chat: bool) -> VerifyAnswer:
+    """serving.verify's section (`verify_fact`). Node bytes never raise: whatever came back is an answer, a problem,
+    or no answer yet."""
+    holder = parse_port_holder(port_owner)
+    if holder is not None:
+        return VerifyAnswer(None, f"uid {holder} (not root, so not vLLM) listens on the serving port: not asked")
+    if sec is None:
+        return VerifyAnswer(None, "not asked", answered=False)
+    body, _, code = sec.body.strip().rpartition("\n")
+    if not code.strip():  # curl always writes the code (000 without an answer): it did not run
+        return VerifyAnswer(None, "not asked: no process of root's listens on the serving port", answered=False)
+    if sec.rc == 28:
+        return VerifyAnswer(None, f"no answer within {VERIFY_DEADLINE}s", answered=False)
+    if sec.rc != 0 or not code.strip().isdigit() or code.strip() == "000":
+        return VerifyAnswer(None, f"no answer (curl exit {sec.rc})", answered=False)
+    if code.strip() != "200":
+        return VerifyAnswer(None, f"HTTP {code.strip()}: {shown(_error_of(body).strip())}")
+    text = _answer_text(body, chat)
+    if text is None:
+        what = "content (a reasoning model may think past max_tokens)" if chat else "text"
+        return VerifyAnswer(None, f"the answer has no {what}: {shown(body.strip())}")
+    return VerifyAnswer(text)
 
 
 def port_owner_script(port: int) -> list[str]:
@@ -948,6 +1055,21 @@ def api_fact(desired: Desired) -> Fact[ServingApi]:
         return parse_serving(sections.get("health"), sections.get("models"), None, sections.get("completion"),
                              sections.get("engine"), sections.get("port_owner"))
     return Fact("api", tuple(api_script(desired)), parse)
+
+
+def verify_fact(desired: Desired) -> Fact[VerifyAnswer]:
+    """serving.verify's one request to the head's API (`verify_argv`), asked only when root alone listens on the
+    serving port (`port_owner_script`, as the health check asks): the API key travels in the script (stdin of
+    `sh -s`) and into curl by a builtin's pipe, never in an argv."""
+    verify = desired.serving.verify
+    assert verify is not None, "a verify is asked only of a deployment that declares one"
+    header = auth_header(desired)
+    auth = f"printf %s {quote_word(header.decode())} | " if header else ""
+    lines = (*port_owner_script(desired.serving.port), "sec verify",
+             f"rc=0; if [ \"$owners\" = \"0 \" ]; then {auth}{quote(verify_argv(desired))}; rc=$?; fi; echo; rc $rc")
+    chat = verify.endpoint == "chat"
+    return Fact(f"verify {desired.served_name}", lines,
+                lambda sections: parse_verify(sections.get("verify"), sections.get("port_owner"), chat))
 
 
 # -- facts of the serving and retention steps (steps/serving.py, steps/retention.py) ------------------------------

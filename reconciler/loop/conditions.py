@@ -10,9 +10,10 @@ from a list of kinds kept here: a new kind shows in /status the day it is declar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from reconciler.core.drift import (
     CONDITION_OF,
@@ -27,7 +28,50 @@ from reconciler.core.drift import (
 from reconciler.core.observed import NodeObservation, Observed, ServingApi
 from reconciler.core.planning import Plan, kind_and_node
 from reconciler.core.restore import AS_FOUND
+from reconciler.core.spec import SINGLE, Desired
 from reconciler.loop.history import Hold
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One deployment's serving.verify as status tells it (`verify_results`): its API's node, whether its last
+    check passed (`ok`; None: not checked for what runs now) and what it said."""
+
+    deployment: str
+    node: str
+    ok: bool | None
+    message: str
+
+
+def verify_results(desired: Desired, observed: Observed | None,
+                   reports: Mapping[str, Mapping[str, Any]]) -> list[Verified]:
+    """Each declared serving.verify of `desired`, judged by the last `serving.verify` report of its deployment
+    (await-health's, at the end of every start: `reports`, by deployment). A report counts for what runs now only:
+    while the head's serving container it checked still runs (a new container is checked at its own start) and the
+    file still declares the same verify (an edit restarts nothing, so it is checked at the next start); else, or
+    with no report since the daemon started, not checked (Unknown). A head this observation did not see keeps its
+    last report (a node whose containers could not be read keeps it too)."""
+    out: list[Verified] = []
+    for view in desired.views():
+        verify = view.serving.verify
+        if verify is None:
+            continue
+        name, head = view.deployment.name, view.api_node.name
+        report = reports.get(name)
+        seen = observed.view(name).nodes.get(head) if observed is not None else None
+        looked = seen is not None and seen.usable  # its containers were read
+        container = seen.container(view.serving.container_name) if seen is not None and looked else None
+        if report is None:
+            why = "no start was checked since the reconciler started"
+        elif report.get("verify") != verify.model_dump():
+            why = "serving.verify changed since the last check; an edit of it restarts nothing"
+        elif looked and (container is None or not container.running or container.id != report.get("container")):
+            why = f"{view.serving.container_name} on {head} is not the container last checked"
+        else:
+            out.append(Verified(name, head, bool(report.get("ok")), str(report.get("message", ""))))
+            continue
+        out.append(Verified(name, head, None, f"not checked: {why}; checked at the next start"))
+    return out
 
 
 @dataclass
@@ -45,6 +89,12 @@ class Snapshot:
     mode: str = "enforce"
     in_flight: list[str] = field(default_factory=list)  # step ids of operations running beside the loop
     held_change: Hold | None = None  # the file's generation failed and is held: an earlier one is enforced
+    verified: list[Verified] = field(default_factory=list)  # each declared serving.verify (`verify_results`)
+
+    @property
+    def wrong_answers(self) -> list[str]:
+        """The deployments whose serving.verify failed for what runs now: not Ready, whatever the plan says."""
+        return [v.deployment for v in self.verified if v.ok is False]
 
 
 def _iso(now: float) -> str:
@@ -122,10 +172,23 @@ def _node_conditions(name: str, snap: Snapshot) -> list[Condition]:
         out.append(_cond(name, "ServingBusy", bool(busy), "QueueFull" if busy else "Answering",
                          (f"a completion queued behind every slot while tokens keep coming ({'; '.join(said)}): "
                           "busy, not wedged; nothing restarts" if busy else "; ".join(said))))
+    if checks := [v for v in snap.verified if v.node == name]:  # the API's node of a deployment declaring one
+        out.append(_verified(name, checks))
     held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
     out.append(_cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
                      "; ".join(f"{sid}: {msg}" for sid, msg in held.items())))
     return out
+
+
+def _verified(name: str, checks: list[Verified]) -> Condition:
+    """ServingVerified on a deployment's API node: False while a serving.verify there failed for what runs now (a
+    wrong answer, an error answer, none), True when every one there passed, Unknown while one is not checked."""
+    said = "; ".join((f"{v.deployment}: " if v.deployment != SINGLE else "") + v.message for v in checks)
+    if any(v.ok is False for v in checks):
+        return _cond(name, "ServingVerified", False, "WrongAnswer", said)
+    if all(v.ok for v in checks):
+        return _cond(name, "ServingVerified", True, "Answered", said)
+    return _cond(name, "ServingVerified", None, "NotChecked", said)
 
 
 def phase_of(snap: Snapshot) -> str:
@@ -136,6 +199,8 @@ def phase_of(snap: Snapshot) -> str:
         return "Paused"
     if snap.held_change is not None and plan is not None and not plan.changes:  # what was brought back serves
         return "RolledBack"  # (until it does, the phase says how its start goes; the condition says it is held)
+    if plan is not None and not plan.changes and snap.wrong_answers:  # it runs as declared, and answers wrong
+        return "Degraded"
     if plan is not None and not plan.changes:
         return "Converged"
     if snap.held or (plan is not None and (plan.blocked or any(d.blocking for d in plan.drift))):
@@ -180,11 +245,13 @@ def _rolled_back(hold: Hold | None) -> Condition:
 
 def conditions(snap: Snapshot, nodes: list[str], previous: list[Condition], now: float) -> list[Condition]:
     plan = snap.plan
-    ready = plan is not None and not plan.changes and snap.file_error is None and snap.held_change is None
+    ready = (plan is not None and not plan.changes and snap.file_error is None and snap.held_change is None
+             and not snap.wrong_answers)
     drift_count = sum(1 for d in plan.drift if d.actionable or d.blocking) if plan else 0
+    wrong = f"; serving.verify failed: {', '.join(snap.wrong_answers)}" if snap.wrong_answers else ""
     out = [
         _cond("", "Ready", ready, "Converged" if ready else phase_of(snap),
-              "" if ready else f"{drift_count} drifted resources"),
+              "" if ready else f"{drift_count} drifted resources{wrong}"),
         _cond("", "DesiredStateValid", snap.file_error is None,
               "Valid" if snap.file_error is None else "DesiredStateInvalid", snap.file_error or ""),
         _cond("", "Progressing", bool(snap.in_flight or (plan and plan.steps and snap.mode == "enforce"

@@ -344,7 +344,9 @@ class Controller:
                         current = planning.plan(desired, observed)
                 current, started = self._start(desired, observed, current, trigger)
                 self._verify_next(desired, current)
-                if not current.changes and self.read_only is None and self.held is None:
+                if (not current.changes and self.read_only is None and self.held is None
+                        and not any(s.kind in START_KINDS for s in self.operations.busy())  # its verify may fail
+                        and not self.publisher.answers_wrong(desired, observed)):  # serving.verify: not served
                     self.store.converged(self.clock())  # observing only, or rolled back: not the file's to reach
                     if current.mode == "enforce":  # what a rollback may bring back: a generation that serves
                         self.history.served(self.store.generation, self.clock())
@@ -600,6 +602,8 @@ class Controller:
             self.operations.stage("await-health", node, fields["stage"], fields["percent"], fields["line"])
         elif event == "serving.memory":  # a rank's node once it served: its overshoot, into /status and metrics
             self.publisher.memory(fields, self.clock())
+        elif event == "serving.verify":  # a start's check of its answer: ServingVerified, reconciler_serving_verified
+            self.publisher.verified(fields)
         levels = {"debug": self.log.debug, "info": self.log.info, "warning": self.log.warning}
         levels[progress_level(event)](event, **{k: v for k, v in fields.items() if k != "step"})
 

@@ -98,6 +98,11 @@ serving_health_timeout = Gauge("reconciler_serving_health_timeout_seconds", "ser
                                ["deployment"], registry=REGISTRY)
 serving_started = Gauge("reconciler_serving_started_timestamp_seconds", "Unix time the head's serving container "
                         "started (docker's StartedAt); 0 while none runs.", ["deployment"], registry=REGISTRY)
+serving_verified = Gauge("reconciler_serving_verified", "serving.verify's last check of what runs now: 1 when the "
+                         "deployment's answer matched serving.verify.expect after its start, 0 when it answered "
+                         "wrong, with an error or not at all; no series while not checked (none declared, no start "
+                         "checked since the daemon started, the verify edited since).", ["deployment"],
+                         registry=REGISTRY)
 INFO_LABELS = ("deployment", "model", "served_name", "endpoint")
 deployment_info = Gauge("reconciler_deployment_info", "Always 1, one series per deployment in force: its model id, "
                         "served name and the OpenAI base URL the head serves it at, to join on (`* on (job, instance, "
@@ -115,6 +120,7 @@ build_info = Gauge("reconciler_build_info", "Always 1; the version label says wh
                    registry=REGISTRY)
 
 #: The gauges with one series per deployment (label `deployment`): a deployment no longer in force leaves them all.
+#: (reconciler_serving_verified has a series only while a check counts: the status publisher sets and removes it.)
 PER_DEPLOYMENT: tuple[Gauge, ...] = (serving_healthy, serving_busy, serving_health_timeout, serving_started)
 
 
@@ -231,6 +237,17 @@ def set_deployments(deployments: Sequence[Mapping[str, str]]) -> None:
         for labels in _series(gauge):
             if labels["deployment"] not in names:
                 gauge.remove(labels["deployment"])
+
+
+def set_verified(checked: Mapping[str, bool]) -> None:
+    """reconciler_serving_verified: 1 or 0 for each deployment whose serving.verify counts for what runs now, and
+    no series for any other (found through collect(), as set_deployments finds them): a check that no longer
+    counts (another container, an edited verify, a deployment gone) must not keep a stale 0 paging."""
+    for labels in _series(serving_verified):
+        if labels["deployment"] not in checked:
+            serving_verified.remove(labels["deployment"])
+    for deployment, ok in checked.items():
+        serving_verified.labels(deployment).set(1 if ok else 0)
 
 
 def _series(gauge: Gauge) -> list[dict[str, str]]:

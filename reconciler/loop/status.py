@@ -9,6 +9,7 @@ generation shown is then the one recorded and in force, never one that a restart
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,11 +40,16 @@ class StatusPublisher:
         self._readings: dict[tuple[str, str], tuple[Mapping[str, Any], float]] = {}
         self._memory_view: list[dict[str, Any]] = []
         self._memory_lock = threading.Lock()
+        # deployment -> its last `serving.verify` report (await-health's, from a step's thread: under the lock)
+        self._verifies: dict[str, Mapping[str, Any]] = {}
 
     def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float,
                 state_error: str | None = None) -> None:
         """`now`: unix time (the timestamps people read); `state_error`: why the state dir could not be written
         (generations.GenerationStore.unsaved)."""
+        if self._desired is not None and not snap.verified:
+            snap = dataclasses.replace(snap, verified=self.verify_results(self._desired, snap.observed))
+        self._verify_gauge(snap.verified)
         conds = conditions.conditions(snap, nodes, self.status.get("conditions", []), now)
         phase = conditions.phase_of(snap)
         drift = snap.plan.drift if snap.plan else []
@@ -69,7 +75,7 @@ class StatusPublisher:
                 counts[(d.node, d.kind)] = counts.get((d.node, d.kind), 0) + 1
         metrics.set_drift(counts, nodes, DRIFT_KINDS)
         metrics.converged.set(1 if snap.plan is not None and not snap.plan.changes and error is None
-                              and snap.held_change is None else 0)
+                              and snap.held_change is None and not snap.wrong_answers else 0)
         metrics.observed_generation.set(snap.observed_generation)
         metrics.last_reconcile.set(now)
         systemd.status(f"{phase}; generation {snap.generation}, {sum(counts.values())} drifted"
@@ -125,6 +131,30 @@ class StatusPublisher:
         with self._memory_lock:
             self._readings[(str(fields["node"]), str(fields["deployment"]))] = (dict(fields), now)
         self._judge_memory()
+
+    def verified(self, fields: Mapping[str, Any]) -> None:
+        """A deployment's serving.verify as await-health's `serving.verify` reported it (deployment, the head's
+        container it checked, the verify it asked, ok, the message): it replaces the deployment's last one and is
+        judged at each publish against what runs then (`conditions.verify_results`). Called from a step's thread."""
+        with self._memory_lock:
+            self._verifies[str(fields["deployment"])] = dict(fields)
+
+    def verify_results(self, desired: Desired, observed: Observed | None) -> list[conditions.Verified]:
+        """Each declared serving.verify of `desired`, judged by its last report against `observed`."""
+        with self._memory_lock:
+            reports = dict(self._verifies)
+        return conditions.verify_results(desired, observed, reports)
+
+    def answers_wrong(self, desired: Desired, observed: Observed | None) -> bool:
+        """A deployment of `desired` failed its serving.verify for what runs now: the generation is not converged,
+        whatever its plan says (the controller then records no convergence and no `served`)."""
+        return any(v.ok is False for v in self.verify_results(desired, observed))
+
+    @staticmethod
+    def _verify_gauge(checked: list[conditions.Verified]) -> None:
+        """reconciler_serving_verified: 1 or 0 for a deployment whose check counts for what runs now; no series
+        for the others (none declared, not checked)."""
+        metrics.set_verified({v.deployment: v.ok for v in checked if v.ok is not None})
 
     def memory_view(self) -> list[dict[str, Any]]:
         with self._memory_lock:

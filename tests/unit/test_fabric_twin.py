@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from reconciler.core.drift import Drift, diff
+from reconciler.core.fabric import RdmaAtStart
 from reconciler.core.observed import LABEL_SPEC_HASH, RdmaPort
 from reconciler.core.planning import plan
 from reconciler.core.vllm import at_start, launch_specs
@@ -79,7 +80,7 @@ def test_a_start_lists_the_ports_that_carry_and_keeps_the_declared_hash(carrying
     desired = load(*RDMA)
     declared = next(s for s in launch_specs(desired) if s.node == "worker1")
     assert declared.env["NCCL_IB_HCA"] == f"={DEV0},{DEV1}"
-    started = at_start(declared, carrying)
+    started = at_start(declared, RdmaAtStart(carrying, None))
     assert f"NCCL_IB_HCA={hca}\n" in started.env_file_text()
     assert started.spec_hash == declared.spec_hash, "a twin coming back restarts nothing"
     argv = started.run_argv(1)

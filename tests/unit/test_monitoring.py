@@ -242,6 +242,7 @@ EXPECTED_ALERTS = {
     "ReconcilerWeightsOutOfSync",
     "ReconcilerLowMemory", "ReconcilerLoopStalled", "ReconcilerGpuStackSkew",
     "ReconcilerRolledBack",  # a failed change rolled back (reconciler.loop.history)
+    "ReconcilerServingWrongAnswer",  # serving.verify: the fixed prompt answered wrong (issue 52)
 }
 
 

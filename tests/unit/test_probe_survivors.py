@@ -397,13 +397,20 @@ def test_the_declared_ports_are_read_with_ip_and_the_rdma_sysfs(node):
 
 def test_the_rdma_port_script_reads_the_kernels_sysfs_files(cluster_yaml):
     """Exact script: /sys/class/infiniband/DEV/ports/1/{state,phys_state}, the files drivers/infiniband/core/
-    sysfs.c makes (fixtures/discover/rdma-sysfs-spark.txt holds what they print); state first, one line each."""
+    sysfs.c makes (fixtures/discover/rdma-sysfs-spark.txt holds what they print); state first, one line each; then
+    the RoCE v2 entries of the port's GID table, `gid N VALUE` (tests/unit/test_nccl_at_start.py runs it), the
+    state's exit status kept as the section's."""
     head = spec.load(cluster_yaml).head
     rdma = [line for line in link_script(head) if "infiniband" in line]
     ports = [f"/sys/class/infiniband/{dev}/ports/1" for dev in ("rocep1s0f1", "roceP2p1s0f1")]
-    assert rdma == [f"if [ -d {p} ]; then cat {p}/state {p}/phys_state; rc $?; else rc 2; fi" for p in ports]
+    gids = ("(cd {p}/gid_attrs/types 2>/dev/null && grep -lx 'RoCE v2' -- * 2>/dev/null | head -n 64 | while read -r "
+            "i; do printf 'gid %s %s\\n' \"$i\" \"$(cat ../../gids/\"$i\" 2>/dev/null)\"; done)")
+    assert rdma == [f"if [ -d {p} ]; then cat {p}/state {p}/phys_state; r=$?; {gids.format(p=p)}; rc $r; else rc 2; "
+                    "fi" for p in ports]
     first = probes.parse_link("enp1s0f1np1", HEAD["link"], Section("4: ACTIVE\n5: LinkUp", 0))
     assert first.rdma == RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp")
+    odd = probes.parse_link("enp1s0f1np1", HEAD["link"], Section("4: ACTIVE\n5: LinkUp\ngid 3 not-a-gid\ngid x y", 0))
+    assert odd.rdma == RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp"), "a line that is not a GID is left out"
 
 
 # -- listening ports ----------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import hashlib
 import ipaddress
 import json
 import posixpath
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -22,6 +23,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -195,6 +197,57 @@ UTILIZATION_CEILING = 0.9
 DEFAULT_ULIMITS = {"nofile": "1048576:1048576", "memlock": "-1", "stack": "67108864"}
 
 
+#: How much of an answer `Verify.expect` is matched against (the text of at most `Verify.max_tokens` tokens is
+#: far shorter; a node that sends more is cut here).
+VERIFY_TEXT_LIMIT = 4096
+
+
+class Verify(_Model):
+    """A question the deployment must answer right after each start, before it counts as served: one greedy
+    completion (`temperature` 0, a few tokens) of `prompt`, whose text `expect` must match. Healthy alone means one
+    token came back, which a kernel that computes garbage passes (NGC's SM121 notes on CUTLASS FP4: "produces
+    garbage output silently"); a known answer does not."""
+
+    prompt: str = Field(min_length=1, max_length=2000, description="What is asked, as written (no template "
+                        "around it with `endpoint: completions`; the user's message with `chat`). NVIDIA's vLLM "
+                        "playbook checks a new server with 12*17: `12*17=`.")
+    expect: str = Field(min_length=1, max_length=500, description="A regular expression (Python's `re`, searched: "
+                        "it may match anywhere in the answer's text; `(?i)` for any case) the answer must match, "
+                        r"e.g. `\b204\b`. Checked when the file is read: a pattern that does not compile, or that "
+                        "an empty answer matches (it would check nothing), is refused.")
+    max_tokens: int = Field(8, ge=1, le=64, description="The most tokens the answer may have: a few are enough "
+                            "for a checkable answer, and the check takes a slot of the engine while it runs.")
+    endpoint: Literal["completions", "chat"] = Field(
+        "completions", description="`completions` (/v1/completions: the prompt as it is, no chat template, no "
+        "reasoning: a thinking model answers in its first tokens) or `chat` (/v1/chat/completions: the prompt as "
+        "the user's message, through the model's chat template; the answer is the message's `content`, which a "
+        "reasoning model may leave empty while it thinks within max_tokens).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_text(cls, value: str) -> str:
+        if any((ord(c) < 32 and c not in "\n\t") or ord(c) == 127 for c in value):
+            raise ValueError("contains control characters (only newlines and tabs are allowed in a prompt)")
+        return value
+
+    @field_validator("expect")
+    @classmethod
+    def _expect_is_a_pattern(cls, value: str) -> str:
+        if has_control_characters(value):
+            raise ValueError("contains control characters (write \\n for a newline in the pattern)")
+        try:
+            pattern = re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"{value!r} is not a regular expression: {exc}") from None
+        if pattern.search("") is not None:
+            raise ValueError(f"{value!r} matches an empty answer, so it checks nothing")
+        return value
+
+    def matches(self, text: str) -> bool:
+        """Whether `text` (cut at VERIFY_TEXT_LIMIT characters) is an answer this check takes."""
+        return re.search(self.expect, text[:VERIFY_TEXT_LIMIT]) is not None
+
+
 class Serving(_Model):
     engine: Literal["vllm"] = "vllm"
     image: ImageRef
@@ -252,6 +305,19 @@ class Serving(_Model):
         Duration(300), description="How long serving that has served may fail its health check (/health, the "
         "model listed, one completion) before it is restarted in order. Longer than a restart takes, so a "
         "hiccup never costs a reload; doubled after each restart that did not hold, up to 16x.")
+    verify: Verify | None = Field(
+        None, description="Off when absent. A question with a checkable answer, asked after each start at the end "
+        "of `await-health` (a new generation's start, a restart for a change or for health): `prompt` (as written; "
+        "NVIDIA's vLLM playbook asks 12*17), `expect` (a regular expression, Python's `re`, searched in the "
+        r"answer's text, e.g. `\b204\b`; one that does not compile or that an empty answer matches is refused), "
+        "`max_tokens` (8; at most 64), `endpoint` (`completions`: the prompt as it is, the default; `chat`: as "
+        "the user's message, through the chat template). Greedy (`temperature: 0`), with the API key as the "
+        "health check sends it. A wrong answer, an error answer or none within 2 minutes fails `await-health`: "
+        "not Ready, condition ServingVerified False, reconciler_serving_verified 0, and with "
+        "policy.on_failed_change rollback a new generation that never served is rolled back. An edit of it "
+        "restarts nothing: it is checked at the next start. Refused for a pooling model (`--runner pooling`), "
+        "which generates no text. The generative recipes carry `12*17=` -> `\\b204\\b` (docs/operations.md, "
+        "\"Checking the answer\").")
 
 
 class CoTenants(_Model):

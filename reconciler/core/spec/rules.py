@@ -317,6 +317,20 @@ def _secret_twice(f: _Facts) -> list[_Problem]:
             for name in f.d.serving.secrets if name in f.d.serving.env]
 
 
+def _verify_needs_generated_text(f: _Facts) -> list[_Problem]:
+    """serving.verify asks for a completion and matches its text: a pooling model (`--runner pooling`: embeddings,
+    a reranker) serves no completions API and generates no text, so a verify there could only ever fail. Its health
+    check already makes one pass through every rank (`POST /pooling`)."""
+    from reconciler.core.vllm import pools  # at call time: core.vllm imports the spec, which imports this module
+
+    s = f.d.serving
+    if s.verify is None or not pools(s):
+        return []
+    return [(("serving", "verify"), "a pooling model (--runner pooling in serving.extra_args: embeddings, a "
+             "reranker) generates no text to check: remove serving.verify (its health check already makes one "
+             "pass through every rank, POST /pooling)")]
+
+
 def _co_tenants(f: _Facts) -> list[_Problem]:
     tables: dict[str, Mapping[str, object]] = {"allowed": f.d.co_tenants.allowed,
                                                "protected": f.d.co_tenants.protected, "memory": f.d.co_tenants.memory}
@@ -450,6 +464,7 @@ _DEPLOYMENT_RULES: tuple[tuple[_Rule, bool], ...] = (
     (_trusted, False),
     (_secret_twice, False),
     (_image_sources_are_nodes, False),
+    (_verify_needs_generated_text, False),
 )
 _ACROSS_RULES: tuple[tuple[_Rule, bool], ...] = (
     (_unique_container_names, False),

@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from reconciler.core.drift import image_holder
-from reconciler.core.fabric import carrying_rdma_devices
+from reconciler.core.fabric import rdma_at_start
 from reconciler.core.observed import LABEL_SPEC_HASH, Memory
 from reconciler.core.planning import Step, kind_and_node
 from reconciler.core.vllm import (
@@ -32,12 +32,15 @@ from reconciler.edge.probes import (
     MEMORY,
     ContainerState,
     StartSeen,
+    VerifyAnswer,
     container_fact,
     log_tail_fact,
     rank_memory_fact,
     ray_nodes_fact,
     serve_processes_fact,
+    shown,
     start_fact,
+    verify_fact,
 )
 from reconciler.edge.ssh import Cancelled, RemoteError, quote
 from reconciler.edge.steps import note
@@ -169,7 +172,7 @@ def start_serving(given: Given, step: Step) -> Actions:
     minutes old): one already running with this spec is left alone, ours stopped is removed first, anyone else's
     blocks the start; then the memory preflight, the ledger's `served` lines and the kept caches' directories."""
     node, desired = step.node, given.desired
-    spec = at_start(spec_for(given, node), carrying_rdma_devices(desired.node(node), given.observed.node(node)))
+    spec = at_start(spec_for(given, node), rdma_at_start(desired.node(node), given.observed.node(node)))
     name = spec.container_name
     seen = yield from read(node, container_fact(name))
     if seen is not None:
@@ -278,7 +281,8 @@ def await_health(given: Given, step: Step) -> Actions:
     deadline: each round's wait is capped by what is left of it). Each poll reads the head's container, API and
     log in one round trip (`probes.start_fact`); a change of the log is reported (`StartWatch`); the other nodes'
     containers are read every WORKERS_EVERY polls. A container that is not running fails the step with its last
-    log lines. Once it serves, each rank's node is read (`memory_readings`)."""
+    log lines. Once it serves, each rank's node is read (`memory_readings`), then serving.verify, when declared,
+    asks its question (`verify_answer`): a wrong answer fails the step."""
     d = given.desired
     head, want = step.node, d.served_name
     specs = launch_specs(d)
@@ -303,6 +307,7 @@ def await_health(given: Given, step: Step) -> Actions:
         if seen.api.serves(want):
             yield watch.served()
             yield from memory_readings(given, specs)
+            yield from verify_answer(given, head, seen.container.container.id)
             return
         if (report := watch.seen(seen.log)) is not None:
             yield report
@@ -330,3 +335,50 @@ def memory_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
             "node": spec.node, "deployment": d.deployment.name, "container": spec.container_name,
             "total": memory.total_bytes if memory else None, "available": memory.available_bytes if memory else None,
             "current": seen.current, "running": list(seen.running), "weights": weights})
+
+
+#: How long serving.verify waits for an answer at all: each request has its own deadline (probes.VERIFY_DEADLINE)
+#: and is asked again while none comes (a fresh engine's first requests, clients queued in its few slots); an
+#: answer, right, wrong or an HTTP error, ends the wait at once.
+VERIFY_WITHIN = 120.0
+
+
+def verify_answer(given: Given, head: str, container: str) -> Actions:
+    """serving.verify, once the deployment serves: one greedy request through the head's API (`probes.verify_fact`,
+    the API key sent as the health check sends it) whose text must match `expect`. The result is reported
+    (`serving.verify`: the status publisher keeps it per deployment and head container, into the condition
+    ServingVerified and reconciler_serving_verified), then a wrong answer, an error answer or none within
+    VERIFY_WITHIN fails the step, quoting what came back (printable, capped) and what was expected: await-health
+    is a start, so a new generation that never served is a failed change (policy.on_failed_change)."""
+    d = given.desired
+    verify = d.serving.verify
+    if verify is None:
+        return
+    seen: list[VerifyAnswer] = []
+
+    def answered(now: VerifyAnswer) -> bool:
+        seen.append(now)
+        return now.answered
+
+    try:
+        yield from wait(Read(head, verify_fact(d)), answered, timeout=VERIFY_WITHIN, interval=HEALTH_POLL,
+                        what=f"an answer to serving.verify's '{shown(verify.prompt)}' on {head}")
+    except StepTimedOut:
+        pass  # judged below on the last try (a cancel, StepCancelled, goes on up)
+    last = seen[-1] if seen else VerifyAnswer(None, "not asked", answered=False)
+    ok = last.text is not None and verify.matches(last.text)
+    asked = (f"serving.verify on {head}: {verify.endpoint} of '{shown(verify.prompt)}' (greedy, at most "
+             f"{verify.max_tokens} tokens)")
+    expected = f"'{shown(verify.expect)}'"
+    if last.text is not None:
+        said = f"{asked} answered '{shown(last.text)}', which {'matches' if ok else 'does not match'} {expected}"
+    elif not last.answered:
+        said = f"{asked} got no answer within {VERIFY_WITHIN:g}s ({last.problem}); expected a match of {expected}"
+    else:
+        said = f"{asked} got no text ({last.problem}); expected a match of {expected}"
+    yield Report("serving.verify", {
+        "node": head, "deployment": d.deployment.name, "container": container, "ok": ok,
+        "verify": verify.model_dump(), "answer": None if last.text is None else shown(last.text),
+        "problem": last.problem, "message": said})
+    if not ok:
+        raise StepFailed(said)

@@ -2,16 +2,18 @@
 
 start-serving and launch-model run over the sample (desired-state/cluster.yaml: two GB10 nodes, 121.6 GiB of
 MemTotal as `/proc/meminfo` says on a DGX Spark); await-health over the recorded testbed (its head's API as the
-probe read it, tests/unit/fixtures/probe-4-nodes.json) and the recorded vLLM cold start's log lines.
+probe read it, tests/unit/fixtures/probe-4-nodes.json) and the recorded vLLM cold start's log lines; its end,
+serving.verify, over answers shaped as vLLM 0.32.0 shapes them (the real vLLM's garbage, the stand-in's words).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from functools import cache
 from typing import Any
 
-from reconciler.core.fabric import carrying_rdma_devices
+from reconciler.core.fabric import rdma_at_start
 from reconciler.core.observed import (
     LABEL_INSTANCE,
     LABEL_MANAGED,
@@ -39,7 +41,7 @@ def _spec(node: str = HEAD) -> LaunchSpec:
     """The launch the step must run (core.vllm, pure): its hash, its `docker run`."""
     d = sample()
     spec = next(s for s in launch_specs(d, INSTANCE) if s.node == node)
-    return at_start(spec, carrying_rdma_devices(d.node(node), reachable().node(node)))
+    return at_start(spec, rdma_at_start(d.node(node), reachable().node(node)))
 
 
 def ours(state: str = "running", spec_hash: str | None = None, exit_code: int = 0) -> Raw:
@@ -417,6 +419,95 @@ CASES = [
               "stats": Section("curl: (7) Couldn't connect to server", 7)}]},
          desired=lambda: _alone(load()), observed=lambda: observe(load())),
 ]
+
+
+# -- serving.verify at the end of await-health (issue 52, item 8), over the recorded testbed with a verify declared
+VERIFY_KEY = "head verify tiny-moe"
+VERIFIED = [*DONE, f"wait {VERIFY_KEY}", "report serving.verify"]
+
+
+def _verifying(endpoint: str = "completions") -> Desired:
+    """The recorded cluster with NVIDIA's playbook check (12*17 -> 204) declared."""
+    return load(("  health_timeout: 2m\n", "  health_timeout: 2m\n  verify: {prompt: '12*17=', expect: '\\b204\\b', "
+                                             f"endpoint: {endpoint}}}\n"))
+
+
+def _completion(text: str) -> str:
+    """A /v1/completions answer as vLLM 0.32.0 shapes it (tests/unit/test_completion_check.py: REAL_ANSWER), the
+    greedy `text` given."""
+    return json.dumps({"id": "cmpl-aa28977b610327c4", "object": "text_completion", "created": 1796277722,
+                       "model": "tiny-moe", "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                         "finish_reason": "length", "stop_reason": None,
+                                                         "token_ids": None, "prompt_logprobs": None}],
+                       "usage": {"prompt_tokens": 6, "total_tokens": 10, "completion_tokens": 4}})
+
+
+def asked(body: str, code: str = "200", rc: int = 0, owners: str = "0 ") -> dict[str, Section]:
+    """One answer to serving.verify's request (`probes.verify_fact`): the serving port's listeners, then curl's
+    body and the HTTP code on its own line (`-w '\\n%{http_code}'`), and curl's exit code."""
+    return {"port_owner": Section(owners, 0), "verify": Section(f"{body}\n{code}", rc)}
+
+
+RIGHT = asked(_completion(" 204"))
+#: What the real vLLM 0.32.0 CPU build's tiny random Llama answered (test_completion_check.REAL_ANSWER): the
+#: garbage a kernel that computes wrong serves with /health 200 and one token answered.
+GARBAGE = asked(_completion("ow\ufffd\ufffd{Spar"))
+#: What the testbed's stand-in answers every completion: max_tokens words of "stand-in" (testbed/standin).
+STANDIN = asked(_completion(" ".join(["stand-in"] * 8)))
+ENGINE_DEAD = asked('{"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause.", '
+                    '"type": "EngineDeadError", "code": 500}}', "500")
+HUNG = asked("", "000", 28)
+REFUSED = asked("", "000", 7)
+ASKED = "serving.verify on head: completions of '12\\*17=' \\(greedy, at most 8 tokens\\)"
+SERVING = {**RUNNING, **READINGS, f"head start {NAME}": [head()]}
+
+VERIFY_CASES = [
+    Case("await-health: serving.verify answered right: reported, done", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [RIGHT]}, **_recorded(desired=_verifying)),
+    Case("await-health: no serving.verify declared: nothing asked after the readings", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *DONE],
+         facts={**SERVING, VERIFY_KEY: [GARBAGE]}, **_recorded()),
+    Case("await-health: serving.verify answered garbage: reported, fails quoting the answer and the pattern",
+         _health(), ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [GARBAGE]}, **_recorded(desired=_verifying),
+         raises=f"^{ASKED} answered 'ow\ufffd\ufffd{{Spar', which does not match '\\\\b204\\\\b'$"),
+    Case("await-health: the stand-in's canned words are no 204 either", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [STANDIN]}, **_recorded(desired=_verifying),
+         raises="answered 'stand-in stand-in stand-in stand-in stand-in stand-in stand-in stand-in', which does "
+                "not match"),
+    Case("await-health: serving.verify got an error answer: fails with vLLM's message at once", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [ENGINE_DEAD, RIGHT]}, **_recorded(desired=_verifying),
+         raises=f"^{ASKED} got no text \\(HTTP 500: EngineCore encountered an issue. See stack trace for the root "
+                "cause.\\); expected a match of '\\\\b204\\\\b'$"),
+    Case("await-health: serving.verify never answered: fails after its wait, saying the last try", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [REFUSED, HUNG]}, **_recorded(desired=_verifying),
+         raises=f"^{ASKED} got no answer within 120s \\(no answer within 30s\\); expected a match of "),
+    Case("await-health: serving.verify asked again while no answer comes, then answered right", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [HUNG, REFUSED, RIGHT]}, **_recorded(desired=_verifying)),
+    Case("await-health: a chat answer whose content a reasoning model left empty is no answer to check", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [asked(json.dumps({"object": "chat.completion", "choices": [
+             {"index": 0, "message": {"role": "assistant", "content": None, "reasoning_content": "12 times 17"},
+              "finish_reason": "length"}]}))]},
+         **_recorded(desired=lambda: _verifying("chat")),
+         raises="chat of .* got no text \\(the answer has no content \\(a reasoning model may think past "
+                "max_tokens\\)"),
+    Case("await-health: a chat answer's content is what is checked", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [asked(json.dumps({"object": "chat.completion", "choices": [
+             {"index": 0, "message": {"role": "assistant", "content": "12*17 = 204."}}]}))]},
+         **_recorded(desired=lambda: _verifying("chat"))),
+    Case("await-health: a port held by another user is not asked (the key stays home): fails", _health(),
+         ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *VERIFIED],
+         facts={**SERVING, VERIFY_KEY: [asked("", "000", 0, owners="1000 ")]}, **_recorded(desired=_verifying),
+         raises="got no text \\(uid 1000 \\(not root, so not vLLM\\) listens on the serving port: not asked\\)"),
+]
+CASES += VERIFY_CASES
 
 
 def _protected() -> Desired:
