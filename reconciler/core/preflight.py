@@ -127,6 +127,7 @@ class NodeFacts:
     runtimes: tuple[str, ...] | None = None  # docker info's Runtimes; None: not read
     hops: tuple[HopAnswer, ...] = ()
     default_target: str | None = None  # `systemctl get-default`; None: not read (no systemd)
+    display: tuple[str, ...] | None = None  # the display servers running (Xorg, gnome-shell); None: not read
 
 
 @dataclass(frozen=True)
@@ -482,14 +483,19 @@ GRAPHICAL = "graphical.target"
 def desktop_check(node: Node, f: NodeFacts) -> Check | None:
     """A serving node that boots into the desktop: DGX OS runs Xorg and gnome-shell on the GB10 by default, in the
     one pool of memory the ranks share, outside anything the budget reserves (issue 52). A warn: `apply` converges
-    all the same, with less room than policy.memory_margin assumes. None when systemd did not say (not DGX OS)."""
+    all the same, with less room than policy.memory_margin assumes. What costs memory is the desktop that runs: a
+    graphical default with no display server running (a container or a headless install whose display manager
+    never starts) is said, not warned. None when systemd did not say (not DGX OS)."""
     if f.default_target is None:
         return None
     if f.default_target != GRAPHICAL:
         return Check("desktop", node.name, "ok", f"boots into {f.default_target}")
+    if f.display is not None and not f.display:
+        return Check("desktop", node.name, "ok", "boots into graphical.target, but no display server runs now")
+    running = f" ({', '.join(f.display)} running)" if f.display else ""
     return Check("desktop", node.name, "warn",
-                 "boots into graphical.target: Xorg and gnome-shell hold unified memory on the GB10 the serving "
-                 "ranks share, beside what policy.memory_margin keeps for the OS",
+                 f"boots into graphical.target{running}: Xorg and gnome-shell hold unified memory on the GB10 the "
+                 "serving ranks share, beside what policy.memory_margin keeps for the OS",
                  Fix("sudo systemctl set-default multi-user.target && sudo systemctl isolate multi-user.target "
                      "(or reboot)", node.ssh.user, node.name))
 

@@ -100,6 +100,7 @@ def doctor_script(desired: Desired, node: Node) -> Sealed:
              "else printf 'missing %s\\n' \"$b\"; fi; done; rc 0",
              "sec rsync", "rsync --version 2>&1 | head -n 1; [ ! -e /rsyncd-munged ] || echo munged; rc 0",
              "sec default_target", "systemctl get-default 2>/dev/null; rc $?",
+             "sec display", f"ps -eo comm= 2>/dev/null | grep -xE {quote_word(DISPLAY_SERVERS)} | sort -u; rc 0",
              "sec sudo", *_sudo_lines(desired, node), "rc 0",
              *image_script(desired.serving.image), *link_script(node),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
@@ -195,6 +196,18 @@ def parse_default_target(sec: Section | None) -> str | None:
     return line if _TARGET.fullmatch(line) else None
 
 
+#: The processes of a running desktop on DGX OS (GNOME on Xorg, or Wayland's Xwayland): what holds the memory.
+DISPLAY_SERVERS = "Xorg|Xwayland|gnome-shell"
+
+
+def parse_display(sec: Section | None) -> tuple[str, ...] | None:
+    """The display servers running (`ps` names matching DISPLAY_SERVERS); None when not read."""
+    if sec is None or sec.rc != 0:
+        return None
+    return tuple(sorted({line.strip() for line in sec.body.splitlines()
+                         if line.strip() in DISPLAY_SERVERS.split("|")}))
+
+
 def parse_hops(desired: Desired, node: Node, sections: dict[str, Section]) -> tuple[HopAnswer, ...]:
     out = []
     for source, target in hop_pairs(desired):
@@ -227,7 +240,8 @@ def parse_doctor(desired: Desired, node: Node, output: str, nonce: str, sent: fl
         sudo=parse_sudo(sections.get("sudo"), sudo_commands(desired, node)),
         sudoers_line=sudoers_line(desired, node), uid=uid, groups=groups,
         runtimes=parse_runtimes(sections.get("docker_info")), hops=parse_hops(desired, node, sections),
-        default_target=parse_default_target(sections.get("default_target")))
+        default_target=parse_default_target(sections.get("default_target")),
+        display=parse_display(sections.get("display")))
 
 
 def read_node(desired: Desired, sessions: Sessions, node: Node, timeout: float) -> NodeFacts:

@@ -60,11 +60,14 @@ def test_discover_writes_a_valid_starter_that_converges(seed_testbed, tmp_path):
         line = next(line for line in text.splitlines() if marker in line)
         assert "# GUESS:" in line, f"guess not marked: {line}"
 
-    # The one thing discover cannot know: this sandbox's runc refuses privileged containers ("unable to apply
-    # caps: operation not permitted"; a real Spark needs privileged for the RDMA devices). desired-state/testbed.yaml
-    # sets the same. Nothing else is touched.
+    # What discover cannot know: this sandbox's runc refuses privileged containers ("unable to apply caps:
+    # operation not permitted"; a real Spark needs privileged for the RDMA devices), and the testbed's 8 GiB nodes
+    # hold the stand-in, which allocates 128 MiB beyond its pool, not a GB10's vLLM: the per-instance overhead and
+    # margin measured on Sparks (8 GiB and 6 GiB) would not fit them. desired-state/testbed.yaml sets the same.
+    # Nothing else is touched.
     data = yaml.safe_load(text)
     data["serving"]["docker"]["privileged"] = False
+    data["policy"] |= {"memory_overhead_per_instance": "128MiB", "memory_margin": "1GiB"}
     applied = tmp_path / "applied.yaml"
     applied.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     result = reconciler("apply", str(applied), "--yes")

@@ -35,6 +35,30 @@ def test_a_serving_node_that_boots_into_the_desktop_is_warned_with_the_fix():
     assert preflight.exit_code(found) == 0, "a warning: apply converges all the same"
 
 
+def test_a_graphical_default_with_no_display_server_running_is_said_not_warned():
+    """What holds memory is the desktop that runs: a stock Debian install (the testbed's nodes) defaults to
+    graphical.target with no display manager at all."""
+    found = run(head=_facts(HEAD, default_target="graphical.target", display=()),
+                worker=_facts(WORKER, default_target="graphical.target", display=("Xorg", "gnome-shell")))
+    assert one(found, "desktop", "head").status == "ok"
+    warned = one(found, "desktop", "worker")
+    assert warned.status == "warn" and "(Xorg, gnome-shell running)" in warned.message
+
+
+def test_doctor_reads_the_display_servers_that_run():
+    import subprocess
+
+    assert edge_doctor.parse_display(Section("Xorg\ngnome-shell\nXorg-not\n", 0)) == ("Xorg", "gnome-shell")
+    assert edge_doctor.parse_display(Section("", 0)) == ()
+    assert edge_doctor.parse_display(None) is None
+    line = next(line for line in edge_doctor.doctor_script(DESIRED, HEAD).script.splitlines()
+                if "ps -eo comm=" in line)
+    out = subprocess.run(["sh", "-c", line.replace("; rc 0", "")], capture_output=True, text=True, timeout=30,
+                         check=False)
+    assert out.returncode in (0, 1) and not out.stderr, "the line runs as the node's sh runs it"
+    assert set(out.stdout.split()) <= set(edge_doctor.DISPLAY_SERVERS.split("|")), out.stdout
+
+
 def test_a_node_without_systemd_gets_no_check():
     assert "desktop" not in [c.name for c in run()]
 
