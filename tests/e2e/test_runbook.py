@@ -37,6 +37,11 @@ The blocks marked `skip` and what the test does instead (the only substitutions)
    background as its `User=` with its `EnvironmentFile=` (and its `StateDirectory=` made), until the test ends;
    the test waits until its /status says Converged (Type=notify's READY=1 comes after the first reconcile).
 
+9. the review of the discovered file (step 5, "Review every GUESS line with an editor"): the testbed's nodes
+   have 8 GiB and serve the stand-in, which holds 128 MiB beyond its pool, not a GB10's vLLM, so the file gets the
+   testbed's `policy.memory_overhead_per_instance` and `memory_margin` (desired-state/testbed.yaml's), as an owner
+   tunes them from their own numbers; the GB10 defaults would not fit an 8 GiB node.
+
 One thing a real Spark has and the testbed does not, added for the test's own duration and taken away after:
 
 8. a head whose routing table has a way out (discover reads `internet` from `ip route get 1.1.1.1`, a lookup
@@ -211,6 +216,12 @@ def spark_ssh_kept():
         Path("/home/spark/spark-reconciler.sudoers").unlink(missing_ok=True)
 
 
+#: Substitution 9: the testbed's memory physics into the discovered file (desired-state/testbed.yaml's values).
+TESTBED_MEMORY = ("set -e; f=/etc/spark-reconciler/cluster.yaml; grep -qx 'policy:' \"$f\"; "
+                  "sed -i 's/^policy:$/policy:\\n  memory_overhead_per_instance: 128MiB\\n  memory_margin: 1GiB/' "
+                  "\"$f\"; grep -q 'memory_overhead_per_instance: 128MiB' \"$f\"\n")
+
+
 def test_the_runbook_from_an_empty_head_to_an_answered_completion(testbed, tmp_path):
     scenario, values = scenario_values(testbed)
     tb = testbed.reset(scenario)
@@ -252,6 +263,10 @@ def test_the_runbook_from_an_empty_head_to_an_answered_completion(testbed, tmp_p
                                     f"--- the block ---\n{block.text}--- its output ---\n{result.stdout}"
                                     f"{result.stderr}" + (f"\n--- the daemon's log ---\n{log.read_text()[-4000:]}"
                                                           if daemon else ""))
+                    if "reconciler discover" in block.text:  # substitution 9: the review, the testbed's memory
+                        tuned = subprocess.run(nodes["head"].argv("root", TESTBED_MEMORY, env), capture_output=True,
+                                               text=True, timeout=BLOCK_TIMEOUT, check=False)
+                        assert tuned.returncode == 0, tuned.stdout + tuned.stderr
             assert daemon is not None, "the runbook never started the daemon"
             last = [b for b in blocks if b.runnable][-1]
             assert "/v1/completions" in last.text, "the runbook ends with a completion"
