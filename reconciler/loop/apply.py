@@ -38,12 +38,13 @@ from reconciler.core.planning import Plan
 from reconciler.core.render import plan_text
 from reconciler.core.spec import Desired
 from reconciler.core.text import printable
-from reconciler.edge.execute import execute
+from reconciler.edge.execute import Outcome, execute
 from reconciler.edge.image_flags import FLAGS_DEADLINE, ask_serve_flags
 from reconciler.edge.lease import Holder, LeaseHeld, LeaseUnreachable, held
 from reconciler.edge.observe import flags_pending, observe, with_flags
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
+from reconciler.loop.controller import START_KINDS
 from reconciler.loop.operations import FlagsQuery
 
 
@@ -204,6 +205,7 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
             click.echo("Nothing changed.")
             return Exit.ERROR
         passes = max_passes + flags_pending(observed)  # a pass that only waited for the image's answer is free
+        outcome = Outcome()
         for _ in range(passes):
             ctx = StepContext(desired=desired, sessions=sessions, observed=observed, generation=generation,
                               progress=view)
@@ -214,13 +216,27 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
                 break
             click.echo("\nThe cluster moved on; planning again:\n" + plan_text(current), nl=False)
         view.stop()
+        failed = _failed_start(outcome)
         if current.changes:
             click.echo("\nNot converged:\n" + plan_text(current), nl=False)
+        elif failed is not None:  # what a start checked (serving.verify's answer) no observation shows again
+            click.echo(f"\nNot converged: {failed}")
+            return Exit.UNREACHABLE if observed.partial else Exit.ERROR
         else:
             click.echo("\nConverged: a fresh observation shows no drift.")
         return _outcome(observed, current, dry_run=False)
     finally:
         view.stop()
+
+
+def _failed_start(outcome: Outcome) -> str | None:
+    """The last pass's failed start, in one line, or None. A fresh observation may show a cluster as declared right
+    after its start failed a check the probe does not repeat (`serving.verify`: the answer to the fixed prompt),
+    so a failed start is never called converged."""
+    failed = next((r for r in outcome.results if r.result == "failed" and r.step.kind in START_KINDS), None)
+    if failed is None:
+        return None
+    return printable(f"{failed.step.id} failed: {(failed.message or '').splitlines()[0] if failed.message else ''}")
 
 
 def _probe(desired: Desired, sessions: Sessions) -> Observed:

@@ -580,3 +580,21 @@ def test_the_wrong_answer_alert_reads_the_exported_gauge():
     metrics.set_verified({"a": True})
     assert REGISTRY.get_sample_value("reconciler_serving_verified", {"deployment": "b"}) is None, "no stale 0"
     metrics.set_verified({})
+
+
+def test_apply_never_calls_a_failed_start_converged():
+    """A fresh observation may show the cluster as declared right after await-health failed on the verify's answer,
+    which no probe asks again: `apply` says the failed start and exits 1 (seen on the testbed: it said
+    "Converged" with exit 0)."""
+    from reconciler.core.planning import Step
+    from reconciler.edge.execute import Outcome, StepResult
+    from reconciler.loop.apply import _failed_start
+
+    health = Step("await-health", "head", "wait")
+    why = "serving.verify on head: completions of '12*17=' answered 'stand-in', which does not match '\\b204\\b'"
+    assert _failed_start(Outcome([StepResult(health, "failed", 1.0, why + "\nmore")])) == (
+        f"await-health/head failed: {why}")
+    copy = Step("weights", "worker", "copy", source="head", path="/m")
+    assert _failed_start(Outcome([StepResult(copy, "failed", 1.0, "rsync exited 23")])) is None, (
+        "a failed copy shows in the next observation: its drift says it")
+    assert _failed_start(Outcome([StepResult(health, "success", 1.0, None)])) is None
