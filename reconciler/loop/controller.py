@@ -570,7 +570,7 @@ class Controller:
 
     def _progress_of(self, generation: int | None) -> Callable[[str, dict[str, Any]], None]:
         """The steps' report function for a batch launched for `generation` (None: a rollback's): a co-tenant they
-        stop is remembered for that generation (`_restore`), handed to the loop's thread, which alone writes
+        stop is remembered for that generation (for `_restored`), handed to the loop's thread, which alone writes
         the history."""
         def progress(event: str, fields: dict[str, Any]) -> None:
             if event == "co-tenant.stopped" and generation is not None:
