@@ -401,10 +401,10 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
                              "stopped or started", actionable=False, blocking=True))
         elif got is None or got.content != reference.content:
             seen = f"content {got.content[:19]}" if got else "missing"
-            short = short_of(observed.node(name).disk_free, "image", reference.size or 0)
-            out.append(Drift(name, "image", res, f"content {reference.content[:19]}", seen) if short is None else
-                       Drift(name, "image", res, f"{gib((reference.size or 0) + DISK_MARGIN)} free in docker's "
-                             "data root for the copy", f"{seen}; {short}", actionable=False, blocking=True))
+            lack = shortfall(observed.node(name), "image", disk_needs(desired, observed, name))
+            out.append(Drift(name, "image", res, f"content {reference.content[:19]}", seen) if lack is None else
+                       Drift(name, "image", res, f"{gib(lack.needed)} free in docker's data root for the copy",
+                             f"{seen}; {lack}", actionable=False, blocking=True))
     return out
 
 
@@ -482,17 +482,17 @@ def _weights_drift(desired: Desired, observed: Observed, ready: list[str]) -> li
             target = observed.node(name)
             problem = weights_difference(src_obs.weights, target.weights)
             if problem:
-                missing = missing_bytes(src_obs.weights, target.weights)
-                short = short_of(target.disk_free, "weights", missing)
+                lack = shortfall(target, "weights", disk_needs(desired, observed, name))
                 out.append(Drift(name, "weights", res, f"{len(src_obs.weights.files)} files, "
-                                 f"{src_obs.weights.total_bytes} bytes", problem) if short is None else
-                           Drift(name, "weights", res, f"{gib(missing + DISK_MARGIN)} free on "
-                                 f"{desired.model.path_on(name)} for the copy", f"{problem}; {short}",
+                                 f"{src_obs.weights.total_bytes} bytes", problem) if lack is None else
+                           Drift(name, "weights", res, f"{gib(lack.needed)} free on "
+                                 f"{desired.model.path_on(name)} for the copy", f"{problem}; {lack}",
                                  actionable=False, blocking=True))
     return out
 
 
-#: What a copy needs free beyond its own bytes: rsync's and docker's own files, and room for the node to go on.
+#: What a filesystem needs free beyond the bytes copied to it: rsync's and docker's own files, and room for the
+#: node to go on. Once per filesystem, however many copies write to it (`shortfall`).
 DISK_MARGIN = 1 << 30
 
 
@@ -502,13 +502,76 @@ def missing_bytes(source: Weights, target: Weights | None) -> int:
     return sum(f.size or 0 for f in source.files if f.link_target is None and have.get(f.path) != f.size)
 
 
-def short_of(free: dict[str, int] | None, where: str, needed: int) -> str | None:
-    """Why `needed` bytes (plus the margin) do not fit in what the probe read free for `where`; None when they do
-    or the probe did not say (an older snapshot)."""
-    if free is None or where not in free or free[where] >= needed + DISK_MARGIN:
+def disk_needs(desired: Desired, observed: Observed, name: str) -> dict[str, int]:
+    """What the plan copies to `name`, by where it writes: `weights` the bytes its tree lacks of the source's
+    (`missing_bytes`), `image` the reference image's size where its content differs (and it runs there). The
+    needs every judgement of free disk sums per filesystem (`shortfall`): the drift, doctor's `disk` check and
+    the staging steps, which add their own (the download's bytes, the pull's floor)."""
+    needs: dict[str, int] = {}
+    target = observed.node(name)
+    source = observed.node(desired.source_node)
+    if name != desired.source_node and source.weights is not None and source.weights.present:
+        needs["weights"] = missing_bytes(source.weights, target.weights)
+    holder = image_holder(desired, observed)
+    if holder is not None and holder != name:
+        reference = observed.node(holder).images[desired.serving.image]
+        got = target.images.get(desired.serving.image)
+        if (got is None or got.content != reference.content) and runs_on(reference.platform, target.machine):
+            needs["image"] = reference.size or 0
+    return needs
+
+
+def same_filesystem(obs: NodeObservation, where: str) -> list[str]:
+    """The rows of `disk_free` on `where`'s filesystem, `where` first: by `disk_fs`, which the probe reads with
+    the free bytes. A row without it (an older snapshot) is a filesystem of its own, as it was judged before."""
+    on = (obs.disk_fs or {}).get(where)
+    return [where, *(w for w in (obs.disk_free or {}) if w != where and on is not None
+                     and (obs.disk_fs or {}).get(w) == on)]
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A copy that does not fit: `where`'s `bytes` and the `others` (where, bytes) writing to the same filesystem
+    (`on`, as the probe named it), plus one DISK_MARGIN, are `needed`; the probe read `free` there."""
+
+    where: str
+    bytes: int
+    free: int
+    needed: int
+    others: tuple[tuple[str, int], ...] = ()
+    on: str | None = None
+
+    def __str__(self) -> str:
+        if not self.others:
+            return (f"only {gib(self.free)} free: the copy would fill the disk; free {gib(self.needed - self.free)} "
+                    "there (nothing is copied, stopped or started)")
+        copies = " and ".join(f"the {w} copy ({gib(b)})" for w, b in ((self.where, self.bytes), *self.others))
+        return (f"{copies} write to one filesystem ({self.on}) with only {gib(self.free)} free: together they would "
+                f"fill the disk; free {gib(self.needed - self.free)} there (nothing is copied, stopped or started)")
+
+
+def shortfall(obs: NodeObservation, where: str, needs: Mapping[str, int]) -> Shortfall | None:
+    """The one judgement of free disk: what is copied to `where` (`needs[where]`) and every other need in `needs`
+    on the same filesystem (`same_filesystem`: on DGX OS the model path and docker's data root are both on the
+    one NVMe's `/`), plus one margin, against the free bytes the probe read there. None when it fits, or when
+    the probe did not read `where` (an older snapshot)."""
+    free = obs.disk_free
+    if free is None or where not in free:
         return None
-    return (f"only {gib(free[where])} free: the copy would fill the disk; free "
-            f"{gib(needed + DISK_MARGIN - free[where])} there (nothing is copied, stopped or started)")
+    rows = same_filesystem(obs, where)
+    others = tuple((w, needs[w]) for w in rows[1:] if needs.get(w, 0) > 0)
+    room = min(free[w] for w in rows)  # two reads of one filesystem: the lower
+    mine = needs.get(where, 0)
+    needed = mine + sum(b for _, b in others) + DISK_MARGIN
+    if room >= needed:
+        return None
+    return Shortfall(where, mine, room, needed, others, (obs.disk_fs or {}).get(where))
+
+
+def short_of(obs: NodeObservation, where: str, needs: Mapping[str, int]) -> str | None:
+    """Why what is copied to `where` does not fit (`shortfall`, said); None when it does or was not read."""
+    found = shortfall(obs, where, needs)
+    return None if found is None else str(found)
 
 
 def _source_drift(desired: Desired, src_obs: NodeObservation, res: str) -> Drift | None:

@@ -364,6 +364,7 @@ class DeploymentFacts(_Model):
     weights: Weights | None = None
     serving: ServingApi | None = None
     disk_free: dict[str, int] | None = None
+    disk_fs: dict[str, str] | None = None
 
 
 class NodeObservation(_Model):
@@ -381,6 +382,12 @@ class NodeObservation(_Model):
     disk_free: dict[str, int] | None = Field(None, description="free bytes (`df -P -B1`) where a copy writes: "
                                              "`weights` (the model path, or its nearest existing parent) and "
                                              "`image` (docker's data root); None: not read (an older snapshot)")
+    disk_fs: dict[str, str] | None = Field(None, description="the filesystem each row of `disk_free` is on, as "
+                                           "`df -P` names it: its device when that is a device node (`/dev/...`: "
+                                           "bind mounts of one device are one filesystem), else its mount point "
+                                           "(tmpfs, overlay); rows on one filesystem share its free bytes "
+                                           "(`drift.shortfall`); None: not read (an older snapshot: each row is "
+                                           "judged alone)")
     copies: list[CopyRecord] | None = Field(None, description="what this node's copy ledger records (read when "
                                             "policy.retention.prune is on); None: not read")
     docker_reachable: bool = False
@@ -486,7 +493,7 @@ class Observed(_Model):
             if facts is None:
                 return node
             return node.model_copy(update={"weights": facts.weights, "serving": facts.serving,
-                                           "disk_free": facts.disk_free})
+                                           "disk_free": facts.disk_free, "disk_fs": facts.disk_fs})
         return self.model_copy(update={"nodes": {name: one(node) for name, node in self.nodes.items()},
                                        "serve_flags": self.deployment_flags.get(deployment, self.serve_flags)})
 
@@ -501,7 +508,8 @@ class Observed(_Model):
         def spread(node: NodeObservation) -> NodeObservation:
             tree = node.weights
             facts = {name: DeploymentFacts(weights=tree if tree is not None and tree.root == where.get(node.name)
-                                           else None, serving=node.serving, disk_free=node.disk_free)
+                                           else None, serving=node.serving, disk_free=node.disk_free,
+                                           disk_fs=node.disk_fs)
                      for name, where in roots.items()}
             return node.model_copy(update={"deployments": facts})
         return self.model_copy(update={"nodes": {name: spread(node) for name, node in self.nodes.items()}})

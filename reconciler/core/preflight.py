@@ -24,9 +24,10 @@ from reconciler.core import envfile
 from reconciler.core.budget import gib
 from reconciler.core.drift import (
     DISK_MARGIN,
+    disk_needs,
     image_holder,
     image_puller,
-    missing_bytes,
+    same_filesystem,
     short_of,
     source_problem,
 )
@@ -106,6 +107,26 @@ class HopAnswer:
 
 
 @dataclass(frozen=True)
+class UnitMemory:
+    """One systemd unit's memory bounds as `systemctl show` says them: `loaded` (LoadState=loaded, else the unit
+    does not exist here), MemoryHigh= and MemoryMax= in bytes (None: `infinity`, no bound)."""
+
+    unit: str
+    loaded: bool
+    high: int | None = None
+    max: int | None = None
+
+
+@dataclass(frozen=True)
+class DaemonMemory:
+    """docker.service and containerd.service (DAEMON_UNITS), and the filesystem type of /sys/fs/cgroup
+    (`hierarchy`: `cgroup2fs` is the unified hierarchy, where MemoryHigh= is enforced; None: not read)."""
+
+    units: tuple[UnitMemory, ...]
+    hierarchy: str | None = None
+
+
+@dataclass(frozen=True)
 class NodeFacts:
     """What doctor read of one node. `error`/`error_kind`: no session (host key, login, path); `probe_error`: the
     node answered, its output did not parse. `observation` is built by the probe's own parsers (docker, disk, GPU
@@ -128,6 +149,7 @@ class NodeFacts:
     hops: tuple[HopAnswer, ...] = ()
     default_target: str | None = None  # `systemctl get-default`; None: not read (no systemd)
     display: tuple[str, ...] | None = None  # the display servers running (Xorg, gnome-shell); None: not read
+    daemon_memory: DaemonMemory | None = None  # docker's and containerd's memory bounds; None: not read (no systemd)
 
 
 @dataclass(frozen=True)
@@ -248,6 +270,7 @@ def _node_checks(desired: Desired, node: Node, f: NodeFacts, facts: Mapping[str,
     if node.name in _serving(desired):
         out.append(disk_check(desired, node, observed))
         out.append(desktop_check(node, f))
+    out.append(daemon_memory_check(desired, node, f))
     out += [hop_check(desired, source, target, facts)
             for source, target in hop_pairs(desired) if source == node.name]
     return [c for c in out if c is not None]
@@ -453,21 +476,17 @@ def image_check(desired: Desired, observed: Observed) -> Check:
 
 
 def disk_check(desired: Desired, node: Node, observed: Observed) -> Check:
-    """Room for what `apply` copies here: the weights' missing bytes and the image, each plus the drift's margin
-    (`drift.short_of`: one formula for doctor and the plan)."""
+    """Room for what `apply` copies here: the weights' missing bytes and the image, summed where both go to one
+    filesystem, plus the drift's margin (`drift.shortfall`: one judgement for doctor, the plan and the steps)."""
     obs = observed.node(node.name)
     free = obs.disk_free
     if not free:
         return Check("disk", node.name, "warn", "df did not answer for the model path or docker's data root")
-    needs = _disk_needs(desired, node.name, observed)
-    short = [(where, bytes_, why) for where, bytes_ in needs.items()
-             if (why := short_of(free, where, bytes_)) is not None]
-    seen = "; ".join(f"{where}: {gib(free[where])} free" + (f", {gib(needs[where] + DISK_MARGIN)} needed"
-                                                             if where in needs else "")
-                     for where in ("weights", "image") if where in free)
+    needs = disk_needs(desired, observed, node.name)
+    short = [(where, why) for where in needs if (why := short_of(obs, where, needs)) is not None]
     if not short:
-        return Check("disk", node.name, "ok", seen)
-    where, _, why = short[0]
+        return Check("disk", node.name, "ok", _disk_seen(obs, needs))
+    where, why = short[0]
     path = desired.model.path_on(node.name) if where == "weights" else "docker's data root"
     target = desired.model.path_on(node.name) if where == "weights" else "/var/lib/docker"
     return Check("disk", node.name, "fail", f"{where} ({path}): {why}",
@@ -500,18 +519,88 @@ def desktop_check(node: Node, f: NodeFacts) -> Check | None:
                      "(or reboot)", node.ssh.user, node.name))
 
 
-def _disk_needs(desired: Desired, name: str, observed: Observed) -> dict[str, int]:
-    needs: dict[str, int] = {}
-    source = observed.node(desired.source_node)
-    if name != desired.source_node and source.weights is not None and source.weights.present:
-        needs["weights"] = missing_bytes(source.weights, observed.node(name).weights)
-    holder = image_holder(desired, observed)
-    if holder is not None and holder != name:
-        reference = observed.node(holder).images[desired.serving.image]
-        got = observed.node(name).images.get(desired.serving.image)
-        if got is None or got.content != reference.content:
-            needs["image"] = reference.size or 0
-    return needs
+#: The units whose memory holds the page cache of `docker pull`, `docker save` and `docker load`: dockerd and
+#: containerd read and write the image's bytes, not anything the reconciler runs (docs/operations.md, "Page cache
+#: of image copies"); the kernel charges a page to the cgroup that first touched it, so that cache is theirs
+#: (moby/moby#40006: docker.service's memory.stat holding tens of GB of cache).
+DAEMON_UNITS = ("docker.service", "containerd.service")
+#: The bound doctor's fix sets, as docs/operations.md always said: far above what the two daemons hold themselves
+#: (their heap is some hundred MB), so MemoryHigh= only ever reclaims their page cache; a throttle above it, never
+#: a kill (systemd.resource-control(5): MemoryMax= is the one that invokes the OOM killer).
+DAEMON_MEMORY_HIGH = "4G"
+#: `stat -fc %T /sys/fs/cgroup/` on the unified (v2) hierarchy (coreutils names the cgroup2 magic so); the legacy
+#: and hybrid layouts mount a tmpfs there.
+UNIFIED = "cgroup2fs"
+
+
+def daemon_memory_check(desired: Desired, node: Node, f: NodeFacts) -> Check | None:
+    """docker.service and containerd.service bounded (MemoryHigh= or MemoryMax=) on a node that serves or is an
+    image source: on a GB10 the page cache of a pull or an image copy (`docker save | ssh … docker load`) fills
+    the one pool of memory the serving ranks share, and the weights' drop-behind cannot reach it (issue 52). A warn:
+    `apply` works all the same. On the legacy cgroup hierarchy MemoryHigh= is not enforced (systemd.resource-
+    control(5), "Unified and Legacy Control Group Hierarchies"); MemoryMax= is (as MemoryLimit=). None when
+    systemd did not answer (a node without it, a container: not DGX OS) or the node neither serves nor sources."""
+    seen = f.daemon_memory
+    if seen is None or (node.name not in _serving(desired) and node.name not in desired.image_sources):
+        return None
+    loaded = [u for u in seen.units if u.loaded]
+    if not loaded:
+        return Check("docker-mem", node.name, "warn", f"neither {' nor '.join(DAEMON_UNITS)} is a systemd unit "
+                     "here: the engine runs some other way (a snap, rootless), so the page cache of its pulls and "
+                     "image copies was not checked; bound it where it runs")
+    legacy = seen.hierarchy is not None and seen.hierarchy != UNIFIED
+    said, unbound = [], []
+    for u in loaded:
+        limits = [f"{name} {gib(v)}" for name, v in (("MemoryHigh", u.high), ("MemoryMax", u.max))
+                  if v is not None and not (legacy and name == "MemoryHigh")]
+        if limits:
+            said.append(f"{u.unit} {', '.join(limits)}")
+        else:
+            unbound.append(u)
+    absent = {u.unit for u in seen.units if not u.loaded}
+    note = (" (no containerd.service here: dockerd then runs its own, inside docker.service)"
+            if "containerd.service" in absent else
+            " (no docker.service here: dockerd runs some other way, not judged)" if absent else "")
+    if not unbound:
+        return Check("docker-mem", node.name, "ok", f"{'; '.join(said)}{note}: the page cache of pulls and image "
+                     "copies is reclaimed above it")
+    names = ", ".join(u.unit for u in unbound)
+    bound = " && ".join(f"sudo systemctl set-property {u.unit} MemoryHigh={DAEMON_MEMORY_HIGH}" for u in unbound
+                        if u.high is None)
+    if legacy:
+        ignored = [f"{u.unit} MemoryHigh {gib(u.high)}" for u in unbound if u.high is not None]
+        return Check("docker-mem", node.name, "warn", f"/sys/fs/cgroup is {seen.hierarchy}, not {UNIFIED}: on the "
+                     "legacy cgroup hierarchy MemoryHigh= is not enforced"
+                     + (f" ({', '.join(ignored)}: ignored)" if ignored else "")
+                     + f", so {names} leave{'s' if len(unbound) == 1 else ''} the page cache of pulls and image "
+                     "copies unbounded in the memory the serving ranks share",
+                     Fix("grep -o 'systemd.unified_cgroup_hierarchy=[^ ]*' /proc/cmdline  # =0 (or none, on an "
+                         "older release) boots the legacy hierarchy: put systemd.unified_cgroup_hierarchy=1 in "
+                         "GRUB_CMDLINE_LINUX of /etc/default/grub instead, update-grub and reboot into the unified "
+                         "one (DGX OS's default)" + (f"; then {bound}" if bound else ""),
+                         "root", node.name))
+    return Check("docker-mem", node.name, "warn", f"{names}: no MemoryHigh or MemoryMax, so the page cache of "
+                 "`docker pull` and of image copies (`docker save | docker load`) grows unbounded in the unified "
+                 "memory the serving ranks share" + (f" ({'; '.join(said)})" if said else "") + note,
+                 Fix(bound, "root", node.name))
+
+
+def _disk_seen(obs: NodeObservation, needs: Mapping[str, int]) -> str:
+    """Free and needed room, one part per filesystem: `weights: 100.0 GiB free, 4.0 GiB needed; image: ...`, or
+    `weights and image (one filesystem, /dev/nvme0n1p2): ...` where both are on one (`drift.same_filesystem`)."""
+    free = obs.disk_free or {}
+    parts: list[str] = []
+    said: set[str] = set()
+    for where in ("weights", "image"):
+        if where not in free or where in said:
+            continue
+        rows = [w for w in ("weights", "image") if w in same_filesystem(obs, where)]
+        said.update(rows)
+        label = where if len(rows) == 1 else f"{' and '.join(rows)} (one filesystem, {(obs.disk_fs or {})[where]})"
+        wanted = [needs[w] for w in rows if w in needs]
+        parts.append(f"{label}: {gib(min(free[w] for w in rows))} free"
+                     + (f", {gib(sum(wanted) + DISK_MARGIN)} needed" if wanted else ""))
+    return "; ".join(parts)
 
 
 def _port_state(node: Node, link: Link | None) -> str | None:

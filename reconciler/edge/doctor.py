@@ -5,7 +5,8 @@ The script is made of the probe's own fragments where the probe reads a fact alr
 the docker socket, image, the fabric ports, the GPU stack, free disk; `manifest`: the weights), so doctor and the
 daemon read each fact one way; doctor adds what only it asks: the node's clock (first, so the reconciler's clock
 cancels out between nodes), `id`, the binaries on the PATH, rsync's version, `sudo -n -l` for each exact command
-of `reconciler sudoers`, docker's runtimes, and the fabric hop as the image copy runs it. Sections are sealed
+of `reconciler sudoers`, docker's runtimes, systemd's default target and the display servers, docker's and
+containerd's memory bounds (`systemctl show`), and the fabric hop as the image copy runs it. Sections are sealed
 (`probes.sealed`), every value quoted by `ssh.quote`. Each node runs under observe's deadline (`ssh.node_deadline`);
 whatever a node prints is that node's failed check, never a crash.
 
@@ -26,13 +27,16 @@ from pathlib import Path
 
 from reconciler.core.observed import NodeObservation
 from reconciler.core.preflight import (
+    DAEMON_UNITS,
     Check,
+    DaemonMemory,
     EnvFile,
     FileProblem,
     HopAnswer,
     LocalFacts,
     NodeFacts,
     SudoAnswer,
+    UnitMemory,
     checks,
     env_file_names,
     hop_pairs,
@@ -53,6 +57,7 @@ from reconciler.edge.probes import (
     node_output,
     parse_containers,
     parse_disk,
+    parse_disk_fs,
     parse_gpu_stack,
     parse_image,
     parse_links,
@@ -101,6 +106,7 @@ def doctor_script(desired: Desired, node: Node) -> Sealed:
              "sec rsync", "rsync --version 2>&1 | head -n 1; [ ! -e /rsyncd-munged ] || echo munged; rc 0",
              "sec default_target", "systemctl get-default 2>/dev/null; rc $?",
              "sec display", f"ps -eo comm= 2>/dev/null | grep -xE {quote_word(DISPLAY_SERVERS)} | sort -u; rc 0",
+             *daemon_memory_script(),
              "sec sudo", *_sudo_lines(desired, node), "rc 0",
              *image_script(desired.serving.image), *link_script(node),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
@@ -109,6 +115,14 @@ def doctor_script(desired: Desired, node: Node) -> Sealed:
         if source == node.name:
             lines += _hop_lines(desired, node, target)
     return sealed(lines)
+
+
+def daemon_memory_script() -> list[str]:
+    """The `daemon_memory` section (`parse_daemon_memory`): /sys/fs/cgroup's filesystem type (the hierarchy that
+    decides whether MemoryHigh= is enforced), then docker's and containerd's bounds as systemd keeps them."""
+    return ["sec daemon_memory",
+            "printf 'cgroup %s\\n' \"$(stat -fc %T /sys/fs/cgroup/ 2>/dev/null)\"; "
+            f"systemctl show -p LoadState -p MemoryHigh -p MemoryMax {' '.join(DAEMON_UNITS)} 2>/dev/null; rc $?"]
 
 
 def _sudo_lines(desired: Desired, node: Node) -> list[str]:
@@ -208,6 +222,39 @@ def parse_display(sec: Section | None) -> tuple[str, ...] | None:
                          if line.strip() in DISPLAY_SERVERS.split("|")}))
 
 
+def _limit(value: str | None) -> int | None:
+    """A memory bound as `systemctl show` prints it: bytes (a `4G` or `25%` set is shown in bytes), or `infinity`
+    (None: no bound). ValueError for anything else."""
+    if value == "infinity":
+        return None
+    if value is None or not value.isdigit():
+        raise ValueError(f"not a memory bound: {value!r}")
+    return int(value)
+
+
+def parse_daemon_memory(sec: Section | None) -> DaemonMemory | None:
+    """The `daemon_memory` section: `cgroup FSTYPE` (/sys/fs/cgroup's, `cgroup2fs` on the unified hierarchy), then
+    `systemctl show -p LoadState -p MemoryHigh -p MemoryMax` of DAEMON_UNITS: one `Name=value` block per unit in
+    the order asked, blocks parted by one empty line (systemctl-show.c's show_one; the recordings in
+    tests/unit/fixtures/systemctl/). None when systemd did not answer (no systemd: systemctl exits 1, "System has
+    not been booted with systemd") or said something else: then the check is not made, as the desktop's is not."""
+    if sec is None or sec.rc != 0:
+        return None
+    first, _, rest = sec.body.partition("\n")
+    kind, _, fstype = first.partition(" ")
+    blocks = [dict(line.partition("=")[::2] for line in block.splitlines() if line.strip())
+              for block in re.split(r"\n\s*\n", rest.strip())]
+    if kind != "cgroup" or len(blocks) != len(DAEMON_UNITS):
+        return None
+    try:
+        units = tuple(UnitMemory(unit, props["LoadState"] == "loaded", _limit(props.get("MemoryHigh")),
+                                 _limit(props.get("MemoryMax")))
+                      for unit, props in zip(DAEMON_UNITS, blocks, strict=True))
+    except (KeyError, ValueError):
+        return None
+    return DaemonMemory(units, fstype.strip() or None)
+
+
 def parse_hops(desired: Desired, node: Node, sections: dict[str, Section]) -> tuple[HopAnswer, ...]:
     out = []
     for source, target in hop_pairs(desired):
@@ -226,7 +273,7 @@ def parse_doctor(desired: Desired, node: Node, output: str, nonce: str, sent: fl
     observation = NodeObservation(
         name=node.name, reachable=True, docker_reachable=docker_ok, docker_error=docker_error,
         containers=containers, images={desired.serving.image: image} if image else {}, fabric=fabric,
-        fabric_twin=twin, disk_free=parse_disk(sections.get("disk")),
+        fabric_twin=twin, disk_free=parse_disk(sections.get("disk")), disk_fs=parse_disk_fs(sections.get("disk")),
         gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
         weights=parse_weights(desired.weights_root(node.name), sections.get("weights")))
     clock = parse_clock(sections.get("clock"))
@@ -241,7 +288,8 @@ def parse_doctor(desired: Desired, node: Node, output: str, nonce: str, sent: fl
         sudoers_line=sudoers_line(desired, node), uid=uid, groups=groups,
         runtimes=parse_runtimes(sections.get("docker_info")), hops=parse_hops(desired, node, sections),
         default_target=parse_default_target(sections.get("default_target")),
-        display=parse_display(sections.get("display")))
+        display=parse_display(sections.get("display")),
+        daemon_memory=parse_daemon_memory(sections.get("daemon_memory")))
 
 
 def read_node(desired: Desired, sessions: Sessions, node: Node, timeout: float) -> NodeFacts:

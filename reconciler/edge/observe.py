@@ -37,6 +37,7 @@ from reconciler.edge.probes import (
     memory_script,
     parse_containers,
     parse_disk,
+    parse_disk_fs,
     parse_gpu_stack,
     parse_identity,
     parse_image,
@@ -106,7 +107,7 @@ def parse_probe(desired: Desired, node: Node, output: str, nonce: str) -> NodeOb
         image, facts = _deployment_facts(desired, node, sections)
         return seen.model_copy(update={"images": {desired.serving.image: image} if image else {},
                                        "weights": facts.weights, "serving": facts.serving,
-                                       "disk_free": facts.disk_free})
+                                       "disk_free": facts.disk_free, "disk_fs": facts.disk_fs})
     images, by_deployment = {}, {}
     for view in desired.views():
         prefix = view.deployment.name + "/"
@@ -127,7 +128,8 @@ def _deployment_facts(view: Desired, node: Node, sections: dict[str, Section]) -
     weights = (parse_weights(view.weights_root(node.name), sections.get("weights"))
                if _has_path(view, node.name) else None)
     return parse_image(sections.get("image")), DeploymentFacts(weights=weights, serving=serving,
-                                                               disk_free=parse_disk(sections.get("disk")))
+                                                               disk_free=parse_disk(sections.get("disk")),
+                                                               disk_fs=parse_disk_fs(sections.get("disk")))
 
 
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,

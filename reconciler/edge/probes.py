@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from reconciler.core.nccl import NETWORK_LINES, is_network_name
 from reconciler.core.observed import (
     MAX_KNOWN_AS,
     ClusterIdentity,
@@ -459,8 +460,9 @@ def parse_identity(sec: Section | None) -> ClusterIdentity | None:
 
 def gpu_script() -> list[str]:
     """The `gpu`, `gpu_hook` and `os` sections (`parse_gpu_stack`). nvidia-smi under `timeout`: a wedged driver
-    can hang it, and the probe must answer within its deadline. Only the DGX OS version lines of
-    /etc/dgx-release are read (the file also holds the serial number)."""
+    can hang it, and the probe must answer within its deadline. It asks for the two fields the GPU stack needs;
+    a GB10's memory fields, `[N/A]` there, are not among them (tests/unit/fixtures/nvidia-smi/README.md). Only
+    the DGX OS version lines of /etc/dgx-release are read (the file also holds the serial number)."""
     return ["sec gpu",
             "if command -v nvidia-smi >/dev/null 2>&1; then timeout 10 nvidia-smi "
             "--query-gpu=name,driver_version --format=csv,noheader 2>&1; rc $?; "
@@ -496,22 +498,30 @@ def _gpu_line(line: str) -> dict[str, str]:
     return {"gpu": name, "driver": driver}
 
 
+#: The /etc/dgx-release keys the DGX OS release is read from: the image's, then one per OTA update (DGX OS appends
+#: a DGX_OTA_VERSION/DGX_OTA_DATE block after each, fixtures/dgx-release-*.txt); never DGX_SERIAL_NUMBER, a date.
+_DGX_VERSION_KEYS = ("DGX_SWBUILD_VERSION", "DGX_OTA_VERSION")
+
+
 @node_output("os")
 def _os_release(sec: Section | None) -> dict[str, str | None]:
     """`uname -r`, then DGX_SWBUILD_VERSION and any DGX_OTA_VERSION lines (an OTA update appends one: the last
-    is the release now)."""
+    is the release now). Only those two keys are read, whatever else a line says (the probe's grep keeps only
+    them; a whole file read here would still give the release, never the serial number or an OTA date)."""
     lines = sec.body.splitlines() if sec is not None else []
     kernel = lines[0].strip() if lines else ""
     if kernel and not _KERNEL.fullmatch(kernel):
         raise ValueError(f"not a kernel release: {kernel[:60]!r}")
-    versions = [line.split("=", 1)[1].strip().strip('"') for line in lines[1:] if "=" in line]
+    versions = [value.strip().strip('"') for key, eq, value in (line.partition("=") for line in lines[1:])
+                if eq and key.strip() in _DGX_VERSION_KEYS]
     return {"kernel": kernel, "dgx_os": versions[-1][:40] if versions else None}
 
 
 def disk_script(weights_path: str) -> list[str]:
     """The `disk` section: free bytes where the weights go (the model path, or its nearest existing parent: a
     first copy creates it) and where docker keeps images (its data root, from the engine's /info), one
-    `weights`/`image` line of `df -P -B1` each (`parse_disk`). Needs `containers_script`'s socket line before."""
+    `weights`/`image` line of `df -P -B1` each: its free bytes (`parse_disk`) and the filesystem it is on
+    (`parse_disk_fs`: both on one filesystem share its room). Needs `containers_script`'s socket line before."""
     return ["sec disk",
             f"p={quote_word(weights_path)}; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname -- \"$p\"); "
             "done; printf 'weights '; df -P -B1 -- \"$p\" 2>/dev/null | tail -n 1; "
@@ -542,6 +552,25 @@ def parse_disk(sec: Section | None) -> dict[str, int] | None:
             raise ValueError(f"not a `df -P -B1` row: {row[:80]!r}")
         free[what] = int(cols[3])
     return free
+
+
+@node_output("disk")
+def parse_disk_fs(sec: Section | None) -> dict[str, str] | None:
+    """`weights`/`image` -> the filesystem its `df -P` row is on (`NodeObservation.disk_fs`): the row's device
+    when it names a device node (`/dev/nvme0n1p2`: a bind mount of it is the same filesystem, so the same room),
+    else its mount point (`tmpfs`, `overlay`: a name many filesystems share). On DGX OS the model path and
+    docker's data root are both on the one NVMe's `/`: one room for both copies. The rows `parse_disk` reads."""
+    if parse_disk(sec) is None:
+        return None
+    assert sec is not None
+    where_on = {}
+    for line in sec.body.splitlines():
+        what, _, row = line.partition(" ")
+        cols = row.split()
+        if what in ("weights", "image") and cols:
+            device, mount = cols[0], " ".join(cols[5:])  # a mount point may hold spaces; df's last column
+            where_on[what] = device if device.startswith("/dev/") else mount
+    return where_on
 
 
 def listen_script() -> list[str]:
@@ -1146,19 +1175,23 @@ def start_fact(desired: Desired, container: str) -> Fact[StartSeen]:
                  f"tail -c {MAX_TEXT}; rc 0"), parse)
 
 
-# -- the memory a rank holds once it serves (steps/serving.py, await-health) ------------------------------------
+# -- a rank once it serves: the memory it holds, the network NCCL chose (steps/serving.py, await-health) ---------
 
 
 @dataclass(frozen=True)
-class RankMemory:
+class RankSeen:
     """A serving node once its rank answers: MemTotal and MemAvailable (`memory`, None when unread), the rank
     container's cgroup memory.current (`current`: the Docker Engine API's `memory_stats.usage`, memory.current on
-    cgroup v2 and memory.usage_in_bytes on v1; None when unread) and the names of the containers running on the
-    node (`running`: whose reservations the budget counts there now)."""
+    cgroup v2 and memory.usage_in_bytes on v1; None when unread), the names of the containers running on the
+    node (`running`: whose reservations the budget counts there now), the rank container's id (`container`: which
+    start the reading is of; None when not seen running) and the networks its log says NCCL chose (`networks`,
+    `core.nccl`: None when the log was not read, empty when it names none)."""
 
     memory: Memory | None
     current: int | None
     running: tuple[str, ...]
+    container: str | None = None
+    networks: tuple[str, ...] | None = None
 
 
 def parse_stats_usage(sec: Section | None) -> int | None:
@@ -1173,7 +1206,31 @@ def parse_stats_usage(sec: Section | None) -> int | None:
     return usage if isinstance(usage, int) and not isinstance(usage, bool) and usage >= 0 else None
 
 
-def parse_rank_memory(sections: dict[str, Section]) -> RankMemory:
+MAX_NETWORKS = 8  # distinct network names a rank's reading keeps: NCCL has three kinds (IB, Socket, a plugin)
+
+
+def parse_networks(sec: Section | None) -> tuple[str, ...] | None:
+    """The distinct networks of the node's `uniq -c` rows (`COUNT NAME`), most named first, ties by name
+    (`core.nccl`); None when the section is missing or failed. A row that is not one is skipped, never a
+    ProbeError: the node's `sed` prints only what `NETWORK_LINES` captured, so only a node that does not run the
+    script sends anything else."""
+    if sec is None or sec.rc != 0:
+        return None
+    counted: list[tuple[int, str]] = []
+    for line in sec.body.splitlines()[:MAX_NETWORKS]:
+        count, _, name = line.strip().partition(" ")
+        if count.isdigit() and is_network_name(name) and name not in (n for _, n in counted):
+            counted.append((int(count), name))
+    return tuple(name for _, name in sorted(counted, key=lambda c: (-c[0], c[1])))
+
+
+def networks_program() -> str:
+    """The `sed -n -E` program that prints the network's name of each `NETWORK_LINES` line of a log, and nothing
+    else (`|` delimits: the names and the patterns hold no `|`)."""
+    return "; ".join(f"s|.*{line}.*|\\1|p" for line in NETWORK_LINES)
+
+
+def parse_rank(container: str, sections: dict[str, Section]) -> RankSeen:
     """The reading, each part on its own: a part that does not parse is unread (None, or no running names), never
     a ProbeError. The rank already serves; what it holds is told, never a reason to fail its start."""
     try:
@@ -1185,16 +1242,28 @@ def parse_rank_memory(sections: dict[str, Section]) -> RankMemory:
     except ProbeError:
         ok, found = False, []
     running = tuple(c.name for c in found if c.running) if ok else ()
-    return RankMemory(memory, parse_stats_usage(sections.get("stats")), running)
+    mine = next((c.id for c in found if c.name == container and c.running), None) if ok else None
+    return RankSeen(memory, parse_stats_usage(sections.get("stats")), running, mine,
+                    parse_networks(sections.get("nccl")))
 
 
-def rank_memory_fact(container: str) -> Fact[RankMemory]:
-    """The node of a rank that serves: /proc/meminfo, its running containers (`containers_script`) and the
+#: seconds `docker logs` of a rank may take on its node: a start's whole log, read once after it served
+RANK_LOG_DEADLINE = 20
+
+
+def rank_fact(container: str) -> Fact[RankSeen]:
+    """The node of a rank that serves: /proc/meminfo, its running containers (`containers_script`), the
     container's memory from the Docker Engine API over the socket (the reading docker's own `docker stats` makes,
     the same on the cgroup v2 of DGX OS and the cgroup v1 of the testbed's engines; `one-shot`: one sample, no
-    second for the CPU's rate)."""
+    second for the CPU's rate) and the networks NCCL chose, counted on the node from the container's whole log
+    (its start's: each start is a new container), so only a few short rows cross (`parse_networks`). `sed`, not
+    `grep -a`: a log line is text vLLM's processes wrote, and only the captured name may leave the node."""
     url = f"http://docker/containers/{container}/stats?stream=false&one-shot=true"
-    return Fact(f"rank-memory {container}",
+    return Fact(f"rank {container}",
                 (*memory_script(), *containers_script(), "sec stats",
-                 f"curl -sf --max-time 10 --unix-socket \"$sock\" {quote_word(url)} 2>&1; rc $?"),
-                parse_rank_memory)
+                 f"curl -sf --max-time 10 --unix-socket \"$sock\" {quote_word(url)} 2>&1; rc $?",
+                 "sec nccl",
+                 f"timeout {RANK_LOG_DEADLINE} docker logs {quote_word(container)} 2>&1 | "
+                 f"sed -n -E {quote_word(networks_program())} | sort | uniq -c | sort -rn | head -n {MAX_NETWORKS}; "
+                 "rc 0"),
+                functools.partial(parse_rank, container))

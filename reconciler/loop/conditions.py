@@ -25,6 +25,7 @@ from reconciler.core.drift import (
     Drift,
     NodeCondition,
 )
+from reconciler.core.nccl import Transport, judge
 from reconciler.core.observed import NodeObservation, Observed, ServingApi
 from reconciler.core.planning import Plan, kind_and_node
 from reconciler.core.restore import AS_FOUND
@@ -74,6 +75,46 @@ def verify_results(desired: Desired, observed: Observed | None,
     return out
 
 
+@dataclass(frozen=True)
+class RankTransport:
+    """The network one rank's NCCL chose, as status tells it (`transport_results`)."""
+
+    deployment: str
+    node: str
+    transport: Transport
+
+
+def transport_results(desired: Desired, observed: Observed | None,
+                      reports: Mapping[tuple[str, str], Mapping[str, Any]]) -> list[RankTransport]:
+    """Each rank of a deployment across nodes, judged by the last `serving.transport` report of its node
+    (await-health's, once the deployment served: `reports`, by node and deployment) against the RDMA devices its
+    node's fabric declares (`core.nccl.judge`); a node that declares none is left out (sockets are what it asks
+    for, and the testbed's veths are such nodes). A report counts for what runs now only: while the rank container
+    it read still runs (a new one is read at its own start; a node this observation could not read keeps it). A
+    rank with no report that counts is left out: nothing is known of it, and no start of it was read."""
+    out: list[RankTransport] = []
+    for view in desired.views():
+        nodes = view.serving_nodes
+        if len(nodes) < 2:
+            continue
+        name = view.deployment.name
+        for node in nodes:
+            report = reports.get((node.name, name))
+            if report is None:
+                continue
+            seen = observed.view(name).nodes.get(node.name) if observed is not None else None
+            if seen is not None and seen.usable:
+                running = seen.container(view.serving.container_name)
+                if running is None or not running.running or running.id != report.get("container"):
+                    continue
+            devices = [p.rdma_device for p in node.fabric.ports() if p.rdma_device]
+            if not devices:  # sockets are what the file declares there: nothing to tell
+                continue
+            networks = report.get("networks")
+            out.append(RankTransport(name, node.name, judge(None if networks is None else tuple(networks), devices)))
+    return out
+
+
 @dataclass
 class Snapshot:
     """What one reconcile knows, for status purposes."""
@@ -90,6 +131,7 @@ class Snapshot:
     in_flight: list[str] = field(default_factory=list)  # step ids of operations running beside the loop
     held_change: Hold | None = None  # the file's generation failed and is held: an earlier one is enforced
     verified: list[Verified] = field(default_factory=list)  # each declared serving.verify (`verify_results`)
+    transports: list[RankTransport] = field(default_factory=list)  # each rank's NCCL network (`transport_results`)
 
     @property
     def wrong_answers(self) -> list[str]:
@@ -174,6 +216,8 @@ def _node_conditions(name: str, snap: Snapshot) -> list[Condition]:
                           "busy, not wedged; nothing restarts" if busy else "; ".join(said))))
     if checks := [v for v in snap.verified if v.node == name]:  # the API's node of a deployment declaring one
         out.append(_verified(name, checks))
+    if ranks := [r for r in snap.transports if r.node == name]:  # a rank of a deployment across nodes
+        out.append(_transport(name, ranks))
     held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
     out.append(_cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
                      "; ".join(f"{sid}: {msg}" for sid, msg in held.items())))
@@ -189,6 +233,14 @@ def _verified(name: str, checks: list[Verified]) -> Condition:
     if all(v.ok for v in checks):
         return _cond(name, "ServingVerified", True, "Answered", said)
     return _cond(name, "ServingVerified", None, "NotChecked", said)
+
+
+def _transport(name: str, ranks: list[RankTransport]) -> Condition:
+    """NcclTransport on a rank's node: False while a rank there fell back to sockets on a fabric that declares RDMA
+    devices, Unknown while one's network is not known, else True; the reason is the worst rank's."""
+    said = "; ".join((f"{r.deployment}: " if r.deployment != SINGLE else "") + r.transport.message for r in ranks)
+    worst = min(ranks, key=lambda r: {False: 0, None: 1, True: 2}[r.transport.ok]).transport
+    return _cond(name, "NcclTransport", worst.ok, worst.reason, said)
 
 
 def phase_of(snap: Snapshot) -> str:

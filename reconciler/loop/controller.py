@@ -604,6 +604,8 @@ class Controller:
             self.publisher.memory(fields, self.clock())
         elif event == "serving.verify":  # a start's check of its answer: ServingVerified, reconciler_serving_verified
             self.publisher.verified(fields)
+        elif event == "serving.transport":  # the network a rank's NCCL chose: NcclTransport, the fallback gauge
+            self.publisher.transport(fields)
         levels = {"debug": self.log.debug, "info": self.log.info, "warning": self.log.warning}
         levels[progress_level(event)](event, **{k: v for k, v in fields.items() if k != "step"})
 

@@ -103,6 +103,12 @@ serving_verified = Gauge("reconciler_serving_verified", "serving.verify's last c
                          "wrong, with an error or not at all; no series while not checked (none declared, no start "
                          "checked since the daemon started, the verify edited since).", ["deployment"],
                          registry=REGISTRY)
+nccl_socket_fallback = Gauge("reconciler_nccl_socket_fallback", "Read once a deployment across nodes served: 1 when "
+                             "the rank's NCCL chose its Socket network although the node's fabric declares RDMA "
+                             "devices (the tensors cross over TCP, about a quarter of the speed), 0 when it chose IB "
+                             "or another network; no series while not known (no `NCCL INFO Using network` line in "
+                             "the rank's log, a new container not read yet).", ["node", "deployment"],
+                             registry=REGISTRY)
 INFO_LABELS = ("deployment", "model", "served_name", "endpoint")
 deployment_info = Gauge("reconciler_deployment_info", "Always 1, one series per deployment in force: its model id, "
                         "served name and the OpenAI base URL the head serves it at, to join on (`* on (job, instance, "
@@ -248,6 +254,16 @@ def set_verified(checked: Mapping[str, bool]) -> None:
             serving_verified.remove(labels["deployment"])
     for deployment, ok in checked.items():
         serving_verified.labels(deployment).set(1 if ok else 0)
+
+
+def set_socket_fallback(judged: Mapping[tuple[str, str], bool]) -> None:
+    """reconciler_nccl_socket_fallback: 1 or 0 for each (node, deployment) whose rank's network is known for what
+    runs now, and no series for any other (a reading of an earlier container must not keep paging)."""
+    for labels in _series(nccl_socket_fallback):
+        if (labels["node"], labels["deployment"]) not in judged:
+            nccl_socket_fallback.remove(labels["node"], labels["deployment"])
+    for (node, deployment), fallback in judged.items():
+        nccl_socket_fallback.labels(node=node, deployment=deployment).set(1 if fallback else 0)
 
 
 def _series(gauge: Gauge) -> list[dict[str, str]]:

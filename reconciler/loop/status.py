@@ -42,6 +42,8 @@ class StatusPublisher:
         self._memory_lock = threading.Lock()
         # deployment -> its last `serving.verify` report (await-health's, from a step's thread: under the lock)
         self._verifies: dict[str, Mapping[str, Any]] = {}
+        # (node, deployment) -> its rank's last `serving.transport` report (await-health's: under the lock)
+        self._transports: dict[tuple[str, str], Mapping[str, Any]] = {}
 
     def publish(self, snap: conditions.Snapshot, nodes: list[str], error: str | None, now: float,
                 state_error: str | None = None) -> None:
@@ -50,6 +52,10 @@ class StatusPublisher:
         if self._desired is not None and not snap.verified:
             snap = dataclasses.replace(snap, verified=self.verify_results(self._desired, snap.observed))
         self._verify_gauge(snap.verified)
+        if self._desired is not None and not snap.transports:
+            snap = dataclasses.replace(snap, transports=self.transport_results(self._desired, snap.observed))
+        metrics.set_socket_fallback({(r.node, r.deployment): r.transport.socket_fallback
+                                     for r in snap.transports if r.transport.ok is not None})
         conds = conditions.conditions(snap, nodes, self.status.get("conditions", []), now)
         phase = conditions.phase_of(snap)
         drift = snap.plan.drift if snap.plan else []
@@ -138,6 +144,19 @@ class StatusPublisher:
         judged at each publish against what runs then (`conditions.verify_results`). Called from a step's thread."""
         with self._memory_lock:
             self._verifies[str(fields["deployment"])] = dict(fields)
+
+    def transport(self, fields: Mapping[str, Any]) -> None:
+        """A rank's network as await-health's `serving.transport` reported it (node, deployment, the container it
+        read, the networks its log names): it replaces the rank's last one and is judged at each publish against
+        what runs then (`conditions.transport_results`). Called from a step's thread."""
+        with self._memory_lock:
+            self._transports[(str(fields["node"]), str(fields["deployment"]))] = dict(fields)
+
+    def transport_results(self, desired: Desired, observed: Observed | None) -> list[conditions.RankTransport]:
+        """Each rank of a deployment across nodes of `desired`, judged by its last report against `observed`."""
+        with self._memory_lock:
+            reports = dict(self._transports)
+        return conditions.transport_results(desired, observed, reports)
 
     def verify_results(self, desired: Desired, observed: Observed | None) -> list[conditions.Verified]:
         """Each declared serving.verify of `desired`, judged by its last report against `observed`."""

@@ -87,3 +87,42 @@ def test_the_script_reads_only_what_discover_uses():
     sections = {line.split()[1] for line in "\n".join(SCRIPT_LINES).splitlines() if line.startswith("sec ")}
     assert "listen" not in sections
     assert {"containers", "meminfo", "gpu"} <= sections, "the shared fragments are still joined"
+
+
+def test_the_guessed_utilization_is_the_files_own_memory_check_inverted():
+    """discover sized gpu_memory_utilization with a 4 GiB margin of its own while the file it writes runs with the
+    policy's defaults (core/spec/models.py: memory_margin 6 GiB, memory_overhead_per_instance 8 GiB): it guessed
+    a start the file's own memory check then refused. Two GB10s (MemTotal 127535220 kB, test_budget's
+    /proc/meminfo of a DGX Spark, 121.6 GiB), the tighter with 92 GiB available, called as the CLI calls render
+    (no margin). By hand: (92 - 6 - 8) / 121.6 = 0.641, less 0.05 = 0.591, in steps of 0.05: 0.55. With 4 GiB:
+    (92 - 4 - 8) / 121.6 - 0.05 = 0.608, so 0.60, whose step more (0.65 x 121.6 + 8 + 6 = 93.1 GiB) is more
+    than the node has."""
+    import ipaddress
+
+    from reconciler.core import spec
+    from reconciler.core.vllm import memory_for
+    from reconciler.edge.discover import render
+    from reconciler.edge.discover.facts import Iface, NodeFacts
+
+    total, gib = 127535220 * 1024, 2**30
+
+    def node(host: str, name: str, available: int) -> NodeFacts:
+        mgmt = Iface("enP7s7", True, 1500, (ipaddress.IPv4Interface(f"{host}/24"),))
+        port = Iface("enp1s0f1np1", True, 9000, (ipaddress.IPv4Interface(f"192.168.200.{host[-2:]}/24"),))
+        return NodeFacts(host=host, hostname=name, ifaces=[mgmt, port], mem_total=total, mem_available=available,
+                         nofile_hard=1048576, memlock_unlimited=True)
+
+    text = render([node("10.1.230.80", "spark-1a32", 120 * gib), node("10.1.230.81", "spark-5be3", 92 * gib)],
+                  user="spark", known_hosts="/etc/spark-reconciler/known_hosts",
+                  identity="/etc/spark-reconciler/id_ed25519", jump=True)
+    desired = spec.loads(text)
+    policy, guess = desired.policy, desired.serving.gpu_memory_utilization
+    assert (policy.memory_margin, policy.memory_overhead_per_instance) == (6 * gib, 8 * gib)
+    assert guess == 0.55
+
+    def needs(utilization: float) -> int:  # the file's own memory check (memory_needed without extra flags)
+        return memory_for(utilization, total, policy.memory_margin, policy.memory_overhead_per_instance)
+
+    assert needs(guess + 0.05) <= 92 * gib < needs(guess + 0.10), "the guess keeps one step of 0.05, no more"
+    line = next(line for line in text.splitlines() if line.lstrip().startswith("gpu_memory_utilization:"))
+    assert "GUESS: MemAvailable now allows ~0.64 of MemTotal" in line

@@ -23,16 +23,16 @@ from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.probes import (
     Fact,
-    RankMemory,
+    RankSeen,
     Section,
-    parse_rank_memory,
+    parse_rank,
     parse_stats_usage,
-    rank_memory_fact,
+    rank_fact,
     sealed,
 )
 from reconciler.edge.ssh import Cancelled, CommandTimeout
 from reconciler.edge.steps.actions import Action, Given, Read, Report, advance
-from reconciler.edge.steps.serving import memory_readings
+from reconciler.edge.steps.serving import rank_readings
 from reconciler.loop import metrics
 from reconciler.loop.status import StatusPublisher
 from tests.unit.recorded import RAW, load, observe, sections_of
@@ -66,7 +66,7 @@ def test_the_containers_memory_is_docker_s_usage_or_unread(body, rc, usage):
 
 
 def test_a_recorded_node_reads_into_its_memory_its_running_containers_and_the_rank_s_usage():
-    got = parse_rank_memory(rank_memory("worker1"))
+    got = parse_rank("vllm_serving", rank_memory("worker1"))
     assert got.memory is not None and got.memory.total_bytes == NODE_TOTAL
     assert got.memory.available_bytes == 7910612 * 1024 and got.current == 592801792
     assert "vllm_serving" in got.running and "vllm_embeddings" in got.running
@@ -74,17 +74,17 @@ def test_a_recorded_node_reads_into_its_memory_its_running_containers_and_the_ra
 
 def test_no_part_of_the_reading_fails_it():
     """The rank serves: what does not parse is unread, never a ProbeError (a failed step)."""
-    assert parse_rank_memory({}) == RankMemory(None, None, ())
-    assert parse_rank_memory({"meminfo": Section("MemTotal: many", 0), "containers": Section("API [{", 0),
-                              "stats": Section("{", 0)}) == RankMemory(None, None, ())
+    assert parse_rank("vllm_serving", {}) == RankSeen(None, None, ())
+    assert parse_rank("vllm_serving", {"meminfo": Section("MemTotal: many", 0), "containers": Section("API [{", 0),
+                              "stats": Section("{", 0)}) == RankSeen(None, None, ())
 
 
 def test_the_fact_asks_the_engine_for_one_sample_of_the_rank_beside_meminfo_and_the_containers():
-    fact = rank_memory_fact("vllm_embed")
+    fact = rank_fact("vllm_embed")
     script = "\n".join(fact.lines)
-    assert fact.key == "rank-memory vllm_embed"
+    assert fact.key == "rank vllm_embed"
     assert [line.split(" ", 1)[1] for line in fact.lines if line.startswith("sec ")] == [
-        "meminfo", "containers", "stats"]
+        "meminfo", "containers", "stats", "nccl"]
     assert ("curl -sf --max-time 10 --unix-socket \"$sock\" "
             "'http://docker/containers/vllm_embed/stats?stream=false&one-shot=true'") in script
     checked = subprocess.run(["sh", "-n"], input=sealed(list(fact.lines)).script, text=True, capture_output=True,
@@ -98,7 +98,7 @@ Said = list[tuple[str, Any]]
 
 
 def _drive(given: Given, fail: dict[str, Exception] | None = None) -> tuple[Said, BaseException | None]:
-    """`memory_readings` over the recording's nodes; `fail`: the error a node's read raises into the step."""
+    """`rank_readings` over the recording's nodes; `fail`: the error a node's read raises into the step."""
     said: Said = []
 
     def do(action: Action) -> object:
@@ -112,7 +112,7 @@ def _drive(given: Given, fail: dict[str, Exception] | None = None) -> tuple[Said
         return action.fact.parse(rank_memory(action.node))
 
     try:
-        advance(memory_readings(given, launch_specs(given.desired)), do)
+        advance(rank_readings(given, launch_specs(given.desired)), do)
     except Exception as exc:  # noqa: BLE001 - the step's end is the result
         return said, exc
     return said, None
@@ -122,7 +122,7 @@ def test_each_rank_s_node_is_read_and_reported_with_what_the_publisher_needs():
     d = load()
     said, error = _drive(Given(d, observe(d)))
     assert error is None
-    assert [e for e, _ in said] == ["read", "serving.memory"] * 4
+    assert [e for e, _ in said] == ["read", "serving.memory", "serving.transport"] * 4
     fields = dict(said[1][1])
     running = fields.pop("running")
     assert fields == {"node": "head", "deployment": "default", "container": "vllm_serving", "total": NODE_TOTAL,
@@ -135,10 +135,11 @@ def test_a_node_that_does_not_answer_is_said_and_the_others_are_read():
     said, error = _drive(Given(d, observe(d)), {"worker2": CommandTimeout("worker2", "no answer within 10s")})
     assert error is None
     assert [(e, f["node"] if isinstance(f, dict) else f) for e, f in said] == [
-        ("read", "head"), ("serving.memory", "head"), ("read", "worker1"), ("serving.memory", "worker1"),
-        ("read", "worker2"), ("serving.memory-unread", "worker2"), ("read", "worker3"),
-        ("serving.memory", "worker3")]
-    assert said[5][1]["error"] == "worker2: no answer within 10s"
+        ("read", "head"), ("serving.memory", "head"), ("serving.transport", "head"), ("read", "worker1"),
+        ("serving.memory", "worker1"), ("serving.transport", "worker1"), ("read", "worker2"),
+        ("serving.memory-unread", "worker2"), ("read", "worker3"), ("serving.memory", "worker3"),
+        ("serving.transport", "worker3")]
+    assert said[7][1]["error"] == "worker2: no answer within 10s"
 
 
 def test_a_cancel_ends_the_step():

@@ -243,6 +243,7 @@ EXPECTED_ALERTS = {
     "ReconcilerLowMemory", "ReconcilerLoopStalled", "ReconcilerGpuStackSkew",
     "ReconcilerRolledBack",  # a failed change rolled back (reconciler.loop.history)
     "ReconcilerServingWrongAnswer",  # serving.verify: the fixed prompt answered wrong (issue 52)
+    "ReconcilerNcclOnSockets",  # a rank of a deployment across nodes fell back to NET/Socket (issue 52)
 }
 
 

@@ -39,6 +39,7 @@ from reconciler.edge.probes import (
     memory_script,
     parse_containers,
     parse_disk,
+    parse_disk_fs,
     parse_gpu_stack,
     parse_interfaces,
     parse_listening,
@@ -56,7 +57,8 @@ IP_ADDR_HEAD = json.loads((FIXTURES / "discover" / "ip-addr-testbed-head.json").
 RDMA_SYSFS = [line for line in (FIXTURES / "discover" / "rdma-sysfs-spark.txt").read_text().splitlines()
               if not line.startswith("#")]
 NVIDIA_SMI_ARGV = ["--query-gpu=name,driver_version", "--format=csv,noheader"]
-# /etc/dgx-release in its KEY="value" form (written here, not recorded: no DGX OS file is among the recordings):
+# /etc/dgx-release in its KEY="value" form (written here; real files, a Spark's and a DGX A100's with five OTA blocks,
+# are fixtures/dgx-release-*.txt, read by test_gpu_gb10.py):
 # the two lines the probe reads (docs/troubleshooting.md: DGX_SWBUILD_VERSION, then an OTA update's appended
 # DGX_OTA_VERSION, the last one the release now) among lines it must leave on the node, the serial number first
 DGX_RELEASE = ('DGX_NAME="DGX Spark"\nDGX_PRETTY_NAME="NVIDIA DGX Spark"\nDGX_SWBUILD_DATE="2025-09-10"\n'
@@ -263,6 +265,27 @@ def test_without_the_socket_dockers_data_root_comes_from_docker_info(tmp_path):
     expected = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     assert abs(free["image"] - expected) < 1 << 28
     assert ["docker", "info", "--format", "{{.DockerRootDir}}"] in node.calls("docker")
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one filesystem", "two filesystems"])
+def test_the_disk_rows_say_which_filesystem_each_is_on(tmp_path, apart):
+    """Run for real (issue 52, item 10): the model path and docker's data root on this machine's one filesystem
+    under the test's directory (as the hub and /var/lib/docker share the NVMe's `/` on DGX OS) read as one
+    filesystem; the data root on /proc (another filesystem on every Linux) as two. The identity is df's own row:
+    its device when a device node, else its mount point (`parse_disk_fs`)."""
+    node = _local(tmp_path / "node", cwd="/proc")
+    root = Path("/proc") if apart else tmp_path / "docker-root"
+    root.mkdir(exist_ok=True)
+    node.answer({"tool": "docker", "argv": ["info", "--format", "{{.DockerRootDir}}"], "stdout": f"{root}\n"})
+    sec = sections(node, [probes._DOCKER_SOCKET, *disk_script(str(tmp_path / "models"))])["disk"]
+    where_on = parse_disk_fs(sec)
+    assert where_on is not None and set(where_on) == {"weights", "image"}, sec
+    rows = {line.split()[0]: line.split()[1:] for line in sec.body.splitlines()}
+    for what, row in rows.items():
+        assert where_on[what] == (row[0] if row[0].startswith("/dev/") else " ".join(row[5:]))
+    assert (where_on["weights"] == where_on["image"]) is (not apart), where_on
+    if apart:
+        assert where_on["image"] == "/proc"
 
 
 # -- the sealed script's header -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
+from reconciler.core.spec import Policy
 from reconciler.core.vllm import flag_value, largest_utilization
 from reconciler.edge.discover.facts import Iface, ModelDir, NodeFacts, RunningContainer
 
@@ -213,10 +214,12 @@ def model_root_for(facts: NodeFacts, name: str, model: ModelDir, fallback: str) 
 
 # --------------------------------------------------------------------------------------------------- serving
 
-def guess_gmu(all_facts: list[NodeFacts], margin: int) -> tuple[float, str]:
+def guess_gmu(all_facts: list[NodeFacts], policy: Policy) -> tuple[float, str]:
     """gpu_memory_utilization: what MemAvailable allows now on the tightest node (the reconciler's own memory
-    check, inverted), less 0.05, in steps of 0.05, capped at the playbook's 0.8."""
-    fits = [largest_utilization(f.mem_total, f.mem_available, margin) for f in all_facts if f.mem_total]
+    check, inverted, with the memory_margin and memory_overhead_per_instance of `policy`, the policy of the file
+    being written), less 0.05, in steps of 0.05, capped at the playbook's 0.8."""
+    fits = [largest_utilization(f.mem_total, f.mem_available, policy.memory_margin, policy.memory_overhead_per_instance)
+            for f in all_facts if f.mem_total]
     if not fits:
         return PLAYBOOK_UTILIZATION, "no /proc/meminfo; 0.8 is NVIDIA's TP2 playbook value"
     fit = min(fits)
@@ -224,8 +227,9 @@ def guess_gmu(all_facts: list[NodeFacts], margin: int) -> tuple[float, str]:
     if gmu >= PLAYBOOK_UTILIZATION:
         return PLAYBOOK_UTILIZATION, "NVIDIA's TP2 playbook value; MemAvailable on every node leaves room for it"
     gmu = max(gmu, 0.05)
-    return gmu, (f"MemAvailable now allows ~{fit:.2f} of MemTotal (minus policy.memory_margin) on the tightest "
-                 f"node; 0.8 is usual once co-tenants are stopped")
+    return gmu, (f"MemAvailable now allows ~{fit:.2f} of MemTotal (minus policy.memory_margin and "
+                 f"policy.memory_overhead_per_instance) on the tightest node; 0.8 is usual once co-tenants are "
+                 f"stopped")
 
 
 def pick_image(head: NodeFacts) -> tuple[str, str]:

@@ -24,6 +24,7 @@ from ruamel.yaml.nodes import ScalarNode
 from ruamel.yaml.representer import RoundTripRepresenter
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
+from reconciler.core.spec import Policy
 from reconciler.core.text import printable
 from reconciler.edge.discover.facts import ModelDir, NodeFacts
 from reconciler.edge.discover.guess import (
@@ -43,6 +44,10 @@ HEADER = ("Starter desired state written by `reconciler discover` (read-only pro
           "Keep the end marker `...` the last line: a half-written save is then refused.")
 #: Where end-of-line comments start (after a longer line: one space after it).
 COMMENT_COLUMN = 36
+#: The policy the starter file runs with: `_policy()` names neither policy.memory_margin nor
+#: policy.memory_overhead_per_instance, so they are the policy model's defaults (core/spec/models.py, the one place
+#: that defines them), and the gpu_memory_utilization guess reads the same two figures the file's memory check will.
+STARTER_POLICY = Policy()
 #: Longest node text kept in a comment.
 COMMENT_TEXT_MAX = 300
 
@@ -240,13 +245,12 @@ def _asked_model(all_facts: list[NodeFacts], asked: ModelChoice, user: str) -> t
 
 # --------------------------------------------------------------------------------------------------- serving
 
-def _serving(all_facts: list[NodeFacts], model: ModelDir | None, port: int, margin: int,
-             asked: ModelChoice) -> CommentedMap:
+def _serving(all_facts: list[NodeFacts], model: ModelDir | None, port: int, asked: ModelChoice) -> CommentedMap:
     if asked.image:
         image, image_why = asked.image, ""
     else:
         image, image_why = pick_image(all_facts[0])
-    gmu, gmu_why = guess_gmu(all_facts, margin)
+    gmu, gmu_why = guess_gmu(all_facts, STARTER_POLICY)
     serving = CommentedMap([("image", quoted(image)), ("launcher", "native"), ("container_name", "vllm_serving"),
                             ("tensor_parallel_size", len(all_facts)), ("pipeline_parallel_size", 1), ("port", port),
                             ("master_port", 29501), ("gpu_memory_utilization", gmu)])
@@ -341,7 +345,7 @@ def _policy() -> CommentedMap:
 # --------------------------------------------------------------------------------------------------- the file
 
 def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, identity: str | None,
-           jump: bool, port: int = 8000, margin: int = 4 * 2**30, asked: ModelChoice | None = None) -> str:
+           jump: bool, port: int = 8000, asked: ModelChoice | None = None) -> str:
     """The starter desired state. Node 0 is the head. Every inferred value carries `# GUESS:`; what `asked`
     names (discover's `--model`, `--revision`, `--image`, `--api-key-secret`) is written as given."""
     all_facts = heads_and_workers
@@ -361,7 +365,7 @@ def render(heads_and_workers: list[NodeFacts], *, user: str, known_hosts: str, i
             _placeholder_model(document, user)
         else:
             _found_model(document, nodes, model, source_index)
-    document["serving"] = _serving(all_facts, model, port, margin, asked)
+    document["serving"] = _serving(all_facts, model, port, asked)
     document["co_tenants"] = _co_tenants(nodes, port)
     document["policy"] = _policy()
     for section in ("serving", "co_tenants", "policy"):

@@ -6,7 +6,11 @@ loaded image's id is not the saved one's (moby#44833; docs/troubleshooting.md "I
 The stream never passes through the reconciler: a 20 GB image once crossed the daemon's process over the 10G
 management port (and the worker's hop through the head). It runs on the source as one supervised command
 (cancelled with the step, nothing left running on either node), bounded on both nodes, with its bytes counted
-by `dd status=progress` for the step's progress."""
+by `dd status=progress` for the step's progress.
+
+Its page cache is dockerd's and containerd's (they read and write the image's bytes), so unlike the weights'
+copy no drop-behind of ours can bound it: the owner bounds the two units (`MemoryHigh=`, docs/operations.md),
+and `reconciler doctor` says where they are not (check `docker-mem`); the copy does not re-read it each time."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from reconciler.edge.probes import (
     VerifyAnswer,
     container_fact,
     log_tail_fact,
-    rank_memory_fact,
+    rank_fact,
     ray_nodes_fact,
     serve_processes_fact,
     shown,
@@ -281,7 +281,7 @@ def await_health(given: Given, step: Step) -> Actions:
     deadline: each round's wait is capped by what is left of it). Each poll reads the head's container, API and
     log in one round trip (`probes.start_fact`); a change of the log is reported (`StartWatch`); the other nodes'
     containers are read every WORKERS_EVERY polls. A container that is not running fails the step with its last
-    log lines. Once it serves, each rank's node is read (`memory_readings`), then serving.verify, when declared,
+    log lines. Once it serves, each rank's node is read (`rank_readings`), then serving.verify, when declared,
     asks its question (`verify_answer`): a wrong answer fails the step."""
     d = given.desired
     head, want = step.node, d.served_name
@@ -306,25 +306,27 @@ def await_health(given: Given, step: Step) -> Actions:
             yield from _not_running(head, name, seen.container)
         if seen.api.serves(want):
             yield watch.served()
-            yield from memory_readings(given, specs)
+            yield from rank_readings(given, specs)
             yield from verify_answer(given, head, seen.container.container.id)
             return
         if (report := watch.seen(seen.log)) is not None:
             yield report
 
 
-def memory_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
-    """Once the deployment serves, each rank's node as it holds it now (`probes.rank_memory_fact`: MemTotal,
-    MemAvailable, the rank container's cgroup memory.current, the running containers), reported as
-    `serving.memory`: the status publisher judges it against the budget (`core.budget.overshoot`) into /status and
+def rank_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
+    """Once the deployment serves, each rank's node as it holds it now (`probes.rank_fact`), reported twice:
+    `serving.memory` (MemTotal, MemAvailable, the rank container's cgroup memory.current, the running containers):
+    the status publisher judges it against the budget (`core.budget.overshoot`) into /status and
     `reconciler_memory_overshoot_bytes`, so an owner tunes policy.memory_overhead_per_instance and
-    policy.memory_margin from the node's own numbers. The API already serves: a node that does not answer is said
+    policy.memory_margin from the node's own numbers; and, for a deployment across nodes, `serving.transport`: the
+    networks the rank's log says NCCL chose (`core.nccl`), judged into the condition NcclTransport and
+    `reconciler_nccl_socket_fallback`. The API already serves: a node that does not answer is said
     (`serving.memory-unread`), never a failure of the step; a cancel still ends it."""
     d = given.desired
     weights = weights_size(d, given.observed)
     for spec in specs:
         try:
-            seen = yield from read(spec.node, rank_memory_fact(spec.container_name))
+            seen = yield from read(spec.node, rank_fact(spec.container_name))
         except (Cancelled, StepCancelled):
             raise
         except (RemoteError, StepFailed) as exc:
@@ -335,6 +337,10 @@ def memory_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
             "node": spec.node, "deployment": d.deployment.name, "container": spec.container_name,
             "total": memory.total_bytes if memory else None, "available": memory.available_bytes if memory else None,
             "current": seen.current, "running": list(seen.running), "weights": weights})
+        if len(specs) > 1:
+            yield Report("serving.transport", {
+                "node": spec.node, "deployment": d.deployment.name, "container": seen.container,
+                "networks": None if seen.networks is None else list(seen.networks)})
 
 
 #: How long serving.verify waits for an answer at all: each request has its own deadline (probes.VERIFY_DEADLINE)

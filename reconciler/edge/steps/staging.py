@@ -10,16 +10,17 @@ file_download.py), and honours HF_ENDPOINT (a mirror) and HF_TOKEN (a gated mode
 The disk preflight: before a byte is fetched, the Hub says how large the revision is (`GET
 /api/models/ID/revision/REV?blobs=true`, what `HfApi.model_info(files_metadata=True)` asks; each sibling's
 `size`), and the download goes ahead only when the observation's free bytes at the model path hold what is
-missing plus the margin every copy keeps (core/drift.DISK_MARGIN). The token, when the file scopes `HF_TOKEN` to
-`internet`, travels on stdin only: in the size read's script for curl (`probes.hub_size_fact`), one line read by
-the shell for `hf`."""
+missing, and any copy the plan makes to the same filesystem (an image copy to this node: on DGX OS both go to the
+one NVMe), plus the margin (core/drift.shortfall, the plan's own judgement). The token, when the file scopes
+`HF_TOKEN` to `internet`, travels on stdin only: in the size read's script for curl (`probes.hub_size_fact`), one
+line read by the shell for `hf`."""
 
 from __future__ import annotations
 
 import re
 
 from reconciler.core.budget import gib
-from reconciler.core.drift import DISK_MARGIN, source_problem
+from reconciler.core.drift import DISK_MARGIN, Shortfall, disk_needs, shortfall, source_problem
 from reconciler.core.planning import Step
 from reconciler.edge.manifest import listing_fact, weights_store
 from reconciler.edge.probes import hub_size_fact
@@ -46,6 +47,12 @@ _BYTES = re.compile(r"^bytes (\d+)$", re.M)
 #: What `hf` needs on the node, said where it is missing.
 HF_FIX = ("install the Hub's CLI for the SSH user there: `pipx install huggingface_hub` (or `python3 -m pip "
           "install --user huggingface_hub`); `reconciler doctor` checks it")
+
+
+def _beside(lack: Shortfall) -> str:
+    """What else writes to the filesystem a staging step is short on (`drift.disk_needs`), said; empty if none."""
+    others = " and ".join(f"the {where} copy's {gib(size)}" for where, size in lack.others)
+    return f"; with {others} on the same filesystem, {lack.on}" if others else ""
 
 
 def _token(given: Given) -> str | None:
@@ -106,12 +113,12 @@ def download(given: Given, step: Step) -> Actions:
     total = size.bytes
     obs = given.observed.node(node)
     have = obs.weights.total_bytes if obs.weights is not None else 0
-    free = (obs.disk_free or {}).get("weights")
     need = max(0, total - have)
-    if free is not None and free < need + DISK_MARGIN:
-        raise StepBlocked(f"{model.id} at {model.revision} needs {gib(need + DISK_MARGIN)} free on "
-                          f"{step.path} on {node} (the Hub lists {gib(total)}; the margin is {gib(DISK_MARGIN)}), "
-                          f"only {gib(free)} is: free room there; nothing was downloaded")
+    lack = shortfall(obs, "weights", {**disk_needs(desired, given.observed, node), "weights": need})
+    if lack is not None:
+        raise StepBlocked(f"{model.id} at {model.revision} needs {gib(lack.needed)} free on "
+                          f"{step.path} on {node} (the Hub lists {gib(total)}; the margin is {gib(DISK_MARGIN)}"
+                          f"{_beside(lack)}), only {gib(lack.free)} is: free room there; nothing was downloaded")
     grown = Grown()
 
     def seen(chunk: bytes) -> Report | None:
@@ -165,15 +172,18 @@ class Layers:
 def pull_image(given: Given, step: Step) -> Actions:
     """`docker pull IMAGE` on the image source, with the user's registry logins (the CLI reads ~/.docker); the
     layers reported as they land. The next observation sees the image and plans the copies from it. Its disk
-    preflight is a floor only (the margin free in docker's data root): the image's size is not known before the
-    pull without a registry client of our own (`docker manifest` is not in Debian's or Ubuntu's docker.io), and a
-    pull that meets a full disk fails without harm to what runs."""
+    preflight is a floor only (the margin free in docker's data root, plus a weights copy the plan makes to the
+    same filesystem, `drift.shortfall`): the image's size is not known before the pull without a registry client
+    of our own (`docker manifest` is not in Debian's or Ubuntu's docker.io), and a pull that meets a full disk
+    fails without harm to what runs."""
     node, ref = step.node, step.image
     assert ref is not None, "the plan names the image of a pull"
-    free = (given.observed.node(node).disk_free or {}).get("image")
-    if free is not None and free < DISK_MARGIN:
-        raise StepBlocked(f"only {gib(free)} free in docker's data root on {node}: the pull of {ref} would fill "
-                          f"it; free at least {gib(DISK_MARGIN)} plus the image there; nothing was pulled")
+    obs = given.observed.node(node)
+    lack = shortfall(obs, "image", {**disk_needs(given.desired, given.observed, node), "image": 0})
+    if lack is not None:
+        raise StepBlocked(f"only {gib(lack.free)} free in docker's data root on {node}: the pull of {ref} would "
+                          f"fill it; free at least {gib(lack.needed)} plus the image there{_beside(lack)}; nothing "
+                          "was pulled")
     layers = Layers()
 
     def seen(chunk: bytes) -> Report | None:

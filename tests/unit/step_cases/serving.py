@@ -194,15 +194,16 @@ STATS_V1 = ('{"read":"2026-12-06T10:02:11.504361875Z","preread":"0001-01-01T00:0
 
 
 def rank_memory(node: str) -> dict[str, Section]:
-    """A serving node once its rank answers (`probes.rank_memory_fact`), from the recording: its /proc/meminfo and
+    """A serving node once its rank answers (`probes.rank_fact`), from the recording: its /proc/meminfo and
     containers as the probe read them, the rank's stats (`STATS_V1`)."""
     seen = sections_of(RAW["outputs"][node])
     return {"meminfo": seen["meminfo"], "containers": seen["containers"], "stats": Section(STATS_V1, 0)}
 
 
-READINGS = {f"{n} rank-memory {NAME}": [rank_memory(n)] for n in ("head", *WORKERS)}
+READINGS = {f"{n} rank {NAME}": [rank_memory(n)] for n in ("head", *WORKERS)}
 DONE = ["report serving.done", *(line for n in ("head", *WORKERS)
-                                 for line in (f"read {n} rank-memory {NAME}", "report serving.memory"))]
+                                 for line in (f"read {n} rank {NAME}", "report serving.memory",
+                                              "report serving.transport"))]
 
 CASES = [
     # -- start-serving
@@ -380,7 +381,7 @@ CASES = [
          ["report serving.stage", *WORKERS_READ, f"wait head start {NAME}", *DONE],
          facts={**RUNNING, **READINGS, f"head start {NAME}": [*[head(api="down")] * 4, head()]}, **_recorded()),
     Case("await-health: a head serving alone polls on: no other node's round ends its wait", _health(),
-         ["report serving.stage", f"wait head start {NAME}", "report serving.done", f"read head rank-memory {NAME}",
+         ["report serving.stage", f"wait head start {NAME}", "report serving.done", f"read head rank {NAME}",
           "report serving.memory"],
          facts={f"head start {NAME}": [*[head(api="down")] * 5, head()], **READINGS},
          desired=lambda: _alone(load()), observed=lambda: observe(load())),
@@ -412,9 +413,9 @@ CASES = [
          raises=r"timed out after 120s waiting for http://127.0.0.1:8000/health on head, 'tiny-moe' in /v1/models "
                 "and one completion"),
     Case("await-health: a node whose reading does not parse is reported as read, unread parts empty", _health(),
-         ["report serving.stage", f"wait head start {NAME}", "report serving.done", f"read head rank-memory {NAME}",
+         ["report serving.stage", f"wait head start {NAME}", "report serving.done", f"read head rank {NAME}",
           "report serving.memory"],
-         facts={f"head start {NAME}": [head()], f"head rank-memory {NAME}": [
+         facts={f"head start {NAME}": [head()], f"head rank {NAME}": [
              {"meminfo": Section("MemTotal: lots", 0), "containers": Section("API [not json", 0),
               "stats": Section("curl: (7) Couldn't connect to server", 7)}]},
          desired=lambda: _alone(load()), observed=lambda: observe(load())),

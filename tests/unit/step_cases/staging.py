@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Callable
 
 from reconciler.core.drift import DISK_MARGIN
-from reconciler.core.observed import NodeObservation, Observed, WeightFile, Weights
+from reconciler.core.observed import Image, NodeObservation, Observed, WeightFile, Weights
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.edge.manifest import Listing
@@ -184,4 +184,55 @@ CASES += [
                                                                    "report pull.done"], free=DISK_MARGIN),
     _pull("the pull fails with a long stderr: only its last 600 characters", [f"run {HEAD} docker pull {IMAGE}"],
           pulled=Result("", "x" + "y" * 600, 1), raises=r"layers: y{600} \(a private registry"),
+]
+
+
+# -- issue 52, item 10: a staging step counts the copy the plan makes to the same filesystem (`drift.shortfall`);
+# on DGX OS the model path and docker's data root are both on the one NVMe's `/`.
+
+NVME = "/dev/nvme0n1p2"
+
+
+def _one_filesystem(free: int, *, worker: NodeObservation, fs: str = NVME) -> Observed:
+    """The head with `free` bytes read for both rows, the model path on `fs` and docker's data root on the one
+    NVMe; the worker as given."""
+    head = NodeObservation(name=HEAD, reachable=True, disk_free={"weights": free, "image": free},
+                           disk_fs={"weights": fs, "image": NVME})
+    return Observed(nodes={HEAD: head, WORKER: worker})
+
+
+def _weights_on_the_worker() -> Desired:
+    """The sample with the weights' source on the worker: the head, which pulls the image, gets a weights copy."""
+    desired = sample()
+    return desired.with_deployment(model=desired.model.model_copy(update={"source": WORKER}))
+
+
+def _image_on_the_worker() -> Desired:
+    """The sample with the worker the first image source: the head, which downloads, gets an image copy."""
+    desired = sample()
+    return desired.with_deployment(serving=desired.serving.model_copy(update={"image_sources": [WORKER, HEAD]}))
+
+
+_TREE = Weights(root=f"{HUB_PATH}/models--Qwen--Qwen3.5-122B-A10B-FP8", present=True,
+                files=[WeightFile(path="blobs/b", size=50 * GIB, mtime=1.0)])
+_HELD = NodeObservation(name=WORKER, reachable=True, docker_reachable=True, images={IMAGE: Image(
+    id="sha256:" + "a" * 64, content="sha256:" + "c" * 64, size=20 * GIB)})
+
+CASES += [
+    Case("the pull's floor beside a weights copy to the same filesystem: nothing pulled", PULL, [],
+         raises=f"only 10.0 GiB free in docker's data root on {HEAD}: the pull of .* would fill it; free at least "
+                f"51.0 GiB plus the image there; with the weights copy's 50.0 GiB on the same filesystem, {NVME}; "
+                "nothing was pulled", error="StepBlocked", desired=_weights_on_the_worker,
+         observed=lambda: _one_filesystem(10 * GIB, worker=NodeObservation(name=WORKER, reachable=True,
+                                                                            weights=_TREE))),
+    Case("the same room on two filesystems: pulled", PULL, [f"run {HEAD} docker pull {IMAGE}", "report pull.done"],
+         desired=_weights_on_the_worker,
+         observed=lambda: _one_filesystem(10 * GIB, worker=NodeObservation(name=WORKER, reachable=True,
+                                                                            weights=_TREE), fs="/dev/nvme1n1p1")),
+    Case("the download beside an image copy to the same filesystem: nothing fetched", DOWNLOAD, [f"read {SIZE}"],
+         facts={SIZE: [ANSWER]}, desired=_image_on_the_worker,
+         observed=lambda: _one_filesystem(110 * GIB, worker=_HELD),
+         raises=r"needs 121\.0 GiB free on /home/spark/.cache/huggingface/hub on spark-1a32 \(the Hub lists "
+                r"100\.0 GiB; the margin is 1\.0 GiB; with the image copy's 20\.0 GiB on the same filesystem, "
+                f"{NVME}\\), only 110\\.0 GiB is: free room there; nothing was downloaded", error="StepBlocked"),
 ]
