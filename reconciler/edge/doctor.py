@@ -119,10 +119,12 @@ def doctor_script(desired: Desired, node: Node) -> Sealed:
 
 def daemon_memory_script() -> list[str]:
     """The `daemon_memory` section (`parse_daemon_memory`): /sys/fs/cgroup's filesystem type (the hierarchy that
-    decides whether MemoryHigh= is enforced), then docker's and containerd's bounds as systemd keeps them."""
+    decides whether MemoryHigh= is enforced), then docker's and containerd's bounds as systemd keeps them, and
+    whether each is loaded and runs (a unit installed but stopped is not the engine the node uses)."""
     return ["sec daemon_memory",
             "printf 'cgroup %s\\n' \"$(stat -fc %T /sys/fs/cgroup/ 2>/dev/null)\"; "
-            f"systemctl show -p LoadState -p MemoryHigh -p MemoryMax {' '.join(DAEMON_UNITS)} 2>/dev/null; rc $?"]
+            f"systemctl show -p LoadState -p ActiveState -p MemoryHigh -p MemoryMax {' '.join(DAEMON_UNITS)} "
+            "2>/dev/null; rc $?"]
 
 
 def _sudo_lines(desired: Desired, node: Node) -> list[str]:
@@ -234,10 +236,12 @@ def _limit(value: str | None) -> int | None:
 
 def parse_daemon_memory(sec: Section | None) -> DaemonMemory | None:
     """The `daemon_memory` section: `cgroup FSTYPE` (/sys/fs/cgroup's, `cgroup2fs` on the unified hierarchy), then
-    `systemctl show -p LoadState -p MemoryHigh -p MemoryMax` of DAEMON_UNITS: one `Name=value` block per unit in
-    the order asked, blocks parted by one empty line (systemctl-show.c's show_one; the recordings in
-    tests/unit/fixtures/systemctl/). None when systemd did not answer (no systemd: systemctl exits 1, "System has
-    not been booted with systemd") or said something else: then the check is not made, as the desktop's is not."""
+    `systemctl show -p LoadState -p ActiveState -p MemoryHigh -p MemoryMax` of DAEMON_UNITS: one `Name=value`
+    block per unit in the order asked, blocks parted by one empty line (systemctl-show.c's show_one; the
+    recordings in tests/unit/fixtures/systemctl/). ActiveState is kept as systemd says it (`active`, `inactive`,
+    `failed`, `reloading`, ...): the check judges which of those runs. None when systemd did not answer (no
+    systemd: systemctl exits 1, "System has not been booted with systemd") or said something else (a block
+    without its LoadState or ActiveState, a bound not in bytes): then the check is not made, as the desktop's is not."""
     if sec is None or sec.rc != 0:
         return None
     first, _, rest = sec.body.partition("\n")
@@ -247,8 +251,8 @@ def parse_daemon_memory(sec: Section | None) -> DaemonMemory | None:
     if kind != "cgroup" or len(blocks) != len(DAEMON_UNITS):
         return None
     try:
-        units = tuple(UnitMemory(unit, props["LoadState"] == "loaded", _limit(props.get("MemoryHigh")),
-                                 _limit(props.get("MemoryMax")))
+        units = tuple(UnitMemory(unit, props["LoadState"] == "loaded", props["ActiveState"],
+                                 _limit(props.get("MemoryHigh")), _limit(props.get("MemoryMax")))
                       for unit, props in zip(DAEMON_UNITS, blocks, strict=True))
     except (KeyError, ValueError):
         return None

@@ -1,9 +1,11 @@
 """`reconciler doctor` on docker's and containerd's memory bounds (issue 52, item 6): on a GB10 the page cache of
 `docker pull` and of image copies (`docker save | ssh … docker load`) is charged to dockerd's and containerd's
 cgroups and fills the one pool of memory the serving ranks share; the weights' drop-behind cannot reach it.
-Doctor reads `systemctl show -p LoadState -p MemoryHigh -p MemoryMax docker.service containerd.service` and the
-cgroup hierarchy, and warns (apply works all the same) on a node that serves or sources images where either is
-unbounded, with the `systemctl set-property` fix. The parser is fed the real output recorded in
+Doctor reads `systemctl show -p LoadState -p ActiveState -p MemoryHigh -p MemoryMax docker.service
+containerd.service` and the cgroup hierarchy, and warns (apply works all the same) on a node that serves or sources
+images where either runs unbounded, with the `systemctl set-property` fix. A unit installed but stopped is not
+judged: it is not the engine the node uses (the testbed's host keeps the distro's docker.service stopped, its nodes
+run dockerd outside systemd). The parser is fed the real output recorded in
 tests/unit/fixtures/systemctl/ (README.md there says how), the fragment runs under the real `sh` and `stat`."""
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tests.unit.test_probe_survivors import STAND_IN, LocalNode
 
 SYSTEMCTL = Path(__file__).with_name("fixtures") / "systemctl"
 G4 = 4 * 2**30
-ARGV = ["show", "-p", "LoadState", "-p", "MemoryHigh", "-p", "MemoryMax", "docker.service", "containerd.service"]
+ARGV = ["show", "-p", "LoadState", "-p", "ActiveState", "-p", "MemoryHigh", "-p", "MemoryMax", "docker.service",
+        "containerd.service"]
 SET = "sudo systemctl set-property {} MemoryHigh=4G"
 
 
@@ -40,23 +43,50 @@ def section(name: str, hierarchy: str = "cgroup2fs") -> Section:
 
 
 def units(docker: UnitMemory | None, containerd: UnitMemory | None, hierarchy: str = "cgroup2fs") -> DaemonMemory:
-    return DaemonMemory((docker or UnitMemory("docker.service", False),
-                         containerd or UnitMemory("containerd.service", False)), hierarchy)
+    """None: the unit does not exist (as systemd shows one: LoadState=not-found, ActiveState=inactive)."""
+    return DaemonMemory((docker or UnitMemory("docker.service", False, "inactive"),
+                         containerd or UnitMemory("containerd.service", False, "inactive")), hierarchy)
+
+
+def docker(state: str = "active", high: int | None = None, max: int | None = None) -> UnitMemory:
+    return UnitMemory("docker.service", True, state, high, max)
+
+
+def containerd(state: str = "active", high: int | None = None, max: int | None = None) -> UnitMemory:
+    return UnitMemory("containerd.service", True, state, high, max)
+
+
+def without_active_state(name: str) -> str:
+    return "".join(line for line in recorded(name)[0].splitlines(keepends=True) if not line.startswith("ActiveState="))
 
 
 # -- the fact, from the real output --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("name", "expected"), [
-    ("show-unbounded.txt", units(UnitMemory("docker.service", True), UnitMemory("containerd.service", True))),
-    ("show-docker-bounded.txt", units(UnitMemory("docker.service", True, G4), UnitMemory("containerd.service", True))),
-    ("show-bounded.txt", units(UnitMemory("docker.service", True, G4), UnitMemory("containerd.service", True, G4))),
-    ("show-max-percent.txt", units(UnitMemory("docker.service", True, G4),
-                                   UnitMemory("containerd.service", True, None, 6319042560))),
-    ("show-no-containerd.txt", units(UnitMemory("docker.service", True, G4), None)),
+    ("show-unbounded.txt", units(docker(), containerd())),
+    ("show-docker-bounded.txt", units(docker(high=G4), containerd())),
+    ("show-bounded.txt", units(docker(high=G4), containerd(high=G4))),
+    ("show-max-percent.txt", units(docker(high=G4), containerd(max=6319042560))),
+    ("show-no-containerd.txt", units(docker(high=G4), None)),
     ("show-neither.txt", units(None, None)),
+    ("show-stopped.txt", units(docker("inactive"), containerd("inactive"))),
+    ("show-docker-stopped.txt", units(docker("inactive"), containerd(high=G4))),
+    ("show-stopping.txt", units(docker("failed"), containerd("deactivating"))),
+    ("show-starting.txt", units(docker("reloading"), containerd("activating"))),
 ])
 def test_systemctl_show_as_systemd_prints_it(name, expected):
     assert edge_doctor.parse_daemon_memory(section(name)) == expected
+
+
+def test_only_active_state_tells_a_running_unit_from_a_stopped_one():
+    """show-stopped.txt (the testbed's host: the distro's units installed, stopped) and show-unbounded.txt differ in
+    their ActiveState lines only: a parser or a check that did not read ActiveState could not tell them apart."""
+    assert without_active_state("show-stopped.txt") == without_active_state("show-unbounded.txt")
+    assert [u.runs for u in units(docker(), containerd()).units] == [True, True]
+    assert not any(u.runs for u in edge_doctor.parse_daemon_memory(section("show-stopped.txt")).units)
+    assert [u.runs for u in edge_doctor.parse_daemon_memory(section("show-starting.txt")).units] == [True, True]
+    assert [u.runs for u in edge_doctor.parse_daemon_memory(section("show-stopping.txt")).units] == [False, False]
+    assert not UnitMemory("docker.service", False, "active").runs, "not loaded: whatever its state, not judged"
 
 
 def test_no_systemd_no_answer_and_odd_output_are_not_read():
@@ -68,7 +98,7 @@ def test_no_systemd_no_answer_and_odd_output_are_not_read():
     assert edge_doctor.parse_daemon_memory(None) is None
     body, _ = recorded("show-bounded.txt")
     for odd in (body.replace("4294967296", "4G", 1), body.replace("\n\n", "\n"), body.replace("LoadState", "Load"),
-                "no cgroup line\n" + body):
+                without_active_state("show-bounded.txt"), "no cgroup line\n" + body):
         text = odd if odd.startswith("no cgroup") else f"cgroup cgroup2fs\n{odd}"
         assert edge_doctor.parse_daemon_memory(Section(text.strip("\n"), 0)) is None, odd
     assert edge_doctor.parse_daemon_memory(section("show-bounded.txt", "")).hierarchy is None  # stat said nothing
@@ -91,8 +121,7 @@ def test_the_fragment_runs_under_sh_with_this_machines_stat(tmp_path):
     sec = read_sections(node, edge_doctor.daemon_memory_script(), timeout=60)["daemon_memory"]
     fstype = subprocess.run(["stat", "-fc", "%T", "/sys/fs/cgroup/"], capture_output=True, text=True,
                             check=False).stdout.strip()
-    assert edge_doctor.parse_daemon_memory(sec) == units(UnitMemory("docker.service", True, G4),
-                                                         UnitMemory("containerd.service", True), fstype or None)
+    assert edge_doctor.parse_daemon_memory(sec) == units(docker(high=G4), containerd(), fstype or None)
     assert node.calls("systemctl") == [["systemctl", *ARGV]]
 
 
@@ -110,7 +139,7 @@ def test_doctor_reads_the_section_into_the_nodes_facts():
     body, _ = recorded("show-unbounded.txt")
     answer = {**WORKER_ANSWER, "daemon_memory": (f"cgroup cgroup2fs\n{body.strip()}", 0)}
     facts = edge_doctor.parse_doctor(DESIRED, WORKER, _answer("n", answer), "n", sent=0.0)
-    assert facts.daemon_memory == units(UnitMemory("docker.service", True), UnitMemory("containerd.service", True))
+    assert facts.daemon_memory == units(docker(), containerd())
     assert edge_doctor.parse_doctor(DESIRED, WORKER, _answer("n", WORKER_ANSWER), "n", sent=0.0).daemon_memory is None
 
 
@@ -154,10 +183,56 @@ def test_no_containerd_unit_is_docker_alone():
     assert "docker.service MemoryHigh 4.0 GiB (no containerd.service here" in c.message
 
 
-def test_neither_unit_is_a_warning_without_a_fix():
+NOT_JUDGED = ("the engine runs some other way (a snap, rootless, its own dockerd outside systemd), so the page cache "
+              "of its pulls and image copies is not judged")
+
+
+def test_neither_unit_is_said_not_warned():
+    """No unit to judge and no fix to name: said (ok), so that doctor's output tells the bounds were not judged."""
     c = check(edge_doctor.parse_daemon_memory(section("show-neither.txt")))
-    assert c is not None and c.status == "warn" and c.fix is None
-    assert "neither docker.service nor containerd.service is a systemd unit here" in c.message
+    assert c is not None and c.status == "ok" and c.fix is None
+    assert c.message == f"neither docker.service nor containerd.service is a systemd unit here: {NOT_JUDGED}"
+
+
+def test_installed_but_stopped_units_are_not_the_engine_and_give_no_warning():
+    """The testbed's host (and CI's, when PID 1 is systemd): the distro's docker.service and containerd.service are
+    loaded and stopped, unbounded, while each node runs its own dockerd outside systemd."""
+    stopped = edge_doctor.parse_daemon_memory(section("show-stopped.txt"))
+    c = check(stopped)
+    assert c is not None and c.status == "ok" and c.fix is None
+    assert c.message == ("neither docker.service nor containerd.service runs now (docker.service inactive, "
+                         f"containerd.service inactive): {NOT_JUDGED}")
+    found = run(head=_facts(HEAD, daemon_memory=stopped), worker=_facts(WORKER, daemon_memory=stopped))
+    assert [c.status for c in found if c.name == "docker-mem"] == ["ok", "ok"]
+    c = check(edge_doctor.parse_daemon_memory(section("show-stopping.txt")))
+    assert c is not None and c.status == "ok" and c.fix is None
+    assert "runs now (docker.service failed, containerd.service deactivating)" in c.message
+    c = check(edge_doctor.parse_daemon_memory(section("show-stopped.txt", "tmpfs")))
+    assert c is not None and c.status == "ok", "nothing runs: the hierarchy is not judged either"
+
+
+def test_reloading_and_activating_units_run_and_are_judged():
+    c = check(edge_doctor.parse_daemon_memory(section("show-starting.txt")))
+    assert c is not None and c.status == "warn"
+    assert c.message.startswith("docker.service, containerd.service: no MemoryHigh or MemoryMax")
+    assert c.fix == Fix(f"{SET.format('docker.service')} && {SET.format('containerd.service')}", "root", "worker")
+
+
+def test_a_stopped_docker_service_beside_a_running_containerd_judges_containerd_alone():
+    c = check(edge_doctor.parse_daemon_memory(section("show-docker-stopped.txt")))
+    assert c is not None and c.status == "ok"
+    assert c.message == ("containerd.service MemoryHigh 4.0 GiB (docker.service inactive: dockerd runs some other "
+                         "way, not judged): the page cache of pulls and image copies is reclaimed above it")
+    c = check(units(docker("inactive"), containerd()))
+    assert c is not None and c.status == "warn" and c.fix == Fix(SET.format("containerd.service"), "root", "worker")
+    assert "(docker.service inactive: dockerd runs some other way, not judged)" in c.message
+
+
+def test_a_stopped_containerd_service_beside_a_running_docker_judges_docker_alone():
+    c = check(units(docker(), containerd("failed", G4)))
+    assert c is not None and c.status == "warn" and c.fix == Fix(SET.format("docker.service"), "root", "worker")
+    assert c.message.startswith("docker.service: no MemoryHigh or MemoryMax")
+    assert c.message.endswith("(containerd.service failed: dockerd then runs its own, inside docker.service)")
 
 
 def test_the_legacy_hierarchy_does_not_enforce_memory_high():
@@ -174,8 +249,7 @@ def test_the_legacy_hierarchy_does_not_enforce_memory_high():
     c = check(edge_doctor.parse_daemon_memory(section("show-unbounded.txt", "tmpfs")))
     assert c is not None and c.fix is not None
     assert c.fix.command.endswith(f"; then {SET.format('docker.service')} && {SET.format('containerd.service')}")
-    c = check(units(UnitMemory("docker.service", True, None, 8 * 2**30),
-                    UnitMemory("containerd.service", True, None, 8 * 2**30), "tmpfs"))
+    c = check(units(docker(max=8 * 2**30), containerd(max=8 * 2**30), "tmpfs"))
     assert c is not None and c.status == "ok" and "docker.service MemoryMax 8.0 GiB" in c.message
 
 
@@ -193,7 +267,7 @@ def test_only_nodes_that_serve_or_source_images_and_have_systemd_are_checked():
 
 
 def test_containerd_alone_is_judged_and_the_missing_engine_unit_said():
-    c = check(units(None, UnitMemory("containerd.service", True, G4)))
+    c = check(units(None, containerd(high=G4)))
     assert c is not None and c.status == "ok"
     assert c.message.startswith("containerd.service MemoryHigh 4.0 GiB (no docker.service here: dockerd runs some "
                                 "other way, not judged)")
