@@ -532,7 +532,7 @@ def discover(head: str, workers: tuple[str, ...], user: str, known_hosts: str, i
     if output is None:
         click.echo(text, nl=False)
     else:
-        output.write_text(text)
+        write_output(output, text)
         click.echo(f"wrote {output} ({text.count('# GUESS:')} guesses to review)", err=True)
     try:
         spec.loads(text, filename=str(output or "<discovered>"))
@@ -669,6 +669,25 @@ def _refused(exc: spec.InvalidDesiredState) -> None:
     sys.exit(Exit.INVALID)
 
 
+def write_output(output: Path, text: str) -> None:
+    """`init -o` and `discover -o`: written as the state dir's files are (`generations.write_durably`: a new
+    temporary file of an unforeseeable name beside PATH, renamed over it), so a link planted at PATH or at a
+    temporary name is never written through (issue 53, finding F: once `Path.write_text`, which follows one).
+    A regular file already at PATH keeps its mode (and, as root, its owner); a new one gets the umask's."""
+    import stat
+
+    from reconciler.loop.generations import write_durably
+
+    try:
+        was = os.lstat(output)
+    except FileNotFoundError:
+        was = None
+    umask = os.umask(0o077)
+    os.umask(umask)
+    write_durably(output, text, like=was if was is not None and stat.S_ISREG(was.st_mode) else None,
+                  mode=0o666 & ~umask)
+
+
 @main.command()
 @click.option("--recipe", "picks", multiple=True, metavar="NAME[@NODE]",
               help="A recipe to serve, one deployment each (repeat; `--list` names them). @NODE runs a single-node "
@@ -723,7 +742,7 @@ def init(picks: tuple[str, ...], list_only: bool, head: str | None, workers: tup
     if output is None:
         click.echo(text, nl=False)
     else:
-        output.write_text(text)
+        write_output(output, text)
         click.echo(f"wrote {output}: {len(chosen)} deployments, {text.count('# GUESS:')} guesses to review", err=True)
 
 

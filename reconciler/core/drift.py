@@ -709,4 +709,21 @@ def _deployment_drift(desired: Desired, observed: Observed, nodes: list[Drift]) 
     out += _memory_drift_where_serving_starts(desired, observed, [n for n in ready if n not in over], served,
                                               _freeing_memory(desired, observed, nodes + out))
     out += _health_drift(desired, observed)
+    out += _port_neighbour_drift(desired, observed)
     return out
+
+
+def _port_neighbour_drift(desired: Desired, observed: Observed) -> list[Drift]:
+    """Listeners on the serving port at another address (`ServingApi.port_neighbours`: `[::1]`, `127.0.0.2`): in
+    the way of neither the health checks nor vLLM's bind, so said, never acted on nor blocking (issue 53, B; a
+    co-tenant's process, like a co-tenant under `unlisted: report`). A client that dials that address reaches
+    them, not vLLM: `localhost` may resolve to ::1 first."""
+    head = desired.api_node.name
+    health = observed.node(head).serving if observed.node(head).usable else None
+    if health is None or not health.port_neighbours:
+        return []
+    port = desired.serving.port
+    return [Drift(head, "co-tenant", f"api/:{port}", f"no other listener on port {port}",
+                  f"also listening on it at another address: {', '.join(health.port_neighbours)}; neither asked nor "
+                  "in vLLM's way, but a client that dials that address (`localhost` may be ::1) reaches it, not "
+                  f"vLLM: `sudo ss -ltnp 'sport = :{port}'` names the process", actionable=False)]

@@ -237,10 +237,12 @@ class Weights(_Model):
         return sum(f.size or 0 for f in self.files if f.link_target is None)
 
     def digest(self) -> str:
-        """The tree's shape as a copy leaves it: every path with its size or link value (no mtimes, no hashing:
-        cheap at any size). Retention removes a tree it copied only while this still matches what the copy
-        recorded, so a file a person added or changed since keeps the whole tree."""
-        lines = sorted(f"{f.path}\t{f.size}\t{f.link_target}" for f in self.files)
+        """The tree as a copy leaves it: every path with its size, its mtime (find's `%T@`, as the listing read
+        it) and its link value; no hashing: cheap at any size. Retention removes a tree it copied only while this
+        still matches what the copy recorded, so a file a person added, resized or rewrote since keeps the whole
+        tree: a fine-tune saved over the shards, or an edited config.json, keeps every size but not its mtime
+        (issue 53, finding D: the digest once held no mtime, and such a tree was removed)."""
+        lines = sorted(f"{f.path}\t{f.size}\t{f.mtime!r}\t{f.link_target}" for f in self.files)
         return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
@@ -282,6 +284,11 @@ class ServingApi(_Model):
     port_holder: int | None = Field(None, description="the uid of a listener on the serving port that is not "
                                     "root, which every serving container runs as: not our serving, so the probe "
                                     "sent it no API key and took nothing it said (issue 31); None: root or nobody")
+    port_neighbours: list[str] = Field(default_factory=list, description="listeners on the serving port at another "
+                                       "address (`uid 65534 on ::1`, `uid 1000 on 127.0.0.2`): in the way of "
+                                       "neither the health checks nor vLLM's bind (core.listeners), so they hold "
+                                       "nothing; said as report-only drift, since a client dialing that address "
+                                       "(`localhost` may be ::1) reaches them, not vLLM (issue 53, B)")
 
     def serves(self, name: str) -> bool:
         """The one definition of healthy serving: /health 200, `name` listed, and a completion answered."""
@@ -377,6 +384,10 @@ class NodeObservation(_Model):
                                 "must fit; None: not read (a snapshot from before it was)")
     listening: list[int] | None = Field(None, description="TCP ports something listens on (/proc/net/tcp, tcp6): "
                                         "a start needs its own free; None: not read (an older snapshot)")
+    listen_addresses: dict[int, list[str]] | None = Field(
+        None, description="the local addresses each port of `listening` is listened on at (`0.0.0.0`, `127.0.0.1`, "
+        "`::`, `::1`, `::ffff:127.0.0.1`): whether one is in the way of a bind of serving.host "
+        "(core.listeners.takes); a port without addresses here, or None (an older snapshot), is in the way")
     gpu_stack: GpuStack | None = Field(None, description="read when the file asks for GPUs (serving.docker.gpus); "
                                        "None: not asked, or an older snapshot")
     disk_free: dict[str, int] | None = Field(None, description="free bytes (`df -P -B1`) where a copy writes: "

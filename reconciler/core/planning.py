@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
 from reconciler.core.drift import UNUSABLE_KINDS, Drift, FieldChange, diff, image_holder
-from reconciler.core.observed import Observed
+from reconciler.core.listeners import ANY, takes
+from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.ownership import owner
 from reconciler.core.retention import removals
 from reconciler.core.spec import Desired
@@ -471,7 +472,8 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
     label; one from before the label is taken to hold what its node needs now). A co-tenant this plan stops
     may be the holder, but nothing says so (/proc/net/tcp names no process the SSH user may see): with nothing
     of ours serving, the start goes on after the stop (the seed's GLM on :8000); with a generation to keep,
-    the restart waits for the stop to land and judges again."""
+    the restart waits for the stop to land and judges again. Only a listener in the way counts (`_in_the_way`):
+    on `[::1]` or `127.0.0.2`, beside a serving.host of `127.0.0.1`, a local user holds no start (issue 53, B)."""
     cluster = owner(desired, observed)
     running = {n.name: [c for c in observed.node(n.name).containers if c.running and c.owned_by(cluster)]
                for n in desired.serving_nodes}
@@ -483,7 +485,8 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
             continue  # not read: only a snapshot from before the probe read it
         ours = set().union(*({p for _, p in spec.listens} if c.held_ports is None else c.held_ports
                              for c in running[spec.node]))
-        taken = [(field, port) for field, port in spec.listens if port in listening and port not in ours]
+        taken = [(field, port) for field, port in spec.listens if port not in ours and _in_the_way(
+            observed.node(spec.node), port, desired.serving.host if field == "serving.port" else ANY)]
         if not taken:
             continue
         freeing = [s.id for s in before if s.kind == "stop-container" and s.node == spec.node]
@@ -496,6 +499,16 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
                                       "start, and rank 0 must listen there: free it (`sudo ss -ltnp 'sport = :"
                                       f"{taken[0][1]}'` shows who holds it) or choose another port{then}"))
     return out
+
+
+def _in_the_way(node: NodeObservation, port: int, host: str) -> bool:
+    """Something listens on `port` where a bind of `host` there would meet it (`core.listeners.takes`; `ANY` for
+    what binds every address: torch's TCPStore, Ray's GCS). A port whose addresses were not read (an older
+    snapshot, a row that did not read) is in the way, as every listener was before."""
+    if port not in (node.listening or []):
+        return False
+    addresses = (node.listen_addresses or {}).get(port)
+    return not addresses or any(takes(address, host) for address in addresses)
 
 
 def _restart_hurdles(drift: list[Drift], serving: list[str]) -> list[Drift]:

@@ -14,6 +14,7 @@ environment file systemd gives the daemon).
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
 from collections.abc import Mapping
@@ -135,6 +136,37 @@ class DaemonMemory:
 
 
 @dataclass(frozen=True)
+class HubEntry:
+    """One directory or file of the source's hub that someone besides the SSH user may change: `area` `hub` (the
+    hub directory itself, `.`), `tree` (the model's tree, `models--ORG--NAME` or the plain model dir) or `store`
+    (the hub's shared blob store, `HUB/blobs`), `path` relative to it; or `above`, a directory above the hub (its
+    real path), `path` absolute. `uid` its owner, `mode` its permission bits."""
+
+    area: Literal["above", "hub", "tree", "store"]
+    path: str
+    uid: int
+    mode: int
+
+
+@dataclass(frozen=True)
+class HubFacts:
+    """Who may change the hub the weights are copied from (issue 53: whoever can write it, or the blob store, can
+    swap the tree, the hub or the store for a link before the copy lists it). `exists` False: no hub yet (`apply`
+    makes it).
+    `uid` the SSH user's; `above` every directory above the hub's real path; `loose` the hub's, tree's and store's
+    entries not the SSH user's or writable by group or others (`parse_hub` keeps the first HUB_SHOWN per area;
+    `counts`: area -> (such entries, of them not the SSH user's)); `tree`, `store`: each is there."""
+
+    exists: bool
+    uid: int | None = None
+    above: tuple[HubEntry, ...] = ()
+    loose: tuple[HubEntry, ...] = ()
+    counts: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    tree: bool = False
+    store: bool = False
+
+
+@dataclass(frozen=True)
 class NodeFacts:
     """What doctor read of one node. `error`/`error_kind`: no session (host key, login, path); `probe_error`: the
     node answered, its output did not parse. `observation` is built by the probe's own parsers (docker, disk, GPU
@@ -158,6 +190,7 @@ class NodeFacts:
     default_target: str | None = None  # `systemctl get-default`; None: not read (no systemd)
     display: tuple[str, ...] | None = None  # the display servers running (Xorg, gnome-shell); None: not read
     daemon_memory: DaemonMemory | None = None  # docker's and containerd's memory bounds; None: not read (no systemd)
+    hub: HubFacts | None = None  # the model source's hub: who may change it; None: not read (not the source)
 
 
 @dataclass(frozen=True)
@@ -275,6 +308,7 @@ def _node_checks(desired: Desired, node: Node, f: NodeFacts, facts: Mapping[str,
         out.append(gpu_check(node, f))
     if node.name == desired.source_node:
         out.append(weights_check(desired, node, f, local))
+        out.append(hub_check(desired, node, f))
     if node.name in _serving(desired):
         out.append(disk_check(desired, node, observed))
         out.append(desktop_check(node, f))
@@ -461,6 +495,96 @@ def weights_check(desired: Desired, node: Node, f: NodeFacts, local: LocalFacts)
     return Check("weights", node.name, "fail", f"{model.id}: {problem}, and {node.name} has no internet in the "
                  "file: put them there", Fix(f"{fetch}{cache}  # where the Hub is reachable, then copy the tree to "
                                              f"{model.path_on(node.name)}", node.ssh.user, node.name))
+
+
+#: The areas of the source's hub `hub_check` judges, as its message names them.
+_AREAS = {"hub": "the hub", "tree": "the model's tree", "store": "the hub's shared blob store"}
+
+
+def _above_problem(entry: HubEntry, uid: int) -> str | None:
+    """Why a directory above the hub lets someone else replace it (the rule `trusted_files` applies locally, as
+    sshd's StrictModes): owned by another than root or the SSH user, or writable by group or others without
+    being a root-owned sticky directory (/tmp)."""
+    if entry.uid not in (0, uid):
+        return f"{entry.path} above it is uid {entry.uid}'s"
+    if entry.mode & 0o022 and not (entry.mode & 0o1000 and entry.uid == 0):
+        return f"{entry.path} above it is mode {entry.mode:04o}"
+    return None
+
+
+def hub_check(desired: Desired, node: Node, f: NodeFacts) -> Check | None:
+    """The source's hub (the model path, the model's tree, the hub's shared blob store `HUB/blobs`) and every
+    directory above it changeable by the SSH user alone: owned by it, no group or other write (issue 53). Whoever
+    else can write there (a co-tenant container that mounts the cache read-write, a group-writable shared cache)
+    can swap the tree, the hub or the store for a link before the copy lists it, which the listing then takes for
+    the model (finding A: a swap after the listing sends nothing and fails the copy). A warn: the copy still runs,
+    and checks every link and re-checks each directory and file it reads. None when the hub was not read (not the
+    source)."""
+    hub, user = f.hub, node.ssh.user
+    if hub is None:
+        return None
+    path = desired.model.path_on(node.name)
+    if not hub.exists:
+        return Check("hub", node.name, "warn", f"{path} is not there yet: who may change it is checked once "
+                     "`reconciler apply` has made it")
+    if hub.uid is None:
+        return Check("hub", node.name, "warn", f"{path}: {user} cannot enter it, so who may change it was not "
+                     f"judged (the `weights` check says what {user} can read)")
+    said = [why for e in hub.above if (why := _above_problem(e, hub.uid)) is not None]
+    for area, words in _AREAS.items():
+        total, foreign = hub.counts.get(area, (0, 0))
+        if not total:
+            continue
+        first = next((e for e in hub.loose if e.area == area), None)
+        seen = "" if first is None else \
+            f"{'uid ' + str(first.uid) + ', ' if first.uid != hub.uid else ''}mode {first.mode:04o}"
+        if area == "hub":
+            what = f"not {user}'s" if foreign else "writable by group or others"
+            said.append(f"the hub itself is {what}" + (f" ({seen})" if seen else ""))
+            continue
+        kinds = [f"{foreign} not {user}'s" if foreign else "",
+                 f"{total - foreign} writable by group or others" if total > foreign else ""]
+        said.append(f"{total} entr{'y' if total == 1 else 'ies'} of {words} ({', '.join(k for k in kinds if k)}"
+                    + (f"; first {first.path}: {seen})" if first is not None else ")"))
+    parts = [p for p in ("the hub", "the model's tree" if hub.tree else "",
+                         "its shared blob store" if hub.store else "") if p]
+    if not said:
+        return Check("hub", node.name, "ok", f"{path}: {', '.join(parts)} and every directory above: {user}'s "
+                     "alone to change (no other owner, no group or other write)")
+    return Check("hub", node.name, "warn", printable(
+        f"{path}: {'; '.join(said)}: whoever else can write there can swap a file of the model for a link to "
+        f"{user}'s key before the copy lists it"), _hub_fix(desired, node, hub))
+
+
+def _hub_fix(desired: Desired, node: Node, hub: HubFacts) -> Fix:
+    """The exact commands: `chown` (root) where an entry is not the SSH user's, `chmod go-w` where group or others
+    may write, the hub itself alone, the tree and the store recursively; a directory above the hub made
+    `go-w` (root). One above it owned by someone else is not chowned away from its owner: the model is moved."""
+    user, path = node.ssh.user, desired.model.path_on(node.name)
+    where = {"hub": path, "tree": desired.weights_root(node.name),
+             "store": posixpath.join(path, "blobs")}
+    recursive = {"hub": "", "tree": "-R ", "store": "-R "}
+    commands: list[str] = []
+    root = False
+    for area in ("hub", "tree", "store"):
+        total, foreign = hub.counts.get(area, (0, 0))
+        if foreign:
+            commands.append(f"chown {recursive[area]}{user} {shlex.quote(where[area])}")
+            root = True
+        if total:
+            commands.append(f"chmod {recursive[area]}go-w {shlex.quote(where[area])}")
+    moved = False
+    for entry in hub.above:
+        if entry.uid not in (0, hub.uid):
+            moved = True
+        elif _above_problem(entry, hub.uid or 0) is not None:
+            commands.append(f"chmod go-w {shlex.quote(entry.path)}")
+            root = root or entry.uid == 0
+    command = " && ".join(commands)
+    if moved:
+        command += (("  # and " if command else "") + f"move the model below a directory only root and {user} own, "
+                    "then point model.path there")
+    return Fix(command, "root" if root else user, node.name)
 
 
 def image_check(desired: Desired, observed: Observed) -> Check:

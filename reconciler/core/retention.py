@@ -10,17 +10,24 @@ whatever its age:
 - a weights tree that a container bind-mounts: the mount is the tree or lies in it, or the container mounts a
   directory holding the tree (a whole hub) and does not name another tree as the one it serves (LABEL_WEIGHTS on
   this cluster's own containers). A container whose mounts were not read keeps every tree on its node.
-The step re-checks on the node (the tree is still what was copied, byte for byte in size, `Weights.digest`) before
-it removes anything.
+The step re-checks on the node (the tree is still what was copied, in every path's size and mtime,
+`Weights.digest`) before it removes anything.
+
+A ledger line is a claim, not a fact: it may name any absolute path. Only a tree where this file puts its models
+is retention's (`out_of_reach`): strictly below the parent of the node's `model.path` (a hub's other models, the
+plain model directories beside the current one), and never a path the file itself could not name as a model
+(`mount_refusal`: the system, a key directory, `/home/USER` or what holds one). A line naming `/etc` or a home is not
+ranked, not planned and not removed, however well its digest matches (issue 53, finding E).
 """
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 
 from reconciler.core.observed import LABEL_WEIGHTS, Container, CopyRecord, NodeObservation, Observed, whose
 from reconciler.core.ownership import Owner
-from reconciler.core.spec import Desired
+from reconciler.core.spec import Desired, mount_refusal
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,17 @@ def _inside(path: str, root: str) -> bool:
 def overlaps(a: str, b: str) -> bool:
     """One of the two directories is the other or lies in it."""
     return _inside(a, b) or _inside(b, a)
+
+
+def out_of_reach(desired: Desired, node: str, root: str) -> str | None:
+    """Why the tree `root` (a ledger line's key) is not retention's to remove on `node`, or None: it is. The one
+    judgement for the plan (`removals`) and the step that removes (edge/steps/retention.py)."""
+    home, root = posixpath.dirname(posixpath.normpath(desired.model.path_on(node))), posixpath.normpath(root)
+    if root == home or not _inside(root, home):
+        return f"it is not below {home}, where this file's models are"
+    if (refusal := mount_refusal(root)) is not None:
+        return f"{refusal}: never a model tree of this file"
+    return None
 
 
 def mounts_tree(source: str, root: str, serves: str | None = None) -> bool:
@@ -76,7 +94,8 @@ def _newest_first(records: list[CopyRecord]) -> list[CopyRecord]:
 def removals(desired: Desired, observed: Observed, owner: Owner, reference: str | None) -> list[Removal]:
     """Per node, what retention removes now: this cluster's copies (the ledger's records under its id,
     `owner.label`: never under a former address, which DHCP may give another cluster's head) beyond the current
-    ones and the `previous` newest others, minus what a container uses.
+    ones and the `previous` newest others, minus what a container uses. A tree out of reach (`out_of_reach`) is
+    not one of them: it neither takes a `previous` place nor is removed.
     `reference`: the image content the plan makes current (the image holder's)."""
     policy = desired.policy.retention
     if not policy.prune:
@@ -88,7 +107,8 @@ def removals(desired: Desired, observed: Observed, owner: Owner, reference: str 
             continue
         mine = _newest_first([r for r in obs.copies if r.by == owner.label])
         current = desired.weights_root(node.name)
-        trees = [r for r in mine if r.kind == "weights" and not overlaps(r.key, current)]
+        trees = [r for r in mine if r.kind == "weights" and not overlaps(r.key, current)
+                 and out_of_reach(desired, node.name, r.key) is None]
         images = [r for r in mine if r.kind == "image" and not _is_current_image(desired, obs, r, reference)]
         made_from = {c.image_id for c in obs.containers if c.image_id}
         old_trees = [r.key for r in trees[policy.previous:]

@@ -129,7 +129,8 @@ _CACHES_IN_CONTAINER = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache
 
 def cache_dirs(desired: Desired, node: Node) -> dict[str, str]:
     """Host directory per kept compile cache on `node` (empty: none kept). The serving step creates them as the
-    SSH user before `docker run`, which would otherwise create them as root."""
+    SSH user before `docker run`, which would otherwise create them as root, and refuses one that is a link
+    (edge/steps/serving.py `CACHE_DIRS`): docker's `-v` follows it."""
     where = desired.serving.compile_cache
     if where is None:
         return {}

@@ -30,9 +30,9 @@ from typing import Any
 
 from reconciler.core.exits import Exit
 from reconciler.core.text import printable
+from reconciler.edge.status_client import PROOF_HEADER as PROOF_HEADER  # a request's and an answer's, one name
 from reconciler.edge.status_client import STATUS_KEY, StatusError, fetch
 
-PROOF_HEADER = "X-Reconciler-Proof"
 POLL = 2.0  # seconds between two looks at /status while the daemon verifies
 LOST_AFTER = 30.0  # seconds without an answer while waiting: the daemon is gone (a restart answers within them)
 WAIT = 6 * 3600.0  # the default deadline for the result (`verify --wait`)

@@ -24,6 +24,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 from reconciler.core.observed import NodeObservation
 from reconciler.core.preflight import (
@@ -33,6 +34,8 @@ from reconciler.core.preflight import (
     EnvFile,
     FileProblem,
     HopAnswer,
+    HubEntry,
+    HubFacts,
     LocalFacts,
     NodeFacts,
     SudoAnswer,
@@ -44,7 +47,7 @@ from reconciler.core.preflight import (
 )
 from reconciler.core.spec import Desired, Node
 from reconciler.edge import trusted_files
-from reconciler.edge.manifest import manifest_script, parse_weights
+from reconciler.edge.manifest import MAX_DEPTH, MAX_ENTRIES, manifest_script, parse_weights, weights_store
 from reconciler.edge.probes import (
     ProbeError,
     Sealed,
@@ -110,7 +113,8 @@ def doctor_script(desired: Desired, node: Node) -> Sealed:
              "sec sudo", *_sudo_lines(desired, node), "rc 0",
              *image_script(desired.serving.image), *link_script(node),
              *(gpu_script() if desired.serving.docker.gpus is not None else []),
-             *disk_script(desired.model.path_on(node.name)), manifest_script(desired.weights_root(node.name))]
+             *disk_script(desired.model.path_on(node.name)), manifest_script(desired.weights_root(node.name)),
+             *(hub_script(desired) if node.name == desired.source_node else [])]
     for source, target in hop_pairs(desired):
         if source == node.name:
             lines += _hop_lines(desired, node, target)
@@ -125,6 +129,48 @@ def daemon_memory_script() -> list[str]:
             "printf 'cgroup %s\\n' \"$(stat -fc %T /sys/fs/cgroup/ 2>/dev/null)\"; "
             f"systemctl show -p LoadState -p ActiveState -p MemoryHigh -p MemoryMax {' '.join(DAEMON_UNITS)} "
             "2>/dev/null; rc $?"]
+
+
+#: Entries of each area of the source's hub that the `hub` section prints (the counts are of all of them).
+HUB_SHOWN = 20
+_HUB_AREAS: dict[str, Literal["hub", "tree", "store"]] = {"hub": "hub", "tree": "tree", "store": "store"}
+
+
+def hub_script(desired: Desired) -> list[str]:
+    """The `hub` section (`parse_hub`), on the model's source: who besides the SSH user may change the hub the
+    weights are copied from (issue 53). `U` the SSH user's uid; `A` the owner, mode and path of each directory
+    above the hub's real path; per area (`hub`: the hub directory itself, for an hf-cache; `tree`: the model's
+    tree, as deep as the manifest walks; `store`: the hub's shared blob store, two levels as the manifest lists
+    it), `T` when it is there, an `E` line for each entry (links aside: a link's own mode means nothing) not the
+    SSH user's or writable by group or others, the first HUB_SHOWN of them (a name with a tab or newline as `?`),
+    then `N AREA COUNT FOREIGN` (all such entries, and of them the ones not the SSH user's). Each area is entered
+    with `cd -P` (a linked hub is judged where it leads, as the copy reads it) and walked with `find -P` (no link
+    followed). Exit 2: no hub; 3: the SSH user cannot enter it."""
+    source = desired.source_node
+    hub, tree = desired.model.path_on(source), desired.weights_root(source)
+    store = weights_store(tree)
+    tab, nl = "\t", "\n"
+    loose = '! -type l \\( ! -user "$u" -o -perm /022 \\)'
+    odd = f"\\( -path {quote_word('*' + tab + '*')} -o -path {quote_word('*' + nl + '*')} \\)"
+
+    def area(name: str, path: str, depth: int) -> str:
+        entry = f"E\\t{name}\\t%U\\t%m\\t"
+        count = (f'{{ n=0; f=0; while IFS= read -r l; do n=$((n+1)); case $l in "E{tab}{name}{tab}$u{tab}"*) ;; '
+                 f"*) f=$((f+1));; esac; [ $n -gt {HUB_SHOWN} ] || printf '%s\\n' \"$l\"; done; "
+                 f"printf 'N\\t{name}\\t%s\\t%s\\n' \"$n\" \"$f\"; }}")
+        return (f"(cd -P -- {quote_word(path)} 2>/dev/null || exit 0; printf 'T\\t{name}\\n'; "
+                f"find . -maxdepth {depth} {loose} \\( {odd} -printf '{entry}?\\n' -o -printf '{entry}%p\\n' \\) "
+                f"2>/dev/null | head -n {MAX_ENTRIES} | {count})")
+
+    areas = [area("tree", tree, MAX_DEPTH + 1)]
+    if desired.model.layout == "hf-cache":
+        areas = [area("hub", hub, 0), *areas, *([area("store", store, 2)] if store is not None else [])]
+    # a subshell: its `cd`, `u` and `d` stay there
+    return ["sec hub",
+            f"(if [ ! -e {quote_word(hub)} ]; then rc 2; elif cd -P -- {quote_word(hub)} 2>/dev/null; then "
+            "u=$(id -u); printf 'U\\t%s\\n' \"$u\"; d=$(pwd -P); while [ \"$d\" != / ]; do d=$(dirname -- \"$d\"); "
+            "stat --printf 'A\\t%u\\t%a\\t%n\\n' -- \"$d\"; done; "
+            f"{'; '.join(areas)}; rc 0; else rc 3; fi)"]
 
 
 def _sudo_lines(desired: Desired, node: Node) -> list[str]:
@@ -259,6 +305,55 @@ def parse_daemon_memory(sec: Section | None) -> DaemonMemory | None:
     return DaemonMemory(units, fstype.strip() or None)
 
 
+def _hub_entry(rest: str, above: bool = False) -> HubEntry:
+    """An `A` line's (`UID MODE PATH`) or an `E` line's (`AREA UID MODE PATH`) words as a HubEntry; a tree's and a
+    store's paths without find's `./`."""
+    if above:
+        owner, mode, path = rest.split("\t", 2)
+        return HubEntry("above", path, int(owner), int(mode, 8))
+    where, owner, mode, path = rest.split("\t", 3)
+    return HubEntry(_HUB_AREAS[where], path if path in (".", "?") else path.removeprefix("./"), int(owner),
+                    int(mode, 8))
+
+
+@node_output("hub")
+def parse_hub(sec: Section | None) -> HubFacts | None:
+    """The `hub` section (`hub_script`) as HubFacts; None when not read (not the source). Every line is one the
+    fragment prints, else an error (the node's `probe` check then names the section)."""
+    if sec is None:
+        return None
+    if sec.rc in (2, 3):
+        return HubFacts(exists=sec.rc == 3)
+    if sec.rc != 0:
+        raise ValueError(f"exit {sec.rc}")
+    uid: int | None = None
+    above: list[HubEntry] = []
+    loose: list[HubEntry] = []
+    counts: dict[str, tuple[int, int]] = {}
+    present: set[str] = set()
+    shown: dict[str, int] = {}  # E lines read per area: a node that prints more than HUB_SHOWN keeps the first
+    for line in sec.body.splitlines():
+        kind, _, rest = line.partition("\t")
+        if kind == "U":
+            uid = int(rest)
+        elif kind in ("A", "E"):
+            entry = _hub_entry(rest, above=kind == "A")
+            shown[entry.area] = shown.get(entry.area, 0) + 1
+            if kind == "A" and shown["above"] > 2048:  # PATH_MAX / 2: more directories than a path can hold
+                raise ValueError("more directories above the hub than a path holds")
+            (above if kind == "A" else loose if shown[entry.area] <= HUB_SHOWN else []).append(entry)
+        elif kind == "T":
+            present.add(_HUB_AREAS[rest])
+        elif kind == "N":
+            where, total, foreign = rest.split("\t")
+            counts[_HUB_AREAS[where]] = (int(total), int(foreign))
+        else:
+            raise ValueError(f"not a line of the hub section: {line[:80]!r}")
+    if uid is None:
+        raise ValueError("no uid")
+    return HubFacts(True, uid, tuple(above), tuple(loose), counts, tree="tree" in present, store="store" in present)
+
+
 def parse_hops(desired: Desired, node: Node, sections: dict[str, Section]) -> tuple[HopAnswer, ...]:
     out = []
     for source, target in hop_pairs(desired):
@@ -293,7 +388,7 @@ def parse_doctor(desired: Desired, node: Node, output: str, nonce: str, sent: fl
         runtimes=parse_runtimes(sections.get("docker_info")), hops=parse_hops(desired, node, sections),
         default_target=parse_default_target(sections.get("default_target")),
         display=parse_display(sections.get("display")),
-        daemon_memory=parse_daemon_memory(sections.get("daemon_memory")))
+        daemon_memory=parse_daemon_memory(sections.get("daemon_memory")), hub=parse_hub(sections.get("hub")))
 
 
 def read_node(desired: Desired, sessions: Sessions, node: Node, timeout: float) -> NodeFacts:

@@ -9,6 +9,8 @@ keep a copy longer, never remove one. It lives on the node because the node is w
 reinstalled loses its ledger together with what it recorded. Each line names the node (as the file does): a
 home shared between nodes (NFS, or the testbed's one filesystem) holds one ledger for all, and each node reads
 only its own lines; a node renamed in the file leaves its old lines to no one, which only keeps those copies.
+A line's key is a claim, not a fact: whoever can write the file can name any absolute path in it, so retention
+acts only on a key where the file keeps its models (`core.retention.out_of_reach`), whatever its digest says.
 
     copied	worker	weights	/models/qwen	1764000000	10.0.0.1:22	<tree digest>
     copied	worker	image	sha256:<content>	1764000000	10.0.0.1:22	sha256:<id on the node>
@@ -42,6 +44,21 @@ def ledger_script() -> list[str]:
     return ["sec copies", f'tail -n {MAX_LINES} "$HOME/{LEDGER}" 2>/dev/null; rc 0']
 
 
+def _newest(body: str) -> list[str]:
+    """The section's last MAX_LINES lines, what the node's `tail -n` lets through; what comes before them is never
+    split into lines. A node that runs no `tail` sent 240,000 lines (27 MiB, under both of the command's caps): as
+    many records, a 383 MiB peak (issue 53)."""
+    end = len(body)
+    while end and body[end - 1] == "\n":
+        end -= 1
+    start = end
+    for _ in range(MAX_LINES):
+        start = body.rfind("\n", 0, start)
+        if start < 0:
+            break
+    return body[start + 1:end].splitlines()[-MAX_LINES:]
+
+
 def _line(raw: str, node: str) -> tuple[str, str, str, int, str, str] | None:
     """One ledger line of `node`, or None when it is another node's or does not parse (cut short, edited by
     hand): skipped, never guessed."""
@@ -64,7 +81,7 @@ def parse_copies(sec: Section | None, node: str) -> list[CopyRecord] | None:
     if sec is None:
         return None
     records: dict[tuple[str, str], CopyRecord] = {}
-    for raw in sec.body.splitlines():
+    for raw in _newest(sec.body):
         if (line := _line(raw, node)) is None:
             continue
         action, kind, key, at, by, detail = line
@@ -87,7 +104,7 @@ def started(sec: Section | None, node: str, by: str) -> set[str]:
     if sec is None:
         return set()
     out = set()
-    for raw in sec.body.splitlines():
+    for raw in _newest(sec.body):
         line = _line(raw, node)
         if line is not None and line[0] == "started" and line[1] == "weights" and line[4] == by:
             out.add(line[2])

@@ -9,11 +9,11 @@ following it on the node. Its own module: path resolution over a listing is a co
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reconciler.core.completeness import PARTIAL_SUFFIX
 from reconciler.core.observed import WeightFile, Weights
-from reconciler.edge.probes import Fact, Section, node_output
+from reconciler.edge.probes import Fact, Section, each_line, node_output
 from reconciler.edge.ssh import quote_word
 
 PARTIAL_DIR = ".rsync-partial"
@@ -63,9 +63,19 @@ def manifest_script(root: str) -> str:
 
 _MAX_HOPS = 40  # links one path resolution follows: Linux's MAXSYMLINKS (ELOOP beyond)
 _UNKNOWN: tuple[str, ...] = ("\0",)  # a tree whose canonical path is not known: no real path is ever inside it
+#: Lines of the `weights` section read: what the node's `head -n` lets through. A hostile node runs no `head`: one
+#: million `E` lines (15 MiB, under both of the command's caps) once made a million entries and files and peaked at
+#: 828 MiB (tracemalloc; the review saw 1,007 MiB RSS), above the unit's MemoryMax=512M (issue 53). Lines past it
+#: are never looked at: the listing is then `truncated`, as an honest one cut by `head` is.
+MAX_LINES = MAX_ENTRIES + 6
+#: Path components the resolution of one listing's links looks at, all links together (`_Walk.steps`). Each link's
+#: value is resolved once (`_Walk._value_of`): an honest hf-cache tree at MAX_ENTRIES, half of it snapshot links
+#: (`../../blobs/HASH`), takes 200,000. Past it the listing is `truncated` and its remaining links resolve to
+#: nothing (a partial view is never synced from).
+MAX_STEPS = 16 * MAX_ENTRIES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Entry:
     kind: str  # find's %y: f, d, l, ...
     size: int
@@ -83,21 +93,50 @@ class Listing:
 
     weights: Weights
     resolved: dict[str, tuple[int, str]]
+    #: Where the files are, as the listing checked them (the weights copy sends exactly these, never a link again:
+    #: `weights.sync_weights`): the tree's canonical path (a regular file's path below it is physical, `find -P`),
+    #: and for each link landing on a regular file inside, (the canonical path of the region it lands in, the
+    #: tree's or the hub's blob store's; the file's path below it).
+    tree: str | None = None
+    landing: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _components(path: str) -> tuple[str, ...]:
     return tuple(p for p in path.split("/") if p not in ("", "."))
 
 
+class _Deeper(Exception):
+    """A link met with more than _MAX_HOPS links' values being resolved inside one another (`_Walk._value_of`)."""
+
+    def __init__(self, link: tuple[str, ...]):
+        super().__init__(link)
+        self.link = link
+
+
+class _Spent(Exception):
+    """The listing's MAX_STEPS are spent."""
+
+
+Resolution = tuple[str, tuple[str, ...], int]  # `_Walk.resolve`'s (outcome, path, links followed)
+
+
 class _Walk:
     """The kernel's path resolution replayed on a listing. The regions (a canonical root and its entries) are
     known, and so are the directories above them (a canonical path holds no link); any other place is `outside`:
-    resolution stops there, so nothing outside the tree is ever looked at, on the node or here."""
+    resolution stops there, so nothing outside the tree is ever looked at, on the node or here.
+
+    Each link's value is resolved once, from where the link lies (`_value_of`), and reused wherever a path passes
+    through that link: a chain of N links costs O(N) steps, not N times _MAX_HOPS (a million links of chains once
+    took 352 s of CPU, past the node's observation deadline: issue 53). All links together look at MAX_STEPS
+    components at most (`_Spent` past them)."""
 
     def __init__(self, regions: dict[tuple[str, ...], dict[str, _Entry]],
                  aliases: dict[tuple[str, ...], tuple[str, ...]]):
         self.regions = sorted(regions.items(), key=lambda r: -len(r[0]))
         self.aliases = aliases  # a configured absolute path -> the canonical path it resolves to
+        self.steps = 0  # components looked at
+        self._values: dict[tuple[str, ...], Resolution] = {}  # a link -> its value resolved from 0 hops
+        self._open: list[tuple[str, ...]] = []  # links whose value is being resolved, outermost first
 
     def place(self, path: tuple[str, ...]) -> tuple[str, _Entry | None]:
         """("in", its entry, None when absent), ("above", a directory above a region) or ("outside", None)."""
@@ -108,9 +147,43 @@ class _Walk:
             return "above", _DIR
         return "outside", None
 
-    def resolve(self, base: tuple[str, ...], value: str, hops: int = 0) -> tuple[str, tuple[str, ...], int]:
+    def resolve(self, base: tuple[str, ...], value: str) -> Resolution:
         """Where a link's `value`, read in the directory `base`, leads: ("ok", path), ("missing", path): absent,
-        or not a directory where one is needed; ("loop", path); or ("outside", the path as far as it is known)."""
+        or not a directory where one is needed; ("loop", path); or ("outside", the path as far as it is known).
+        `_Spent` once the listing's MAX_STEPS are spent."""
+        while True:
+            try:
+                return self._resolve(base, value, 0)
+            except _Deeper as deeper:  # resolve that link's value first, from its own start, then again
+                try:
+                    self._value_of(deeper.link)
+                except _Deeper:  # its own value nests past _MAX_HOPS links: it needs more than _MAX_HOPS hops
+                    self._values[deeper.link] = ("loop", deeper.link, _MAX_HOPS + 1)
+
+    def _value_of(self, link: tuple[str, ...]) -> Resolution:
+        """Where the value of the link at `link` leads, resolved from `link`'s directory with no hop taken yet; its
+        count is the links that took. A link met again while its own value is being resolved leads through
+        itself (a loop); _Deeper past _MAX_HOPS links resolved inside one another (their outermost needs more
+        hops than that: `resolve` resolves the innermost first)."""
+        known = self._values.get(link)
+        if known is not None:
+            return known
+        if link in self._open:
+            return "loop", link, 0
+        if len(self._open) > _MAX_HOPS:
+            raise _Deeper(link)
+        entry = self.place(link)[1]
+        assert entry is not None and entry.kind == "l"
+        self._open.append(link)
+        try:
+            found = self._resolve(link[:-1], entry.value, 0)
+        finally:
+            self._open.pop()
+        self._values[link] = found
+        return found
+
+    def _resolve(self, base: tuple[str, ...], value: str, hops: int) -> Resolution:
+        """`resolve`, `hops` links already followed."""
         parts = list(_components(value))
         cur = base
         if value.startswith("/"):
@@ -120,6 +193,9 @@ class _Walk:
                     cur, parts = canonical, parts[len(alias):]
                     break
         for i, name in enumerate(parts):
+            self.steps += 1
+            if self.steps > MAX_STEPS:
+                raise _Spent
             if name == "..":
                 cur = cur[:-1]  # `cur` is canonical: its parent is the physical one
                 continue
@@ -130,9 +206,7 @@ class _Walk:
             if entry is None:
                 return "missing", nxt, hops
             if entry.kind == "l":
-                if hops >= _MAX_HOPS:
-                    return "loop", nxt, hops
-                outcome, nxt, hops = self.resolve(cur, entry.value, hops + 1)
+                outcome, nxt, hops = self._follow(nxt, hops)
                 if outcome != "ok":
                     return outcome, nxt, hops
                 entry = self.place(nxt)[1]
@@ -140,6 +214,17 @@ class _Walk:
             if (i < len(parts) - 1 or value.endswith(("/", "/."))) and (entry is None or entry.kind != "d"):
                 return "missing", cur, hops
         return "ok", cur, hops
+
+    def _follow(self, link: tuple[str, ...], hops: int) -> Resolution:
+        """Through the link at `link`, `hops` links followed before it: where its value leads, and the hops then.
+        The value is resolved from where the link lies (`_value_of`), then counted from here: each of its own
+        `links` hops had to stay under _MAX_HOPS too, the last at hops + links."""
+        if hops >= _MAX_HOPS:
+            return "loop", link, hops
+        outcome, end, links = self._value_of(link)
+        if outcome == "loop" or (links and hops + links >= _MAX_HOPS):
+            return "loop", link, hops
+        return outcome, end, hops + 1 + links
 
 
 def _shown(path: tuple[str, ...]) -> str:
@@ -155,19 +240,27 @@ class _Lines:
     canonical: dict[str, tuple[str, ...]]
     ends: dict[str, int]
     odd: int
+    over: bool = False  # more than MAX_LINES lines: the rest was not read
 
 
 def _lines(body: str) -> _Lines:
+    """The section's first MAX_LINES lines, read one at a time (`over` when more follow)."""
     out = _Lines({}, {}, {}, {}, 0)
-    lines = body.splitlines()
-    for i, line in enumerate(lines):
+    candidate: tuple[str, tuple[str, ...]] | None = None  # a `C` line, canonical once `C.` follows it
+    for count, line in enumerate(each_line(body)):
+        if count == MAX_LINES:
+            out.over = True
+            break
+        if candidate is not None and line == "C.":
+            out.canonical[candidate[0]] = candidate[1]
+        candidate = None
         parts = line.split("\t")
         if parts[0] in ("E", "S") and len(parts) >= 6:
             float(parts[4])  # a number, or the section does not parse
             (out.tree if parts[0] == "E" else out.store)[parts[1]] = _Entry(parts[2], int(parts[3]), parts[4],
                                                                             "\t".join(parts[5:]))
-        elif parts[0] == "C" and len(parts) == 3 and parts[2].startswith("/") and lines[i + 1:i + 2] == ["C."]:
-            out.canonical[parts[1]] = _components(parts[2])
+        elif parts[0] == "C" and len(parts) == 3 and parts[2].startswith("/"):
+            candidate = parts[1], _components(parts[2])
         elif parts[0] in ("F", "G") and len(parts) == 2:
             out.ends[parts[0]] = int(parts[1])
         elif parts[0] == "B":
@@ -177,8 +270,10 @@ def _lines(body: str) -> _Lines:
 
 def _truncation(seen: _Lines) -> str | None:
     """Why the listing is partial: over MAX_ENTRIES entries (`head` cut the walk, before the end line of the tree
-    or of the hub's blob store), or entries MAX_DEPTH + 1 levels deep (the walk stops there)."""
-    if len(seen.tree) + seen.odd > MAX_ENTRIES or ("F" not in seen.ends and len(seen.tree) + seen.odd >= MAX_ENTRIES):
+    or of the hub's blob store; or more lines than `head` lets through), or entries MAX_DEPTH + 1 levels deep (the
+    walk stops there)."""
+    listed = len(seen.tree) + seen.odd
+    if seen.over or listed > MAX_ENTRIES or ("F" not in seen.ends and listed >= MAX_ENTRIES):
         return f"more than {MAX_ENTRIES} entries"
     if "F" not in seen.ends:
         return "the listing ended early"
@@ -207,7 +302,8 @@ def read_listing(root: str, sec: Section | None) -> Listing:
     """The `weights` section (`manifest_script`) as a Listing. Each link is resolved on the listing (`_Walk`):
     one that lands outside the tree and the hub's blob store is `unsafe` (named, with where it leads), one that
     lands on a regular file inside gets that file's size, anything else (broken, a loop, a directory) None.
-    More than MAX_ENTRIES entries, or any deeper than MAX_DEPTH, make the listing `truncated`."""
+    More than MAX_ENTRIES entries (or MAX_LINES lines), any deeper than MAX_DEPTH, or links that take more than
+    MAX_STEPS to resolve make the listing `truncated`."""
     if sec is None or sec.rc != 0:
         return Listing(Weights(root=root, present=False), {})
     seen = _lines(sec.body)
@@ -217,7 +313,8 @@ def read_listing(root: str, sec: Section | None) -> Listing:
     files, resolved = [], {}
     unsafe = [f"{seen.odd} names or link values with a tab or newline, not listed (`find -name '*[[:cntrl:]]*' "
               "-o -lname '*[[:cntrl:]]*'` shows them)"] if seen.odd else []
-    partials = []
+    unsafe_count, partials, spent = len(unsafe), [], False
+    landing: dict[str, tuple[str, str]] = {}
     for path, e in sorted(seen.tree.items()):
         if e.kind == "f" and path.endswith(PARTIAL_SUFFIX):
             partials.append(path)
@@ -225,18 +322,32 @@ def read_listing(root: str, sec: Section | None) -> Listing:
             files.append(WeightFile(path=path, size=e.size, mtime=float(e.mtime)))
             resolved[path] = (e.size, e.mtime)
         elif e.kind == "l":
-            outcome, end, _ = walk.resolve(tree_root + _components(path)[:-1], e.value)
+            try:
+                outcome, end, _ = ("spent", (), 0) if spent else walk.resolve(tree_root + _components(path)[:-1],
+                                                                               e.value)
+            except _Spent:
+                outcome, end, spent = "spent", (), True
             where, target = walk.place(end) if outcome == "ok" else (outcome, None)
             size = None
             if outcome == "outside" or where == "above":
-                unsafe.append(f"{path} -> {e.value} (outside the tree: {_shown(end)})")
+                unsafe_count += 1
+                if len(unsafe) < UNSAFE_SHOWN:  # only these are shown: no string for each of a million
+                    unsafe.append(f"{path} -> {e.value} (outside the tree: {_shown(end)})")
             elif target is not None and target.kind == "f":
                 size = target.size
                 resolved[path] = (target.size, target.mtime)
+                landing[path] = _landing(walk, end)
             files.append(WeightFile(path=path, size=size, mtime=float(e.mtime), link_target=e.value))
-    weights = Weights(root=root, present=bool(files), files=files, unsafe=unsafe[:UNSAFE_SHOWN],
-                      unsafe_count=len(unsafe), truncated=_truncation(seen), partials=partials)
-    return Listing(weights, resolved)
+    truncated = f"more than {MAX_STEPS} steps resolving its links" if spent else _truncation(seen)
+    weights = Weights(root=root, present=bool(files), files=files, unsafe=unsafe, unsafe_count=unsafe_count,
+                      truncated=truncated, partials=partials)
+    return Listing(weights, resolved, None if tree_root == _UNKNOWN else _shown(tree_root), landing)
+
+
+def _landing(walk: _Walk, end: tuple[str, ...]) -> tuple[str, str]:
+    """(the canonical root of the region holding `end`, `end` below it): where a link checked inside lands."""
+    region = next(root for root, _ in walk.regions if end[:len(root)] == root)
+    return _shown(region), "/".join(end[len(region):])
 
 
 def parse_weights(root: str, sec: Section | None) -> Weights:

@@ -42,6 +42,7 @@ from reconciler.edge.probes import (
     parse_identity,
     parse_image,
     parse_links,
+    parse_listen_addresses,
     parse_listening,
     parse_machine,
     parse_memory,
@@ -99,6 +100,7 @@ def parse_probe(desired: Desired, node: Node, output: str, nonce: str) -> NodeOb
     seen = NodeObservation(
         name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
         listening=parse_listening(sections.get("listen")),
+        listen_addresses=parse_listen_addresses(sections.get("listen")),
         gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
         docker_reachable=docker_ok, docker_error=docker_error, containers=containers,
         fabric=fabric, fabric_twin=fabric_twin, memory=parse_memory(sections.get("meminfo")),

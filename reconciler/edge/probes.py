@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import json
 import math
 import re
 import secrets
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from reconciler.core.listeners import MAPPED_HEX, WILDCARD4_HEX, WILDCARD6_HEX, proc_address
 from reconciler.core.nccl import NETWORK_LINES, is_network_name
 from reconciler.core.observed import (
     MAX_KNOWN_AS,
@@ -71,6 +73,24 @@ def node_output(what: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     return wrap
 
 
+#: JSON values one document of node output may hold (`node_json`). `json.loads` builds the whole document, and a
+#: value costs the daemon 30 to 90 bytes however few bytes spell it: 28.6 MiB of `{},` in the `containers` section
+#: (under both of the command's caps) peaked at 724 MiB, above the unit's MemoryMax=512M (issue 53). The docker
+#: API's list of a node's containers holds ~150 values per container; at the cap a document costs under 90 MiB.
+MAX_JSON_VALUES = 1_000_000
+
+
+def node_json(text: str, start: int = 0) -> Any:
+    """`json.loads(text[start:])` of node output, refused (ValueError) past MAX_JSON_VALUES values before anything
+    is built, not even the slice: counted from above by the characters that open or follow one (`[{,:`)."""
+    if sum(text.count(c, start) for c in "[{,:") >= MAX_JSON_VALUES:
+        raise ValueError(f"more than {MAX_JSON_VALUES} JSON values")
+    try:
+        return json.loads(text[start:] if start else text)
+    except RecursionError:  # nested deeper than the interpreter's stack
+        raise ValueError("JSON nested too deep") from None
+
+
 @dataclass
 class Section:
     body: str
@@ -106,24 +126,49 @@ def sealed(lines: list[str]) -> Sealed:
     return Sealed("\n".join([f"SEAL=@@{nonce}", "export LC_ALL=C", SECTION_FUNCTION, *lines]) + "\n", nonce)
 
 
+#: Where `str.splitlines` ends a line, besides "\n".
+_LINE_BREAKS = re.compile("\r\n|[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+_LINE_END = re.compile("\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+_NEWLINES = re.compile("\n*")
+
+
+def each_line(text: str) -> Iterator[str]:
+    """`text.splitlines()` one line at a time: a parser that stops at a bound never splits the rest (issue 53)."""
+    start = 0
+    for end in _LINE_END.finditer(text):
+        yield text[start:end.start()]
+        start = end.end()
+    if start < len(text):
+        yield text[start:]
+
+
+def _stripped(text: str, start: int, end: int) -> str:
+    """`text[start:end].strip("\n")`, copied once."""
+    lead = _NEWLINES.match(text, start, end)
+    start = lead.end() if lead else start
+    while end > start and text[end - 1] == "\n":
+        end -= 1
+    return text[start:end]
+
+
 @node_output("probe output")
 def split_sections(output: str, nonce: str) -> dict[str, Section]:
-    """The sections of a sealed script's output: only a line starting with `@@NONCE ` is a marker."""
-    mark = f"@@{nonce} "
+    """The sections of a sealed script's output: only a line starting with `@@NONCE ` is a marker. The output's
+    lines are `output.splitlines()`, and a body is its lines joined by "\\n"; each body is one slice of the output,
+    never a list of its lines: a million 31-byte lines (30 MiB, under both of the command's caps) made a million
+    strings and peaked at 123 MiB (issue 53), now at about the output's own size."""
+    text = _LINE_BREAKS.sub("\n", output) if _LINE_BREAKS.search(output) else output
+    marker = re.compile(f"^{re.escape(f'@@{nonce} ')}(.*)$", re.MULTILINE)
     sections: dict[str, Section] = {}
     name: str | None = None
-    body: list[str] = []
-    for line in output.splitlines():
-        if not line.startswith(mark):
-            if name is not None:
-                body.append(line)
-            continue
-        word = line[len(mark):].strip()
+    start = 0  # where the open section's body begins
+    for line in marker.finditer(text):
+        word = line[1].strip()
         if word.startswith("rc ") and name is not None:
-            sections[name] = Section("\n".join(body).strip("\n"), int(word[3:].strip() or 1))
-            name, body = None, []
+            sections[name] = Section(_stripped(text, start, line.start()), int(word[3:].strip() or 1))
+            name = None
         elif not word.startswith("rc "):
-            name, body = word, []
+            name, start = word, line.end() + 1
     return sections
 
 
@@ -192,17 +237,28 @@ def _api_container(raw: dict[str, Any]) -> Container:
                      mounts=_bind_sources(raw.get("Mounts")), started_at=_created(raw))
 
 
+#: Containers a node's `containers` section may list (running or not): a model each, ~1.5 KB, so a section of 250,000
+#: minimal ones (`{"Id":"a","State":"running"}`, under MAX_JSON_VALUES) would cost hundreds of MiB (issue 53).
+MAX_CONTAINERS = 20_000
+
+
 @node_output("containers")
 def parse_containers(sec: Section | None) -> tuple[bool, str | None, list[Container]]:
     if sec is None:
         return False, "probe did not report containers", []
+    too_many = ValueError(f"more than {MAX_CONTAINERS} containers")
     if sec.rc == 0 and sec.body.startswith("API "):
-        found = [_api_container(raw) for raw in json.loads(sec.body[4:])]
+        listed = node_json(sec.body, 4)
+        if isinstance(listed, list) and len(listed) > MAX_CONTAINERS:
+            raise too_many
+        found = [_api_container(raw) for raw in listed]
         return True, None, sorted(found, key=lambda c: c.name)
     found = []
-    for line in sec.body.splitlines():
+    for line in each_line(sec.body):
         if line.startswith("{"):
-            raw = json.loads(line)
+            if len(found) == MAX_CONTAINERS:
+                raise too_many
+            raw = node_json(line)
             raw["name"] = raw["name"].lstrip("/")
             raw["labels"] = raw.get("labels") or {}
             raw["mounts"] = _bind_sources(raw.get("mounts"))
@@ -264,8 +320,8 @@ def parse_image(sec: Section | None) -> Image | None:
     if not body:
         return None
     if body.startswith("API "):
-        return image_from_inspect(json.loads(body[4:]))
-    found = json.loads(body)
+        return image_from_inspect(node_json(body, 4))
+    found = node_json(body)
     return image_from_inspect(found[0]) if found else None
 
 
@@ -306,7 +362,7 @@ def _link(name: str, info: dict[str, Any], rdma: RdmaPort | None) -> Link:
 def parse_link(name: str, link_sec: Section | None, rdma_sec: Section | None) -> Link:
     if link_sec is None or link_sec.rc != 0:
         return Link(name=name, exists=False)
-    data = json.loads(link_sec.body or "[]")
+    data = node_json(link_sec.body or "[]")
     if not data:
         return Link(name=name, exists=False)
     rdma = None
@@ -358,7 +414,7 @@ def parse_interfaces(sec: Section | None) -> list[Link]:
     `parse_link` reads one (their RDMA ports are `parse_rdma_devices`')."""
     if sec is None or sec.rc != 0:
         return []
-    return [_link(str(info["ifname"]), info, None) for info in json.loads(sec.body or "[]")
+    return [_link(str(info["ifname"]), info, None) for info in node_json(sec.body or "[]")
             if "LOOPBACK" not in info.get("flags", [])]
 
 
@@ -508,13 +564,15 @@ def _os_release(sec: Section | None) -> dict[str, str | None]:
     """`uname -r`, then DGX_SWBUILD_VERSION and any DGX_OTA_VERSION lines (an OTA update appends one: the last
     is the release now). Only those two keys are read, whatever else a line says (the probe's grep keeps only
     them; a whole file read here would still give the release, never the serial number or an OTA date)."""
-    lines = sec.body.splitlines() if sec is not None else []
-    kernel = lines[0].strip() if lines else ""
+    lines = each_line(sec.body) if sec is not None else iter(())
+    kernel = next(lines, "").strip()
     if kernel and not _KERNEL.fullmatch(kernel):
         raise ValueError(f"not a kernel release: {kernel[:60]!r}")
-    versions = [value.strip().strip('"') for key, eq, value in (line.partition("=") for line in lines[1:])
-                if eq and key.strip() in _DGX_VERSION_KEYS]
-    return {"kernel": kernel, "dgx_os": versions[-1][:40] if versions else None}
+    last = None  # the last version line: nothing kept of the others (issue 53)
+    for key, eq, value in (line.partition("=") for line in lines):
+        if eq and key.strip() in _DGX_VERSION_KEYS:
+            last = value
+    return {"kernel": kernel, "dgx_os": last.strip().strip('"')[:40] if last is not None else None}
 
 
 def disk_script(weights_path: str) -> list[str]:
@@ -604,6 +662,31 @@ def parse_listening(sec: Section | None) -> list[int] | None:
     return sorted(listening_ports(sec.body))
 
 
+def listen_addresses(text: str) -> dict[int, list[str]]:
+    """The local addresses each port of /proc/net/tcp{,6} LISTEN rows is listened on at, as text
+    (`core.listeners.proc_address`: `127.0.0.1`, `::1`), sorted. A row whose address does not read is left out:
+    its port then has no address known, which `planning._ports_taken` counts as in the way."""
+    found: dict[int, set[str]] = {}
+    for line in text.splitlines():
+        cols = line.split()
+        if len(cols) < 4 or cols[3] != "0A":
+            continue  # `listening_ports` names such a row
+        address, _, port = cols[1].rpartition(":")
+        try:
+            found.setdefault(int(port, 16), set()).add(proc_address(address))
+        except ValueError:
+            continue
+    return {port: sorted(addresses) for port, addresses in sorted(found.items())}
+
+
+@node_output("listen")
+def parse_listen_addresses(sec: Section | None) -> dict[int, list[str]] | None:
+    """Where each listening port is listened on (`listen_addresses`); None when /proc/net/tcp could not be read."""
+    if sec is None or sec.rc != 0:
+        return None
+    return listen_addresses(sec.body)
+
+
 def memory_script() -> list[str]:
     """The `meminfo` section: MemTotal and MemAvailable, the unified memory GPU and CPU share (`parse_memory`)."""
     return ["sec meminfo", "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo; rc $?"]
@@ -614,9 +697,11 @@ def parse_memory(sec: Section | None) -> Memory | None:
     if sec is None or sec.rc != 0:
         return None
     values = {}
-    for line in sec.body.splitlines():
-        key, _, rest = line.partition(":")
-        values[key] = int(rest.split()[0]) * 1024
+    for line in each_line(sec.body):  # every line a number, and only the two kept (issue 53: a million other
+        key, _, rest = line.partition(":")  # keys, 13 MiB, made a dict of 180 MiB)
+        value = int(rest.split()[0]) * 1024
+        if key in ("MemTotal", "MemAvailable"):
+            values[key] = value
     return Memory(total_bytes=values["MemTotal"], available_bytes=values["MemAvailable"])
 
 
@@ -685,7 +770,7 @@ def api_script(desired: Desired) -> list[str]:
     header = auth_header(desired)
     auth = f"printf %s {quote_word(header.decode())} | " if header else ""
     return [
-        *port_owner_script(port),
+        *port_owner_script(port, desired.serving.host),
         "sec health",
         f"code=$(curl -s -o /dev/null -m 2 -w '%{{http_code}}' {quote_word(f'http://127.0.0.1:{port}/health')}); "
         "rc=$?; [ \"$owners\" = \"0 \" ] || code=; printf '%s\\n' \"$code\"; rc $rc",
@@ -758,7 +843,7 @@ def parse_completion(sec: Section | None) -> str | None:
     if code.strip() != "200":
         return f"HTTP {code.strip() or 'none'} (curl exit {sec.rc})"
     try:
-        answer = json.loads(body)
+        answer = node_json(body)
         choices = answer.get("choices", answer.get("data"))
     except (ValueError, AttributeError):
         return "the answer is not JSON"
@@ -789,7 +874,7 @@ def _error_of(body: str) -> str:
     """The message of an error answer (vLLM's `{"error": {"message": ...}}`, an older `{"message": ...}`, a
     proxy's `{"detail": ...}`), else the body itself."""
     try:
-        doc = json.loads(body)
+        doc = node_json(body)
     except ValueError:
         return body
     error = doc.get("error", doc) if isinstance(doc, dict) else None
@@ -803,7 +888,7 @@ def _answer_text(body: str, chat: bool) -> str | None:
     """The first choice's text (`text` of a completion, `message.content` of a chat completion); None when the
     answer has none (not JSON, no choice, a null content)."""
     try:
-        choices = json.loads(body).get("choices")
+        choices = node_json(body).get("choices")
         choice = choices[0] if isinstance(choices, list) and choices else {}
         text = choice.get("message", {}).get("content") if chat else choice.get("text")
     except (ValueError, AttributeError):
@@ -836,39 +921,83 @@ def parse_verify(sec: Section | None, port_owner: Section | None, chat: bool) ->
     return VerifyAnswer(text)
 
 
-def port_owner_script(port: int) -> list[str]:
-    """The `port_owner` section: the uids owning a LISTEN socket on the serving port (/proc/net/tcp{,6}, column 8),
-    as `$owners` ("0 " when only root listens). Serving containers run as root; a squatter does not (a local user
-    who bound the port while vLLM was down, after a crash). Only when root alone listens is /health taken and the
-    API asked, with its key: any other listener gets nothing (`$code` is emptied) and is named (`port_holder`)."""
-    hex_port = f"{port:04X}"
+def _takes_awk(host: str) -> str:
+    """`core.listeners.takes(address, host)` as an awk condition on `a`, the address as /proc/net/tcp{,6} prints
+    it (tests/unit/test_port_neighbours.py holds the two to the same answers)."""
+    if host == "0.0.0.0":  # every IPv4 address, `::`, every IPv4-mapped one
+        return f'(length(a) == 8 || a == "{WILDCARD6_HEX}" || substr(a, 1, 24) == "{MAPPED_HEX}")'
+    own = ipaddress.IPv4Address(host).packed[::-1].hex().upper()  # 127.0.0.1 -> 0100007F
+    return " || ".join(["(" + f'a == "{own}"', f'a == "{WILDCARD4_HEX}"', f'a == "{WILDCARD6_HEX}"',
+                        f'a == "{MAPPED_HEX}{own}"', f'a == "{MAPPED_HEX}{WILDCARD4_HEX}")'])
+
+
+def port_owner_script(port: int, host: str = "127.0.0.1") -> list[str]:
+    """The `port_owner` section: the uids owning a LISTEN socket on the serving port that is in the way
+    (/proc/net/tcp{,6}, column 8; `core.listeners.takes`: it would receive the checks' connection to 127.0.0.1 or
+    keep vLLM from binding `host`), as `$owners` ("0 " when only root does) on the first line; then every LISTEN
+    row on the port, `+ UID ADDRESS` (in the way) or `- UID ADDRESS` (another address: `[::1]`, `127.0.0.2`).
+    Serving containers run as root; a squatter does not (a local user who bound the port while vLLM was down,
+    after a crash). Only when root alone is in the way is /health taken and the API asked, with its key: any other
+    listener in the way gets nothing (`$code` is emptied) and is named (`port_holder`); one elsewhere is said
+    (`port_neighbours`) and holds nothing (issue 53, B: `[::1]:8000` held serving while vLLM served).
+
+    A `::` row of another uid beside root's IPv4 listener in the way is not counted: the kernel refuses a
+    dual-stack `::` bind beside any IPv4 listener on the port (SO_REUSEPORT lets only one uid share it), so that
+    socket is IPV6_V6ONLY and takes neither. Without root's, a `::` row counts: /proc does not say IPV6_V6ONLY."""
+    takes = _takes_awk(host)
+    program = (f'$4 == "0A" && $2 ~ /:{port:04X}$/ {{ a = substr($2, 1, index($2, ":") - 1); n++; at[n] = a; '
+               f'uid[n] = $8; if (length(a) == 8 && $8 == 0 && {takes}) root4 = 1 }} '
+               'END { for (i = 1; i <= n; i++) { a = at[i]; c = "-"; '
+               f'if (({takes}) && !(a == "{WILDCARD6_HEX}" && uid[i] != 0 && root4)) c = "+"; '
+               'print c, uid[i], a } }')
     return ["sec port_owner",
-            "owners=$(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | "
-            f"awk '$4 == \"0A\" && $2 ~ /:{hex_port}$/ {{print $8}}' | sort -un | tr '\\n' ' '); "
-            "printf '%s\\n' \"$owners\"; rc 0"]
+            f"rows=$(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | awk {quote_word(program)} | sort -u); "
+            "owners=$(printf '%s\\n' \"$rows\" | awk '$1 == \"+\" {print $2}' | sort -un | tr '\\n' ' '); "
+            "printf '%s\\n' \"$owners\" \"$rows\"; rc 0"]
 
 
 @node_output("port_owner")
 def parse_port_holder(sec: Section | None) -> int | None:
-    """The first uid other than root listening on the serving port, or None."""
+    """The first uid other than root in the way on the serving port (`port_owner_script`'s first line), or None."""
     if sec is None:
         return None
-    others = [int(word) for word in sec.body.split() if word != "0"]
+    others = [int(word) for word in sec.body.split("\n", 1)[0].split() if word != "0"]
     return others[0] if others else None
+
+
+MAX_NEIGHBOURS = 8  # listeners elsewhere on the serving port named in `ServingApi.port_neighbours`
+
+
+def parse_port_neighbours(sec: Section | None) -> list[str]:
+    """The listeners on the serving port at another address (`port_owner_script`'s `-` rows), as `uid U on
+    ADDRESS`, sorted, at most MAX_NEIGHBOURS. A row that does not read is left out: this is a warning, never a
+    failed probe."""
+    if sec is None:
+        return []
+    found = set()
+    for line in sec.body.splitlines()[1:]:
+        cols = line.split()
+        if len(cols) != 3 or cols[0] != "-" or not (cols[1].isascii() and cols[1].isdigit()):
+            continue
+        try:
+            found.add(f"uid {int(cols[1])} on {proc_address(cols[2])}")
+        except ValueError:
+            continue
+    return sorted(found)[:MAX_NEIGHBOURS]
 
 
 @node_output("serving API")
 def parse_serving(health: Section | None, models: Section | None, ray: Section | None,
                   completion: Section | None = None, engine: Section | None = None,
                   port_owner: Section | None = None) -> ServingApi:
-    holder = parse_port_holder(port_owner)
+    holder, neighbours = parse_port_holder(port_owner), parse_port_neighbours(port_owner)
     if holder is not None:
-        return ServingApi(reachable=True, healthy=False, port_holder=holder)
+        return ServingApi(reachable=True, healthy=False, port_holder=holder, port_neighbours=neighbours)
     code = health.body.strip() if health else ""
     served: list[str] = []
     if models is not None and models.body.strip().startswith("{"):
         try:
-            served = [m["id"] for m in json.loads(models.body).get("data", [])]
+            served = [m["id"] for m in node_json(models.body).get("data", [])]
         except (ValueError, KeyError, TypeError):
             served = []
     ray_nodes = None
@@ -877,7 +1006,7 @@ def parse_serving(health: Section | None, models: Section | None, ray: Section |
     healthy = code == "200"
     return ServingApi(reachable=code not in ("", "000"), healthy=healthy, models=served, ray_nodes=ray_nodes,
                       completion_error=parse_completion(completion) if healthy and served else None,
-                      engine=parse_engine(engine) if healthy else None)
+                      engine=parse_engine(engine) if healthy else None, port_neighbours=neighbours)
 
 
 def ray_script(container: str) -> list[str]:
@@ -929,7 +1058,7 @@ def parse_container(sec: Section | None) -> ContainerState | None:
         if "no such" in sec.body.lower():
             return None
         raise ProbeError(f"docker inspect failed: {sec.body.strip()[-300:]}")
-    raw = json.loads(sec.body)
+    raw = node_json(sec.body)
     exit_code = raw.pop("exit_code", None)
     raw["name"] = str(raw["name"]).lstrip("/")
     raw["labels"] = raw.get("labels") or {}
@@ -957,7 +1086,7 @@ def parse_image_inspect(ref: str, sec: Section | None) -> Image | None:
         if "no such image" in sec.body.lower():
             return None
         raise ProbeError(f"`docker image inspect {ref}` failed (exit {sec.rc}): {sec.body.strip()[-300:]}")
-    found = json.loads(sec.body)
+    found = node_json(sec.body)
     if not isinstance(found, list) or not found:
         raise ProbeError(f"`docker image inspect {ref}` printed no image")
     return image_from_inspect(found[0])
@@ -981,7 +1110,7 @@ class HubSize:
 def hub_size(payload: str) -> int:
     """Total bytes of a revision from the Hub's model-info answer (`siblings[].size`). A sibling without a size
     (an answer without `blobs=true`) makes the size unknown: ValueError, and nothing is downloaded."""
-    doc = json.loads(payload)
+    doc = node_json(payload)
     siblings = doc.get("siblings") if isinstance(doc, dict) else None
     if not isinstance(siblings, list) or not siblings:
         raise ValueError("the Hub's answer lists no files")
@@ -1094,7 +1223,7 @@ def verify_fact(desired: Desired) -> Fact[VerifyAnswer]:
     assert verify is not None, "a verify is asked only of a deployment that declares one"
     header = auth_header(desired)
     auth = f"printf %s {quote_word(header.decode())} | " if header else ""
-    lines = (*port_owner_script(desired.serving.port), "sec verify",
+    lines = (*port_owner_script(desired.serving.port, desired.serving.host), "sec verify",
              f"rc=0; if [ \"$owners\" = \"0 \" ]; then {auth}{quote(verify_argv(desired))}; rc=$?; fi; echo; rc $rc")
     chat = verify.endpoint == "chat"
     return Fact(f"verify {desired.served_name}", lines,
@@ -1200,7 +1329,7 @@ def parse_stats_usage(sec: Section | None) -> int | None:
     if sec is None or sec.rc != 0:
         return None
     try:
-        usage = json.loads(sec.body).get("memory_stats", {}).get("usage")
+        usage = node_json(sec.body).get("memory_stats", {}).get("usage")
     except (ValueError, AttributeError):
         return None
     return usage if isinstance(usage, int) and not isinstance(usage, bool) and usage >= 0 else None

@@ -47,10 +47,16 @@ class StatusError(Exception):
         self.message, self.code = message, code
 
 
-def status_proof(key: bytes, challenge: str) -> str:
-    """HMAC-SHA256 of the caller's fresh `challenge` under the daemon's status key: whoever else answers on the
-    port (a local user who bound it first) cannot make it without reading the state dir."""
-    return hmac.new(key, challenge.encode(), hashlib.sha256).hexdigest()
+#: The response header that carries `status_proof` (the same name `daemon_client` uses for a request's proof).
+PROOF_HEADER = "X-Reconciler-Proof"
+
+
+def status_proof(key: bytes, challenge: str, body: bytes) -> str:
+    """HMAC-SHA256, under the daemon's status key, of the caller's fresh `challenge` and the exact `body` sent:
+    whoever else answers on the port (a local user who bound it first) cannot make it without reading the state
+    dir, and whoever relays the daemon's answer (a listener on `[::1]:PORT` that asks the daemon) cannot change a
+    byte of it and keep the proof (issue 53, G: a proof of the challenge alone let a relay forge "Converged")."""
+    return hmac.new(key, b"GET /status\n" + challenge.encode() + b"\n" + body, hashlib.sha256).hexdigest()
 
 
 def read_key(state_dir: Path) -> tuple[bytes | None, str | None]:
@@ -70,7 +76,7 @@ def fetch(url: str, key: bytes | None, state_dir: Path, timeout: float = TIMEOUT
     where = status_url(url)
     try:
         with urllib.request.urlopen(f"{where}?challenge={challenge}", timeout=timeout) as response:
-            body = response.read()
+            body, proof = response.read(), response.headers.get(PROOF_HEADER)
     except urllib.error.HTTPError as exc:  # it answered, with an error: not our daemon's /status, or a bug of it
         raise StatusError(f"{where} answered HTTP {exc.code} {exc.reason}", Exit.ERROR) from exc
     except http.client.HTTPException as exc:  # something answered that does not speak HTTP (an sshd on the port)
@@ -80,17 +86,19 @@ def fetch(url: str, key: bytes | None, state_dir: Path, timeout: float = TIMEOUT
         if isinstance(reason, OSError):  # refused, timed out, no route: nobody answers there
             raise StatusError(f"cannot reach the daemon at {url}: {reason}", Exit.UNREACHABLE) from exc
         raise StatusError(f"cannot ask {where}: {reason}", Exit.ERROR) from exc  # a URL urllib cannot ask
+    # the proof is checked on the bytes as they came, before anything of them is believed or even parsed: a local
+    # user who bound the port first once served a fake Converged, and a relay that asked the daemon for its proof
+    # then changed the document passed too while the proof covered the challenge alone
+    if key is not None and not (proof is not None and hmac.compare_digest(
+            proof.encode(), status_proof(key, challenge, body).encode())):
+        raise StatusError(f"{where} answered without the proof of the daemon that keeps {state_dir} for the bytes "
+                          "it sent: another process may hold the listener's port or relay it (run the daemon under "
+                          "spark-reconciler.socket, docs/operations.md), or the daemon is older than this command "
+                          "(restart it)", Exit.ERROR)
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: 200,000 `[` (tests/unit/test_trust_low.py)
         raise StatusError(f"cannot read the answer of {where}: {exc}", Exit.ERROR) from exc
-    if key is not None:
-        proof = doc.get("proof") if isinstance(doc, dict) else None
-        if not (isinstance(proof, str) and hmac.compare_digest(proof, status_proof(key, challenge))):
-            # a local user who bound the port first (while the daemon restarted) once served a fake Converged
-            raise StatusError(f"{where} answered without the proof of the daemon that keeps {state_dir}: another "
-                              "process may hold the listener's port (run the daemon under spark-reconciler.socket, "
-                              "docs/operations.md)", Exit.ERROR)
     return doc
 
 
@@ -104,6 +112,8 @@ def render(where: str, doc: object, width: int, now: float, wide: bool = False) 
     reader of the document's shape, so a document it cannot read is not one; `--json` is judged the same way."""
     if not (isinstance(doc, dict) and isinstance(doc.get("phase"), str)):
         why = "no phase"
+    elif _deeper_than(doc, MAX_DEPTH):
+        why = f"nested deeper than {MAX_DEPTH}"
     else:
         try:
             return status_text(doc, width, now, wide)
@@ -111,6 +121,23 @@ def render(where: str, doc: object, width: int, now: float, wide: bool = False) 
             why = f"{type(exc).__name__}: {exc}"
     raise StatusError(f"{where} did not answer a reconciler status document ({why}); is it this cluster's daemon "
                       "(policy.listen)? docs/cli.md shows the document", Exit.ERROR)
+
+
+#: Levels a status document may nest (its own reach 5). JSON parses up to ~995, but a field that deep once crashed
+#: the renderer, and `--watch --json` writing it back, with a RecursionError (issue 53, found by fuzzing).
+MAX_DEPTH = 32
+
+
+def _deeper_than(doc: object, levels: int) -> bool:
+    """Whether `doc` nests lists or objects more than `levels` deep (walked without recursion)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > levels:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 def code_of(doc: dict[str, Any]) -> Exit:

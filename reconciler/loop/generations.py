@@ -25,6 +25,7 @@ import json
 import math
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,20 +46,26 @@ def observe_only(desired: Desired) -> Desired:
     return desired.model_copy(update={"policy": desired.policy.model_copy(update={"mode": "observe"})})
 
 
-def write_durably(file: Path, text: str, like: os.stat_result | None = None) -> None:
+def write_durably(file: Path, text: str, like: os.stat_result | None = None, mode: int = 0o600) -> None:
     """Replace `file` with `text` so that after a crash or a power loss it holds the old text or the new one:
     written to a temporary file, fsynced, renamed over it, and the directory fsynced (the rename itself). A write
     that fails (a full disk) removes its temporary file, which gives the room back. `like`: the mode (and, as
-    root, the owner) the file gets, set on the temporary file before the rename (default 0600, this user's)."""
+    root, the owner) the file gets, set on the temporary file before the rename (default `mode`, this user's).
+
+    The temporary file is a new one of a name no one can foresee (`mkstemp`: O_CREAT | O_EXCL | O_NOFOLLOW, in
+    the file's own directory, so the rename stays on its filesystem). It was a fixed `NAME.tmp` opened with
+    O_TRUNC: a link planted there made `reconciler rollback`, as root, write, chmod and chown the file it led
+    to, and the rename then put the link itself in the file's place (issue 53, finding F). A link at `file`
+    itself is replaced by the rename, never written through. The one writer of every file the reconciler
+    replaces: the state dir's records, the history, the status key, `init -o` and `discover -o`."""
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+    tmp = Path(name)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            if like is not None:
-                os.fchmod(fd, stat.S_IMODE(like.st_mode))
-                if os.geteuid() == 0:
-                    os.fchown(fd, like.st_uid, like.st_gid)
+            os.fchmod(fd, stat.S_IMODE(like.st_mode) if like is not None else mode)
+            if like is not None and os.geteuid() == 0:
+                os.fchown(fd, like.st_uid, like.st_gid)
             data = text.encode()
             while data:
                 data = data[os.write(fd, data):]

@@ -33,6 +33,17 @@ _log = log.get("reconciler.history")
 
 #: How a generation ended, as `reconciler history` shows it.
 IN_FORCE, SERVED, REPLACED, FAILED, ROLLED_BACK = "in force", "served", "replaced", "failed", "rolled back"
+#: The latest time an entry or the hold may carry (unix seconds; 0 is "not yet"): 9999-12-31 23:59:59 UTC, which
+#: `time.localtime` and the table show on every platform. JSON's `Infinity` or a 1e300 is not a time: `reconciler
+#: history` once died on one with an OverflowError (issue 53).
+MAX_TIME = 253_402_300_799
+
+
+def _time(value: object, what: str) -> float:
+    """`value` as a time of the index, finite and between 0 and MAX_TIME; ValueError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_TIME:  # NaN too
+        raise ValueError(f"{what} has a time that is not one: {str(value)[:40]}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -56,10 +67,11 @@ class Entry:
             raise ValueError("an entry is not a JSON object")
         entry = cls(**{k: data[k] for k in ("generation", "hash", "taken", "served", "ended", "outcome", "why")
                        if k in data}, stopped=_stopped(data.get("stopped", [])))
-        if type(entry.generation) is not int or not isinstance(entry.hash, str) or not isinstance(entry.outcome, str):
-            raise ValueError(f"entry {entry.generation!r} is not a generation")
-        if not all(type(t) in (int, float) and t >= 0 for t in (entry.taken, entry.served, entry.ended)):
-            raise ValueError(f"entry {entry.generation} has a time that is not one")
+        if type(entry.generation) is not int or not all(isinstance(v, str) for v in (entry.hash, entry.outcome,
+                                                                                    entry.why)):
+            raise ValueError(f"entry {str(entry.generation)[:40]} is not a generation")
+        for t in (entry.taken, entry.served, entry.ended):
+            _time(t, f"entry {entry.generation}")
         return entry
 
 
@@ -81,6 +93,17 @@ class Hold:
     to: int
     why: str
     since: float
+
+    @classmethod
+    def from_dict(cls, data: object) -> Hold:
+        """The hold as written; ValueError when a field is missing, unknown or not of its type (the table, the
+        daemon and `reconciler rollback` read each as typed)."""
+        if not isinstance(data, dict) or set(data) != {"generation", "hash", "to", "why", "since"}:
+            raise ValueError("the hold is not a JSON object of generation, hash, to, why and since")
+        if type(data["generation"]) is not int or type(data["to"]) is not int or data["to"] < 0 \
+                or not isinstance(data["hash"], str) or not isinstance(data["why"], str):
+            raise ValueError("the hold's generation, hash, to or why is not one")
+        return cls(data["generation"], data["hash"], data["to"], data["why"], _time(data["since"], "the hold"))
 
 
 @dataclass
@@ -122,14 +145,18 @@ class History:
 
     @classmethod
     def from_json(cls, text: str) -> History:
-        data = json.loads(text)
+        """The index as written; ValueError says what is not (any text: never another exception)."""
+        try:
+            data = json.loads(text)
+        except RecursionError:  # nesting deeper than the interpreter's stack
+            raise ValueError("not a history: nested too deep") from None
         if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
             raise ValueError("not a history: no entries")
         hold = data.get("hold")
         if hold is not None and not isinstance(hold, dict):
             raise ValueError("the hold is not a JSON object")
         try:
-            return cls([Entry.from_dict(e) for e in data["entries"]], Hold(**hold) if hold else None)
+            return cls([Entry.from_dict(e) for e in data["entries"]], Hold.from_dict(hold) if hold else None)
         except TypeError as exc:  # a field missing or unknown
             raise ValueError(str(exc)) from None
 
@@ -207,7 +234,10 @@ class HistoryStore:
 
     def served(self, generation: int, now: float) -> None:
         """`generation` converged, enforcing: it served. Said once, at the first time; a failure said of it
-        before (a first generation that failed, then came up) is over, and so is any hold of it."""
+        before (a first generation that failed, then came up) is over, and so is any hold of it. A `now` no index
+        may hold (the state file's last convergence, damaged to 1e300: the next read would refuse the whole index)
+        is taken as the time of this call."""
+        now = now if 0 <= now <= MAX_TIME else time.time()
         e = self.history.entry(generation)
         if e is not None and not e.served:
             if self.history.hold is not None and self.history.hold.generation == generation:

@@ -21,7 +21,9 @@ files that differ. Any local user can connect, so it must prove that its sender 
 (the state dir, 0600: the daemon's user and root): its body carries a challenge the daemon issued (`POST
 /verify/challenge`, good once and for CHALLENGE_LIFE seconds, `Challenges`), and the header `X-Reconciler-Proof`
 its HMAC-SHA256 under that key (`daemon_client.request_proof`). A request without it, with another, or heard once
-and sent again, is refused (401) and starts nothing.
+and sent again, is refused (401) and starts nothing. The same header on a `/status?challenge=HEX` answer proves
+that answer: HMAC-SHA256 of the challenge and the very body sent (`status_client.status_proof`), so a relay on
+another address of the port can change no byte of it (issue 53, G).
 """
 
 from __future__ import annotations
@@ -161,12 +163,8 @@ def _answer(environ: dict[str, Any], status: Callable[[], Json], key: bytes | No
     path, method = environ.get("PATH_INFO", ""), environ.get("REQUEST_METHOD", "GET")
     if path == "/metrics":
         return None
-    if path == "/status":
-        doc = status()
-        asked = CHALLENGE.search(environ.get("QUERY_STRING", ""))
-        if asked and key is not None:
-            doc = {**doc, "proof": status_proof(key, asked.group(1))}
-        return 200, "application/json", json.dumps(doc, indent=1).encode()
+    if path == "/status":  # proven by `app`, over the very bytes sent (`status_proof`)
+        return 200, "application/json", json.dumps(status(), indent=1).encode()
     if path == "/healthz":
         return 200, "text/plain", b"ok\n"
     if path in ("/verify/challenge", "/verify") and method != "POST":
@@ -198,8 +196,11 @@ def _app(status: Callable[[], Json], key: bytes | None = None, verify: VerifyHan
             start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
             return [b"internal error\n"]
         code, kind, body = answer
-        start_response(f"{code} {HTTPStatus(code).phrase}", [("Content-Type", kind),
-                                                              ("Content-Length", str(len(body)))])
+        headers = [("Content-Type", kind), ("Content-Length", str(len(body)))]
+        asked = CHALLENGE.search(environ.get("QUERY_STRING", "")) if path == "/status" else None
+        if asked and key is not None:  # the challenge and the body: a relay can change neither (issue 53, G)
+            headers.append((PROOF_HEADER, status_proof(key, asked.group(1), body)))
+        start_response(f"{code} {HTTPStatus(code).phrase}", headers)
         return [body]
 
     return app

@@ -496,7 +496,7 @@ def test_flipped_byte_same_size_and_mtime_caught_by_full_verification(serving, t
         converged(d, 60, since=time.time())
         recovered = time.monotonic() - t
         assert verify_weights(desired, sessions, "worker").ok
-        cache = tb.exec("head", "find ~/.cache/spark-reconciler -name 'sha256-*.tsv' -perm 600", check=True).stdout
+        cache = tb.exec("head", "find ~/.spark-reconciler -name 'sha256-*.tsv' -perm 600", check=True).stdout
         assert cache.strip(), "the hash cache lives on the source node, 0600"
     finally:
         sessions.close()

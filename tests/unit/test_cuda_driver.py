@@ -92,7 +92,8 @@ def test_the_images_own_env_is_read_by_the_flags_query(cluster_yaml):
     desired = Desired.model_validate(load_file(cluster_yaml).data)
     out = ("@@ray no\n@@version 0.20.1\n@@env CUDA_VERSION=13.2.1.006\n@@env CUDA_DRIVER_VERSION=\n"
            f"@@env NVIDIA_REQUIRE_CUDA={'x' * 5000}\x1b[31m\n  --max-model-len MAX_MODEL_LEN\n")
-    answer = ask_serve_flags(desired, {HEAD: _Session(out)}, HEAD, "sha256:img")  # type: ignore[dict-item]
+    answer = ask_serve_flags(desired, {HEAD: _Session(out)}, HEAD,  # type: ignore[dict-item]
+                             "sha256:" + "e" * 64)
     assert answer.cuda_version == "13.2.1.006" and answer.cuda_driver_version is None
     assert answer.require_cuda is not None and len(answer.require_cuda) == 2000 and "\x1b" not in answer.require_cuda
 

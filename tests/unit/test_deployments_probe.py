@@ -89,5 +89,5 @@ def test_two_deployments_copies_to_one_node_write_their_own_file_lists():
         run = next(_upload_file_list("head", "worker", tree, 0, ["a"]))
         return run.argv[-1]
     moe, embed = listed("/hub/models--org--moe"), listed("/hub/models--org--embed")
-    assert moe != embed and moe.startswith(".cache/spark-reconciler/rsync-worker-") and moe.endswith("-0.list")
+    assert moe != embed and moe.startswith(".spark-reconciler/rsync-worker-") and moe.endswith("-0.list")
     assert listed("/hub/models--org--moe") == moe, "the same tree, the same list (a resumed copy rewrites it)"

@@ -21,6 +21,8 @@ from reconciler.core.preflight import (
     FileProblem,
     Fix,
     HopAnswer,
+    HubEntry,
+    HubFacts,
     LocalFacts,
     NodeFacts,
     SudoAnswer,
@@ -70,7 +72,9 @@ def _facts(node, **kw) -> NodeFacts:
             "binaries": {b: f"/usr/bin/{b}" for b in wanted}, "rsync_version": "rsync  version 3.2.7  protocol "
             "version 31", "sudo": tuple(SudoAnswer(a, 0, " ".join(a)) for a in sudo_commands(DESIRED, node)),
             "sudoers_line": sudoers_line(DESIRED, node), "uid": 1000, "groups": ("spark", "docker"),
-            "runtimes": ("nvidia", "runc"), "hops": (HopAnswer("worker", 0),) if node.role == "head" else ()}
+            "runtimes": ("nvidia", "runc"), "hops": (HopAnswer("worker", 0),) if node.role == "head" else (),
+            "hub": HubFacts(True, 1000, (HubEntry("above", "/", 0, 0o755),), tree=True) if node.role == "head"
+            else None}
     return NodeFacts(**{**base, **kw})
 
 
@@ -99,7 +103,7 @@ def test_a_ready_cluster_is_all_ok_and_exits_0():
     assert exit_code(found) == 0
     assert [(c.name, c.node) for c in found] == [
         ("ssh", "head"), ("sudo", "head"), ("docker", "head"), ("binaries", "head"), ("gpu", "head"),
-        ("weights", "head"), ("disk", "head"), ("hop/worker", "head"),
+        ("weights", "head"), ("hub", "head"), ("disk", "head"), ("hop/worker", "head"),
         ("ssh", "worker"), ("clock", "worker"), ("sudo", "worker"), ("docker", "worker"), ("binaries", "worker"),
         ("rsync", "worker"), ("gpu", "worker"), ("disk", "worker"),
         ("image", "head"), ("files", HERE), ("secrets", HERE)]

@@ -1,9 +1,11 @@
 """Issue 7: the loader under fuzzing. Any text or bytes given to spec.loads ends as a valid model or as
-InvalidDesiredState with placed messages: never another exception, never more work than the loader's caps allow
-(the `build_meter` fixture stops any document that goes past them)."""
+InvalidDesiredState with placed messages (`FILE:LINE:COLUMN: ...`): never another exception, never more work than
+the loader's caps allow (the `build_meter` fixture stops any document that goes past them). Issue 53 keeps it as the
+fuzzing of the desired-state file, one of the parsers of file input."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ def check(data: str | bytes) -> None:
         result = spec.loads(data, "fuzz.yaml")
     except spec.InvalidDesiredState as exc:
         lines = exc.lines()
-        assert lines and all(line.startswith("fuzz.yaml") for line in lines), lines
+        assert lines and all(re.match(r"fuzz\.yaml:[0-9]+:[0-9]+: ", line) for line in lines), lines
     else:
         assert isinstance(result, spec.Desired)
 

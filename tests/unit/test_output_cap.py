@@ -54,4 +54,24 @@ def test_parsing_an_output_at_the_line_cap_stays_far_below_the_unit_s_memory():
     finally:
         tracemalloc.stop()
     assert sections["containers"].body == ""
-    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"  # 18 MiB measured; 32 MiB of newlines: 616 MiB
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"  # 1 MiB measured (18 before issue 53); 32 MiB: 616 MiB
+
+
+def test_splitting_an_output_of_structured_lines_costs_about_its_own_size():
+    """Lines with text cost more than bare newlines (issue 53, C): a million 31-byte lines (30 MiB, under both
+    caps) became a million strings while the output was split into sections, and peaked at 123 MiB. A section's
+    body is now one slice of the output."""
+    import tracemalloc
+
+    from reconciler.edge.probes import split_sections
+
+    line = "x" * 31
+    output = "@@n containers\n" + "\n".join([line] * (ssh_session.MAX_LINES - 2)) + "\n@@n rc 0\n"
+    tracemalloc.start()
+    try:
+        sections = split_sections(output, "n")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sections["containers"].body.count("\n") == ssh_session.MAX_LINES - 3
+    assert peak < 1.25 * len(output), f"{peak / 2**20:.0f} MiB"  # 30.5 MiB measured, the body; before: 123 MiB

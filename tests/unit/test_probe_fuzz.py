@@ -1,5 +1,8 @@
 """Every parser of node output, fed anything: it returns a model or raises ProbeError, nothing else.
 
+Issue 53 keeps this the fuzzing of everything a node prints: the split into sections, each section's parser, the
+weights listing (lines shaped as the manifest script's), the copy ledger (lines shaped as its own) and node JSON.
+
 A node's bytes are untrusted input (a hostile or broken node, a docker API answer that is not a list, a
 /proc/meminfo without MemAvailable, names with tabs, newlines or invalid UTF-8): whatever they are, they may make
 that node ProbeFailed, never crash the reconcile of the others. The strategies mix plain garbage with
@@ -17,7 +20,7 @@ from hypothesis import strategies as st
 
 from reconciler.core.spec import load
 from reconciler.core.vllm import parse_serve_help
-from reconciler.edge import manifest, probes
+from reconciler.edge import ledger, manifest, probes
 from reconciler.edge.probes import ProbeError, Section
 from tests.unit.examples import examples
 from tests.unit.recorded import parsed
@@ -41,6 +44,7 @@ PARSERS = {
     "serving": lambda s: probes.parse_serving(s, s, s, s),
     "completion": lambda s: probes.parse_completion(s),
     "image": lambda s: probes.parse_image(s),
+    "copies": lambda s: ledger.parse_copies(s, "worker1"),
 }
 
 
@@ -63,7 +67,8 @@ def desired(cluster_yaml):
     return load(cluster_yaml)
 
 
-SECTION_NAMES = ["containers", "image", "link", "rdma", "meminfo", "weights", "health", "models", "completion"]
+SECTION_NAMES = ["containers", "image", "link", "rdma", "meminfo", "weights", "health", "models", "completion",
+                 "copies"]
 
 
 @settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
@@ -84,6 +89,79 @@ def test_a_whole_probe_output_yields_an_observation_or_a_probe_error(desired, pa
 @given(text=st.one_of(TEXT, st.lists(st.one_of(ODD, TEXT, st.just("  --flag X")), max_size=10).map("\n".join)))
 def test_the_serve_help_parser_never_raises(text):
     assert isinstance(parse_serve_help(text), list)
+
+
+NAMES = st.sampled_from(["a", "a/b", "a/b/c", "l", "a/l", "blobs", "blobs/x", "..", ".", "", "a//b", "/", "é\x00"])
+VALUES = st.lists(st.sampled_from(["a", "b", "c", "l", "..", ".", "", "blobs", "x", "/m", "/hub/blobs", "/etc"]),
+                  max_size=6).map("/".join)
+LISTING_LINE = st.one_of(
+    st.tuples(st.sampled_from(["E", "S"]), NAMES, st.sampled_from(["f", "d", "l", "p", ""]),
+              st.sampled_from(["1", "0", "-1", "x", "9" * 30]), st.sampled_from(["1.5", "nan", "inf", "x", "1e400"]),
+              VALUES).map("\t".join),
+    st.sampled_from(["C\ttree\t/m", "C\tstore\t/hub/blobs", "C\ttree\trelative", "C.", "F\t0", "F\t1", "F\tx",
+                     "G\t0", "G\t", "B", "E", "E\ta\tl"]),
+    TEXT)
+
+
+@settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
+@given(lines=st.lists(LISTING_LINE, max_size=30), rc=st.sampled_from([0, 0, 0, 1, 2]),
+       root=st.sampled_from(["/m", "/hub/models--o--m"]))
+@example(lines=["C\ttree\t/m", "C.", "E\tl\tl\t1\t1\tl", "F\t0"], rc=0, root="/m")
+@example(lines=["C\ttree\t/m", "C.", *(f"E\tn{i}\tl\t1\t1\tn{i + 1}" for i in range(60)), "F\t0"], rc=0, root="/m")
+def test_a_listing_of_any_lines_is_a_manifest_or_a_probe_error(lines, rc, root):
+    try:
+        listing = manifest.read_listing(root, Section("\n".join(lines), rc))
+    except ProbeError as exc:
+        assert str(exc).startswith("weights manifest: ")
+        return
+    w = listing.weights
+    assert len(w.files) <= manifest.MAX_LINES and w.unsafe_count >= len(w.unsafe)
+    assert all(f.size is None or f.size == listing.resolved[f.path][0] for f in w.files if f.link_target)
+
+
+LEDGER_LINE = st.one_of(st.tuples(
+    st.sampled_from(["copied", "served", "removed", "released", "started", "copied2", ""]),
+    st.sampled_from(["worker1", "worker2", "worker1 ", ""]), st.sampled_from(["weights", "image", "x"]),
+    st.sampled_from(["/m/a", "/m/../a", "sha256:" + "a" * 64, "", "/" + "x" * 5000, "relative"]),
+    st.sampled_from(["1764000000", "x", "9" * 13, "²", "-1"]), st.sampled_from(["10.0.0.1:22", "", "a b"]),
+    st.sampled_from(["a" * 64, "-", "sha256:" + "b" * 64, "x"])).map("\t".join), TEXT)
+
+
+@settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
+@given(lines=st.lists(LEDGER_LINE, max_size=12))
+def test_a_ledger_of_any_lines_is_records_or_a_probe_error(lines):
+    section = Section("\n".join(lines), 0)
+    only_probe_errors(lambda: ledger.parse_copies(section, "worker1"))
+    assert isinstance(ledger.started(section, "worker1", "10.0.0.1:22"), set)
+
+
+MARKED = st.lists(st.one_of(TEXT, st.sampled_from(["\n", "\r", "\r\n", "\x85", "\u2028", "@@n ", "@@n rc ",
+                                                    "@@n rc 0", "@@n rc x", "@@n weights", "@@x rc 0", " "])),
+                  max_size=30).map("".join)
+
+
+@settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
+@given(output=MARKED)
+@example(output="@@n a\nx\n@@n rc ٣\n")
+def test_any_output_splits_into_sections_or_a_probe_error(output):
+    try:
+        sections = probes.split_sections(output, "n")
+    except ProbeError as exc:
+        assert str(exc).startswith("probe output: ")
+        return
+    lines = output.splitlines()
+    for name, section in sections.items():
+        assert f"@@n {name}" in output and not section.body.startswith("\n") and not section.body.endswith("\n")
+        assert all(line in lines for line in section.body.split("\n") if line), "a body is the output's own lines"
+
+
+@settings(**examples(300), deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=st.one_of(TEXT, JSON.map(json.dumps), st.integers(1, 3000).map(lambda n: "[" * n + "]" * n)))
+def test_node_json_is_a_value_or_a_value_error(text):
+    try:
+        probes.node_json(text)
+    except ValueError:
+        pass
 
 
 def test_the_probe_error_names_the_section():

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from reconciler.core.observed import Image, Link, NodeObservation, Observed, WeightFile, Weights
-from reconciler.edge.manifest import read_listing
+from reconciler.edge.manifest import Listing, read_listing
 from reconciler.edge.probes import Fact, ProbeError, Section
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps import actions, serving
@@ -425,11 +425,12 @@ def test_sha256sum_output_is_read_line_by_line_skipping_what_it_escapes() -> Non
 
 
 def test_the_source_hash_cache_file_is_named_by_the_first_16_hex_of_the_root_s_sha256() -> None:
-    """The name is the cache's key across upgrades: a changed name re-hashes every model on the next verify."""
+    """The name is the cache's key across upgrades: a changed name re-hashes every model on the next verify (as
+    the move out of ~/.cache did once: issue 53, finding M)."""
     root = wcases.SRC
-    assert step._cache_path(root) == ".cache/spark-reconciler/sha256-" + \
+    assert step._cache_path(root) == ".spark-reconciler/sha256-" + \
         hashlib.sha256(root.encode()).hexdigest()[:16] + ".tsv"
-    assert step._cache_path("/models/qwen") == ".cache/spark-reconciler/sha256-0f533a2aad0304a5.tsv"
+    assert step._cache_path("/models/qwen") == ".spark-reconciler/sha256-0f533a2aad0304a5.tsv"
 
 
 def _weights(unsafe: list[str], count: int) -> Weights:
@@ -463,12 +464,16 @@ def test_the_stream_meter_reports_the_bytes_all_streams_moved_never_past_the_tot
     assert second is not None and second.fields["bytes_done"] == 3_000_000
 
 
-def test_a_link_copied_as_a_file_gets_its_own_run_even_when_no_regular_file_moves() -> None:
+def test_a_link_copied_as_a_file_is_read_at_its_file_even_when_no_regular_file_moves() -> None:
+    """Issue 53: the link is never read again; the file the listing resolved it to is (held as directory 10, the
+    directory numbers counted over the whole listing, so the same on a resumed copy)."""
     expected = Weights(root="/m", present=True, files=[
         WeightFile(path="blobs/a", size=10, mtime=1.0),
         WeightFile(path="snap/l", size=5, mtime=1.0, link_target="/m/blobs/a")])
-    assert step._stream_groups(expected, [("snap/l", 5)], 4, {"snap/l"}) == [(["blobs/a"], False),
-                                                                            (["snap/l"], True)]
+    listing = Listing(expected, {}, "/m", {"snap/l": ("/m", "blobs/a")})
+    plan = step._plan(listing, [("snap/l", 5)], {"snap/l"})
+    assert (plan.sends, plan.pins, plan.moves) == ({"10/a": 5}, {10: ("/m", "blobs")}, [("10/a", "snap/l")])
+    assert step._stream_groups(plan.sends, 4) == [["10/a"]]
 
 
 def test_no_links_to_make_runs_nothing() -> None:

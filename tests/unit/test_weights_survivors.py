@@ -18,6 +18,7 @@ from reconciler.edge.steps.weights import (
     StreamMeter,
     _files_to_copy,
     _groups,
+    _plan,
     _rsync_argv,
     _stream_groups,
     inside_tree,
@@ -156,24 +157,28 @@ def test_an_empty_file_moves_no_bytes() -> None:
     assert _files_to_copy(expected, Weights(root=DST, present=False)) == [("empty", 0), ("data", 7)]
 
 
-def test_stream_groups_copied_links_get_their_run_even_with_no_regular_file() -> None:
-    expected = _w(WeightFile(path="snap/x", size=4, link_target="/store/x"))
+def test_stream_groups_a_copied_link_alone_gets_a_run_read_at_its_file() -> None:
+    """A link copied as a file is sent as the file the listing resolved it to (issue 53: never the link again),
+    in an ordinary run: there are no runs of links any more."""
+    expected = _w(WeightFile(path="snap/x", size=4, link_target="/store/ab/x"))
     copied = {"snap/x"}
     todo = _files_to_copy(expected, Weights(root=DST, present=False), copied)
-    assert _stream_groups(expected, todo, 2, copied) == [(["snap/x"], True)]
+    plan = _plan(Listing(expected, {}, "/m", {"snap/x": ("/store", "ab/x")}), todo, copied)
+    assert (plan.sends, plan.pins, plan.moves) == ({"10/x": 4}, {10: ("/store", "ab")}, [("10/x", "snap/x")])
+    assert _stream_groups(plan.sends, 2) == [["10/x"]]
 
 
 def test_stream_groups_empty_files_ride_with_the_last_data_run() -> None:
     """An empty file is no stream of its own; a 1-byte file is data like any other."""
-    expected = _w(WeightFile(path="a", size=5), WeightFile(path="b", size=1), WeightFile(path="e", size=0))
-    todo = _files_to_copy(expected, Weights(root=DST, present=False))
-    assert _stream_groups(expected, todo, 2) == [(["a"], False), (["b", "e"], False)]
+    assert _stream_groups({"10/a": 5, "10/b": 1, "10/e": 0}, 2) == [["10/a"], ["10/b", "10/e"]]
 
 
 def test_stream_groups_only_empty_files_one_run() -> None:
-    expected = _w(WeightFile(path="e", size=0), WeightFile(path="f", size=0))
-    todo = _files_to_copy(expected, Weights(root=DST, present=False))
-    assert _stream_groups(expected, todo, 4) == [(["e", "f"], False)]
+    assert _stream_groups({"10/e": 0, "10/f": 0}, 4) == [["10/e", "10/f"]]
+
+
+def test_stream_groups_nothing_to_send_no_run() -> None:
+    assert _stream_groups({}, 4) == []
 
 
 # -- _rsync_argv ----------------------------------------------------------------------------------------------
@@ -186,10 +191,12 @@ def test_bandwidth_limit_in_whole_kib_at_least_one(limit: int, kib: int) -> None
     assert [a for a in argv if a.startswith("--bwlimit")] == [f"--bwlimit={kib}"]
 
 
-def test_a_stream_does_not_follow_links_unless_asked() -> None:
-    """--copy-links only in the runs of checked links: by default a run carries no link's target."""
+def test_no_stream_follows_a_link() -> None:
+    """Issue 53: --copy-links read each checked link again, after any swap. Every run now reads only the
+    directories `links_helper send` holds (below /proc/self/fd/) into the target's staging directory."""
     argv = _rsync_argv(recorded(), HEAD, WORKER, "list")
-    assert "--copy-links" not in argv
+    assert not {"--copy-links", "-L", "--copy-unsafe-links", "-k", "--copy-dirlinks", "-l", "-a"} & set(argv)
+    assert argv[-2:] == ("/proc/self/fd/", "spark@10.232.0.11:" + DST + "/.rsync-partial/staged/")
 
 
 # -- StreamMeter -----------------------------------------------------------------------------------------------
@@ -258,7 +265,7 @@ def test_each_rsync_is_supervised_bounded_and_metered() -> None:
     """The rsyncs run long (ended on shutdown, SIGTERM when the channel closes), on the bulk connection, under the
     copy's deadline, and their progress lines become the copy's progress report for the target."""
     driver = _whole_copy()
-    runs = [a for a in driver.actions if isinstance(a, Run) and a.argv[0] == "rsync"]
+    runs = [a for a in driver.actions if isinstance(a, Run) and "rsync" in a.argv]
     assert [(r.timeout, r.long, r.bulk) for r in runs] == [(43200.0, True, True)] * 4
     assert driver.progress[0] == Report("weights.progress",
                                         {"node": WORKER, "bytes_done": 1024, "bytes_total": TOTAL})
@@ -282,7 +289,8 @@ def test_a_full_disk_counts_the_links_copied_as_files_still_missing() -> None:
     """The bytes still to copy include a link copied as the file it points to (here a hub blob-store link, 100
     bytes), not only the regular files: the operator sizes the disk from this number."""
     def listing(root: str, *files: WeightFile) -> Listing:
-        return Listing(Weights(root=root, present=bool(files), files=list(files)), {})
+        return Listing(Weights(root=root, present=bool(files), files=list(files)), {}, root,
+                       {f.path: ("/store", "b") for f in files if f.link_target})
 
     source = listing(SRC, WeightFile(path="blobs/a", size=5),
                      WeightFile(path="snap/model", size=100, link_target="../../../../store/b"))

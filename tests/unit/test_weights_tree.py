@@ -301,16 +301,18 @@ class Local:
             sudo=False):
         argv = list(argv)
         self.argvs.append(argv)
-        if argv[0] == "rsync" and "-e" in argv:
+        # a stream: rsync itself, or as `links_helper send` runs it (it execs the rsync after its words)
+        at = argv.index("rsync") if "rsync" in argv else None
+        if at is not None and "-e" in argv:
             i = argv.index("-e")
             del argv[i:i + 2]
             argv[-1] = argv[-1].split(":", 1)[1]
-        if argv[0] == "rsync":
-            listed = next((a.split("=", 1)[1] for a in argv if a.startswith("--files-from=")), None)
-            if listed:
-                self.lists[" ".join(argv)] = (self.home / listed).read_bytes().decode().strip("\0").split("\0")
         p = subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout, env=self.env, cwd=self.home,
                            check=False)
+        if at is not None:
+            listed = next((a.split("=", 1)[1] for a in argv if a.startswith("--files-from=")), None)
+            if listed and (self.home / listed).exists():
+                self.lists[" ".join(argv[at:])] = (self.home / listed).read_bytes().decode().strip("\0").split("\0")
         result = Result(p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace"), p.returncode)
         if argv[0] == "find":
             self._listed()
@@ -348,7 +350,8 @@ class Local:
             hook()
 
     def rsyncs(self) -> list[list[str]]:
-        return [a for a in self.argvs if a[0] == "rsync"]
+        """Each stream's rsync argv (run by `links_helper send`, or alone)."""
+        return [a[a.index("rsync"):] for a in self.argvs if "rsync" in a]
 
 
 class LocalCompanion:
@@ -415,16 +418,14 @@ def test_a_hf_cache_with_shared_blobs_arrives_as_real_files(tmp_path, nodes, str
         elif f.link_target:  # the snapshot links: the same relative links
             assert os.readlink(dst / f.path) == f.link_target
     argvs = nodes["src"].rsyncs()
-    assert argvs and not any("--copy-unsafe-links" in a for a in argvs)
+    assert argvs and not any(set(a) & {"--copy-unsafe-links", "--copy-links", "-L", "-a", "-l"} for a in argvs), (
+        "no rsync follows or carries a link (issue 53: --copy-links read each checked link again)")
+    assert all(a[-2] == "/proc/self/fd/" for a in argvs), "each reads only the directories held since the check"
     copied = step.links_to_copy(src_w)
     assert len(copied) == 2
-    for argv, listed in nodes["src"].lists.items():
-        if "--copy-links" in argv:
-            assert set(listed) <= copied, "a run that follows links lists nothing but checked links"
-        else:
-            assert not set(listed) & copied
-        assert "-a" not in argv.split() and all(f.link_target is None or f.path in copied
-                                                for f in src_w.files if f.path in listed), "rsync lists no link"
+    listed = [name for names in nodes["src"].lists.values() for name in names]
+    assert sorted(listed) == sorted(set(listed)) and all(n.split("/")[0].isdigit() for n in listed)
+    assert len(listed) == sum(1 for f in src_w.files if f.link_target is None or f.path in copied)
     start = next(f for e, f in events if e == "weights.start")
     assert start["bytes_total"] == sum(f.size for f in src_w.files if f.link_target is None or f.path in copied)
 
@@ -599,9 +600,9 @@ def test_a_sync_of_many_streams_keeps_the_node_s_own_connection_free(tmp_path, n
 
     repo = hf_tree(tmp_path / "src", shards=12, shard_bytes=5_000, shared=6)
     sync(tmp_path, nodes, streams=9)
-    rsyncs = [a for a in nodes["src"].argvs if a[0] == "rsync"]
+    rsyncs = [a for a in nodes["src"].argvs if "rsync" in a]
     assert rsyncs and all(a in nodes["src"].bulk_argvs for a in rsyncs)
-    assert len(rsyncs) <= 2 * step.BULK_STREAMS < MAX_CHANNELS
+    assert len(rsyncs) <= step.BULK_STREAMS < MAX_CHANNELS
     assert [(f.path, f.size) for f in probe(tmp_path / "dst" / "hub" / repo.name).files] == \
         [(f.path, f.size) for f in probe(repo).files]
 
@@ -642,7 +643,8 @@ def test_the_daemon_s_secret_goes_on_stdin_only_to_it_and_to_each_stream():
         driver = Driver(facts=FRESH, results={**HELPERS, **_daemon()})
         assert driver.drive(step.sync_weights(Given(recorded(), _observed()), STEP)) is None
         secret = driver.stdin[f"start {daemon(4)}"]
-        streams = {key: fed for key, fed in driver.stdin.items() if key.startswith("head rsync ")}
+        streams = {key: fed for key, fed in driver.stdin.items()
+                   if key.startswith("head python3 -c '<links_helper.py>' send ")}
         assert len(secret) > 40 and secret.endswith(b"\n") and list(streams.values()) == [secret] * 4
         assert not any(secret.strip().decode() in line for line in driver.transcript)
         seen.append(secret)

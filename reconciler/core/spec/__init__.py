@@ -58,6 +58,7 @@ from reconciler.core.spec.values import (
     ServedName,
     SshUser,
     format_duration,
+    mount_refusal,
     parse_duration,
     parse_size,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "json_schema",
     "load",
     "loads",
+    "mount_refusal",
     "parse_duration",
     "parse_size",
 ]

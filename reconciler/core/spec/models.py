@@ -367,9 +367,9 @@ class Retries(_Model):
 
 
 class WeightsPolicy(_Model):
-    parallel_streams: int = Field(4, ge=1, le=32, description="rsync streams per kind of run (the regular files; "
-                                  "the links copied as files). At most 4 run: the source's bulk SSH connection "
-                                  "has 9 channels, and both kinds may run at once (docs/weights-transport.md).")
+    parallel_streams: int = Field(4, ge=1, le=32, description="rsync streams of one copy (the regular files and the "
+                                  "links copied as the files they land on, read by the same streams). At most 4 "
+                                  "run: the source's bulk SSH connection has 9 channels (docs/weights-transport.md).")
     transport: Literal["rsync-daemon", "ssh"] = Field(
         "rsync-daemon", description="rsync-daemon: a one-time rsync daemon on the target's fabric address, with a "
         "one-time secret (no cipher: the fabric is a dedicated cable, the bytes are public weights; "

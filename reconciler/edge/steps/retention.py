@@ -1,12 +1,14 @@
 """Remove what retention planned (core/retention.py): older model trees and images this cluster copied to a node.
 
 Removal is the one thing the reconciler does that cannot be undone, so each step checks again on the node, right
-before it acts, what the plan was told: the item is still in the node's copy ledger as this cluster's; a tree is
-still exactly what the copy left (`Weights.digest` of a fresh listing: a file a person added or changed since keeps
-the whole tree); no container mounts it now, and it neither holds nor lies in the current model, judged on the
-node's canonical paths (`realpath`: a symlinked parent or a `/./` is the same directory); an image goes through
-`docker image rm` without `--force`, which the engine itself refuses for an image a container uses or one tagged
-more than once (moby: "conflict: unable to delete ... (must be forced)").
+before it acts, what the plan was told: the item is still in the node's copy ledger as this cluster's; a tree lies
+where this file keeps its models (`core.retention.out_of_reach`: a ledger line naming `/etc` or a home is never
+acted on); it is still exactly what the copy left (`Weights.digest` of a fresh listing, every path's size and
+mtime: a file a person added, resized or rewrote in place since keeps the whole tree); no container mounts it
+now, and it neither holds nor lies in the current model, judged on the node's canonical paths (`realpath`: a
+symlinked parent or a `/./` is the same directory); an image goes through `docker image rm` without `--force`,
+which the engine itself refuses for an image a container uses or one tagged more than once (moby: "conflict:
+unable to delete ... (must be forced)").
 
 Nothing is ever removed through a link, anywhere on the path: the removal runs in the tree's parent directory only
 once the node has confirmed that no component of the parent's path is a link (`IN_UNLINKED_DIR`), and never when
@@ -26,7 +28,7 @@ from typing import Any
 
 from reconciler.core.observed import CopyRecord
 from reconciler.core.planning import Step
-from reconciler.core.retention import mounts_tree, overlaps
+from reconciler.core.retention import mounts_tree, out_of_reach, overlaps
 from reconciler.edge import ledger
 from reconciler.edge.manifest import tree_fact
 from reconciler.edge.probes import CONTAINERS, canonical_fact
@@ -107,6 +109,8 @@ def prune_weights(given: Given, step: Step) -> Actions:
     def remove(record: CopyRecord) -> Outcome:
         root = record.key
         here = where[root]
+        if (why := out_of_reach(given.desired, node, root)) is not None:  # as written: removed only where no
+            return why  # link is on the way (IN_UNLINKED_DIR), so the path judged is the path removed
         if unread:
             return f"the mounts of {', '.join(unread)} could not be read"
         if any(overlaps(here, c) for c in now):
@@ -117,8 +121,8 @@ def prune_weights(given: Given, step: Step) -> Actions:
         if tree is None:
             return None
         if not tree.present or tree.truncated or tree.unsafe_count or tree.digest() != record.detail:
-            return ("unreadable, or changed since this cluster copied it (files added, removed or resized, links "
-                    "that leave it): released, remove it yourself if it is not needed")
+            return ("unreadable, or changed since this cluster copied it (files added, removed, resized or "
+                    "rewritten, links that leave it): released, remove it yourself if it is not needed")
         removed = yield Run(node, remove_tree_argv(root), check=False)
         if removed.exit_code == LINK_ON_THE_WAY:
             return ("it, or a directory above it, is a link now: never removed through a link; released, remove "

@@ -7,8 +7,10 @@ challenge-response with a secret made for this step alone (never sent, sha512 of
 whole-file checksum of every file, then the manifest check of the step. What listens, and for how long:
 `rsyncd_helper` (run on the target) binds the target's fabric address only, on a port the kernel picks, hands
 each connection from the source's fabric address to an `rsync --daemon` that serves it and exits, until one daemon
-per stream ended well (a stranger's connection is refused and counted; a daemon that failed frees its slot); it
-ends them all when the step closes its SSH channel (done, failed, cancelled) or at the step's deadline.
+per stream ended well (a stranger's connection is refused and counted; a daemon that failed frees its slot; only a
+connection that authenticates holds one: one from the source's address that stays silent is dropped, refused and
+counted after `rsyncd_helper.PREAUTH` seconds, issue 53); it ends them all when the step closes its SSH channel
+(done, failed, cancelled) or at the step's deadline.
 docs/research/weights-transport.md has the reasons, from rsync's source.
 """
 
@@ -75,7 +77,8 @@ def confirm(helper: Start) -> Actions:
         raise StepFailed(f"the rsync daemon on {helper.node} ended with exit {said.exit_code}: "
                          f"{said.stderr.strip()[-800:]}")
     strangers = refused_from(said.stderr)
-    if strangers:  # the step went on; the operator still hears that someone knocked (one log line)
+    if strangers:  # the step went on; the operator still hears that someone knocked (one log line): another
+        # address, or the source's own that never authenticated
         yield Report("weights.refused", {"node": helper.node, "connections": len(strangers),
                                          "from": sorted(set(strangers))[:10]})
 

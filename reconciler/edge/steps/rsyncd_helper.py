@@ -6,7 +6,13 @@ closes the channel (done, cancelled, or the head died and sshd noticed) every da
 
 Why this shape (docs/research/weights-transport.md, from rsync's source):
 - `rsync --daemon` whose stdin is a socket serves that one connection and exits (inetd mode), so each accepted
-  connection gets its own daemon and nothing listens once STREAMS connections came in;
+  connection gets its own daemon and nothing listens once STREAMS daemons ended well;
+- only authenticated connections hold a stream's slot (issue 53, finding L): a connection from the peer's address
+  that never authenticates (anyone on the source can open one: a silent first connection there once held the only
+  slot until the real stream's rsync gave up, exit 30 after 48 s) is pending until its daemon asks for the secret,
+  which rsync does only once the client answered its challenge; a pending one is dropped (its daemon killed) after
+  PREAUTH seconds, and at most STREAMS + EXTRA_PENDING are pending at once, so a few silent ones delay no stream
+  and more delay one by PREAUTH at most;
 - the listener binds the fabric address only, on a port the kernel picks, and accepts only the peer's fabric
   address (rsync's `hosts allow` checks it again);
 - the secret never touches a disk: each daemon reads it from a FIFO of its own (`--dparam=secretsfile=...`), which
@@ -25,7 +31,8 @@ Why this shape (docs/research/weights-transport.md, from rsync's source):
 
 It prints `port N` once listening, `daemon EXIT` for each daemon that ended, and exits 0 when STREAMS daemons
 ended with 0; 2 on bad arguments, 3 when the lifeline closed or LIFETIME passed first, 5 when this node's rsync
-cannot be confined (too old, or `/rsyncd-munged` exists). A stranger at the door is refused and counted on stderr.
+cannot be confined (too old, or `/rsyncd-munged` exists). A stranger at the door, and a connection from the peer
+that did not authenticate within PREAUTH seconds, are refused and counted on stderr.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ MODULE = "models"
 USER = "fabric"
 GRACE = 2.0  # seconds between SIGTERM and SIGKILL at teardown
 ACCEPT_WINDOW = 60.0  # seconds the listener waits for all its connections
+PREAUTH = 10.0  # seconds a connection has to authenticate (its daemon to ask for the secret) before it is dropped
+EXTRA_PENDING = 2  # connections pending authentication beyond STREAMS before the listener waits for one to end
 POLL = 0.2  # seconds between looks at the lifeline, the deadline and the daemons, when nothing wakes it sooner
 LOG_TAIL = 4000  # bytes of the daemons' log shown when one failed
 MIN_VERSION = (3, 1, 0)  # `--dparam` (the secret's FIFO), `munge symlinks`, `refuse options` by long name
@@ -87,10 +96,14 @@ def unconfinable() -> str | None:
     return None
 
 
-def hand_secret(fifo: str, line: bytes) -> None:
-    """Give the secret to the one daemon that opens `fifo` (the open waits for it), then close: it reads one line."""
+def hand_secret(fifo: str, line: bytes, asked: threading.Event | None = None) -> None:
+    """Give the secret to the one daemon that opens `fifo` (the open waits for it), then close: it reads one line.
+    The daemon opens it once its client answered the challenge (rsync's `auth_server` reads the answer, then the
+    secrets file): `asked` is set then, and the connection holds a stream's slot from that moment (`serve`)."""
     try:
         fd = os.open(fifo, os.O_WRONLY)
+        if asked is not None:
+            asked.set()
         try:
             os.write(fd, line)
         finally:
@@ -127,7 +140,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGHUP, lambda *_: stopping.append("SIGHUP"))
     woken = child_exits()
-    listener = socket.create_server((bind, 0), backlog=streams)
+    # room in the queue for every connection that may be pending, and as many more: one that does not fit waits
+    # for the kernel's retransmission (1 s, then 3 s) however soon a place frees up
+    listener = socket.create_server((bind, 0), backlog=2 * (streams + EXTRA_PENDING))
     print(f"port {listener.getsockname()[1]}", flush=True)
     stdin = sys.stdin.fileno()
     status = None
@@ -164,20 +179,26 @@ def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: 
     Neither a stranger nor a failed daemon ends the step (issue 31): a connection from any other address (a local
     user on the target, the management LAN through Linux's weak host model) is closed and counted, and a daemon
     that ends badly (a wrong secret: whoever on the source connected first) frees its slot for the next
-    connection. A real stream that fails makes its own client fail, which ends the step from the other side."""
+    connection. Only a connection whose daemon asked for the secret holds a slot (issue 53, finding L): one that
+    stays silent, or stops before answering the challenge, is pending, and dropped after PREAUTH seconds
+    (`drop_unauthenticated`). A real stream that fails makes its own client fail, which ends the step from the
+    other side."""
     good = strangers = 0
+    pending: dict[subprocess.Popen[bytes], tuple[float, threading.Event, str]] = {}
     while good < streams:
         if stopping:
             print(f"stopped by {stopping[0]}", file=sys.stderr)
             return 3
         now = time.monotonic()
-        live = sum(1 for c in children if c.returncode is None)
-        waiting = good + live < streams
-        if now > end or (waiting and now > accept_end):
+        strangers = drop_unauthenticated(pending, now, peer, strangers)
+        live = [c for c in children if c.returncode is None]
+        asking = sum(1 for c in live if c in pending and not pending[c][1].is_set())
+        if now > end or (good + len(live) < streams and now > accept_end):
             print("lifetime over" if now > end else "not all streams connected in time", file=sys.stderr)
             return 3
-        # while every slot has a live daemon, a connection waits in the backlog: a slot may free up
-        watched: list[int | socket.socket] = [stdin, listener] if waiting else [stdin]
+        # while every slot has an authenticated daemon, or too many are pending, a connection waits in the backlog
+        accepting = good + len(live) - asking < streams and asking < streams + EXTRA_PENDING
+        watched: list[int | socket.socket] = [stdin, listener] if accepting else [stdin]
         if woken is not None:
             watched.append(woken)
         ready, _, _ = select.select(watched, [], [], POLL)
@@ -199,17 +220,45 @@ def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: 
                 strangers += 1
                 print(f"refused a connection from {addr} ({strangers} refused)", file=sys.stderr, flush=True)
             else:
-                children.append(start_daemon(conn, rundir, config_path, line, len(children)))
+                asked = threading.Event()
+                children.append(start_daemon(conn, rundir, config_path, line, len(children), asked))
+                pending[children[-1]] = (time.monotonic(), asked, os.path.join(rundir, f"secret-{len(children) - 1}"))
         good += reap(children)
     return 0
 
 
+def drop_unauthenticated(pending: dict[subprocess.Popen[bytes], tuple[float, threading.Event, str]], now: float,
+                         peer: str, refused: int) -> int:
+    """End each daemon whose client did not answer its challenge within PREAUTH seconds (killed with its session;
+    the thread that waits to hand it the secret let go), each refused and counted; returns the new count."""
+    for child, (since, asked, fifo) in list(pending.items()):
+        if child.returncode is not None or asked.is_set():
+            del pending[child]
+            continue
+        if now - since <= PREAUTH:
+            continue
+        del pending[child]
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait()  # not a stream: no `daemon EXIT` line for it
+        try:  # the secret's writer waits for a reader: one that reads nothing lets it go
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        refused += 1
+        print(f"refused a connection from {peer} (it did not authenticate within {PREAUTH:g} s; {refused} refused)",
+              file=sys.stderr, flush=True)
+    return refused
+
+
 def start_daemon(conn: socket.socket, rundir: str, config_path: str, line: bytes,
-                 index: int) -> subprocess.Popen[bytes]:
-    """An `rsync --daemon` serving `conn`, its secret handed through a FIFO of its own."""
+                 index: int, asked: threading.Event | None = None) -> subprocess.Popen[bytes]:
+    """An `rsync --daemon` serving `conn`, its secret handed through a FIFO of its own (`asked` set when it asks)."""
     fifo = os.path.join(rundir, f"secret-{index}")
     os.mkfifo(fifo, 0o600)
-    threading.Thread(target=hand_secret, args=(fifo, line), daemon=True).start()
+    threading.Thread(target=hand_secret, args=(fifo, line, asked), daemon=True).start()
     child = subprocess.Popen(["rsync", "--daemon", f"--config={config_path}", f"--dparam=secretsfile={fifo}"],
                              stdin=conn.fileno(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)

@@ -42,7 +42,7 @@ from reconciler.edge.probes import (
     start_fact,
     verify_fact,
 )
-from reconciler.edge.ssh import Cancelled, RemoteError, quote
+from reconciler.edge.ssh import Cancelled, CommandFailed, RemoteError, quote
 from reconciler.edge.steps import note
 from reconciler.edge.steps.actions import (
     Action,
@@ -90,11 +90,26 @@ def _after_a_stop(step: Step) -> bool:
     return any(kind_and_node(a) in (("stop-serving", step.node), ("stop-container", step.node)) for a in step.after)
 
 
+CACHE_DIR_LINKED = 3  # the exit status of CACHE_DIRS when a cache directory is a link (its path on stdout)
+# Each directory "$d" (absolute, normalized): refused when it is a link (its path printed, exit CACHE_DIR_LINKED),
+# else made, entered from its parent with `cd -P` and checked to be where the parent's physical path says (a link
+# swapped in since the first look is refused the same way), and chmodded from inside (`chmod .`: the directory
+# just checked, never what a name leads to). Links above the directory (a home, ~/.cache) are its owner's.
+CACHE_DIRS = (f'for d; do if [ -L "$d" ]; then printf \'%s\\n\' "$d"; exit {CACHE_DIR_LINKED}; fi; '
+              'mkdir -p -- "$d" || exit 1; '
+              '(cd -P -- "${d%/*}/" || exit 1; p=$(pwd -P); cd -P -- "./${d##*/}" || exit 1; '
+              f'[ "$(pwd -P)" = "${{p%/}}/${{d##*/}}" ] || {{ printf \'%s\\n\' "$d"; exit {CACHE_DIR_LINKED}; }}; '
+              'chmod 0700 .) || exit; done')
+
+
 def cache_dirs_argv(dirs: list[str]) -> tuple[str, ...]:
     """The kept compile caches' host directories, made by the SSH user (`docker run` would make them as root) and
     0700: the serving container's root writes into them, and Docker offers no `nosuid` for a bind mount, so a
-    setuid file it left there must be out of every other local user's reach (issue 31, item 18)."""
-    return ("sh", "-c", 'mkdir -p -- "$@" && chmod 0700 -- "$@"', "sh", *dirs)
+    setuid file it left there must be out of every other local user's reach (issue 31, item 18). A directory that
+    is a link is refused, never followed (`CACHE_DIRS`): `mkdir -p` and `chmod` went through a link planted at
+    `~/.cache/vllm` by anyone who can write `~/.cache` (a co-tenant container that mounts it), and docker's `-v`
+    would have mounted where it leads into the serving container, as root (issue 53, finding M)."""
+    return ("sh", "-c", CACHE_DIRS, "sh", *dirs)
 
 
 def _drop_caches(given: Given, node: str) -> Actions:
@@ -186,7 +201,15 @@ def start_serving(given: Given, step: Step) -> Actions:
     yield from memory_preflight(given, node, _after_a_stop(step))
     yield from _note_use(given, node, spec)
     if dirs := cache_dirs(desired, desired.node(node)):
-        yield Run(node, cache_dirs_argv(list(dirs.values())))
+        made = yield Run(node, cache_dirs_argv(list(dirs.values())), check=False)
+        if made.exit_code == CACHE_DIR_LINKED:  # named by our own path, never by what the node printed
+            linked = next((d for d in dirs.values() if d == made.stdout.strip()), " or ".join(dirs.values()))
+            raise StepFailed(f"the compile cache directory {linked} on {node} is a symbolic link: refused, never "
+                             "followed (docker would mount where it leads into the serving container, as root); "
+                             "remove the link, or set serving.compile_cache to a directory only the SSH user can "
+                             "write")
+        if not made.ok:
+            raise CommandFailed(node, cache_dirs_argv(list(dirs.values())), made.exit_code, made.stdout, made.stderr)
     # The environment reaches the docker CLI on its stdin: `--env-file /dev/stdin` (the CLI opens the path like
     # any file, and sshd hands a command's stdin over as a pipe). So no value is on a command line (`ps`, error
     # messages) and none is ever on a node's disk, where a daemon killed between writing and removing a temp file

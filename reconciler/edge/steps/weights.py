@@ -11,14 +11,21 @@ options, and these safety properties, each from a failure seen in the field:
   resolved size) must equal the source's, so "13 MB and 98 broken symlinks, copy complete" cannot pass;
 - nothing from outside the model: a tree holding a link that leads out of it and out of the hub's blob store
   (to `~/.ssh`, the HF token, `/`) is refused, and so is a partial listing (the walk is bounded:
-  `manifest.manifest_script`). rsync never carries a link: it moves regular files only (`COPY_OPTIONS`; the links
-  checked to land on a file inside are sent as that file, in runs of their own with `--copy-links` and nothing
-  else in their lists), and the links kept as links are made on the target by the reconciler itself, from the
-  source's verified manifest (`make_links`, `links_helper`). So neither a source nor a cable holding the daemon's
-  secret can plant a link for a later stream to write through (issue 31: rsync 3.4.1's daemon could be led out of
-  its module that way), and a target tree that already holds a link leading out is refused for the daemon;
+  `manifest.manifest_script`). What was checked is what is copied (issue 53, finding A): no rsync follows a
+  link, nor carries one. Each file is read where the listing found it (a regular file at its path, a link copied
+  as a file at the file it was resolved to, in the tree or the hub's blob store: `Listing.landing`), through its
+  directory held open on the source since it was checked once more (`links_helper send`: opened from `/` down
+  with no link followed, then rsync reads `FD/NAME` below `/proc/self/fd/`, the last component with O_NOFOLLOW).
+  It lands in a staging directory below the target's root (`STAGING`), from which the reconciler moves it to its
+  path as soon as it is whole (`start_receiving`), and makes the links kept as links (`make_links`), from the
+  source's verified manifest, with no link followed on the target either (`links_helper`). So a swap of a store
+  file or of a directory on the way for a link to `~/.ssh` between the listing and the read sends nothing (the step
+  fails, naming it); neither a source nor a cable holding the daemon's secret can plant a link for a later stream
+  to write through (issue 31: rsync 3.4.1's daemon could be led out of its module that way), and a target tree
+  that already holds a link leading out is refused for the daemon;
 - never a half-written file under its final name: rsync writes to a temporary name and renames when complete;
-  an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it;
+  an interrupted transfer keeps its data in `.rsync-partial/` and the next run resumes from it (the staged names are
+  numbered from the source's whole listing, the same on every run);
 - only the source gets in: the daemon's secret is made for the step and its door opens only to the source's fabric
   address (`rsyncd`); over SSH, strict host keys on the node-to-node hop too (`reconciler.edge.steps.hop`);
 - on the disk before it is called done (`sync -f`), then the target's manifest must equal the source's;
@@ -47,20 +54,33 @@ from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, listing
 from reconciler.edge.probes import avail_fact
 from reconciler.edge.ssh import MAX_CHANNELS, CommandFailed, Session, Sessions, quote
 from reconciler.edge.steps import hop, note
-from reconciler.edge.steps.actions import Action, Actions, Given, Parallel, Report, Run, StepFailed, Stop, read
+from reconciler.edge.steps.actions import (
+    Action,
+    Actions,
+    Given,
+    Parallel,
+    Report,
+    Run,
+    Start,
+    StepFailed,
+    Stop,
+    read,
+)
 from reconciler.edge.steps.drop_behind import end_bound, start_bound
+from reconciler.edge.steps.links_helper import CHANGED, MAX_PINS, PIN_BASE, SOURCE, STAGING
 from reconciler.edge.steps.retention import IN_UNLINKED_DIR, LINK_ON_THE_WAY
 from reconciler.edge.steps.rsyncd import Door, confirm, start_daemon
 
 _LINKS_HELPER = Path(__file__).with_name("links_helper.py").read_text()
 
 RSYNC_IO_TIMEOUT = 60  # seconds without any data moved: the hop is dead (rsync exits 30, partial data kept)
-# Regular files only, with their times and modes: no -l (links are made by `make_links`), no -D, -o, -g (the
-# one-time daemon refuses each: `rsyncd_helper.REFUSED`).
+# Regular files only, with their times and modes: no -l (links are made by `make_links`), no -L or -k (what was
+# checked is read, never a link again: `links_helper send` refuses them), no -D, -o, -g (the one-time daemon
+# refuses each: `rsyncd_helper.REFUSED`).
 COPY_OPTIONS = ("--recursive", "--times", "--perms")
-# Streams per kind of run: the regular files' and the checked links' runs (`_stream_groups`) each get at most this
-# many, all on the source's bulk connection (`Session.bulk`), whose channel budget (MAX_CHANNELS = 9) then holds
-# both kinds at once with one to spare; a larger `parallel_streams` is held to it (its field says so).
+# Streams of one copy (`_stream_groups`): at most this many, all on the source's bulk connection (`Session.bulk`),
+# whose channel budget (MAX_CHANNELS = 9) holds them with room to spare; a larger `parallel_streams` is held to it
+# (its field says so). It was per kind of run, when the checked links had runs of their own.
 BULK_STREAMS = MAX_CHANNELS // 2
 _PROGRESS = re.compile(rb"([\d,]+)\s+\d+%")
 
@@ -123,6 +143,31 @@ def make_links(target: str, root: str, links: list[tuple[str, str]]) -> Actions:
                          f"{said.stderr.strip()[-800:]}")
 
 
+def start_receiving(given: Given, target: str, root: str,
+                    moves: list[tuple[str, str]]) -> Generator[Action, Any, Start]:
+    """`links_helper receive` beside the copy on `target`: the root (as `mkdir -p` made it), its staging directory
+    made and cleared of links, and each file moved from there to its path as soon as it arrived, never through a
+    link on the way; a copy interrupted half-way keeps its whole files at their paths."""
+    pairs = b"".join(s.encode() + b"\0" + p.encode() + b"\0" for s, p in moves)
+    helper = Start(target, ("python3", "-c", _LINKS_HELPER, "receive", root,
+                            str(int(given.desired.policy.timeouts.weights_sync))),
+                   stdin=f"{len(pairs)}\n".encode() + pairs)
+    first = yield helper
+    if first != "ready":
+        said = yield Stop(helper, "finish")
+        raise StepFailed(f"the copy's staging directory {root}/{STAGING} on {target} could not be made (exit "
+                         f"{said.exit_code}): {(said.stderr or first or 'no output').strip()[-800:]}")
+    return helper
+
+
+def finish_receiving(helper: Start) -> Actions:
+    """Its last look once every stream ended: each file must have arrived and be at its path."""
+    said = yield Stop(helper, "end")
+    if said.exit_code != 0:
+        raise StepFailed(f"moving the copied files into place on {helper.node} failed (exit {said.exit_code}): "
+                         f"{said.stderr.strip()[-800:]}")
+
+
 def links_to_copy(expected: Weights) -> set[str]:
     """The links copied as the file they point to: those that land on a regular file inside the tree or the hub's
     blob store (the manifest gave them that file's size) and whose value rsync would not keep."""
@@ -165,19 +210,20 @@ def _groups(files: list[tuple[str, int]], streams: int) -> list[list[str]]:
     return [sorted(members) for _, members in groups if members]
 
 
-def _rsync_argv(desired: Desired, source: str, target: str, files_from: str | None, follow: bool = False,
+def _rsync_argv(desired: Desired, source: str, target: str, files_from: str | None,
                 door: Door | None = None) -> tuple[str, ...]:
     """The source's rsync for one stream: to the one-time daemon at `door` (its secret on stdin, bound to the
     source's fabric address, which is the only peer the daemon accepts), or over ssh (`policy.weights.transport:
-    ssh`)."""
+    ssh`). It runs as `links_helper send` makes it (`_sender`): it reads `FD/NAME` below /proc/self/fd/, each FD a
+    directory held open since it was checked, into the staging directory below the target's root."""
     # --timeout: a stalled hop (a link down, a peer gone) ends rsync with exit 30 and its partial data kept for
     # the resume, instead of holding the step until its 12 h deadline.
-    # Links: only a run of links checked to land on a file inside copies what they point to (--copy-links: nothing
-    # else is in its list); every other run lists no link. Never --copy-unsafe-links: it copies whatever an outside
-    # link points to (a link to / copies the whole disk).
-    src_root, dst_root = desired.weights_root(source), desired.weights_root(target)
-    argv = ["rsync", *COPY_OPTIONS, *(["--copy-links"] if follow else []), f"--partial-dir={PARTIAL_DIR}",
-            "--info=progress2", "--no-inc-recursive", f"--timeout={RSYNC_IO_TIMEOUT}"]
+    # Links: none followed, none carried. Never --copy-links (issue 53: it resolved each checked link again when it
+    # read it, after any swap) nor --copy-unsafe-links (it copies whatever an outside link points to: a link to /
+    # copies the whole disk).
+    dst_root = desired.weights_root(target)
+    argv = ["rsync", *COPY_OPTIONS, f"--partial-dir={PARTIAL_DIR}", "--info=progress2", "--no-inc-recursive",
+            f"--timeout={RSYNC_IO_TIMEOUT}"]
     if door is not None:
         argv += ["--password-file=-", f"--address={desired.node(source).fabric.address.ip}"]
     else:
@@ -187,12 +233,22 @@ def _rsync_argv(desired: Desired, source: str, target: str, files_from: str | No
         argv.append(f"--bwlimit={max(1, limit // 1024)}")
     if files_from:
         argv += [f"--files-from={files_from}", "--from0"]
-    return (*argv, f"{src_root}/", door.url() if door is not None else f"{hop.address(desired, target)}:{dst_root}/")
+    return (*argv, SOURCE, f"{door.url()}{STAGING}/" if door is not None
+            else f"{hop.address(desired, target)}:{dst_root}/{STAGING}/")
+
+
+def _sender(instructions: str, rsync: tuple[str, ...]) -> tuple[str, ...]:
+    """A stream as the source runs it: `links_helper send` holds and checks what the listing checked, then execs
+    `rsync` (the same process: its stdin, its output, its signals)."""
+    return ("python3", "-c", _LINKS_HELPER, "send", instructions, *rsync)
 
 
 def _explain_failure(given: Given, target: str, exc: CommandFailed, expected: Weights,
                      copied: set[str]) -> Generator[Action, Any, str]:
     text = exc.stderr + exc.stdout
+    if exc.exit_code == CHANGED:
+        return (f"the source's tree changed after it was checked, so what changed was not sent to {target} (the copy "
+                f"reads only what the listing checked; the next cycle lists it again): {text.strip()[-800:]}")
     if "No space left" not in text:
         return f"rsync to {target} failed (exit {exc.exit_code}): {text.strip()[-800:]}"
     dst_root = given.desired.weights_root(target)
@@ -214,40 +270,81 @@ def _files_to_copy(expected: Weights, before: Weights, copied: set[str] | None =
             if (f.link_target is None or f.path in copied) and have.get(f.path) != f.size]
 
 
-def _stream_groups(expected: Weights, todo: list[tuple[str, int]], streams: int,
-                   copied: set[str] | None = None) -> list[tuple[list[str], bool]]:
-    """The file list of each rsync run, and whether it copies links as files. The bytes to move are split by size
-    into `streams` groups; everything else (empty files, files already there) goes with the last group, after the
-    data. The links copied as files (`copied`) get groups of their own, split the same way; the other links are in
-    no list (`make_links` makes them): every regular file and copied link of the manifest is in exactly one list,
-    and no run that follows links lists anything but checked links."""
-    copied = copied or set()
-    runs: list[tuple[list[str], bool]] = []
-    for follow in (False, True):
-        paths = {f.path for f in expected.files
-                 if (f.path in copied if follow else f.link_target is None)}
-        if not paths:
-            continue
-        groups = _groups([(p, s) for p, s in todo if p in paths and s > 0], streams)
-        rest = sorted(paths - {p for g in groups for p in g})
-        if groups:
-            groups[-1] = groups[-1] + rest
-        else:
-            groups = [rest]
-        runs += [(g, follow) for g in groups]
-    return runs
+@dataclass(frozen=True)
+class Plan:
+    """The copy as the source's listing checked it. Each file to move is named by where it is read (`FD/NAME`: FD
+    the source's directory held open for it, numbered from PIN_BASE over the whole listing, so a resumed copy finds
+    its partial data under the same staged name), with its size; the directories to hold (FD: the canonical root,
+    the tree's or the hub's blob store's, and the directory below it); where each file goes in the tree."""
+
+    sends: dict[str, int]
+    pins: dict[int, tuple[str, str]]
+    moves: list[tuple[str, str]]  # (FD/NAME, path in the tree)
+
+
+def _plan(listing: Listing, todo: list[tuple[str, int]], copied: set[str]) -> Plan:
+    """Where each file of `todo` is read: a regular file at its path below the tree's canonical root (physical:
+    the listing's walk follows no link), a link copied as a file at the file the listing resolved it to
+    (`Listing.landing`), never through the link. Two paths of one file are read once."""
+    where: dict[str, tuple[str, str]] = {}
+    for f in listing.weights.files:
+        if f.link_target is None and listing.tree is not None:
+            where[f.path] = (listing.tree, f.path)
+        elif f.path in copied and f.path in listing.landing:
+            where[f.path] = listing.landing[f.path]
+    folders = sorted({(root, posixpath.dirname(rel)) for root, rel in where.values()})
+    if len(folders) > MAX_PINS:
+        raise StepFailed(f"the weights tree at {listing.weights.root} spans {len(folders)} directories: more than "
+                         f"the copy holds open ({MAX_PINS})")
+    numbers = {folder: PIN_BASE + i for i, folder in enumerate(folders)}
+    plan = Plan({}, {}, [])
+    for path, size in todo:
+        if path not in where:
+            raise StepFailed(f"the listing of the weights tree at {listing.weights.root} does not say where {path} "
+                             "is (no canonical path printed): refusing to copy it")
+        root, rel = where[path]
+        number = numbers[(root, posixpath.dirname(rel))]
+        staged = f"{number}/{posixpath.basename(rel)}"
+        plan.sends[staged] = size
+        plan.pins[number] = (root, posixpath.dirname(rel))
+        plan.moves.append((staged, path))
+    return plan
+
+
+def _instructions(plan: Plan, files: list[str]) -> bytes:
+    """One stream's instructions for `links_helper send`: the directories it holds, then each file with its size."""
+    numbers = sorted({int(staged.split("/", 1)[0]) for staged in files})
+    records: list[tuple[str, ...]] = [("P", str(n), *plan.pins[n]) for n in numbers]
+    records += [("F", *staged.split("/", 1), str(plan.sends[staged])) for staged in files]
+    return b"".join("\0".join(record).encode() + b"\0" for record in records)
+
+
+def _stream_groups(sends: dict[str, int], streams: int) -> list[list[str]]:
+    """The file list of each rsync run: the files with bytes to move split by size into `streams` groups; the
+    empty ones go with the last group, after the data. Every file to send is in exactly one list; no link is in any
+    (`make_links` makes the links kept as links; a link copied as a file is read at its file)."""
+    groups = _groups([(staged, size) for staged, size in sends.items() if size > 0], streams)
+    rest = sorted(staged for staged, size in sends.items() if size == 0)
+    if groups:
+        groups[-1] = groups[-1] + rest
+    elif rest:
+        groups = [rest]
+    return groups
 
 
 def _upload_file_list(source: str, target: str, tree: str, index: int,
-                      files: list[str]) -> Generator[Action, Any, str]:
-    """Write a stream's file list on the source; returns its path relative to $HOME (rsync's cwd). A file, not
+                      instructions: bytes) -> Generator[Action, Any, tuple[str, str]]:
+    """Write a stream's instructions on the source (`links_helper send` reads them and writes rsync's own list
+    beside them, of what it checked); returns both paths relative to $HOME (rsync's cwd). A file, not
     stdin: the supervised rsync's stdin is the channel watch. Named by the target and the tree it fills (a hash of
     its root): two deployments' copies to one node run at once, and with one name each overwrote the other's list
-    (found by the seed's mix on the testbed: rsync then looked for one model's files in the other's tree)."""
-    listing = f".cache/spark-reconciler/rsync-{target}-{hashlib.sha256(tree.encode()).hexdigest()[:12]}-{index}.list"
-    yield Run(source, ("sh", "-c", 'mkdir -p "$HOME/.cache/spark-reconciler" && cat > "$HOME/$0"', listing),
-              stdin=b"\0".join(f.encode() for f in files) + b"\0")
-    return listing
+    (found by the seed's mix on the testbed: rsync then looked for one model's files in the other's tree). In the
+    SSH user's own 0700 directory (HASH_CACHE_DIR), never ~/.cache, where whoever writes it could rewrite the
+    list between this write and rsync's read (issue 53, finding M)."""
+    stem = f"{HASH_CACHE_DIR}/rsync-{target}-{hashlib.sha256(tree.encode()).hexdigest()[:12]}-{index}"
+    yield Run(source, ("sh", "-c", 'umask 077 && mkdir -p "$HOME/${0%/*}" && cat > "$HOME/$0"', f"{stem}.list"),
+              stdin=instructions)
+    return f"{stem}.list", f"{stem}.from"
 
 
 class StreamMeter:
@@ -274,16 +371,17 @@ def _refuse_target(before: Weights, target: str) -> None:
         raise StepFailed(f"{blocked} (a copy into it could be led out of the tree)")
 
 
-def _streams(given: Given, step: Step, groups: list[tuple[list[str], bool]], meter: StreamMeter,
+def _streams(given: Given, step: Step, plan: Plan, groups: list[list[str]], meter: StreamMeter,
              door: Door | None) -> Generator[Action, Any, None]:
-    """Each stream's file list written on the source, then all its rsyncs at once on the source's bulk
+    """Each stream's instructions written on the source, then all its rsyncs at once on the source's bulk
     connection (every one runs to its end; the first failure is raised once all ended)."""
     target, source = step.node, step.source
     assert source is not None
     runs = []
-    for index, (files, follow) in enumerate(groups):
-        listing = yield from _upload_file_list(source, target, given.desired.weights_root(target), index, files)
-        runs.append(Run(source, _rsync_argv(given.desired, source, target, listing, follow, door),
+    for index, files in enumerate(groups):
+        send, listing = yield from _upload_file_list(source, target, given.desired.weights_root(target), index,
+                                                     _instructions(plan, files))
+        runs.append(Run(source, _sender(send, _rsync_argv(given.desired, source, target, listing, door)),
                         stdin=f"{door.secret}\n".encode() if door is not None else None,
                         timeout=given.desired.policy.timeouts.weights_sync, long=True, bulk=True,
                         on_output=functools.partial(meter.feed, index)))
@@ -297,7 +395,8 @@ def sync_weights(given: Given, step: Step) -> Actions:
     assert source is not None, "the plan sets it for a weights step"
     desired = given.desired
     src_root, dst_root = desired.weights_root(source), desired.weights_root(target)
-    expected = yield from read_manifest(given, source)
+    listing = yield from read(source, listing_fact(src_root))
+    expected = listing.weights
     if not expected.present:
         raise StepFailed(f"the weights are not present on the source {source} at {src_root}")
     refused = refusal(expected, source)
@@ -313,26 +412,29 @@ def sync_weights(given: Given, step: Step) -> Actions:
         yield from note(given, target, ("started", "weights", dst_root, "-"))
     copied = links_to_copy(expected)
     todo = _files_to_copy(expected, before, copied)
+    plan = _plan(listing, todo, copied)
     total = sum(size for _, size in todo)
-    yield Run(target, ("mkdir", "-p", dst_root))
-    groups = _stream_groups(expected, todo, min(desired.policy.weights.parallel_streams, BULK_STREAMS), copied)
+    receiving = yield from start_receiving(given, target, dst_root, plan.moves)
+    groups = _stream_groups(plan.sends, min(desired.policy.weights.parallel_streams, BULK_STREAMS))
     yield Report("weights.start", {"node": target, "bytes_total": total, "files": len(todo),
                                    "streams": len(groups)})
     src_bound = yield from start_bound(given, source, src_root)
     dst_bound = yield from start_bound(given, target, dst_root)
-    daemon, door = None, None
-    if desired.policy.weights.transport == "rsync-daemon":
-        daemon, door = yield from start_daemon(given, source, target, dst_root, len(groups))
-    else:
-        yield from hop.trust_target_on_source(desired, source, target)
-    try:
-        yield from _streams(given, step, groups, StreamMeter(target, total, len(groups)), door)
-    except CommandFailed as exc:
+    if groups:
+        daemon, door = None, None
+        if desired.policy.weights.transport == "rsync-daemon":
+            daemon, door = yield from start_daemon(given, source, target, dst_root, len(groups))
+        else:
+            yield from hop.trust_target_on_source(desired, source, target)
+        try:
+            yield from _streams(given, step, plan, groups, StreamMeter(target, total, len(groups)), door)
+        except CommandFailed as exc:
+            if daemon is not None:
+                yield Stop(daemon, "close")
+            raise StepFailed((yield from _explain_failure(given, target, exc, expected, copied))) from None
         if daemon is not None:
-            yield Stop(daemon, "close")
-        raise StepFailed((yield from _explain_failure(given, target, exc, expected, copied))) from None
-    if daemon is not None:
-        yield from confirm(daemon)
+            yield from confirm(daemon)
+    yield from finish_receiving(receiving)
     yield from make_links(target, dst_root, links_to_make(expected))
     after = yield from _check_copy(given, expected, source, target)
     yield from end_bound(dst_bound)
@@ -370,7 +472,10 @@ def _check_copy(given: Given, expected: Weights, source: str, target: str) -> Ge
 
 # -- full verification (the flipped byte that sizes and mtimes cannot see) -------------------------------------
 
-HASH_CACHE_DIR = ".cache/spark-reconciler"  # under the source node's $HOME
+# Under the source node's $HOME: the SSH user's own 0700 directory (the lease's and the ledger's), where no one
+# else writes. It was `.cache/spark-reconciler`, which anyone who can write ~/.cache (a co-tenant container that
+# mounts it) could fill with entries `verify` believed: a forged hash for a flipped byte (issue 53, finding M).
+HASH_CACHE_DIR = ".spark-reconciler"
 
 
 @dataclass(frozen=True)
@@ -435,11 +540,12 @@ def _cache_path(root: str) -> str:
 def source_hashes(session: Session, root: str, paths: list[str], timeout: float,
                   cancel: threading.Event | None = None,
                   stats: dict[str, tuple[int, str]] | None = None) -> tuple[dict[str, str], int]:
-    """sha256 of `paths` (relative to root) on the source node, from the cache in ~/.cache/spark-reconciler/
-    where (path, size, mtime) did not change; the cache is rewritten (0600). Only what the manifest resolved
-    inside the tree is hashed (`stats`, read here when not given: a regular file, or a link landing on one inside
-    the tree or the hub's blob store, keyed by that file's size and mtime); a path it did not resolve (a link
-    leading out, a broken one) is not hashed. Returns the hashes and how many files had to be hashed."""
+    """sha256 of `paths` (relative to root) on the source node, from the cache in ~/.spark-reconciler/ (0700,
+    HASH_CACHE_DIR) where (path, size, mtime) did not change; the cache is rewritten (0600). Only what the
+    manifest resolved inside the tree is hashed (`stats`, read here when not given: a regular file, or a link
+    landing on one inside the tree or the hub's blob store, keyed by that file's size and mtime); a path it did
+    not resolve (a link leading out, a broken one) is not hashed. Returns the hashes and how many files had to be
+    hashed."""
     if stats is None:
         stats = _listing(session, root, timeout).resolved
     cache_file = _cache_path(root)

@@ -23,7 +23,9 @@ from tests.unit.step_cases import Case, Raw
 
 W1 = "worker1"
 HUB = "/srv/spark-testbed/worker1/models/hub"  # the current model's hub (its `path`), which no removal may touch
-OLD_HUB = "/srv/spark-testbed/worker1/old/hub"  # where a former file put its model
+# where a former file put its model: a hub beside the current one (below the parent of the node's `model.path`,
+# where retention may act: core.retention.out_of_reach)
+OLD_HUB = "/srv/spark-testbed/worker1/models/old-hub"
 CURRENT, OLD = f"{HUB}/models--testorg--tiny-moe", f"{OLD_HUB}/models--testorg--old-moe"
 _RECORDED = sections_of(RAW["outputs"][W1])
 #: the manifest of the older tree: the recorded listing of the current one, under the older one's name
@@ -118,6 +120,12 @@ CASES = [
          facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL],
                 f"{W1} copies": [ledger(COPIED.replace(DIGEST, "0" * 64))], f"{W1} tree {OLD}": [LISTING]},
          **_recorded()),
+    *[Case(f"prune-weights: a ledger line naming {planted} is never acted on: not listed, released (issue 53, E)",
+           weights(planted), [*READ, "report retention.kept", LEDGER_WRITE],
+           facts={f"{W1} containers": [NOW], f"{W1} realpath": [realpath(planted, CURRENT, HUB, *SOURCES)],
+                  f"{W1} copies": [ledger(COPIED.replace(OLD, planted))], f"{W1} tree {planted}": [LISTING]},
+           **_recorded())
+      for planted in ("/etc", "/home/spark", "/srv/spark-testbed/worker1/old/hub/models--testorg--old-moe")],
     Case("prune-weights: a tree gone already counts as removed", weights(OLD),
          [*READ, f"read {W1} tree {OLD}", LEDGER_WRITE],
          facts={f"{W1} containers": [NOW], f"{W1} realpath": [CANONICAL], f"{W1} copies": [ledger(COPIED)],

@@ -28,6 +28,7 @@ from reconciler.core.spec import Desired
 from reconciler.core.vllm import LaunchSpec, at_start, launch_specs
 from reconciler.edge.probes import Section
 from reconciler.edge.ssh import Result
+from reconciler.edge.steps.serving import CACHE_DIRS as CACHE_DIRS_SCRIPT
 from reconciler.edge.steps.serving import NON_CARRY_OVER_WRITE
 from tests.unit.recorded import RAW, load, observe, sections_of
 from tests.unit.step_cases import HEAD, WORKER, Case, Raw, inspected, no_such, reachable, sample
@@ -100,8 +101,9 @@ def _start(node: str = HEAD, after: tuple[str, ...] = ()) -> Step:
 STOP = Step("stop-serving", HEAD, "restart", (), container=NAME).id
 DROP = [f"run {HEAD} sync -f /home/spark/.cache/huggingface/hub",
         f"run {HEAD} sudo /usr/sbin/sysctl -w vm.drop_caches=3"]
-CACHES = (f"run {HEAD} sh -c 'mkdir -p -- \"$@\" && chmod 0700 -- \"$@\"' sh /home/spark/.cache/vllm "
-          "/home/spark/.cache/flashinfer /home/spark/.triton /home/spark/.tilelang")
+CACHE_DIRS = ["/home/spark/.cache/vllm", "/home/spark/.cache/flashinfer", "/home/spark/.triton",
+              "/home/spark/.tilelang"]
+CACHES = f"run {HEAD} " + shlex.join(["sh", "-c", CACHE_DIRS_SCRIPT, "sh", *CACHE_DIRS])  # run for real: test_trust_low
 
 
 def docker_run(node: str = HEAD) -> str:
@@ -280,6 +282,17 @@ CASES = [
          facts={f"{HEAD} container {NAME}": [no_such(NAME), ours()], **ENOUGH},
          results={f"{HEAD} sh -s": [Result("", "sh: 1: cannot create /home/spark/.spark-reconciler/copies: "
                                                "Read-only file system", 2)]}),
+    Case("start-serving: a compile cache directory that is a link fails the step, naming it, before `docker run`",
+         _start(), [f"read {HEAD} container {NAME}", *START],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], **ENOUGH},
+         results={CACHES[4:]: [Result("/home/spark/.cache/vllm\n", "", 3)]},
+         raises="^the compile cache directory /home/spark/.cache/vllm on spark-1a32 is a symbolic link: refused, "
+                "never followed"),
+    Case("start-serving: the compile cache directories not made: the command's failure fails the step", _start(),
+         [f"read {HEAD} container {NAME}", *START],
+         facts={f"{HEAD} container {NAME}": [no_such(NAME)], **ENOUGH},
+         results={CACHES[4:]: [Result("", "mkdir: cannot create directory: Permission denied", 1)]},
+         raises="Permission denied", error="CommandFailed"),
     Case("start-serving: the container exits at start: fails with its exit code and last lines", _start(),
          [f"read {HEAD} container {NAME}", *START, docker_run(), *STARTED, f"read {HEAD} logs {NAME}"],
          facts={f"{HEAD} container {NAME}": [no_such(NAME), ours("exited")], **ENOUGH,

@@ -1,9 +1,11 @@
 """weights: the model tree copied head -> worker1 over the fabric, from the manifests the testbed's probe really
 printed (tests/unit/fixtures/probe-4-nodes.json: the tiny-moe hf-cache tree, four 16 MB shards behind snapshot
-links). Its re-checks (the source's tree present and safe, the target's differing and safe), the copy (page-cache
-bounds on both ends, the one-time rsync daemon or the ssh hop, one rsync per stream on the bulk connection, all at
-once), the links made by the reconciler, `sync -f` and the manifests compared, the ledger's lines; and each
-failure with what it says. The real rsync, daemon and helpers run in tests/unit/test_weights_tree.py."""
+links). Its re-checks (the source's tree present and safe, the target's differing and safe), the copy (the
+target's receiving helper, page-cache bounds on both ends, the one-time rsync daemon or the ssh hop, one rsync per
+stream on the bulk connection, all at once, each run by `links_helper send` from the directories it holds), the
+files moved into place as they arrive and the links made by the reconciler, `sync -f` and the manifests compared,
+the ledger's lines; and each failure with what it says. The real rsync, daemon and helpers run in
+tests/unit/test_weights_tree.py and tests/unit/test_weights_swap.py."""
 
 from __future__ import annotations
 
@@ -88,27 +90,34 @@ HOP = ("ssh -F /dev/null -o GlobalKnownHostsFile=/dev/null -o IdentitiesOnly=yes
 
 
 def upload(index: int) -> str:
-    return (f"run {HEAD} sh -c 'mkdir -p \"$HOME/.cache/spark-reconciler\" && cat > \"$HOME/$0\"' "
-            f".cache/spark-reconciler/rsync-{WORKER}-{LIST}-{index}.list")
+    return (f"run {HEAD} sh -c 'umask 077 && mkdir -p \"$HOME/${{0%/*}}\" && cat > \"$HOME/$0\"' "
+            f".spark-reconciler/rsync-{WORKER}-{LIST}-{index}.list")
 
 
 def rsync(index: int, ssh: bool = False) -> str:
-    """One stream's rsync as the source runs it (spelled out: the options are the safety properties)."""
-    words = ["rsync", "--recursive", "--times", "--perms", "--partial-dir=.rsync-partial", "--info=progress2",
+    """One stream's rsync as the source runs it (spelled out: the options are the safety properties), by
+    `links_helper send` (issue 53: it holds what the listing checked; rsync reads that, never a link)."""
+    words = ["python3", "-c", "<links_helper.py>", "send", f".spark-reconciler/rsync-{WORKER}-{LIST}-{index}.list",
+             "rsync", "--recursive", "--times", "--perms", "--partial-dir=.rsync-partial", "--info=progress2",
              "--no-inc-recursive", "--timeout=60"]
     if ssh:
         words += ["-e", HOP]
     else:
         words += ["--password-file=-", "--address=10.232.0.10"]
-    words += [f"--files-from=.cache/spark-reconciler/rsync-{WORKER}-{LIST}-{index}.list", "--from0", f"{SRC}/",
-              f"spark@10.232.0.11:{DST}/" if ssh else "rsync://fabric@10.232.0.11:40000/models/"]
+    words += [f"--files-from=.spark-reconciler/rsync-{WORKER}-{LIST}-{index}.from", "--from0", "/proc/self/fd/",
+              f"spark@10.232.0.11:{DST}/.rsync-partial/staged/" if ssh
+              else "rsync://fabric@10.232.0.11:40000/models/.rsync-partial/staged/"]
     return f"run {HEAD} {shlex.join(words)}"
 
 
 LINKS = f"run {WORKER} python3 -c '<links_helper.py>' {DST}"
+RECEIVE = _start(WORKER, "<links_helper.py>", "receive", DST, "43200")
+STAGE = f"start {RECEIVE}"  # the staging directory made, then each file moved into place as it arrives
+PLACE = f"stop end {RECEIVE}"  # its last look: every file arrived and is at its path
 LEDGER = f"run {WORKER} sh -s"
 READS = [f"read {HEAD} weights", f"read {WORKER} weights"]
-HELPERS = {f"start {BOUND_SRC}": [Result("ready\n", "", 0)], f"start {BOUND_DST}": [Result("ready\n", "", 0)]}
+HELPERS = {f"start {BOUND_SRC}": [Result("ready\n", "", 0)], f"start {BOUND_DST}": [Result("ready\n", "", 0)],
+           f"start {RECEIVE}": [Result("ready\nplaced 12\n", "", 0)]}
 
 
 def _streams(n: int, ssh: bool = False) -> list[str]:
@@ -117,9 +126,9 @@ def _streams(n: int, ssh: bool = False) -> list[str]:
 
 def copied(n: int = 4, *, fresh: bool = True) -> list[str]:
     """A whole copy of `n` streams over the daemon, both ends bounded."""
-    return [*READS, *([LEDGER] if fresh else []), f"run {WORKER} mkdir -p {DST}", "report weights.start",
+    return [*READS, *([LEDGER] if fresh else []), STAGE, "report weights.start",
             f"start {BOUND_SRC}", f"start {BOUND_DST}", f"start {daemon(n)}", *_streams(n),
-            f"stop finish {daemon(n)}", LINKS, f"run {WORKER} sync -f {DST}", f"read {WORKER} weights",
+            f"stop finish {daemon(n)}", PLACE, LINKS, f"run {WORKER} sync -f {DST}", f"read {WORKER} weights",
             f"stop end {BOUND_DST}", f"stop end {BOUND_SRC}", "report weights.done",
             *([] if fresh else [f"read {WORKER} copies"]), LEDGER]
 
@@ -172,10 +181,10 @@ CASES = [
                                                                        extra=(f"E\t{OUT}",))]},
           raises="leading out of it.*\\(a copy into it could be led out of the tree\\)"),
     _case("over ssh: the target's key trusted on the source, rsync over the hop",
-          [*READS, LEDGER, f"run {WORKER} mkdir -p {DST}", "report weights.start", f"start {BOUND_SRC}",
+          [*READS, LEDGER, STAGE, "report weights.start", f"start {BOUND_SRC}",
            f"start {BOUND_DST}",
            f"run {HEAD} sh -c 'umask 077 && mkdir -p \"$HOME/.ssh\" && cat > \"$HOME/.ssh/$0\"' "
-           f"spark-reconciler_fabric_known_hosts_{WORKER}", *_streams(4, ssh=True), LINKS,
+           f"spark-reconciler_fabric_known_hosts_{WORKER}", *_streams(4, ssh=True), PLACE, LINKS,
            f"run {WORKER} sync -f {DST}", f"read {WORKER} weights", f"stop end {BOUND_DST}",
            f"stop end {BOUND_SRC}", "report weights.done", LEDGER], FRESH, desired=over_ssh),
     _case("no page-cache bound asked: no helper beside the copy",
@@ -202,7 +211,7 @@ CASES = [
           results=_daemon(said=Result(SECRET_LINE, "daemon 2 exited 12", 1)),
           raises="the rsync daemon on worker1 ended with exit 1: daemon 2 exited 12"),
     _case("a stranger knocked at the daemon: refused there, said here, the copy stands",
-          [*(c := copied())[:c.index(LINKS)], "report weights.refused", *c[c.index(LINKS):]], FRESH,
+          [*(c := copied())[:c.index(PLACE)], "report weights.refused", *c[c.index(PLACE):]], FRESH,
           results=_daemon(said=Result(SECRET_LINE, "refused a connection from 10.232.0.99 (1 refused)\n", 0))),
     _case("the page-cache bound cannot start on the target: no copy",
           [*copied()[:copied().index(f"start {BOUND_DST}") + 1], f"stop finish {BOUND_DST}"], FRESH,
@@ -244,7 +253,7 @@ CASES = [
           [line.replace("--address=10.232.0.10", "--address=10.232.0.10 --bwlimit=512000") for line in copied()],
           FRESH, results=_daemon(), desired=lambda: _policy(recorded(), bandwidth_limit=500 * 2**20)),
     _case("over ssh, a failed stream fails the copy: no daemon to close",
-          [*READS, LEDGER, f"run {WORKER} mkdir -p {DST}", "report weights.start", f"start {BOUND_SRC}",
+          [*READS, LEDGER, STAGE, "report weights.start", f"start {BOUND_SRC}",
            f"start {BOUND_DST}",
            f"run {HEAD} sh -c 'umask 077 && mkdir -p \"$HOME/.ssh\" && cat > \"$HOME/.ssh/$0\"' "
            f"spark-reconciler_fabric_known_hosts_{WORKER}", *_streams(4, ssh=True)], FRESH, desired=over_ssh,
@@ -271,4 +280,21 @@ CASES += [
           raises="failed \\(exit 1\\): z{800}$"),
     replace(_case("the copy's `sync -f` is bounded by the copy's own deadline", copied(), FRESH,
                   results=_daemon()), timeouts={f"{WORKER} sync -f {DST}": 43200.0}),
+    _case("the target's staging directory cannot be made (a link on its way): nothing copied",
+          [*READS, LEDGER, STAGE, f"stop finish {RECEIVE}"], FRESH,
+          results={f"start {RECEIVE}": [Result("", f"{DST}/.rsync-partial/staged: [Errno 40] Too many levels of "
+                                                   "symbolic links (a link or a file on the way? remove it)", 1)]},
+          raises=f"the copy's staging directory {DST}/.rsync-partial/staged on worker1 could not be made \\(exit "
+                 "1\\): .*Too many levels of symbolic links"),
+    _case("the source's tree changed after the check (issue 53): the daemon closed, the change named",
+          [*copied()[:copied().index(f"stop finish {daemon(4)}")], f"stop close {daemon(4)}"], FRESH,
+          results={**_daemon(), rsync(1).removeprefix("run "): [Result(
+              "", f"{SRC}/blobs/x: no longer a regular file (a link now?) though the listing checked one\n", 65)]},
+          raises="the source's tree changed after it was checked, so what changed was not sent to worker1 .*"
+                 "blobs/x: no longer a regular file"),
+    _case("a file that did not arrive: the copy fails naming it, before any link is made",
+          copied()[:copied().index(PLACE) + 1], FRESH,
+          results={**_daemon(), f"start {RECEIVE}": [Result(
+              "ready\nplaced 11\n", "blobs/x (copied as .rsync-partial/staged/10/x): it did not arrive\n", 1)]},
+          raises="moving the copied files into place on worker1 failed \\(exit 1\\): blobs/x .*it did not arrive"),
 ]
