@@ -241,7 +241,6 @@ def test_the_fragment_finds_what_others_may_change_and_the_fix_it_names_clears_i
     assert hub_check(desired, desired.node("head"), _facts(HEAD, hub=again)).status == "ok"  # type: ignore[union-attr]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
 def test_the_fragment_names_entries_of_another_owner_and_roots_fix_takes_them_back(tmp_path, me):
     hub = tmp_path / "models" / "hub"
     root = _tree(hub)

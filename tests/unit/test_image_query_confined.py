@@ -160,10 +160,8 @@ def _fake_node(tmp_path: Path, script: str) -> dict[str, str]:
 def test_a_question_past_its_deadline_is_ended_and_its_container_removed(tmp_path):
     env = _fake_node(tmp_path, _FAKE_DOCKER)
     name = "spark-reconciler-query-00000000000000aa"
-    start = time.monotonic()
     res = subprocess.run(bounded_query(["docker", "run", "--name", name], name, 1), capture_output=True,
                          text=True, env=env, timeout=60, check=False)
-    took = time.monotonic() - start
     assert res.returncode in (124, 137) and res.stdout == "@@ray no\n"
     assert (tmp_path / "rm.txt").read_text() == f"rm -f {name}\n"
     pid = int((tmp_path / "container.pid").read_text())
@@ -173,7 +171,6 @@ def test_a_question_past_its_deadline_is_ended_and_its_container_removed(tmp_pat
         time.sleep(0.1)
     else:
         pytest.fail("the container outlived its deadline")
-    assert took < 1 + 5 + 5, took  # the deadline, the client's SIGKILL after 5 s, the removal
 
 
 def test_a_question_that_answers_in_time_removes_nothing(tmp_path):

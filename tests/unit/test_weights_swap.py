@@ -145,8 +145,7 @@ def test_a_swap_just_before_rsync_reads_never_sends_the_secret(tmp_path, nodes, 
     to the directory held); a file swapped for a link is skipped (rsync opens it with O_NOFOLLOW), so it does not
     arrive and the step fails moving it into place. Before, rsync resolved the checked link there and then."""
     real = SENDERS[version]
-    if not real.is_file():
-        pytest.skip(f"{real} is missing: `make deps` builds it (testbed/rsync-builds.sh)")
+    assert real.is_file(), f"{real} is missing: `make deps` builds it (testbed/rsync-builds.sh)"
     source = Source(tmp_path)
     secret = source.planted({source.stored.name: source.stored.stat().st_size})
     if what == "store file":
