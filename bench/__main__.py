@@ -33,7 +33,7 @@ BENCHMARKS = {
 NOT_QUICK = {"vllm-start", "downtime"}
 
 
-def _run(names, opts, failed) -> None:
+def _run(names: list[str], opts: Options, failed: list[str]) -> None:
     for name in names:
         t = time.monotonic()
         opts.log(f"== {name}{' (quick)' if opts.quick else ''}")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown benchmark(s): {', '.join(unknown)}")
     results = a.results or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if a.quick else RESULTS)
     opts = Options(quick=a.quick, results_dir=results)
-    failed = []
+    failed: list[str] = []
     with testbed_lock():
         # one hold for the whole run, so a pytest session waiting for the testbed cannot slip in between two
         # benchmarks (the benchmarks' own testbed_lock() calls see the variable and do not wait again)

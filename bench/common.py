@@ -19,8 +19,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Unpack
+
+if TYPE_CHECKING:
+    from testbed.api import SizeOptions, Testbed
+
+#: A benchmark's result as `save` writes it and docs/benchmarks.md is rendered from it: a JSON document.
+Result = dict[str, Any]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -32,7 +41,7 @@ PY = sys.executable
 class Options:
     quick: bool = False
     results_dir: Path = RESULTS
-    log: callable = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
+    log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def n(self, full: int, quick: int) -> int:
         return quick if self.quick else full
@@ -47,7 +56,7 @@ def pct(values: list[float], p: float) -> float:
     return s[k]
 
 
-def summary(values: list[float]) -> dict:
+def summary(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "median": statistics.median(values), "p95": pct(values, 95),
             "min": min(values), "max": max(values)}
 
@@ -89,7 +98,7 @@ def ratio(a: float, b: float) -> float | None:
 # -- the testbed ------------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def testbed_lock(timeout: float = 1800):
+def testbed_lock(timeout: float = 1800) -> Iterator[None]:
     """The machine-wide testbed lock (the e2e fixture takes the same one). Waits, bounded.
 
     BENCH_TESTBED_LOCK_HELD=1: the parent already holds it (the pytest smoke test runs us under its session
@@ -100,7 +109,7 @@ def testbed_lock(timeout: float = 1800):
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     handle = open(LOCK, "a")  # noqa: SIM115
 
-    def expired(_sig, _frame):
+    def expired(_sig: int, _frame: FrameType | None) -> None:
         raise TimeoutError(f"{LOCK} held by someone else for {timeout:.0f}s")
 
     # a blocking flock queues us with the other waiters (pytest sessions); SIGALRM bounds the wait
@@ -120,13 +129,13 @@ def testbed_lock(timeout: float = 1800):
         handle.close()
 
 
-def testbed_up(nodes: int = 2, scenario: str = "converged", **kw):
+def testbed_up(nodes: int = 2, scenario: str = "converged", **kw: Unpack[SizeOptions]) -> Testbed:
     """Bring the testbed up in exactly this shape: down first when another shape is up."""
     from reconciler.core.spec import parse_size
     from testbed import api
     cfg = api._load_config()
     if cfg and (cfg["nodes"] != nodes or any(cfg.get(k) != parse_size(v, short_units=True) for k, v in kw.items()
-                                              if v is not None)):
+                                              if isinstance(v, str | int))):
         api.down()
     return api.up(nodes=nodes, scenario=scenario, **kw)
 
@@ -140,20 +149,32 @@ class TestbedRun:
     """What `on_testbed` hands a benchmark: the testbed, and afterwards what `down` left behind (must be [])."""
 
     def __init__(self) -> None:
-        self.tb = None
+        self._tb: Testbed | None = None
         self.leftovers: list[str] = []
+
+    @property
+    def tb(self) -> Testbed:
+        """The testbed the benchmark runs on (set before `on_testbed` hands the run over)."""
+        if self._tb is None:
+            raise RuntimeError("the testbed is not up yet")
+        return self._tb
+
+    @tb.setter
+    def tb(self, tb: Testbed) -> None:
+        self._tb = tb
 
 
 @contextlib.contextmanager
-def on_testbed(nodes: int = 2, scenario: str = "converged", serving: bool = False, **kw):
+def on_testbed(nodes: int = 2, scenario: str = "converged", serving: bool = False,
+               **kw: Unpack[SizeOptions]) -> Iterator[TestbedRun]:
     """Lock the testbed, bring it up in `scenario` (with `serving`: converged by `reconciler apply`, so vLLM runs),
     run the benchmark, and always bring it down again."""
     run = TestbedRun()
     with testbed_lock():
         try:
-            run.tb = testbed_up(nodes, scenario, **kw)
+            run.tb = tb = testbed_up(nodes, scenario, **kw)
             if serving:
-                converge(run.tb.desired_state)
+                converge(tb.desired_state)
             yield run
         finally:
             run.leftovers = testbed_down()
@@ -181,7 +202,7 @@ def write_desired(src: Path, dest: Path, replace: dict[str, str] | None = None) 
 
 # -- machine and results ----------------------------------------------------------------------------------------
 
-def machine() -> dict:
+def machine() -> dict[str, object]:
     cpu = "unknown"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -207,7 +228,7 @@ def commit() -> str:
     return head + ("+changes" if git("status", "--porcelain", "--", "reconciler", "bench/*.py", "testbed") else "")
 
 
-def save(opts: Options, name: str, data: dict) -> Path:
+def save(opts: Options, name: str, data: Result) -> Path:
     opts.results_dir.mkdir(parents=True, exist_ok=True)
     data = {"benchmark": name, "quick": opts.quick, "machine": machine(), **data}
     path = opts.results_dir / f"{name}.json"

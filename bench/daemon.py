@@ -22,11 +22,14 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.common import (
     ROOT,
     Options,
+    Result,
     on_testbed,
     rss_bytes,
     save,
@@ -39,6 +42,10 @@ from testbed.proc import free_port
 RECONCILER = ROOT / ".venv" / "bin" / "reconciler"
 
 
+#: One line of the daemon's JSON log (event, phase, steps_started, ...).
+LogLine = dict[str, Any]
+
+
 class Daemon:
     def __init__(self, desired: Path, events: bool = True):
         self.dir = scratch_dir("daemon")
@@ -48,12 +55,13 @@ class Daemon:
         if not events:
             argv.append("--no-events")
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[tuple[float, dict]] = []
+        self.lines: list[tuple[float, LogLine]] = []
         self.cond = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
+        assert self.proc.stderr is not None    # stderr=PIPE
         for raw in self.proc.stderr:
             now = time.monotonic()
             try:
@@ -68,7 +76,7 @@ class Daemon:
         with self.cond:
             return len(self.lines)
 
-    def wait(self, pred, after: int = 0, timeout: float = 60) -> tuple[float, dict]:
+    def wait(self, pred: Callable[[LogLine], bool], after: int = 0, timeout: float = 60) -> tuple[float, LogLine]:
         deadline = time.monotonic() + timeout
         with self.cond:
             i = after
@@ -84,7 +92,7 @@ class Daemon:
                     raise TimeoutError(f"daemon: no matching log line within {timeout}s; last events {tail}")
                 self.cond.wait(min(left, 0.5))
 
-    def event(self, name: str):
+    def event(self, name: str) -> Callable[[LogLine], bool]:
         return lambda d: d.get("event") == name
 
     def converged_after(self, after: int, timeout: float = 120) -> float:
@@ -92,9 +100,10 @@ class Daemon:
                          and d.get("steps_started", 0) == 0 and d.get("drift", 0) == 0, after, timeout)
         return t
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=5) as r:
-            return json.loads(r.read())
+            doc: dict[str, Any] = json.loads(r.read())
+            return doc
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -169,7 +178,7 @@ def _detect(opts: Options, desired: Path, events: bool, trials: int, jitter: flo
     return out
 
 
-def run_drift(opts: Options) -> dict:
+def run_drift(opts: Options) -> Result:
     trials, resync_trials = opts.n(10, 1), opts.n(5, 1)
     with on_testbed(2, "converged", serving=True) as run:
         tb = run.tb
@@ -194,7 +203,7 @@ def _save_as_editor(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_edit(opts: Options) -> dict:
+def run_edit(opts: Options) -> Result:
     trials, apply_trials = opts.n(8, 1), opts.n(5, 1)
     from testbed import api
     with on_testbed(2, "converged", serving=True) as run:
@@ -247,6 +256,7 @@ def run_edit(opts: Options) -> dict:
             p = subprocess.Popen([str(RECONCILER), "apply", str(live), "--yes"], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
             first = None
+            assert p.stderr is not None    # stderr=PIPE
             for raw in p.stderr:
                 if first is None and '"step.start"' in raw:
                     first = time.monotonic() - t0
@@ -269,7 +279,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_footprint(opts: Options) -> dict:
+def run_footprint(opts: Options) -> Result:
     duration = opts.n(300, 5)
     with on_testbed(2, "converged", serving=True) as run:
         tb = run.tb

@@ -37,14 +37,19 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from bench.common import ROOT, Options, on_testbed, save, summary
+from bench.common import ROOT, Options, Result, on_testbed, save, summary
 from bench.daemon import Daemon
 from testbed.proc import wait_for
 from testbed.realvllm import image
+
+if TYPE_CHECKING:
+    from testbed.api import Testbed
 
 PROBE_EVERY = 0.25  # seconds between two completions of the prober: the outage's resolution
 GRACE = 20  # unhealthy_grace of the wedge round, in seconds
@@ -52,12 +57,15 @@ DEADLINE = 900.0  # any one wait of a round
 CLI = str(ROOT / ".venv" / "bin" / "reconciler")
 LENGTHS = (1024, 2048)  # max_model_len alternates between these (the seed's is 4096): each is a change
 
+#: A desired state as `yaml.safe_load` reads it (and `save_as_editor` writes it back).
+DesiredDoc = dict[str, Any]
+
 
 class Prober:
     """One short completion through the head's API every PROBE_EVERY s, in a thread: the answered ones' times
     (time.monotonic() when the answer arrived)."""
 
-    def __init__(self, tb) -> None:
+    def __init__(self, tb: Testbed) -> None:
         self.tb = tb
         self.answered: list[float] = []
         self.failed: list[float] = []
@@ -101,14 +109,14 @@ class Prober:
         raise TimeoutError(f"no completion within {timeout:.0f}s")
 
 
-def answers(tb, timeout: float = 5) -> bool:
+def answers(tb: Testbed, timeout: float = 5) -> bool:
     body = json.dumps({"model": image.SERVED_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
     res = tb.exec("head", f"curl -s -m {timeout:g} -H 'Content-Type: application/json' -d '{body}' "
                           "http://127.0.0.1:8000/v1/completions", timeout=timeout + 30)
     return res.returncode == 0 and '"choices"' in res.stdout
 
 
-def first_answer(tb, since: float, timeout: float = DEADLINE, watch: str | None = None) -> float:
+def first_answer(tb: Testbed, since: float, timeout: float = DEADLINE, watch: str | None = None) -> float:
     """Seconds from `since` (time.monotonic()) to the first completion answered; with `watch`, the head's
     container of that name must keep running meanwhile (its last log lines say why it did not)."""
     end = time.monotonic() + timeout
@@ -124,7 +132,7 @@ def first_answer(tb, since: float, timeout: float = DEADLINE, watch: str | None 
 
 
 @contextlib.contextmanager
-def co_tenants_stopped(tb):
+def co_tenants_stopped(tb: Testbed) -> Iterator[None]:
     """The seed's co-tenants (a GLM on the head's :8000 among them) stopped while a cold start is measured alone:
     the reconciler stops them as part of the seed's apply, a start by hand must not find the port taken. Started
     again after."""
@@ -152,19 +160,19 @@ def apply(path: Path) -> None:
         raise RuntimeError(f"reconciler apply failed ({p.returncode}): {(p.stdout + p.stderr)[-3000:]}")
 
 
-def save_as_editor(path: Path, data: dict) -> Path:
+def save_as_editor(path: Path, data: DesiredDoc) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False, explicit_end=True))
     tmp.replace(path)
     return path
 
 
-def remove_serving(tb) -> None:
+def remove_serving(tb: Testbed) -> None:
     for node in ("worker", "head"):
         tb.docker(node, "rm", "-f", "vllm_serving", check=False)
 
 
-def raw_start(tb, path: Path) -> float:
+def raw_start(tb: Testbed, path: Path) -> float:
     """A cold start alone: the reconciler's own `docker run` argv (`launch_specs`) on both nodes, rank 1 first,
     to the first completion; none of the reconciler's steps around it (no preflight, no drop of the page cache,
     no health poll). What a serving change cannot beat. Leaves nothing running."""
@@ -184,7 +192,7 @@ def raw_start(tb, path: Path) -> float:
         remove_serving(tb)
 
 
-def seed_parts(tb, desired: dict) -> dict[str, float]:
+def seed_parts(tb: Testbed, desired: DesiredDoc) -> dict[str, float]:
     """The seed's first apply in its parts, each alone, on the state that apply reached with the worker's copies
     and the serving containers removed again (the fabric link up and the co-tenants stopped, as the apply left
     them: a start cannot rendezvous over a link that is down). Leaves the copies in place and nothing serving."""
@@ -215,7 +223,7 @@ def seed_parts(tb, desired: dict) -> dict[str, float]:
     return {"image": image_s, "weights": weights_s, "cold_start": cold_s}
 
 
-def change(tb, path: Path, data: dict) -> tuple[float, float]:
+def change(tb: Testbed, path: Path, data: DesiredDoc) -> tuple[float, float]:
     """The outage of `reconciler apply` of `data` (saved to `path`), and a cold start alone of that generation."""
     save_as_editor(path, data)
     with Prober(tb) as probe:
@@ -238,7 +246,7 @@ def _phase(d: Daemon, phase: str) -> bool:
         return False
 
 
-def wedge(tb, path: Path, data: dict) -> float:
+def wedge(tb: Testbed, path: Path, data: DesiredDoc) -> float:
     """Freeze -> first completion again, under the daemon."""
     data = json.loads(json.dumps(data))
     data["serving"]["unhealthy_grace"] = f"{GRACE}s"
@@ -258,7 +266,7 @@ def wedge(tb, path: Path, data: dict) -> float:
         d.stop()
 
 
-def failed_change(tb, path: Path, data: dict) -> tuple[float, float]:
+def failed_change(tb: Testbed, path: Path, data: DesiredDoc) -> tuple[float, float]:
     """Edit -> the old model answering again after a change it rolled back, and the outage in it."""
     data = json.loads(json.dumps(data))
     data["policy"]["resync_interval"] = "3s"
@@ -282,7 +290,7 @@ def failed_change(tb, path: Path, data: dict) -> tuple[float, float]:
         save_as_editor(path, data)
 
 
-def run_downtime(opts: Options) -> dict:
+def run_downtime(opts: Options) -> Result:
     runs = opts.n(5, 1)
     rows: dict[str, list[float]] = {k: [] for k in (
         "seed_apply", "seed_image", "seed_weights", "seed_cold", "serving_outage", "serving_cold",
@@ -331,7 +339,7 @@ def run_downtime(opts: Options) -> dict:
                      f"failed change -> the old model answering {took:.1f}s (outage {rb_outage:.1f}s)")
             with contextlib.suppress(Exception):
                 remove_serving(tb)
-    data_out = {"runs": runs, "grace": GRACE, "probe_every": PROBE_EVERY, "leftovers": run.leftovers,
+    data_out: Result = {"runs": runs, "grace": GRACE, "probe_every": PROBE_EVERY, "leftovers": run.leftovers,
                 **{k: summary(v) for k, v in rows.items()}, "raw": rows}
     save(opts, "downtime", data_out)
     return data_out

@@ -15,13 +15,16 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench import sim
 from bench.common import (
     ROOT,
     Options,
+    Result,
     converge,
     on_testbed,
     ratio,
@@ -33,10 +36,14 @@ from bench.common import (
     testbed_up,
 )
 
+if TYPE_CHECKING:
+    from reconciler.core.spec import Desired, Node
+    from reconciler.edge.ssh import Sessions
+
 ANSIBLE_PLAYBOOK = ROOT / ".venv" / "bin" / "ansible-playbook"
 
 
-def _cycle_fn(desired, sessions):
+def _cycle_fn(desired: Desired, sessions: Sessions) -> Callable[[], tuple[float, float]]:
     """One no-op cycle: (wall seconds, CPU seconds of this whole process, every thread: the head's own cost)."""
     from reconciler.core import planning
     from reconciler.edge import observe as obs
@@ -76,7 +83,7 @@ def measure_floor(desired_path: Path, cycles: int) -> list[float]:
     desired = spec.load(desired_path)
     scripts = {n.name: probe_script(desired, n) for n in desired.nodes}
 
-    def local(node) -> None:
+    def local(node: Node) -> None:
         p = api.exec_(node.name, "sh -s", input=scripts[node.name].script, timeout=30)
         parse_probe(desired, node, p.stdout, scripts[node.name].nonce)
 
@@ -107,7 +114,7 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
             current = line.split()[1]
         parts.setdefault(current, []).append(line)
     setup = "\n".join(parts.pop("setup"))
-    costs = {}
+    costs: dict[str, float] = {}
     for name, lines in parts.items():
         body = setup + "\n" + "\n".join(lines) + "\n"
         times = []
@@ -116,12 +123,12 @@ def section_costs(desired_path: Path, node: str = "head", repeat: int = 5) -> di
             api.exec_(node, "sh -s", input=body, timeout=30)
             times.append(time.perf_counter() - t)
         costs[name] = round(statistics.median(times) * 1000, 1)
-    t = []
+    overhead: list[float] = []
     for _ in range(repeat):
         s = time.perf_counter()
         api.exec_(node, "true", timeout=30)
-        t.append(time.perf_counter() - s)
-    costs["(exec overhead)"] = round(statistics.median(t) * 1000, 1)
+        overhead.append(time.perf_counter() - s)
+    costs["(exec overhead)"] = round(statistics.median(overhead) * 1000, 1)
     return costs
 
 
@@ -222,7 +229,7 @@ def two_deployments(single: Path, dest: Path) -> Path:
 
 # -- the benchmarks ---------------------------------------------------------------------------------------------
 
-def run_noop(opts: Options) -> dict:
+def run_noop(opts: Options) -> Result:
     cycles, ansible_runs = opts.n(100, 3), opts.n(10, 1)
     with on_testbed(2, "converged", serving=True) as run:
         tb = run.tb
@@ -240,7 +247,7 @@ def run_noop(opts: Options) -> dict:
         both, both_cpu = measure_cycles(two, cycles)
     tb_left = run.leftovers
     s_p, s_a, s_fl, s_two = summary(project), summary(ansible), summary(floor), summary(both)
-    data = {"project": s_p, "ansible": s_a, "floor": s_fl, "section_ms_head": costs, "head_cpu": summary(cpu),
+    data: Result = {"project": s_p, "ansible": s_a, "floor": s_fl, "section_ms_head": costs, "head_cpu": summary(cpu),
             "ansible_over_project": ratio(s_a["median"], s_p["median"]),
             "project_over_floor": ratio(s_p["median"], s_fl["median"]), "two_deployments": s_two,
             "two_deployments_head_cpu": summary(both_cpu), "two_over_one": ratio(s_two["median"], s_p["median"]),
@@ -249,10 +256,10 @@ def run_noop(opts: Options) -> dict:
     return data
 
 
-def run_scaling(opts: Options) -> dict:
+def run_scaling(opts: Options) -> Result:
     sizes = [2, 4] if opts.quick else [2, 4, 8]
     cycles = opts.n(30, 3)
-    rows = {}
+    rows: dict[int, Result] = {}
     with testbed_lock():
         try:
             for n in sizes:
@@ -271,7 +278,7 @@ def run_scaling(opts: Options) -> dict:
     base = rows[sizes[0]]["project"]["median"]
     for n in sizes:
         rows[n]["over_2_nodes"] = rows[n]["project"]["median"] / base
-    data = {"rows": rows, "leftovers": left}
+    data: Result = {"rows": rows, "leftovers": left}
     save(opts, "scaling", data)
     return data
 

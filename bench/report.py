@@ -4,17 +4,18 @@ the commit measured. No number on the page is typed by hand: a figure comes from
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ROOT
+from bench.common import ROOT, Result
 
 DOC = ROOT / "docs" / "benchmarks.md"
 BUDGET = 0.01  # the head's share of one core a no-op cycle may take at the default resync interval
 RESYNC = 30.0  # seconds: the default policy.resync_interval
 
 
-def _load(results: Path) -> dict[str, dict]:
-    out = {}
+def _load(results: Path) -> dict[str, Result]:
+    out: dict[str, Result] = {}
     for p in sorted(Path(results).glob("*.json")):
         try:
             out[p.stem] = json.loads(p.read_text())
@@ -32,11 +33,11 @@ def precise(x: float) -> str:
     return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def p50_p95(d: dict, unit=duration) -> str:
+def p50_p95(d: Result, unit: Callable[[float], str] = duration) -> str:
     return f"{unit(d['median'])} / {unit(d['p95'])}"
 
 
-def spread(d: dict, unit=duration) -> str:
+def spread(d: Result, unit: Callable[[float], str] = duration) -> str:
     """median (min-max, n runs): what every comparison on the page is stated as."""
     return f"{unit(d['median'])} ({unit(d['min'])}-{unit(d['max'])}, n={d['n']})"
 
@@ -45,18 +46,18 @@ def ok(flag: bool) -> str:
     return "yes" if flag else "**no**"
 
 
-def _by_size(rows: dict) -> list[tuple[str, dict]]:
+def _by_size(rows: dict[str, Result]) -> list[tuple[str, Result]]:
     return sorted(rows.items(), key=lambda kv: int(kv[0]))
 
 
-def per_node_cpu(scaling: dict) -> dict[str, float]:
+def per_node_cpu(scaling: Result) -> dict[str, float]:
     """Head CPU seconds per no-op cycle per node, by node count (real SSH sessions, real probes)."""
     return {k: v["head_cpu"]["median"] / int(k) for k, v in _by_size(scaling["rows"]) if "head_cpu" in v}
 
 
 # -- the table ---------------------------------------------------------------------------------------------------
 
-def _noop(d: dict) -> list[list[str]]:
+def _noop(d: Result) -> list[list[str]]:
     a, p, fl = d["ansible"], d["project"], d["floor"]
     out = [["1 no-op cycle, 2 nodes (p50 / p95)", p50_p95(p), f"Ansible {p50_p95(a)}; floor {p50_p95(fl)}",
             f"Ansible/project {a['median'] / p['median']:.0f}x; project/floor {p['median'] / fl['median']:.2f}",
@@ -70,7 +71,7 @@ def _noop(d: dict) -> list[list[str]]:
     return out
 
 
-def _drift(d: dict) -> list[list[str]]:
+def _drift(d: Result) -> list[list[str]]:
     out = []
     for k, label in (("kill-serving", "killed serving container"), ("link-down", "downed fabric link")):
         e, s = d["events"][k], d["resync_5s"][k]
@@ -79,7 +80,7 @@ def _drift(d: dict) -> list[list[str]]:
     return out
 
 
-def _edit(d: dict) -> list[list[str]]:
+def _edit(d: Result) -> list[list[str]]:
     out = []
     for k, label in (("served_model_name", "served_model_name"), ("co_tenant_rule", "co-tenant rule")):
         e, m = d["daemon"][k], d["manual_apply"]
@@ -88,16 +89,16 @@ def _edit(d: dict) -> list[list[str]]:
     return out
 
 
-def _rate(row: dict) -> str:
+def _rate(row: Result) -> str:
     lo, hi = row["mb_per_s_range"]
     return f"{row['mb_per_s']:.0f} MB/s ({lo:.0f}-{hi:.0f})"
 
 
-def _cpu(row: dict) -> str:
+def _cpu(row: Result) -> str:
     return f"{row['cpu_s_per_gb']['median']:.2f} CPU s/GB"
 
 
-def _weights(d: dict) -> list[list[str]]:
+def _weights(d: Result) -> list[list[str]]:
     rw = d["rows"]
     proj, raw = rw["project, 4 streams"], rw["raw TCP"]
     cat, rsync = rw["ssh cat (aes128-gcm)"], rw["plain rsync -a"]
@@ -120,7 +121,7 @@ def _weights(d: dict) -> list[list[str]]:
                  if (unbounded := rw.get("project, 4 streams, page cache not bounded")) else [])
 
 
-def _image(d: dict) -> list[list[str]]:
+def _image(d: Result) -> list[list[str]]:
     rw = d["rows"]
     proj, save_, load = rw["project"], rw["docker save > /dev/null"], rw["docker load < archive"]
     staging = (f"; docker save stages {d['save_staging_s']:.1f} s before its first byte, so save \\| load can "
@@ -135,7 +136,7 @@ def _image(d: dict) -> list[list[str]]:
              f"{ok(d['vs_docker'] >= 0.8)}; {ok(d['cipher_headroom'] >= 2)}"]]
 
 
-def _verify(d: dict) -> list[list[str]]:
+def _verify(d: Result) -> list[list[str]]:
     rows = _by_size(d["rows"])
     k, big = rows[-1]
     return [[f"5 no-op weights check, {', '.join(k for k, _ in rows)} shards, {big['bytes'] / 1e9:.1f} GB (p50)",
@@ -145,13 +146,13 @@ def _verify(d: dict) -> list[list[str]]:
              "flat; < 1 s at the largest", ok(big["noop_check"]["p95"] < 1)]]
 
 
-def _footprint(d: dict) -> list[list[str]]:
+def _footprint(d: Result) -> list[list[str]]:
     return [[f"6 idle footprint over {d['seconds']:.0f} s (events on, resync 30 s)",
              f"RSS {d['rss_max_mb']:.0f} MB; CPU {d['cpu_percent']:.2f}% of a core", "", "",
              "RSS < 100 MB; CPU < 1%", f"{ok(d['rss_max_mb'] < 100)}; {ok(d['cpu_percent'] < 1)}"]]
 
 
-def _scaling(d: dict) -> list[list[str]]:
+def _scaling(d: Result) -> list[list[str]]:
     rows = _by_size(d["rows"])
     last = rows[-1][0]
     out = [[f"7 no-op cycle, {' / '.join(k for k, _ in rows)} nodes, wall (p50)",
@@ -168,7 +169,7 @@ def _scaling(d: dict) -> list[list[str]]:
     return out
 
 
-def _sim(d: dict) -> list[list[str]]:
+def _sim(d: Result) -> list[list[str]]:
     rows = _by_size(d["rows"])
     k, big = rows[-1]
     share = big["cpu"]["median"] / RESYNC
@@ -180,16 +181,20 @@ def _sim(d: dict) -> list[list[str]]:
              f"{ok(share < BUDGET)} ({share:.2%})"]]
 
 
-def _vllm_start(d: dict) -> list[list[str]]:
+def _vllm_start(d: Result) -> list[list[str]]:
     c, w = d["cold"], d["warm"]
     return [[f"8 real vLLM start -> first completion, TP 1, compile cache kept ({d['runs']} runs, p50 / p95)",
              p50_p95(w, precise), f"cold cache {p50_p95(c, precise)}", f"{d['ratio']:.2f}x faster warm",
              "warm faster", ok(d["ratio"] > 1)]]
 
 
-def _downtime(d: dict) -> list[list[str]]:
+def _downtime(d: Result) -> list[list[str]]:
     """Benchmark 10 (bench/downtime.py): the outages, each next to what it cannot beat."""
-    n, med = d["runs"], (lambda k: d[k]["median"])
+    n = d["runs"]
+
+    def med(key: str) -> float:
+        median: float = d[key]["median"]
+        return median
     rows = []
     for key, what in (("serving", "a serving change (max_model_len)"), ("model", "a model change")):
         outage, cold = med(f"{key}_outage"), med(f"{key}_cold")
@@ -221,7 +226,7 @@ ROWS = {"noop": _noop, "drift": _drift, "edit": _edit, "weights": _weights, "ima
 HEADER = ["benchmark", "project", "alternative", "ratio", "target", "met"]
 
 
-def rows(r: dict[str, dict]) -> list[list[str]]:
+def rows(r: dict[str, Result]) -> list[list[str]]:
     return [row for name, render in ROWS.items() if name in r for row in render(r[name])]
 
 
@@ -234,7 +239,7 @@ def table(results: Path) -> str:
 
 # -- the figures under the table ---------------------------------------------------------------------------------
 
-def _details(r: dict[str, dict]) -> list[str]:
+def _details(r: dict[str, Result]) -> list[str]:
     out = []
     if "noop" in r:
         d = r["noop"]
@@ -285,7 +290,7 @@ def _details(r: dict[str, dict]) -> list[str]:
     return out
 
 
-def how_far(r: dict[str, dict]) -> str:
+def how_far(r: dict[str, Result]) -> str:
     """How many nodes one head observes within the budget, from the per-node costs measured in this run."""
     if "sim" not in r or "scaling" not in r or not per_node_cpu(r["scaling"]):
         return "Not measured in this run (needs the scaling and sim benchmarks)."
@@ -314,14 +319,15 @@ SPARK_LINK = 25.0  # GB/s, the CX-7 port's 200 Gb/s
 MODEL_GB = 119.0  # the reference model
 
 
-def spark_model(d: dict) -> str:
+def spark_model(d: Result) -> str:
     """Weights on real Sparks, from this run's CPU figures and the published ones: a stream is as fast as its busiest
     end lets it (one core per process there, as here), so the published rsync-over-ssh rate scales by the ratio of
     the busiest end's CPU seconds per GB, rsync -a over ssh against the project's daemon."""
     rw = d["rows"]
 
-    def busiest(row: dict) -> float:
-        return max(c["median"] for end, c in row["cpu_s_per_gb_by_end"].items() if end != "bench")
+    def busiest(row: Result) -> float:
+        most: float = max(c["median"] for end, c in row["cpu_s_per_gb_by_end"].items() if end != "bench")
+        return most
 
     ssh, ours = busiest(rw["plain rsync -a"]), busiest(rw["project, 4 streams"])
     per_stream = PUBLISHED_SSH_RSYNC * ssh / ours
@@ -391,7 +397,7 @@ def _why_missed(name: str, label: str) -> str:
     return why if isinstance(why, str) else next((text for key, text in why.items() if key in label), "")
 
 
-def missed(r: dict[str, dict]) -> str:
+def missed(r: dict[str, Result]) -> str:
     lines = []
     for name, render in ROWS.items():
         if name in r:

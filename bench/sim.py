@@ -19,18 +19,25 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
-from bench.common import PY, ROOT, Options, rss_bytes, save, scratch_dir, summary
+from bench.common import PY, ROOT, Options, Result, rss_bytes, save, scratch_dir, summary
 from testbed.recordings import nonce_of, reseal, unseal
+
+if TYPE_CHECKING:
+    from reconciler.core.spec import Desired
+    from reconciler.edge.ssh import Sessions
 
 RECORDED_NODES = 4  # the testbed the recordings come from: head + worker1..3 (the naming of every size above 2)
 TEMPLATE_WORKER = "worker2"
 
 
-def record(desired_path: Path) -> dict:
+def record(desired_path: Path) -> dict[str, str]:
     """The real probe outputs of a converged testbed, over the daemon's own sessions (kept unsealed)."""
     from reconciler.core import spec
     from reconciler.edge.observe import probe_script
@@ -51,12 +58,12 @@ def cluster_yaml(nodes: int, state: Path) -> str:
     return api.desired_state(layout(nodes), state=state)
 
 
-def _hashes(desired) -> dict[str, str]:
+def _hashes(desired: Desired) -> dict[str, str]:
     from reconciler.core.vllm import launch_specs
     return {s.node: s.spec_hash for s in launch_specs(desired)}
 
 
-def _addresses(desired, name: str) -> list[str]:
+def _addresses(desired: Desired, name: str) -> list[str]:
     node = desired.node(name)
     out = [f'"{node.fabric.address.ip}"']
     if node.fabric.twin is not None:
@@ -64,7 +71,7 @@ def _addresses(desired, name: str) -> list[str]:
     return out
 
 
-def rewrite(output: str, recorded, src: str, desired, dst: str) -> str:
+def rewrite(output: str, recorded: Desired, src: str, desired: Desired, dst: str) -> str:
     """A recorded node's probe output as node `dst` of `desired` would answer it in the same (converged) state."""
     swaps = [(f'spec-hash":"{_hashes(recorded)[src]}"', f'spec-hash":"{_hashes(desired)[dst]}"'),
              (f"/{src}/", f"/{dst}/")]
@@ -89,7 +96,7 @@ class _Replay:
     def __init__(self, output: str) -> None:
         self.output = output
 
-    def run_script(self, script: str, *, timeout: float, cancel=None) -> _Answer:
+    def run_script(self, script: str, *, timeout: float, cancel: threading.Event | None = None) -> _Answer:
         return _Answer(reseal(self.output, nonce_of(script)))
 
 
@@ -100,7 +107,7 @@ AREAS = (("reconciler/edge/observe.py", "parse the probe output"), ("reconciler/
          ("concurrent/futures", "threads"), ("~", "C built-ins called from these (str, re, json scanning)"))
 
 
-def serial_cycle(desired, sessions) -> None:
+def serial_cycle(desired: Desired, sessions: Sessions) -> None:
     """The cycle's work in this thread (cProfile sees one thread): every node's probe parsed, then the plan."""
     from reconciler.core.observed import Observed
     from reconciler.core.planning import plan
@@ -108,17 +115,17 @@ def serial_cycle(desired, sessions) -> None:
     plan(desired, Observed(nodes={n.name: observe_node(desired, sessions, n) for n in desired.nodes}))
 
 
-def profile(cycle, cycles: int) -> dict[str, float]:
+def profile(cycle: Callable[[], object], cycles: int) -> dict[str, float]:
     """Where a cycle's CPU goes (cProfile, own time per area, as shares; the threads of the real cycle aside)."""
     import cProfile
-    import pstats
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(cycles):
         cycle()
     prof.disable()
     shares: dict[str, float] = {}
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    prof.create_stats()  # what pstats.Stats(prof) reads: the raw table, keyed (filename, line, function)
+    stats = prof.stats
     for (filename, _line, _name), (_cc, _nc, tottime, _ct, _callers) in stats.items():
         area = next((label for part, label in AREAS if part in filename), "other")
         shares[area] = shares.get(area, 0.0) + tottime
@@ -126,7 +133,7 @@ def profile(cycle, cycles: int) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
 
 
-def child(nodes: int, recording_path: Path, cycles: int) -> dict:
+def child(nodes: int, recording_path: Path, cycles: int) -> Result:
     """In a fresh interpreter: build the N-node cluster, then time `cycles` no-op cycles (wall and CPU)."""
     from reconciler.core import spec
     from reconciler.core.planning import plan
@@ -139,15 +146,18 @@ def child(nodes: int, recording_path: Path, cycles: int) -> dict:
     recorded = spec.load(work / "recorded.yaml")
     desired = spec.load(work / f"sim-{nodes}.yaml")
     head = desired.head.name
-    sessions = {head: _Replay(rewrite(rec["outputs"][head], recorded, head, desired, head))}
+    replays = {head: _Replay(rewrite(rec["outputs"][head], recorded, head, desired, head))}
     for n in desired.nodes[1:]:
-        sessions[n.name] = _Replay(rewrite(rec["outputs"][TEMPLATE_WORKER], recorded, TEMPLATE_WORKER, desired,
+        replays[n.name] = _Replay(rewrite(rec["outputs"][TEMPLATE_WORKER], recorded, TEMPLATE_WORKER, desired,
                                            n.name))
     before = rss_bytes() // 1024
-    walls, cpus = [], []
+    # the replays stand in for the pool: observe only asks `sessions[name].run_script(script, timeout=, cancel=)`
+    sessions = cast("Sessions", replays)
+    walls: list[float] = []
+    cpus: list[float] = []
     for i in range(cycles + 3):
         w, c = time.perf_counter(), time.process_time()
-        observed, _ = observe(desired, sessions, timeout=20, ask_flags=False)  # type: ignore[arg-type]
+        observed, _ = observe(desired, sessions, timeout=20, ask_flags=False)
         result = plan(desired, observed)
         w, c = time.perf_counter() - w, time.process_time() - c
         if result.steps or result.drift:
@@ -172,7 +182,7 @@ def save_recording(opts: Options, desired_path: Path) -> None:
                                 "outputs": record(desired_path)}, indent=1))
 
 
-def run_sim(opts: Options) -> dict:
+def run_sim(opts: Options) -> Result:
     sizes = [2, 8, 16] if opts.quick else [2, 8, 16, 32, 64]
     cycles = opts.n(30, 3)
     path = recording_path(opts)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -41,7 +42,7 @@ def main() -> int:
 
     guard = open("/run/spark-testbed.lock", "a")  # noqa: SIM115 - held for the run
     fcntl.flock(guard, fcntl.LOCK_EX)
-    results: dict = {"seed": a.seed, "weights_size": a.weights_size, "crash": [], "resume": [], "storm": None}
+    results: dict[str, Any] = {"seed": a.seed, "weights_size": a.weights_size, "crash": [], "resume": [], "storm": None}
     try:
         tb = api.up(nodes=2, scenario="seed", weights_size=a.weights_size)
         rng = random.Random(a.seed)
@@ -72,7 +73,7 @@ def main() -> int:
     return 1 if left else 0
 
 
-def storm(tb, work: Path, toggles: int) -> dict:
+def storm(tb: api.Testbed, work: Path, toggles: int) -> dict[str, object]:
     work.mkdir()
     tb.reset("converged")
     desired = rel.write_desired(work / "cluster.yaml")
@@ -88,12 +89,13 @@ def storm(tb, work: Path, toggles: int) -> dict:
         after = {k: rel.steps_run(d, k) for k in before}
         rel.assert_nothing_lost(tb, d)
         return {"toggles": toggles, "storm_s": round(flap, 1), "recovered_s": round(recovered, 1),
-                "steps": {k: after[k] - before[k] for k in after}, "daemon_alive": d.proc.poll() is None}
+                "steps": {k: after[k] - before[k] for k in after},
+                "daemon_alive": d.proc is not None and d.proc.poll() is None}
     finally:
         d.close()
 
 
-def table(r: dict) -> str:
+def table(r: dict[str, Any]) -> str:
     crash = r["crash"]
     rec = [c["recovered_s"] for c in crash]
     lines = ["| fault | trials | detected after | recovered after | data lost |", "|---|---|---|---|---|"]

@@ -19,16 +19,20 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench.common import Options, on_testbed, save, summary
+from bench.common import Options, Result, on_testbed, save, summary
 from testbed.realvllm import image
+
+if TYPE_CHECKING:
+    from testbed.api import Testbed
 
 PORT = 8100
 NAME = "bench_vllm"
 START_DEADLINE = 900.0
 
 
-def _await_completion(tb, deadline: float) -> None:
+def _await_completion(tb: Testbed, deadline: float) -> None:
     """Until a completion answers on the head (bounded by `deadline` seconds)."""
     body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0})
     start = time.monotonic()
@@ -45,7 +49,7 @@ def _await_completion(tb, deadline: float) -> None:
     raise TimeoutError(f"no completion within {deadline:.0f}s")
 
 
-def _one_start(tb, hub: Path, cache: Path) -> float:
+def _one_start(tb: Testbed, hub: Path, cache: Path) -> float:
     tb.docker("head", "rm", "-f", NAME, check=False)
     t0 = time.monotonic()
     tb.docker("head", "run", "-d", "--name", NAME, "--network", "host", "--ipc", "host",
@@ -62,7 +66,7 @@ def _one_start(tb, hub: Path, cache: Path) -> float:
         tb.docker("head", "rm", "-f", NAME, check=False)
 
 
-def run_vllm_start(opts: Options) -> dict:
+def run_vllm_start(opts: Options) -> Result:
     runs = opts.n(5, 1)
     with on_testbed(2, "converged") as run:
         tb = run.tb
@@ -72,7 +76,8 @@ def run_vllm_start(opts: Options) -> dict:
         caches = root / "bench-vllm-cache"
         shutil.rmtree(caches, ignore_errors=True)
         warm_dir = caches / "warm"
-        cold, warm = [], []
+        cold: list[float] = []
+        warm: list[float] = []
         for i in range(runs):  # cold run 0 fills the cache every warm run then keeps
             cold_dir = warm_dir if i == 0 else caches / f"cold-{i}"
             cold_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +89,7 @@ def run_vllm_start(opts: Options) -> dict:
                 shutil.rmtree(cold_dir, ignore_errors=True)
         cache_bytes = sum(p.stat().st_size for p in warm_dir.rglob("*") if p.is_file())
         shutil.rmtree(caches, ignore_errors=True)
-    data = {"runs": runs, "cold": summary(cold), "warm": summary(warm),
+    data: Result = {"runs": runs, "cold": summary(cold), "warm": summary(warm),
             "cache_mb": round(cache_bytes / 1e6, 1), "leftovers": run.leftovers}
     data["ratio"] = data["cold"]["median"] / data["warm"]["median"]
     save(opts, "vllm_start", data)

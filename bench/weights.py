@@ -21,22 +21,38 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench.common import Options, on_testbed, save, scratch_dir, summary, transfer_cpu_seconds, write_desired
+from bench.common import (
+    Options,
+    Result,
+    on_testbed,
+    save,
+    scratch_dir,
+    summary,
+    transfer_cpu_seconds,
+    write_desired,
+)
+
+if TYPE_CHECKING:
+    from reconciler.edge.ssh import Sessions
+    from reconciler.edge.steps.actions import Actions
+    from testbed.api import Testbed
+    from testbed.layout import Node
 
 MODEL, REV = "bench/sync", "3" * 40
 KH = "/home/spark/.ssh/bench_fabric_known_hosts"
 
 
-def _root(node) -> Path:
+def _root(node: Node) -> Path:
     return node.model_root / "bench"
 
 
-def _model_dir(node) -> Path:
+def _model_dir(node: Node) -> Path:
     return _root(node) / "plain" / "bench--sync"
 
 
-def _generate(tb, shards: int, total: int) -> Path:
+def _generate(tb: Testbed, shards: int, total: int) -> Path:
     from testbed import api
     from testbed.weights import generate
     root = _root(tb.head)
@@ -47,7 +63,7 @@ def _generate(tb, shards: int, total: int) -> Path:
     return _model_dir(tb.head)
 
 
-def _desired(tb, work: Path, streams: int, transport: str = "rsync-daemon", bound: bool = True) -> Path:
+def _desired(tb: Testbed, work: Path, streams: int, transport: str = "rsync-daemon", bound: bool = True) -> Path:
     repl = {"id: testorg/tiny-moe": f"id: {MODEL}", "layout: hf-cache": "layout: plain",
             f'revision: "{"1" * 40}"': f'revision: "{REV}"',
             "policy:\n": f"policy:\n  weights: {{parallel_streams: {streams}, transport: {transport}, "
@@ -57,18 +73,20 @@ def _desired(tb, work: Path, streams: int, transport: str = "rsync-daemon", boun
     return write_desired(tb.desired_state, work / f"weights-{streams}-{transport}-{bound}.yaml", repl)
 
 
-def _clear_target(tb) -> None:
+def _clear_target(tb: Testbed) -> None:
     from testbed import api
     w = tb.workers[0]
     api.exec_(w.name, f"rm -rf {_root(w)} {w.model_root}/bench.cat; sync", user="root", check=True, timeout=300)
 
 
-def _host_key(tb) -> None:
+def _host_key(tb: Testbed) -> None:
     import paramiko
 
     from testbed import api
     w = tb.workers[0]
     entry = paramiko.HostKeys(str(tb.known_hosts)).lookup(w.ssh_host)
+    if entry is None:
+        raise RuntimeError(f"{tb.known_hosts} has no key of {w.ssh_host}")
     line = "".join(f"{w.fabric_ip} {k} {v.get_base64()}\n" for k, v in entry.items())
     api.exec_("head", f"umask 077; mkdir -p ~/.ssh; cat > {KH}", input=line, check=True)
 
@@ -116,7 +134,7 @@ def _cpu() -> dict[str, float]:
     return {"bench": t.user + t.system, **{n.name: memory.cpu_seconds(n) or 0.0 for n in api.current_layout().nodes}}
 
 
-def _measured(copy: Callable[[], None], w) -> tuple[float, dict[str, float]]:
+def _measured(copy: Callable[[], None], w: Node) -> tuple[float, dict[str, float]]:
     """Seconds and CPU seconds by end of one copy, up to the data on the worker's disk (`sync -f` of its model
     filesystem, for every method alike: the project ends its step with the same)."""
     from testbed import api
@@ -137,10 +155,13 @@ def _measured(copy: Callable[[], None], w) -> tuple[float, dict[str, float]]:
 
 def _exec(cmd: str, node: str = "head") -> Callable[[], None]:
     from testbed import api
-    return lambda: api.exec_(node, cmd, check=True, timeout=900) and None
+
+    def run() -> None:
+        api.exec_(node, cmd, check=True, timeout=900)
+    return run
 
 
-def _raw_tcp(src: Path, files: str, w) -> Callable[[], None]:
+def _raw_tcp(src: Path, files: str, w: Node) -> Callable[[], None]:
     def copy() -> None:
         from testbed import api
         recv = threading.Thread(target=api.exec_, args=(w.name, f"python3 -c {shlex.quote(_RAW_RECV)} "
@@ -153,7 +174,7 @@ def _raw_tcp(src: Path, files: str, w) -> Callable[[], None]:
     return copy
 
 
-def _timing_streams(body, spans: list[float]):
+def _timing_streams(body: Actions, spans: list[float]) -> Actions:
     """The step's actions passed through unchanged (results sent, errors thrown in), the time of its `Parallel`
     (the rsync streams, from the first byte's connection to the last stream's exit) appended to `spans`: the
     part of the step that moves bytes, next to what the step does around it (probes, helpers, `sync -f`, the
@@ -163,8 +184,8 @@ def _timing_streams(body, spans: list[float]):
     while True:
         try:
             action = body.throw(error) if error is not None else body.send(sent)
-        except StopIteration as stop:
-            return stop.value
+        except StopIteration:
+            return  # a step's actions end with no value (`Actions`)
         sent, error, t = None, None, time.monotonic()
         try:
             sent = yield action
@@ -181,26 +202,32 @@ class _ProjectSync:
 
     def __init__(self, desired_path: Path):
         self.desired_path = desired_path
-        self.sessions = None
+        self.sessions: Sessions | None = None
         self.streams: list[float] = []
 
     def prepare(self) -> None:
         from reconciler.core import spec
         from reconciler.edge.ssh import Sessions
         self.desired = spec.load(self.desired_path)
-        self.sessions = Sessions(self.desired)
+        self.sessions = sessions = Sessions(self.desired)
         for n in self.desired.nodes:
-            self.sessions[n.name].run(["true"], timeout=10)
+            sessions[n.name].run(["true"], timeout=10)
 
     def __call__(self) -> None:
         from reconciler.core.observed import Observed
         from reconciler.core.planning import Step
         from reconciler.edge.steps import StepContext
         from reconciler.edge.steps.weights import sync_weights
-        ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
+        ctx = StepContext(desired=self.desired, sessions=self.open_sessions(), observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
         ctx.perform(_timing_streams(sync_weights(ctx.given, Step(kind="weights", node="worker", reason="bench",
                                                                  source="head")), self.streams))
+
+    def open_sessions(self) -> Sessions:
+        """The sessions `prepare` opened (before the copy is timed)."""
+        if self.sessions is None:
+            raise RuntimeError("prepare() opens the sessions before a copy")
+        return self.sessions
 
     def close(self) -> None:
         if self.sessions is not None:
@@ -208,7 +235,7 @@ class _ProjectSync:
             self.sessions = None
 
 
-def run_weights(opts: Options) -> dict:
+def run_weights(opts: Options) -> Result:
     total = (2 << 30) if not opts.quick else (96 << 20)
     shards, rounds = (8, opts.n(5, 1))
     results: dict[str, list[float]] = {}
@@ -222,7 +249,7 @@ def run_weights(opts: Options) -> dict:
         w = tb.workers[0]
         dst = _model_dir(w)
         files = " ".join(sorted(p.name for p in src.glob("*.safetensors")))
-        methods = {
+        methods: dict[str, Callable[[], None]] = {
             "project, 4 streams": _ProjectSync(_desired(tb, work, 4)),
             "project, 4 streams, page cache not bounded": _ProjectSync(_desired(tb, work, 4, bound=False)),
             "project, 1 stream": _ProjectSync(_desired(tb, work, 1)),
@@ -253,17 +280,18 @@ def run_weights(opts: Options) -> dict:
         api.exec_("head", f"rm -rf {_root(tb.head)} {KH}", user="root", check=True)
     left = run.leftovers
     gb = nbytes / 1e9
-    rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
-                "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6],
-                "cpu_s_per_gb": summary([sum(c.values()) / gb for c in cpu[k]]),
-                "cpu_s_per_gb_by_end": {end: summary([c[end] / gb for c in cpu[k]]) for end in cpu[k][0]}}
-            for k, v in results.items()}
+    rows: dict[str, Result] = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
+                                  "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6],
+                                  "cpu_s_per_gb": summary([sum(c.values()) / gb for c in cpu[k]]),
+                                  "cpu_s_per_gb_by_end": {end: summary([c[end] / gb for c in cpu[k]])
+                                                          for end in cpu[k][0]}}
+                               for k, v in results.items()}
     proj = rows["project, 4 streams"]
     project = methods["project, 4 streams"]
     assert isinstance(project, _ProjectSync)
     proj["streams_alone"] = summary(project.streams)
     proj["streams_mb_per_s"] = nbytes / proj["streams_alone"]["median"] / 1e6
-    data = {"bytes": nbytes, "shards": shards, "rows": rows,
+    data: Result = {"bytes": nbytes, "shards": shards, "rows": rows,
             "vs_raw_tcp": proj["mb_per_s"] / rows["raw TCP"]["mb_per_s"],
             "streams_vs_raw_tcp": proj["streams_mb_per_s"] / rows["raw TCP"]["mb_per_s"],
             "bounded_vs_unbounded": proj["mb_per_s"] / rows["project, 4 streams, page cache not bounded"]["mb_per_s"],
@@ -288,13 +316,13 @@ class _ProjectImage(_ProjectSync):
         from reconciler.core.planning import Step
         from reconciler.edge.steps import StepContext
         from reconciler.edge.steps.images import copy_image
-        ctx = StepContext(desired=self.desired, sessions=self.sessions, observed=Observed(nodes={}),
+        ctx = StepContext(desired=self.desired, sessions=self.open_sessions(), observed=Observed(nodes={}),
                           deadline=time.monotonic() + 900)
         ctx.perform(copy_image(ctx.given, Step(kind="image", node="worker", reason="bench", image=BENCH_IMAGE,
                                                source="head")))
 
 
-def run_image(opts: Options) -> dict:
+def run_image(opts: Options) -> Result:
     """The serving image to the worker: the project's step against docker's own ends (`docker save` to /dev/null
     on the head, `docker load` of a local archive on the worker) and the hop's cipher alone (`ssh cat` of the
     same archive): which of them limits the copy. Target: >= 0.8x the slower docker end. Also timed: `docker
@@ -338,12 +366,13 @@ def run_image(opts: Options) -> dict:
                 opts.log(f"image round {r + 1}: {name}: {nbytes / took / 1e6:.0f} MB/s")
         api.exec_(w.name, unload, user="root", check=True, timeout=300)
         api.exec_("head", f"docker rmi -f {BENCH_IMAGE} >/dev/null; rm -f {tar_head}", user="root", check=True)
-    rows = {k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
-                "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6]} for k, v in results.items()}
+    rows: dict[str, Result] = {
+        k: {"seconds": summary(v), "mb_per_s": nbytes / summary(v)["median"] / 1e6,
+            "mb_per_s_range": [nbytes / max(v) / 1e6, nbytes / min(v) / 1e6]} for k, v in results.items()}
     slowest_end = min(rows["docker save > /dev/null"]["mb_per_s"], rows["docker load < archive"]["mb_per_s"])
     # what docker's two staging steps leave to any save | load pipeline: the save's staging, then the whole load
     staged, load_s = (rows[k]["seconds"]["median"] for k in ("docker save, to its first byte", "docker load < archive"))
-    data = {"bytes": nbytes, "rows": rows, "vs_docker": rows["project"]["mb_per_s"] / slowest_end,
+    data: Result = {"bytes": nbytes, "rows": rows, "vs_docker": rows["project"]["mb_per_s"] / slowest_end,
             "staging_bound": load_s / (staged + load_s), "save_staging_s": staged,
             "cipher_headroom": rows["ssh cat (aes128-gcm)"]["mb_per_s"] / slowest_end, "leftovers": run.leftovers}
     save(opts, "image", data)
@@ -353,18 +382,22 @@ def run_image(opts: Options) -> dict:
 def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[float]]:
     from reconciler.core import spec
     from reconciler.core.drift import weights_difference
+    from reconciler.edge.facts.base import sealed
     from reconciler.edge.manifest import manifest_script
     from reconciler.edge.observe import observe
-    from reconciler.edge.probes import sealed
     from reconciler.edge.ssh import Sessions
     desired = spec.load(desired_path)
     sessions = Sessions(desired)
     try:
-        full, section = [], []
+        full: list[float] = []
+        section: list[float] = []
         for i in range(repeat + 2):
             t = time.perf_counter()
             observed, _ = observe(desired, sessions, timeout=60)
-            problem = weights_difference(observed.node("head").weights, observed.node("worker").weights)
+            expected = observed.node("head").weights
+            if expected is None:
+                raise RuntimeError(f"the head's weights were not observed: {observed.node('head').error}")
+            problem = weights_difference(expected, observed.node("worker").weights)
             took = time.perf_counter() - t
             if problem is not None:
                 raise RuntimeError(f"weights not in sync: {problem}")
@@ -379,11 +412,11 @@ def _noop_check(desired_path: Path, repeat: int) -> tuple[list[float], list[floa
         sessions.close()
 
 
-def run_verify(opts: Options) -> dict:
+def run_verify(opts: Options) -> Result:
     from testbed import api
     total = (2 << 30) if not opts.quick else (48 << 20)
     repeat = opts.n(20, 2)
-    rows = {}
+    rows: dict[int, Result] = {}
     with on_testbed(2, "converged", worker_disk="6G" if not opts.quick else None) as run:
         tb = run.tb
         work = scratch_dir("verify")

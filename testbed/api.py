@@ -12,11 +12,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 from reconciler.core.spec import parse_size
 
 from . import dockerd, faults, gpu, hub, memory, net, scenarios, sshd, storage
-from .layout import MODELS, SERVED_MODEL, SSH_USER, Layout, Node, layout, state_dir
+from .layout import MODELS, SERVED_MODEL, SSH_USER, SUDOERS, Layout, Node, layout, state_dir
 from .proc import TestbedError, alive, load_pids, run, stop_pid
 
 DEFAULT_WEIGHTS = "64M"
@@ -24,13 +25,55 @@ REQUIRED = ("ip", "nsenter", "setpriv", "unshare", "mkfs.ext4", "containerd", "d
             "ssh-keygen", "visudo", "fallocate")
 
 
+class TestbedConfig(TypedDict):
+    """What `up` records in the state directory's testbed.json: the shape the testbed was brought up in."""
+
+    nodes: int
+    weights_size: int
+    head_disk: int
+    worker_disk: int
+    scenario: str
+    made_run_sshd: bool
+
+
+class SizeOptions(TypedDict, total=False):
+    """The sizes `up` takes (a number of bytes or "64M"), for the wrappers that pass them through."""
+
+    weights_size: str | int
+    worker_disk: str | int | None
+    node_memory: str | int
+
+
+class UpOptions(SizeOptions, total=False):
+    """All the keyword arguments of `up`."""
+
+    nodes: int
+    scenario: str
+
+
+class TestbedStatus(TypedDict, total=False):
+    """`status()`: whether the testbed is up; if so its scenario and each node's daemons, fabric and containers;
+    if not, what a clean `down` would have removed."""
+
+    up: bool
+    leftovers: list[str]
+    scenario: str
+    state_dir: str
+    nodes: dict[str, dict[str, object]]
+
+
+#: The keyword arguments of a fault (count, interval, value, name, clear, ...); None means "the default".
+FaultArg = str | int | float | bool | None
+
+
 def _config_file() -> Path:
     return state_dir() / "testbed.json"
 
 
-def _load_config() -> dict | None:
+def _load_config() -> TestbedConfig | None:
     try:
-        return json.loads(_config_file().read_text())
+        config: TestbedConfig = json.loads(_config_file().read_text())
+        return config
     except (OSError, ValueError):
         return None
 
@@ -63,13 +106,13 @@ def up(nodes: int = 2, scenario: str = "seed", weights_size: str | int = DEFAULT
     st = state_dir()
     st.mkdir(mode=0o755, parents=True, exist_ok=True)
     st.chmod(0o755)       # sshd's StrictModes checks every directory above AuthorizedKeysFile
-    made_run_sshd = (cfg or {}).get("made_run_sshd", not Path("/run/sshd").exists())
+    made_run_sshd = cfg["made_run_sshd"] if cfg else not Path("/run/sshd").exists()
     # the head holds 2 models x 2 layouts; a worker (at most) the served model in one layout
     head_disk = max(4 << 30, 5 * wsize + (512 << 20))
     wdisk = parse_size(worker_disk, short_units=True) if worker_disk else max(2 << 30, 2 * wsize + (256 << 20))
-    cfg = {"nodes": nodes, "weights_size": wsize, "head_disk": head_disk, "worker_disk": wdisk,
-           "scenario": scenario, "made_run_sshd": made_run_sshd}
-    _config_file().write_text(json.dumps(cfg, indent=1))
+    new_cfg: TestbedConfig = {"nodes": nodes, "weights_size": wsize, "head_disk": head_disk, "worker_disk": wdisk,
+                              "scenario": scenario, "made_run_sshd": made_run_sshd}
+    _config_file().write_text(json.dumps(new_cfg, indent=1))
     for n in lay.nodes:
         n.state.mkdir(mode=0o755, exist_ok=True)
         gpu.install(n)               # before sshd and dockerd: both find the stand-ins on their PATH at start
@@ -114,8 +157,8 @@ def down() -> list[str]:
     """Stop every process the testbed started, delete its namespaces, mounts and files. Returns leftovers
     (empty when clean)."""
     _preflight()
-    cfg = _load_config() or {}
-    lay = layout(cfg.get("nodes", 2))
+    cfg = _load_config()
+    lay = layout(cfg["nodes"] if cfg else 2)
     for n in lay.nodes:
         sshd.stop(n)
     for n in lay.nodes:
@@ -135,8 +178,8 @@ def down() -> list[str]:
     storage.teardown()
     net.teardown(lay)
     sshd.remove_netns_etc()
-    sshd.SUDOERS.unlink(missing_ok=True)     # the user stays (harmless); its root rights do not
-    if cfg.get("made_run_sshd") and Path("/run/sshd").is_dir() and not _sshd_running_elsewhere():
+    SUDOERS.unlink(missing_ok=True)     # the user stays (harmless); its root rights do not
+    if cfg and cfg["made_run_sshd"] and Path("/run/sshd").is_dir() and not _sshd_running_elsewhere():
         shutil.rmtree("/run/sshd", ignore_errors=True)
     shutil.rmtree(state_dir(), ignore_errors=True)
     return leftovers()
@@ -158,15 +201,16 @@ def leftovers() -> list[str]:
     return out
 
 
-def status() -> dict:
+def status() -> TestbedStatus:
     cfg = _load_config()
     if not cfg:
         return {"up": False, "leftovers": leftovers()}
     lay = layout(cfg["nodes"])
-    nodes = {}
+    nodes: dict[str, dict[str, object]] = {}
     for n in lay.nodes:
-        info: dict = {"netns": n.netns in net.list_netns(), "sshd": sshd.running(n), "dockerd": dockerd.running(n),
-                      "ssh": f"{SSH_USER}@{n.ssh_host}" + ("" if n.index == 0 else f" via {lay.head.ssh_host}")}
+        info: dict[str, object] = {
+            "netns": n.netns in net.list_netns(), "sshd": sshd.running(n), "dockerd": dockerd.running(n),
+            "ssh": f"{SSH_USER}@{n.ssh_host}" + ("" if n.index == 0 else f" via {lay.head.ssh_host}")}
         if info["netns"]:
             try:
                 fab = net.link(n.netns, "enp1s0f1np1")
@@ -189,7 +233,7 @@ def status() -> dict:
 
 
 def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool = False, timeout: float = 120,
-          input: str | None = None) -> subprocess.CompletedProcess:
+          input: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run *cmd* on *node* as its SSH user would see it (same namespaces as the node's sshd, same
     environment), without going through SSH: works while sshd is stopped, and costs no key exchange."""
     lay = current_layout()
@@ -215,7 +259,7 @@ def exec_(node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool 
     return p
 
 
-def fault(kind: str, node: str | None = None, **kwargs) -> str:
+def fault(kind: str, node: str | None = None, **kwargs: FaultArg) -> str:
     if kind not in faults.FAULTS:
         raise TestbedError(f"unknown fault {kind!r}; one of: {', '.join(faults.FAULTS)}")
     lay = current_layout()
@@ -359,7 +403,7 @@ EMBED_PORT = 8003
 EMBED_NAME = "tiny-embed"
 
 
-def with_embeddings(single: dict, first: str = "moe", embed_gmu: float = 0.05) -> dict:
+def with_embeddings(single: dict[str, Any], first: str = "moe", embed_gmu: float = 0.05) -> dict[str, Any]:
     """A desired state of the single form (as `yaml.safe_load` reads it) as the list form of two deployments: its
     own as `first`, and `embed` on the first worker alone, its rank 0 and API there: the seed owner's mix of a
     model across the nodes and a small pooling model on the worker (issue 35). What the stand-in needs of the
@@ -473,19 +517,20 @@ class Testbed:
     def node(self, name: str) -> Node:
         return self.layout.node(name)
 
-    def exec(self, node: str, cmd: str | list[str], **kw) -> subprocess.CompletedProcess:
-        return exec_(node, cmd, **kw)
+    def exec(self, node: str, cmd: str | list[str], *, user: str = SSH_USER, check: bool = False,
+             timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return exec_(node, cmd, user=user, check=check, timeout=timeout, input=input)
 
-    def docker(self, node: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def docker(self, node: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return dockerd.docker(self.node(node), *args, check=check)
 
-    def fault(self, kind: str, node: str | None = None, **kw) -> str:
+    def fault(self, kind: str, node: str | None = None, **kw: FaultArg) -> str:
         return fault(kind, node, **kw)
 
     def reset(self, scenario: str = "seed") -> Testbed:
         return reset(scenario)
 
-    def status(self) -> dict:
+    def status(self) -> TestbedStatus:
         return status()
 
     def real_vllm(self) -> Path:
@@ -508,7 +553,7 @@ def attach() -> Testbed:
     return Testbed(current_layout())
 
 
-def timed_up(**kw) -> tuple[Testbed, float]:
+def timed_up(**kw: Unpack[UpOptions]) -> tuple[Testbed, float]:
     t = time.monotonic()
     tb = up(**kw)
     return tb, time.monotonic() - t

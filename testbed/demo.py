@@ -17,7 +17,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import api
 from .proc import TestbedError, wait_for
@@ -37,16 +39,17 @@ def say(text: str) -> None:
     print(f"\n\033[1m==> {text}\033[0m", flush=True)
 
 
-def status() -> dict | None:
+def status() -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(f"{URL}/status", timeout=2) as r:
-            return json.loads(r.read())
+            doc: dict[str, Any] = json.loads(r.read())
+            return doc
     except (OSError, ValueError):
         return None
 
 
-def phase_is(*phases: str):
-    def check():
+def phase_is(*phases: str) -> Callable[[], dict[str, Any] | None]:
+    def check() -> dict[str, Any] | None:
         doc = status()
         return doc if doc and doc.get("phase") in phases else None
     return check
@@ -62,6 +65,7 @@ class Daemon:
         self.thread.start()
 
     def _pump(self) -> None:
+        assert self.proc.stdout is not None    # stdout=PIPE
         for line in self.proc.stdout:
             self.lines.append(line)
             print(f"  daemon | {line}", end="", flush=True)
@@ -117,7 +121,7 @@ def run() -> int:
 
         say("Starting the daemon: reconciler run (console log); step progress below")
         state_dir = tempfile.mkdtemp(prefix="spark-reconciler-demo-")
-        daemon = Daemon(state_dir)
+        daemon = running = Daemon(state_dir)
         wait_for(status, 30, "the daemon's listener", interval=0.5)
         t = time.monotonic()
         wait_for(phase_is("Converged"), 600, "convergence", interval=0.5)
@@ -131,9 +135,10 @@ def run() -> int:
         t = time.monotonic()
         # the daemon watches link events, so detection and repair can take well under one status poll: read them
         # from its log (reconcile.plan naming the link, then reconcile.end Converged), then confirm via /status
-        detected = wait_for(lambda: daemon.find("reconcile.plan", "link", start=mark), 120, "detection", interval=0.1)
+        detected = wait_for(lambda: running.find("reconcile.plan", "link", start=mark), 120, "detection", interval=0.1)
+        assert detected is not None    # wait_for returns the condition's first truthy value
         print(f"detected {time.monotonic() - t:.1f}s after the fault: {detected.split('reconcile.plan', 1)[1].strip()}")
-        wait_for(lambda: daemon.find("reconcile.end", "phase=Converged", start=mark), 300, "repair", interval=0.1)
+        wait_for(lambda: running.find("reconcile.end", "phase=Converged", start=mark), 300, "repair", interval=0.1)
         wait_for(phase_is("Converged"), 60, "status Converged", interval=0.5)
         link = api.exec_("worker", "ip -br link show dev enp1s0f1np1", check=True).stdout.strip()
         print(f"worker fabric now: {link}")

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from . import gpu
 from .layout import Node
@@ -23,7 +24,8 @@ from .proc import TestbedError, alive, load_pids, ok, run, spawn, stop_pid, stop
 DOCKER = shutil.which("docker", path="/usr/bin:/usr/sbin:/usr/local/bin") or "docker"
 
 
-def docker(node: Node, *args: str, check: bool = True, timeout: float = 120, input=None):
+def docker(node: Node, *args: str, check: bool = True, timeout: float = 120,
+           input: str | None = None) -> subprocess.CompletedProcess[str]:
     return run([DOCKER, "-H", node.docker_host, *args], check=check, timeout=timeout, input=input)
 
 
@@ -80,14 +82,15 @@ def start(node: Node, timeout: float = 60) -> None:
     ctr_conf, daemon_json = _write_configs(node)
     netns = f"--net=/run/netns/{node.netns}"
     ctr = load_pids().get(f"{node.name}/containerd")
-    if not (ctr and alive(ctr["pid"], ctr.get("starttime"))):
+    if ctr and alive(ctr["pid"], ctr.get("starttime")):
+        ctr_pid = ctr["pid"]
+    else:
         _ctr_dir(node).mkdir(parents=True, exist_ok=True)
-        pid = spawn(f"{node.name}/containerd", ["nsenter", netns, "--", *_OWN_SHM, "containerd", "--config",
-                                                str(ctr_conf)], log=node.state / "containerd.log")
-        ctr = {"pid": pid}
+        ctr_pid = spawn(f"{node.name}/containerd", ["nsenter", netns, "--", *_OWN_SHM, "containerd", "--config",
+                                                    str(ctr_conf)], log=node.state / "containerd.log")
         wait_for(lambda: _ctr_sock(node).is_socket(), timeout=timeout, what=f"containerd on {node.name}")
     (node.state / "dockerd.pid").unlink(missing_ok=True)
-    ns = f"/proc/{ctr['pid']}/ns"
+    ns = f"/proc/{ctr_pid}/ns"
     spawn(f"{node.name}/dockerd", ["nsenter", netns, f"--mount={ns}/mnt", f"--ipc={ns}/ipc", "--",
         "dockerd", "--config-file", str(daemon_json),
         "--host", node.docker_host, "--group", "docker",
@@ -99,7 +102,7 @@ def start(node: Node, timeout: float = 60) -> None:
         "--storage-driver", "overlay2", "--log-level", "warn",
     ], log=node.state / "dockerd.log", env=_with_gpu_hook(node))
 
-    def ready():
+    def ready() -> str | None:
         if not running(node):
             raise TestbedError(f"dockerd on {node.name} died: "
                                f"{(node.state / 'dockerd.log').read_text()[-1500:]}")
@@ -159,13 +162,14 @@ def copy_image(src: Node, dst: Node, ref: str) -> None:
         load = subprocess.run([DOCKER, "-H", dst.docker_host, "load", "-q"], stdin=s.stdout,
                               capture_output=True, text=True, timeout=600, check=False)
     finally:
-        s.stdout.close()
+        if s.stdout is not None:   # always: stdout=PIPE
+            s.stdout.close()
         s.wait()
     if s.returncode != 0 or load.returncode != 0:
         raise TestbedError(f"docker save|load {ref} {src.name}->{dst.name} failed: {load.stderr.strip()}")
 
 
-def containers(node: Node, all_: bool = True) -> list[dict]:
+def containers(node: Node, all_: bool = True) -> list[dict[str, Any]]:
     p = docker(node, "ps", *(["-a"] if all_ else []), "--format", "{{json .}}")
     return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
 

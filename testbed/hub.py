@@ -101,13 +101,24 @@ def file_entry(path: str, p: Path) -> dict[str, Any]:
     return {"size": size, "oid": git_blob_sha1(p.read_bytes()), "lfs": None}
 
 
+#: One repo of the store as its JSON database records it (revision, dir, files, stamp, key): see `repo_entry`.
+Repo = dict[str, Any]
+#: The stand-in's behaviour (gated, tokens, throttle, redirect_lfs, drop_after, drop_times): see `configure`.
+HubConfig = dict[str, Any]
+#: A request's query string as `parse_qs` reads it.
+Query = dict[str, list[str]]
+#: (mtime_ns, size, inode) of a file the stand-in re-reads when it changes.
+FileStamp = tuple[int, int, int]
+#: One answered request as the stand-in logs it (t, method, path, status, kind, bytes, range, auth, ...).
+RequestRecord = dict[str, Any]
+
 def _stamp(d: Path) -> dict[str, list[int]]:
     return {str(p.relative_to(d)): [p.stat().st_size, p.stat().st_mtime_ns]
             for p in sorted(d.rglob("*")) if p.is_file() and not p.name.startswith(".")}
 
 
 def repo_entry(model_id: str, revision: str, directory: Path, *, key: Any = None,
-               old: dict | None = None) -> dict[str, Any]:
+               old: Repo | None = None) -> Repo:
     """The store's record of one repo at one revision, served from *directory* (hashes reused from *old* when
     the files' sizes and mtimes did not change)."""
     directory = Path(directory)
@@ -118,14 +129,15 @@ def repo_entry(model_id: str, revision: str, directory: Path, *, key: Any = None
     return {"revision": revision, "dir": str(directory), "files": files, "stamp": stamp, "key": key}
 
 
-def load_db(db: Path) -> dict[str, dict]:
+def load_db(db: Path) -> dict[str, Repo]:
     try:
-        return json.loads(Path(db).read_text())
+        repos: dict[str, Repo] = json.loads(Path(db).read_text())
+        return repos
     except (OSError, ValueError):
         return {}
 
 
-def save_db(db: Path, repos: dict[str, dict]) -> None:
+def save_db(db: Path, repos: dict[str, Repo]) -> None:
     db = Path(db)
     db.parent.mkdir(parents=True, exist_ok=True)
     tmp = db.with_suffix(".tmp")
@@ -142,7 +154,7 @@ def db_file() -> Path:
     return store_root() / "repos.json"
 
 
-def ensure_testbed_repos(weights_size: int, root: Path | None = None) -> dict[str, dict]:
+def ensure_testbed_repos(weights_size: int, root: Path | None = None) -> dict[str, Repo]:
     """The stand-in repos of the testbed's two models, generated as testbed/weights.py generates them on the head
     (same shard plan, so the same bytes): regenerated only when the size asked for or a file changed."""
     from . import weights
@@ -167,7 +179,7 @@ def ensure_testbed_repos(weights_size: int, root: Path | None = None) -> dict[st
     return repos
 
 
-def publish(model_id: str, revision: str, files: dict[str, bytes], root: Path | None = None) -> dict:
+def publish(model_id: str, revision: str, files: dict[str, bytes], root: Path | None = None) -> Repo:
     """Put a repo on the Hub stand-in (e.g. the real vLLM's tiny Llama): its files under the store, its record in
     the store's db (the running server re-reads it)."""
     from . import weights
@@ -220,10 +232,10 @@ class Hub:
         self.log_path = Path(log) if log else None
         if self.log_path is not None:  # the first request's line needs it: nothing else may have made it yet
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._db: dict[str, dict] = {}
-        self._db_stamp: tuple | None = None
+        self._db: dict[str, Repo] = {}
+        self._db_stamp: FileStamp | None = None
         self._config: dict[str, Any] = {}
-        self._config_stamp: tuple | None = None
+        self._config_stamp: FileStamp | None = None
         self._override: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._throttle = _Throttle()
@@ -285,10 +297,10 @@ class Hub:
         cfg.update(self._override)
         return cfg
 
-    def repos(self) -> dict[str, dict]:
+    def repos(self) -> dict[str, Repo]:
         try:
             st = self.db_path.stat()
-            stamp: tuple | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+            stamp: FileStamp | None = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
             stamp = None
         with self._lock:
@@ -414,21 +426,22 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
-    def _check_token(self, cfg: dict) -> None:
+    def _check_token(self, cfg: HubConfig) -> None:
         tok = self._token()
         if tok is not None and tok not in cfg["tokens"]:
             raise _HubError(401, None, "Invalid credentials in Authorization header")
 
-    def _repo(self, repo_id: str) -> dict:
+    def _repo(self, repo_id: str) -> Repo:
         r = self.hub.repos().get(repo_id)
         if r is None:
             raise _HubError(404 if self._token() else 401, "RepoNotFound", "Repository not found")
         return r
 
     @staticmethod
-    def _revision(repo: dict, rev: str) -> str:
-        if rev in ("main", repo["revision"]):
-            return repo["revision"]
+    def _revision(repo: Repo, rev: str) -> str:
+        revision: str = repo["revision"]
+        if rev in ("main", revision):
+            return revision
         raise _HubError(404, "RevisionNotFound", f"Invalid rev id: {rev}")
 
     # -- the Hub's origin
@@ -465,7 +478,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._resolve("/".join(parts[:2]), parts[3], "/".join(parts[4:]), head, cfg)
         raise _HubError(404, None, "Not Found")
 
-    def _info(self, repo_id: str, repo: dict, sha: str, query: dict, cfg: dict) -> dict:
+    def _info(self, repo_id: str, repo: Repo, sha: str, query: Query, cfg: HubConfig) -> dict[str, object]:
         blobs = query.get("blobs", ["false"])[0].lower() == "true"
         siblings = []
         for path, f in sorted(repo["files"].items()):
@@ -484,10 +497,10 @@ class _Handler(BaseHTTPRequestHandler):
                 "usedStorage": sum(f["size"] for f in repo["files"].values())}
 
     @staticmethod
-    def _tree(repo: dict, under: str, query: dict) -> list[dict]:
+    def _tree(repo: Repo, under: str, query: Query) -> list[dict[str, object]]:
         recursive = query.get("recursive", ["false"])[0].lower() == "true"
         prefix = f"{under.rstrip('/')}/" if under else ""
-        out: list[dict] = []
+        out: list[dict[str, object]] = []
         dirs: set[str] = set()
         for path, f in sorted(repo["files"].items()):
             if not path.startswith(prefix):
@@ -509,7 +522,7 @@ class _Handler(BaseHTTPRequestHandler):
             out.append(e)
         return out
 
-    def _resolve(self, repo_id: str, rev: str, path: str, head: bool, cfg: dict) -> None:
+    def _resolve(self, repo_id: str, rev: str, path: str, head: bool, cfg: HubConfig) -> None:
         repo = self._repo(repo_id)
         sha = self._revision(repo, rev)
         f = repo["files"].get(path)
@@ -540,15 +553,15 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in urlsplit(self.path).path.split("/")[1:]]
         if len(parts) != 4 or parts[0] != "repos":
             raise _HubError(404, None, "NoSuchKey")
-        repo = self.hub.repos().get(f"{parts[1]}/{parts[2]}")
-        for path, f in (repo or {}).get("files", {}).items():
+        repo = self.hub.repos().get(f"{parts[1]}/{parts[2]}") or {}
+        for path, f in repo.get("files", {}).items():
             if f["lfs"] and f["lfs"]["oid"] == parts[3]:
-                self._file(Path(repo["dir"]) / path, f["size"],  # type: ignore[index]
+                self._file(Path(repo["dir"]) / path, f["size"],
                            {"ETag": f'"{parts[3]}"', "Accept-Ranges": "bytes"}, head, self.hub.config())
                 return
         raise _HubError(404, None, "NoSuchKey")
 
-    def _file(self, p: Path, size: int, headers: dict[str, str], head: bool, cfg: dict) -> None:
+    def _file(self, p: Path, size: int, headers: dict[str, str], head: bool, cfg: HubConfig) -> None:
         start, end, status = 0, size - 1, 200
         rng = self.headers.get("Range")
         if rng:
@@ -615,11 +628,12 @@ def log_file() -> Path:
 
 def configure(*, gated: list[str] | None = None, tokens: list[str] | None = None, throttle: int | None = None,
               redirect_lfs: bool | None = None, drop_after: int | None = None,
-              drop_times: int | None = None) -> dict:
+              drop_times: int | None = None) -> HubConfig:
     """Change the running stand-in's behaviour (it re-reads the file on its next request): gated repo ids, the
     tokens it accepts for them, bytes/s for all bodies together (0: unlimited), LFS via the CDN redirect or
     served directly, and drop a body after `drop_after` bytes, `drop_times` times. Unnamed keys keep their value;
     `reset_config()` puts the defaults back (every scenario does)."""
+    cfg: HubConfig
     try:
         cfg = json.loads(config_file().read_text())
     except (OSError, ValueError):
@@ -636,14 +650,14 @@ def reset_config() -> None:
     _write_config({})
 
 
-def _write_config(cfg: dict) -> None:
+def _write_config(cfg: HubConfig) -> None:
     config_file().parent.mkdir(parents=True, exist_ok=True)
     tmp = config_file().with_suffix(".tmp")
     tmp.write_text(json.dumps(cfg, indent=1))
     tmp.replace(config_file())
 
 
-def requests(since: float = 0.0) -> list[dict]:
+def requests(since: float = 0.0) -> list[RequestRecord]:
     """The requests the running stand-in answered (one dict per request: method, path, status, kind, bytes, range,
     auth, ...), those that started at or after *since* (time.time()). A request is logged just after its answer
     went out, so a client may see the answer first: poll (testbed.proc.wait_for). A dropped body has status

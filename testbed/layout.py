@@ -89,7 +89,7 @@ class Node:
 @dataclass(frozen=True)
 class Layout:
     nodes: tuple[Node, ...]
-    extra: dict = field(default_factory=dict, compare=False)
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     @property
     def head(self) -> Node:

@@ -26,6 +26,7 @@ are recorded in STATE/memory.json at `up`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -150,7 +151,7 @@ def teardown(lay: Layout) -> None:
             continue
         for sub in sorted(d.glob("**/"), key=lambda p: len(str(p)), reverse=True):
             try:  # a cgroup stays busy for a moment after its last process exits
-                wait_for(lambda sub=sub: _rmdir(sub), timeout=5, what=f"removal of {sub}")
+                wait_for(functools.partial(_rmdir, sub), timeout=5, what=f"removal of {sub}")
             except TestbedError:
                 pass  # left for the next `up` to reuse; `leftovers` does not count cgroups
     _record().unlink(missing_ok=True)

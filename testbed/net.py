@@ -17,7 +17,9 @@ leaking out of the machine's default route.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
+from typing import Any
 
 from .layout import (
     FABRIC_IFACE,
@@ -35,7 +37,7 @@ from .layout import (
 from .proc import ok, run
 
 
-def ip(*args: str, ns: str | None = None, check: bool = True):
+def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     cmd = ["ip"] + (["-n", ns] if ns else []) + list(args)
     return run(cmd, check=check)
 
@@ -53,12 +55,15 @@ def link_exists(dev: str, ns: str | None = None) -> bool:
     return ok(["ip"] + (["-n", ns] if ns else []) + ["link", "show", "dev", dev])
 
 
-def links(ns: str) -> list[dict]:
-    return json.loads(run(["ip", "-n", ns, "-j", "addr", "show"]).stdout)
+def links(ns: str) -> list[dict[str, Any]]:
+    """`ip -j addr show`: one object per link, as iproute2 prints it."""
+    found: list[dict[str, Any]] = json.loads(run(["ip", "-n", ns, "-j", "addr", "show"]).stdout)
+    return found
 
 
-def link(ns: str, dev: str) -> dict:
-    return json.loads(run(["ip", "-n", ns, "-j", "addr", "show", "dev", dev]).stdout)[0]
+def link(ns: str, dev: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = json.loads(run(["ip", "-n", ns, "-j", "addr", "show", "dev", dev]).stdout)
+    return found[0]
 
 
 def _veth(a: str, a_ns: str | None, b: str, b_ns: str) -> None:

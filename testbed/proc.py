@@ -14,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TypedDict, TypeVar, overload
 
 from .layout import state_dir
 
@@ -25,8 +25,26 @@ class TestbedError(RuntimeError):
     pass
 
 
+class PidEntry(TypedDict):
+    """One process of the pid registry: its pid and kernel start time (None when it was already gone)."""
+
+    pid: int
+    starttime: int | None
+
+
+@overload
+def run(cmd: Sequence[str], *, check: bool = True, input: str | None = None, timeout: float = 120,
+        capture: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]: ...
+
+
+@overload
+def run(cmd: Sequence[str], *, check: bool = True, input: bytes, timeout: float = 120,
+        capture: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]: ...
+
+
 def run(cmd: Sequence[str], *, check: bool = True, input: str | bytes | None = None, timeout: float = 120,
-        capture: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+        capture: bool = True, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str] | subprocess.CompletedProcess[bytes]:
     """Run a command; on failure raise TestbedError with its stderr (the message one needs to debug)."""
     text = not isinstance(input, bytes)
     p = subprocess.run(list(cmd), input=input, capture_output=capture, text=text, timeout=timeout,
@@ -77,7 +95,8 @@ def free_port() -> int:
     """A loopback TCP port nobody listens on now (the kernel's choice), for a process the harness starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 # ---- pid registry -------------------------------------------------------------------------------------------
@@ -107,9 +126,10 @@ def alive(pid: int, starttime: int | None = None) -> bool:
     return starttime is None or st == starttime
 
 
-def load_pids() -> dict[str, dict]:
+def load_pids() -> dict[str, PidEntry]:
     try:
-        return json.loads(_registry().read_text())
+        pids: dict[str, PidEntry] = json.loads(_registry().read_text())
+        return pids
     except (OSError, ValueError):
         return {}
 
@@ -171,7 +191,7 @@ def stop_recorded(name: str, *, timeout: float = 15) -> None:
         forget_pid(name)
 
 
-def spawn(name: str, cmd: Sequence[str], *, log: Path, env: dict | None = None) -> int:
+def spawn(name: str, cmd: Sequence[str], *, log: Path, env: dict[str, str] | None = None) -> int:
     """Start a daemon in its own session (so it outlives this Python process) and record its pid."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 from .layout import DATA_ROOT, Node, state_dir
 from .proc import TestbedError, alive, load_pids, run, spawn, stop_recorded, wait_for
@@ -36,7 +37,7 @@ PID_NAME = "registry"
 MANIFEST_V2 = "application/vnd.docker.distribution.manifest.v2+json"
 
 
-def storage_dir():
+def storage_dir() -> Path:
     return DATA_ROOT / "registry"
 
 
@@ -62,7 +63,7 @@ health:
 """
 
 
-def _curl(head: Node, *args: str, timeout: float = 10) -> subprocess.CompletedProcess:
+def _curl(head: Node, *args: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", "netns", "exec", head.netns, "curl", "-sf", "-m", str(timeout), *args],
                           capture_output=True, text=True, timeout=timeout + 5, check=False)
 
@@ -95,9 +96,10 @@ def manifest_config_digest(head: Node, repository: str = REPOSITORY, tag: str = 
     if r.returncode != 0:
         return None
     try:
-        return json.loads(r.stdout)["config"]["digest"]
+        digest: str = json.loads(r.stdout)["config"]["digest"]
     except (ValueError, KeyError, TypeError):
         return None
+    return digest
 
 
 def publish(head: Node) -> float:

@@ -57,7 +57,8 @@ def setup_node(node: Node, size: int) -> None:
          "-E", "lazy_itable_init=1,lazy_journal_init=1", str(img)])
     run(["mount", "-o", "loop,noatime", str(img), str(mp)])
     shutil.chown(mp, SSH_USER, SSH_USER)
-    (mp / "lost+found").exists() and shutil.rmtree(mp / "lost+found", ignore_errors=True)
+    if (mp / "lost+found").exists():
+        shutil.rmtree(mp / "lost+found", ignore_errors=True)
 
 
 def wipe(node: Node) -> None:

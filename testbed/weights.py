@@ -22,6 +22,7 @@ import os
 import random
 import re
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from testbed.standin.safetensors_check import DTYPE_SIZES, ShardError, verify_shard
@@ -92,7 +93,7 @@ def _tensor_layout(k: int, shards: int, shard_bytes: int) -> list[tuple[str, lis
 
 def _shard_header(k: int, shards: int, shard_bytes: int) -> tuple[bytes, int, list[str]]:
     tensors = sorted(_tensor_layout(k, shards, shard_bytes))
-    header: dict = {"__metadata__": {"format": "pt"}}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, shape in tensors:
         n = DTYPE_SIZES["BF16"]
@@ -105,7 +106,7 @@ def _shard_header(k: int, shards: int, shard_bytes: int) -> tuple[bytes, int, li
     return len(raw).to_bytes(8, "little") + raw, pos, [t[0] for t in tensors]
 
 
-def _payload_chunks(model_id: str, k: int, nbytes: int):
+def _payload_chunks(model_id: str, k: int, nbytes: int) -> Iterator[bytes]:
     seed = int.from_bytes(hashlib.sha256(f"{model_id}\0{k}".encode()).digest()[:8], "little")
     block = random.Random(seed).randbytes(min(CHUNK, max(nbytes, 1)))
     left = nbytes
@@ -115,7 +116,7 @@ def _payload_chunks(model_id: str, k: int, nbytes: int):
         left -= len(piece)
 
 
-def _write_atomic(dest_dir: Path, chunks, hash_name: str | None = None) -> tuple[Path, str]:
+def _write_atomic(dest_dir: Path, chunks: Iterable[bytes], hash_name: str | None = None) -> tuple[Path, str]:
     """Write chunks to a temp file in dest_dir; return (temp path, hexdigest of hash_name or '')."""
     h = hashlib.new(hash_name) if hash_name else None
     fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=".tmp-")
@@ -136,7 +137,7 @@ def _json_file(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
 
 
-def _small_files(model_id: str, shards: int, index: dict) -> dict[str, bytes]:
+def _small_files(model_id: str, shards: int, index: dict[str, object]) -> dict[str, bytes]:
     name = model_id.split("/")[1]
     moe = "moe" in name.lower()
     config = {
@@ -201,7 +202,7 @@ def _model_dirs(target: Path, layout: str) -> Path | None:
     return blobs
 
 
-def _write_blob(blobs: Path, chunks, lfs: bool) -> str:
+def _write_blob(blobs: Path, chunks: Iterable[bytes], lfs: bool) -> str:
     """Write a blob named as huggingface_hub names it (LFS: sha256 of the content; else: git blob sha1)."""
     if lfs:
         tmp, digest = _write_atomic(blobs, chunks, "sha256")
@@ -225,7 +226,7 @@ def _link(target: Path, fname: str, rel: str) -> None:
     os.replace(tmp_link, link)
 
 
-def _place(target: Path, blobs: Path | None, fname: str, chunks, lfs: bool) -> None:
+def _place(target: Path, blobs: Path | None, fname: str, chunks: Iterable[bytes], lfs: bool) -> None:
     """Write one file of the model: in place (plain), or as a blob with a snapshot symlink to it (hf-cache)."""
     if blobs is None:
         tmp, _ = _write_atomic(target, chunks)
@@ -235,7 +236,8 @@ def _place(target: Path, blobs: Path | None, fname: str, chunks, lfs: bool) -> N
     _link(target, fname, os.path.relpath(blobs / digest, target))
 
 
-def _write_shards(target: Path, blobs: Path | None, model_id: str, names: list[str], shard_bytes: int) -> dict:
+def _write_shards(target: Path, blobs: Path | None, model_id: str, names: list[str],
+                  shard_bytes: int) -> dict[str, object]:
     """Write the shards; return the index (total size and the weight_map of tensor -> shard)."""
     weight_map: dict[str, str] = {}
     total = 0

@@ -24,6 +24,7 @@ import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 BUILDER_VERSION = "3"
 EPOCH = 1735689600  # 2025-01-01T00:00:00Z, mtime of generated files
@@ -50,7 +51,14 @@ ENV = [
     "HOME=/root",
     "HF_HOME=/root/.cache/huggingface",
 ]
-IMAGES: dict[str, dict] = {
+class ImageSpec(TypedDict):
+    """What differs between the locally built images: the stand-in kind (a label) and the default command."""
+
+    kind: str
+    cmd: list[str]
+
+
+IMAGES: dict[str, ImageSpec] = {
     "vllm-standin:latest": {"kind": "vllm", "cmd": ["/bin/sh"]},
     "cotenant-standin:latest": {"kind": "cotenant", "cmd": ["cotenant", "--port", "8000", "--hold-mb", "64",
                                                              "--label", "cotenant"]},
@@ -201,9 +209,11 @@ def _tarinfo(name: str, kind: bytes, mode: int, mtime: int, size: int = 0, linkn
     return ti
 
 
-def _write_layer(path: Path, copies, gen, links) -> str:
+def _write_layer(path: Path, copies: list[tuple[str, str]], gen: list[tuple[str, bytes, int]],
+                 links: list[tuple[str, str]]) -> str:
     """Write the layer tar deterministically; return its sha256 (the diff_id)."""
-    entries: dict[str, tuple] = {}
+    # dest -> (kind, what, mode, mtime): what is the host path ("file"), the content ("data") or the target ("link")
+    entries: dict[str, tuple[str, str | bytes, int, int]] = {}
     dirs = {"/tmp": 0o1777, "/root": 0o700, "/proc": 0o555, "/sys": 0o555, "/dev": 0o755, "/etc": 0o755,
             "/run": 0o755, "/var": 0o755, "/var/tmp": 0o1777, "/usr/sbin": 0o755, "/usr/lib64": 0o755,
             "/root/.cache": 0o755, "/root/.cache/huggingface": 0o755, "/root/.cache/huggingface/hub": 0o755,
@@ -227,10 +237,10 @@ def _write_layer(path: Path, copies, gen, links) -> str:
             tar.addfile(_tarinfo(d, tarfile.DIRTYPE, dirs[d], EPOCH))
         for dest in sorted(entries):
             kind, what, mode, mtime = entries[dest]
-            if kind == "link":
-                tar.addfile(_tarinfo(dest, tarfile.SYMTYPE, 0o777, mtime, linkname=what))
-            elif kind == "data":
+            if isinstance(what, bytes):      # "data", and only it, carries the content itself
                 tar.addfile(_tarinfo(dest, tarfile.REGTYPE, mode, mtime, len(what)), io.BytesIO(what))
+            elif kind == "link":
+                tar.addfile(_tarinfo(dest, tarfile.SYMTYPE, 0o777, mtime, linkname=what))
             else:
                 with open(what, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
@@ -301,7 +311,7 @@ def archive(names: list[str] | None = None) -> tuple[Path, dict[str, str]]:
             manifest.append({"Config": f"{cid}.json", "RepoTags": [n], "Layers": [f"{diff_id}/layer.tar"]})
         part = Path(tmp) / "out.tar"
         with tarfile.open(part, "w", format=tarfile.GNU_FORMAT) as tar:
-            def add(name, data: bytes):
+            def add(name: str, data: bytes) -> None:
                 tar.addfile(_tarinfo(name, tarfile.REGTYPE, 0o644, EPOCH, len(data)), io.BytesIO(data))
 
             tar.addfile(_tarinfo(diff_id, tarfile.DIRTYPE, 0o755, EPOCH))
@@ -326,7 +336,8 @@ def _docker_bin() -> str:
     raise BuildError("no docker CLI found (apt-get install -y docker.io)")
 
 
-def _docker(docker_host: str, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+def _docker(docker_host: str, *args: str, check: bool = True,
+            timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, DOCKER_HOST=docker_host)
     res = subprocess.run([_docker_bin(), *args], env=env, capture_output=True, text=True, timeout=timeout,
                          check=False)

@@ -10,12 +10,20 @@ import contextlib
 import io
 import json
 import sys
+from typing import TypedDict
 
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 
-def judge(argv: list[str]) -> dict:
+class Verdict(TypedDict):
+    """vLLM's own judgement of one argv: accepted, or the error lines it printed."""
+
+    ok: bool
+    error: list[str]
+
+
+def judge(argv: list[str]) -> Verdict:
     parser = FlexibleArgumentParser(prog="vllm")
     subparsers = parser.add_subparsers(required=False, dest="subparser")
     cmd = ServeSubcommand()

@@ -11,6 +11,14 @@ import socketserver
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+#: A JSON object as the stand-ins exchange them: a LineConn message, an HTTP request or response body.
+JsonObject = dict[str, Any]
+#: What `QuietHandler.reply` sends: JSON (an object or a list), text, or bytes as they are (None: empty).
+Body = JsonObject | list[Any] | str | bytes | None
 
 
 class Terminated(BaseException):
@@ -18,7 +26,7 @@ class Terminated(BaseException):
 
 
 def install_signal_handlers() -> None:
-    def handler(signum, frame):
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise Terminated(signum)
 
     signal.signal(signal.SIGTERM, handler)
@@ -74,7 +82,7 @@ class LineConn:
         self._buf = b""
         self.closed = False
 
-    def send(self, obj) -> bool:
+    def send(self, obj: JsonObject) -> bool:
         data = (json.dumps(obj) + "\n").encode()
         with self._send_lock:
             try:
@@ -84,7 +92,7 @@ class LineConn:
                 self.closed = True
                 return False
 
-    def recv(self, timeout: float | None):
+    def recv(self, timeout: float | None) -> JsonObject | None:
         """Next message; None on EOF/error; raises TimeoutError if nothing arrived within timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buf:
@@ -108,7 +116,8 @@ class LineConn:
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         try:
-            return json.loads(line)
+            msg: JsonObject = json.loads(line)
+            return msg
         except ValueError:
             return {"op": "garbage"}
 
@@ -121,7 +130,7 @@ class LineConn:
         self.sock.close()
 
 
-def heartbeats(conn: LineConn, interval: float, peer_timeout: float):
+def heartbeats(conn: LineConn, interval: float, peer_timeout: float) -> Iterator[JsonObject | None]:
     """Yield the peer's messages while pinging it every `interval`; yield None (and stop) once it has been
     silent for `peer_timeout` or closed the connection: how the stand-ins notice a dead peer, like NCCL/Ray do."""
     last_sent, last_heard = 0.0, time.monotonic()
@@ -166,6 +175,10 @@ class HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     address_family = socket.AF_INET
 
 
+class HTTPServer6(HTTPServer):
+    address_family = socket.AF_INET6
+
+
 class QuietHandler(http.server.BaseHTTPRequestHandler):
     """Uvicorn-like access lines; subclasses implement do_GET/do_POST with reply()."""
 
@@ -174,7 +187,7 @@ class QuietHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     access_log = True
 
-    def reply(self, code: int, body, ctype: str = "application/json") -> None:
+    def reply(self, code: int, body: Body, ctype: str = "application/json") -> None:
         if isinstance(body, (dict, list)):
             data = json.dumps(body).encode()
         elif isinstance(body, str):
@@ -188,16 +201,17 @@ class QuietHandler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def read_json(self):
+    def read_json(self) -> JsonObject | None:
         n = int(self.headers.get("content-length") or 0)
         if not n:
             return {}
         try:
-            return json.loads(self.rfile.read(n))
+            doc: JsonObject = json.loads(self.rfile.read(n))
+            return doc
         except ValueError:
             return None
 
-    def log_request(self, code="-", size="-"):
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         if not self.access_log:
             return
         try:
@@ -206,21 +220,19 @@ class QuietHandler(http.server.BaseHTTPRequestHandler):
             phrase = ""
         raw(f'INFO:     {self.client_address[0]}:{self.client_address[1]} - "{self.requestline}" {code} {phrase}')
 
-    def log_message(self, format, *args):
+    def log_message(self, format: str, *args: Any) -> None:  # the signature it overrides
         pass
 
 
-def serve_http(host: str, port: int, handler_cls) -> HTTPServer:
+def serve_http(host: str, port: int, handler_cls: type[http.server.BaseHTTPRequestHandler]) -> HTTPServer:
     """Bind and serve in a daemon thread. Raises OSError when the address is taken."""
-    cls = HTTPServer
-    if ":" in host:
-        cls = type("HTTPServer6", (HTTPServer,), {"address_family": socket.AF_INET6})
+    cls = HTTPServer6 if ":" in host else HTTPServer
     srv = cls((host, port), handler_cls)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
     return srv
 
 
-def sleep_until(pred, timeout: float, step: float = 0.1) -> bool:
+def sleep_until(pred: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
     """Bounded polling used by the programs themselves."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

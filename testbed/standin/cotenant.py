@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         started = int(time.time())
 
         class Handler(QuietHandler):
-            def do_GET(self):
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/health":
                     self.reply(200, {"status": "ok", "label": label, "hold_mb": args.hold_mb})

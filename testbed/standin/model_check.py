@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
+from typing import Any
 
 from safetensors_check import ShardError, verify_shard
 
@@ -80,11 +82,12 @@ def resolve(model: str, revision: str | None = None, download_dir: str | None = 
     )
 
 
-def read_config(path: str, model: str) -> dict:
+def read_config(path: str, model: str) -> dict[str, Any]:
     cfg = os.path.join(path, "config.json")
     try:
         with open(cfg) as f:
-            return json.load(f)
+            config: dict[str, Any] = json.load(f)
+            return config
     except FileNotFoundError:
         raise ModelError(
             f"OSError: {model} does not appear to have a file named config.json. Checkout "
@@ -109,7 +112,7 @@ def shard_files(path: str) -> tuple[list[str], list[str]]:
     return present, []
 
 
-def check_weights(path: str, progress=None) -> int:
+def check_weights(path: str, progress: Callable[[int, int], None] | None = None) -> int:
     """Verify every shard; returns total bytes. Raises ModelError with vLLM-like lines."""
     files, missing = shard_files(path)
     if not files and not missing:

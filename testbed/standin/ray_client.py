@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from common import LineConn, connect
+from common import JsonObject, LineConn, connect
 
 NO_CLUSTER = (
     "ConnectionError: Could not find any running Ray instance. Please specify the one to connect to by setting "
@@ -40,7 +40,7 @@ def find_address(address: str | None = None) -> tuple[str, int]:
         raise RayError(f"ValueError: invalid Ray address {addr!r}") from None
 
 
-def ray_request(msg: dict, address: str | None = None, timeout: float = 5.0) -> dict:
+def ray_request(msg: JsonObject, address: str | None = None, timeout: float = 5.0) -> JsonObject:
     host, port = find_address(address)
     try:
         sock = connect(host, port, timeout=min(timeout, 5.0))

@@ -15,14 +15,26 @@ import hashlib
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import LineConn, Terminated, connect, env_float, env_int, heartbeats, install_signal_handlers, listen
+from common import (
+    JsonObject,
+    LineConn,
+    Terminated,
+    connect,
+    env_float,
+    env_int,
+    heartbeats,
+    install_signal_handlers,
+    listen,
+)
 from ray_client import RayError, cluster_file, ray_request, ray_tmpdir
 
 VERSION = "2.49.0+standin"
@@ -31,7 +43,7 @@ VERSION = "2.49.0+standin"
 class ClickParser(argparse.ArgumentParser):
     """click-style errors, as the real `ray` CLI prints them."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments: "):
             opt = message.split(": ", 1)[1].split()[0]
             message = f"No such option: {opt}"
@@ -73,7 +85,7 @@ def node_id(ip: str) -> str:
     return hashlib.sha256(f"{ip}-{os.getpid()}-{time.time_ns()}".encode()).hexdigest()[:56]
 
 
-def local_check(msg: dict, ip: str) -> dict:
+def local_check(msg: JsonObject, ip: str) -> JsonObject:
     """Check a model on this node's disk the way a RayWorkerWrapper loading its shard would fail."""
     from model_check import ModelError, check_weights, crash_marker, resolve
 
@@ -94,23 +106,23 @@ def local_check(msg: dict, ip: str) -> dict:
 
 
 class Head:
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.ip = args.node_ip_address or "127.0.0.1"
         self.bind = args.node_ip_address or "0.0.0.0"
         self.gpus = args.num_gpus if args.num_gpus is not None else env_int("STANDIN_GPUS_PER_NODE", 1)
         self.cpus = args.num_cpus or os.cpu_count() or 1
         self.me = {"id": node_id(self.ip), "ip": self.ip, "gpus": self.gpus, "cpus": self.cpus, "head": True}
-        self.nodes: dict[str, dict] = {}
+        self.nodes: dict[str, JsonObject] = {}
         self.conns: dict[str, LineConn] = {}
         self.lock = threading.Lock()
-        self.pending: dict[int, dict] = {}
+        self.pending: dict[int, JsonObject | None] = {}  # a request's answer, None until it comes
         self.cond = threading.Condition(self.lock)
         self.req_ids = itertools.count(1)
         self.hb = env_float("STANDIN_HEARTBEAT_S", 1.0)
         self.peer_timeout = env_float("STANDIN_PEER_TIMEOUT_S", 5.0)
 
-    def status(self) -> dict:
+    def status(self) -> JsonObject:
         with self.lock:
             return {"op": "status", "nodes": [self.me] + list(self.nodes.values()),
                     "address": f"{self.ip}:{self.args.port}"}
@@ -141,7 +153,7 @@ class Head:
         while True:
             time.sleep(0.5)
 
-    def _accept(self, srv):
+    def _accept(self, srv: socket.socket) -> None:
         while True:
             try:
                 sock, addr = srv.accept()
@@ -149,7 +161,7 @@ class Head:
                 return
             threading.Thread(target=self._client, args=(sock, addr), daemon=True).start()
 
-    def _client(self, sock, addr):
+    def _client(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         conn = LineConn(sock)
         try:
             msg = conn.recv(10.0)
@@ -171,7 +183,7 @@ class Head:
             conn.send({"op": "error", "error": f"unknown op {op!r}"})
             conn.close()
 
-    def check_model(self, msg: dict) -> list[dict]:
+    def check_model(self, msg: JsonObject) -> list[JsonObject]:
         results = [local_check(msg, self.ip)]
         with self.lock:
             targets = list(self.conns.items())
@@ -179,7 +191,7 @@ class Head:
             for nid, _ in targets:
                 rid = next(self.req_ids)
                 ids[rid] = nid
-                self.pending[rid] = None  # type: ignore[assignment]
+                self.pending[rid] = None
         for rid, nid in ids.items():
             self.conns.get(nid) and self.conns[nid].send({**msg, "op": "check_model", "req": rid})
         deadline = time.monotonic() + 60
@@ -191,7 +203,7 @@ class Head:
                 results.append(res or {"ok": False, "ip": nid, "lines": ["RayActorError: node did not answer"]})
         return results
 
-    def _node(self, conn: LineConn, msg: dict, addr):
+    def _node(self, conn: LineConn, msg: JsonObject, addr: tuple[str, int]) -> None:
         nid = msg.get("node_id") or node_id(addr[0])
         info = {"id": nid, "ip": msg.get("ip") or addr[0], "gpus": int(msg.get("gpus", 1)),
                 "cpus": int(msg.get("cpus", 1)), "head": False}
@@ -218,7 +230,7 @@ class Head:
 # ------------------------------------------------------------------------------------------------ worker node
 
 
-def _connect_to_gcs(host: str, port: int):
+def _connect_to_gcs(host: str, port: int) -> socket.socket | None:
     """A socket to the head's GCS, retried until STANDIN_RAY_CONNECT_TIMEOUT_S; None (with Ray's message)
     when it never answers."""
     deadline = time.monotonic() + env_float("STANDIN_RAY_CONNECT_TIMEOUT_S", 30.0)
@@ -234,7 +246,7 @@ def _connect_to_gcs(host: str, port: int):
             time.sleep(0.5)
 
 
-def _joined(conn: LineConn, join: dict, gcs: str) -> bool:
+def _joined(conn: LineConn, join: JsonObject, gcs: str) -> bool:
     """Send the join request; True when the head answers `joined` within 10 s."""
     conn.send(join)
     try:
@@ -289,7 +301,7 @@ def _serve_head(conn: LineConn, gcs: str, ip: str) -> int:
             conn.send({**res, "op": "check_result", "req": m.get("req")})
 
 
-def run_worker(args) -> int:
+def run_worker(args: argparse.Namespace) -> int:
     host, _, port_text = args.address.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     try:
@@ -324,7 +336,7 @@ def write_pidfile() -> None:
         f.write(" ".join(sys.argv))
 
 
-def cmd_status(args) -> int:
+def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = ray_request({"op": "status"}, args.address)
     except RayError as e:
@@ -357,7 +369,7 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_stop(args) -> int:
+def cmd_stop(args: argparse.Namespace) -> int:
     d = pid_dir()
     pids = []
     if os.path.isdir(d):
@@ -384,7 +396,7 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def cmd_start(args) -> int:
+def cmd_start(args: argparse.Namespace) -> int:
     if args.temp_dir:
         os.environ["RAY_TMPDIR"] = args.temp_dir
     if bool(args.head) == bool(args.address):

@@ -79,7 +79,7 @@ def _read_header(path: str) -> tuple[bytes, int]:
     return raw, size
 
 
-def _parse_header(raw: bytes) -> dict:
+def _parse_header(raw: bytes) -> dict[str, object]:
     """UTF-8, starting with `{`, a JSON object whose `__metadata__` (if any) maps str to str."""
     try:
         text = raw.decode("utf-8")
@@ -131,7 +131,7 @@ def _data_length(spans: list[tuple[int, int, str]]) -> int:
     return pos
 
 
-def verify_shard(path) -> dict:
+def verify_shard(path: str | os.PathLike[str]) -> dict[str, object]:
     """Parse and check a safetensors file; return its header (tensor name -> info, plus ``__metadata__``).
 
     Checks: the file exists (a broken symlink raises FileNotFoundError, as open() would), the 8-byte header length,

@@ -50,7 +50,8 @@ def http_post(url: str, body: bytes, timeout: float = 2.0) -> tuple[int, str]:
 class Proc:
     """A stand-in program running on the host, output to a log file; always stopped by stop()."""
 
-    def __init__(self, program: str, args: list[str], tmp: Path, env: dict | None = None, name: str | None = None):
+    def __init__(self, program: str, args: list[str], tmp: Path, env: dict[str, str] | None = None,
+                 name: str | None = None):
         self.name = name or program
         self.log = Path(tmp) / f"{self.name}.log"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("STANDIN_", "HF_", "RAY_", "VLLM_"))}

@@ -39,10 +39,14 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (
+    Body,
+    HTTPServer,
+    JsonObject,
     LineConn,
     QuietHandler,
     Terminated,
@@ -150,7 +154,9 @@ def normalize_argv(argv: list[str]) -> list[str]:
 
 
 class Engine:
-    def __init__(self, args):
+    srv: HTTPServer   # the API server, once it listens
+
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.model = args.model_tag or args.model or "Qwen/Qwen3-0.6B"
         self.served = (args.served_model_name or [self.model])
@@ -175,16 +181,17 @@ class Engine:
 
     @property
     def world(self) -> int:
-        return self.args.tensor_parallel_size * self.args.pipeline_parallel_size
+        size: int = self.args.tensor_parallel_size * self.args.pipeline_parallel_size
+        return size
 
-    def fail(self, msg: str):
+    def fail(self, msg: str) -> None:
         with self.lock:
             if self.healthy:
                 self.healthy = False
                 self.reason = msg
 
     # ---- checks shared by every rank
-    def validate(self):
+    def validate(self) -> None:
         a = self.args
         if not 0 < a.gpu_memory_utilization <= 1:
             raise EngineError("ValueError: GPU memory utilization must be within (0, 1]. "
@@ -213,7 +220,7 @@ class Engine:
                 f"node(s)) but only {self.gpus} available (CUDA_VISIBLE_DEVICES / STANDIN_GPUS_PER_NODE)."
             )
 
-    def load_model(self):
+    def load_model(self) -> None:
         a = self.args
         log("INFO", "utils.py:253", f"non-default args: {{'model': '{self.model}', 'tensor_parallel_size': "
             f"{a.tensor_parallel_size}, 'pipeline_parallel_size': {a.pipeline_parallel_size}, 'nnodes': {a.nnodes}, "
@@ -245,7 +252,8 @@ class Engine:
             t0 = time.monotonic()
             log("INFO", "gpu_model_runner.py:2602", f"Starting to load model {self.model}...")
 
-            def progress(i, n):  # vLLM's bar: tqdm's `\r`, then its _BAR_FORMAT, which ends in a newline
+            # vLLM's bar: tqdm's `\r`, then its _BAR_FORMAT, which ends in a newline
+            def progress(i: int, n: int) -> None:
                 raw(f"\rLoading safetensors checkpoint shards: {int(100 * i / n):3d}% Completed | {i}/{n} "
                     f"[00:00<00:00]")
 
@@ -254,7 +262,7 @@ class Engine:
                 f"Loading weights took {time.monotonic() - t0:.2f} seconds ({total / 2**30:.4f} GiB, from {path})")
         self.path = path
 
-    def pause(self, seconds: float):
+    def pause(self, seconds: float) -> None:
         """Time passing in the engine's start, cut short by a lost peer."""
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -262,7 +270,7 @@ class Engine:
                 raise EngineError(f"RuntimeError: {self.reason}")
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
-    def simulate_load(self):
+    def simulate_load(self) -> None:
         """STANDIN_LOAD_DELAY_S of a cold start, printed as vLLM prints its stages (reconciler/core/vllm_log.py):
         torch.compile's lines for the first half, then the KV cache, then the CUDA graph capture's bar redrawn on
         one line for the second half (rank 0 only, as vLLM's tqdm); none of either under --enforce-eager."""
@@ -288,7 +296,7 @@ class Engine:
             self.capture_graphs(delay / 2)
         log("INFO", "core.py:250", f"init engine (profile, create kv cache, warmup model) took {delay:.2f} seconds")
 
-    def capture_graphs(self, seconds: float, shapes: int = 10):
+    def capture_graphs(self, seconds: float, shapes: int = 10) -> None:
         """vLLM's CUDA graph capture bar (vllm/v1/worker/gpu_model_runner.py): tqdm's default format, each redraw
         `\\r` on the same line, a newline once done; then its summary line."""
         for n in range(shapes + 1):
@@ -303,12 +311,12 @@ class Engine:
         log("INFO", "gpu_model_runner.py:3480", f"Graph capturing finished in {seconds:.0f} secs, took 0.00 GiB")
 
     # ---- rendezvous (mp executor, --nnodes > 1)
-    def hello(self) -> dict:
+    def hello(self) -> JsonObject:
         a = self.args
         return {"op": "hello", "rank": a.node_rank, "tp": a.tensor_parallel_size, "pp": a.pipeline_parallel_size,
                 "nnodes": a.nnodes, "model": self.model, "gpus": self.gpus, "version": VERSION}
 
-    def head_rendezvous(self):
+    def head_rendezvous(self) -> None:
         a = self.args
         try:
             srv = listen(a.master_addr, a.master_port)
@@ -368,7 +376,7 @@ class Engine:
             f"world_size={self.world} rank=0 local_rank=0 distributed_init_method=tcp://{a.master_addr}:"
             f"{a.master_port} backend=nccl")
 
-    def _watch_peer(self, rank: int, conn: LineConn):
+    def _watch_peer(self, rank: int, conn: LineConn) -> None:
         peer = conn.sock.getpeername()[0]
         for msg in heartbeats(conn, self.hb, self.peer_timeout):
             if msg is None:
@@ -381,7 +389,7 @@ class Engine:
                 conn.close()
                 return
 
-    def worker_rendezvous(self):
+    def worker_rendezvous(self) -> None:
         a = self.args
         deadline = time.monotonic() + self.ready_timeout
         last_warn = 0.0
@@ -421,7 +429,7 @@ class Engine:
         self.head_beat = threading.Thread(target=self._beat_head, daemon=True)
         self.head_beat.start()
 
-    def _beat_head(self):
+    def _beat_head(self) -> None:
         a = self.args
         for msg in heartbeats(self.head, self.hb, self.peer_timeout):
             if msg is None:
@@ -433,7 +441,7 @@ class Engine:
                 self.head_outcome.append("shutdown")
                 return
 
-    def worker_loop(self):
+    def worker_loop(self) -> int:
         """Headless: stay until the head goes away (exit 1) or shuts down (exit 0)."""
         log("INFO", "launcher.py:110", f"Headless node rank {self.args.node_rank} ready; serving no API")
         self.head_beat.join()
@@ -443,7 +451,7 @@ class Engine:
         raise EngineError(self.head_outcome[0] if self.head_outcome else "RuntimeError: head link ended")
 
     # ---- ray executor
-    def ray_placement(self):
+    def ray_placement(self) -> None:
         from ray_client import RayError, ray_request
 
         need = self.world
@@ -492,7 +500,7 @@ class Engine:
             f"Ray cluster: {len(st['nodes'])} node(s), {gpus} GPU(s); placement group of {need} bundle(s) ready")
         threading.Thread(target=self._watch_ray, args=(len(st["nodes"]),), daemon=True).start()
 
-    def _watch_ray(self, nodes: int):
+    def _watch_ray(self, nodes: int) -> None:
         from ray_client import RayError, ray_request
 
         while True:
@@ -603,7 +611,7 @@ def hold_memory(gpu_memory_utilization: float) -> list[bytearray]:
     return held
 
 
-def _models(engine: Engine) -> dict:
+def _models(engine: Engine) -> JsonObject:
     """/v1/models: every served name, as vLLM lists them."""
     data = [
         {"id": name, "object": "model", "created": int(engine.started), "owned_by": "vllm",
@@ -670,7 +678,7 @@ class Scheduler:
                 self.cond.notify_all()
 
 
-def _complete(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
+def _complete(engine: Engine, path: str, body: JsonObject) -> tuple[int, JsonObject]:
     """(status, JSON) for a completion or chat request to a healthy engine: `max_tokens` words of "stand-in"
     (up to 4096), through the scheduler, counted in the engine's metrics as they are made."""
     model = body.get("model") or engine.served[0]
@@ -696,10 +704,10 @@ def _complete(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
                  "model": model, "choices": [choice], "usage": usage}
 
 
-def _get(engine: Engine, path: str) -> tuple:
+def _get(engine: Engine, path: str) -> tuple[int, Body, str]:
     """(code, body, content type) of a GET, as vLLM's api_server answers it."""
     up = 200 if engine.healthy else 503
-    routes = {
+    routes: dict[str, Callable[[], tuple[int, Body, str]]] = {
         "/health": lambda: (up, b"", "application/json"),
         "/ping": lambda: (up, b"", "application/json"),
         "/version": lambda: (200, {"version": VERSION}, "application/json"),
@@ -709,7 +717,7 @@ def _get(engine: Engine, path: str) -> tuple:
     return routes[path]() if path in routes else (404, {"detail": "Not Found"}, "application/json")
 
 
-def make_handler(engine: Engine):
+def make_handler(engine: Engine) -> type[QuietHandler]:
     # vLLM's api_server: `--api-key` (else VLLM_API_KEY) guards every path under /v1 (and /v2, /inference,
     # /cohere); /health, /ping, /version and /metrics stay open; a wrong or missing key answers 401.
     key = engine.args.api_key or os.environ.get("VLLM_API_KEY")
@@ -722,13 +730,13 @@ def make_handler(engine: Engine):
                 return True
             return False
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if self._refused(path):
                 return
             self.reply(*_get(engine, path))
 
-        def do_POST(self):
+        def do_POST(self) -> None:
             path = self.path.split("?", 1)[0]
             if self._refused(path):
                 return
@@ -754,7 +762,7 @@ def make_handler(engine: Engine):
 POOLING_ROUTES = ("/pooling", "/v1/embeddings")
 
 
-def _pool(engine: Engine, path: str, body: dict) -> tuple[int, dict]:
+def _pool(engine: Engine, path: str, body: JsonObject) -> tuple[int, JsonObject]:
     """(status, JSON) for a pooling request to a healthy pooling engine: one vector per input, through the
     scheduler (one pass, no generated token), as vLLM's PoolingResponse / EmbeddingResponse shape it."""
     model = body.get("model") or engine.served[0]
@@ -803,7 +811,7 @@ def metrics(e: Engine) -> str:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def serve(args) -> int:
+def serve(args: argparse.Namespace) -> int:
     engine = Engine(args)
     a = args
     log("INFO", "api_server.py:1896", f"vLLM API server version {VERSION}")

@@ -1,0 +1,5 @@
+"""For mypy only: the stand-ins import their siblings flat (`import ray_client`), as the image installs
+them (all in /usr/local/lib/standin); a module has one name in a mypy run, so this stub gives the flat name the
+package module's types."""
+
+from testbed.standin.ray_client import *  # noqa: F403 - all of it, under the flat name
