@@ -57,15 +57,21 @@ def incomplete_reason(weights: Weights, revision: str, layout: str) -> str | Non
     groups = _revision_groups(files, revision, layout)
     if layout == "hf-cache" and any(f.path == f"refs/{revision}" for f in files) and not any(groups.values()):
         return f"refs/{revision} is written but no file of its snapshot is there yet (a cut `hf download`)"
-    for where, members in sorted(groups.items()):
-        # a link leading out of the tree is broken in the listing too: the copy refuses that tree, saying why
-        broken = [] if weights.unsafe_count else [f.path for f in members if f.link_target is not None and
-                                                  f.size is None]
-        if broken:
-            return f"{_named(broken)} link to blobs that are not there (a cut or pruned download)"
-        count, gaps = missing_shards(posixpath.relpath(f.path, where) if where else f.path for f in members)
-        if count:
-            return f"{_count_named([posixpath.join(where, g) for g in gaps], count)} missing from a sharded checkpoint"
+    return next((why for where, members in sorted(groups.items())
+                 if (why := _snapshot_reason(weights, where, members)) is not None), None)
+
+
+def _snapshot_reason(weights: Weights, where: str, members: list[WeightFile]) -> str | None:
+    """Why one snapshot directory (`where`, "" for the whole tree) is not whole: a link to a missing blob, or a
+    shard its siblings' names promise; None when it is."""
+    # a link leading out of the tree is broken in the listing too: the copy refuses that tree, saying why
+    broken = [] if weights.unsafe_count else [f.path for f in members if f.link_target is not None and
+                                              f.size is None]
+    if broken:
+        return f"{_named(broken)} link to blobs that are not there (a cut or pruned download)"
+    count, gaps = missing_shards(posixpath.relpath(f.path, where) if where else f.path for f in members)
+    if count:
+        return f"{_count_named([posixpath.join(where, g) for g in gaps], count)} missing from a sharded checkpoint"
     return None
 
 

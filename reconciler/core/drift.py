@@ -21,6 +21,7 @@ from reconciler.core.observed import (
     LABEL_LAUNCH,
     LABEL_SPEC_HASH,
     Container,
+    Image,
     Link,
     NodeObservation,
     Observed,
@@ -261,7 +262,6 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
     observed = observed.covering(n.name for n in desired.nodes)
     ours = owner(desired, observed)
     specs = {s.node: s for s in launch_specs(desired)}
-    name = desired.serving.container_name
     for node in desired.nodes:
         obs = observed.node(node.name)
         if not obs.usable:
@@ -269,28 +269,46 @@ def serving_drift(desired: Desired, observed: Observed, reference: str | None = 
         if not desired.is_part:  # a file of several says its stale containers once, on the whole (`diff`)
             out += _stale_on(desired, node.name, obs, ours)
         spec = specs.get(node.name)
-        if spec is None:
-            continue
-        c = obs.container(name)
-        if c is None:
-            out.append(_on_container(node.name, "serving", name, f"running, spec {spec.spec_hash}", "missing"))
-        elif not c.owned_by(ours):
-            seen = (ours.foreign(c.labels.get(LABEL_INSTANCE)) if c.managed
-                    else "a container not created by the reconciler holds the name")
-            out.append(_on_container(node.name, "serving", name, f"created by this reconciler ({ours.describe()})",
-                                     seen, actionable=False, blocking=True))
-        elif not c.running:
-            out.append(_on_container(node.name, "serving", name, "running", c.state))
-        elif c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:
-            out.append(_spec_drift(node.name, spec, c))
-        elif (local := obs.images.get(desired.serving.image)) and c.image_id and c.image_id != local.id:
-            out.append(_on_container(node.name, "serving", name, f"image {local.id[:19]}", f"image {c.image_id[:19]}"))
-        elif reference is not None and (local is None or local.content != reference):
-            # the image step brings the reference's content in this plan; a rank left on the old one would
-            # serve beside ranks of the new (found by the oracle property, tests/unit/oracle.py)
-            out.append(_on_container(node.name, "serving", name, f"image content {reference[:19]}",
-                             f"image content {local.content[:19] if local else 'missing'}"))
+        if spec is not None and (drift := _serving_container_drift(desired, node.name, obs, spec, ours,
+                                                                   reference)) is not None:
+            out.append(drift)
     return out
+
+
+def _serving_container_drift(desired: Desired, node: str, obs: NodeObservation, spec: LaunchSpec, ours: Owner,
+                             reference: str | None) -> Drift | None:
+    """How the node's serving container differs from its launch spec, the first difference only (missing,
+    someone else's, stopped, another spec, another image), or None when it is as specified."""
+    name = desired.serving.container_name
+    c = obs.container(name)
+    if c is None:
+        return _on_container(node, "serving", name, f"running, spec {spec.spec_hash}", "missing")
+    if not c.owned_by(ours):
+        seen = (ours.foreign(c.labels.get(LABEL_INSTANCE)) if c.managed
+                else "a container not created by the reconciler holds the name")
+        return _on_container(node, "serving", name, f"created by this reconciler ({ours.describe()})",
+                             seen, actionable=False, blocking=True)
+    if not c.running:
+        return _on_container(node, "serving", name, "running", c.state)
+    if c.labels.get(LABEL_SPEC_HASH) != spec.spec_hash:
+        return _spec_drift(node, spec, c)
+    return _serving_image_drift(desired, node, obs, c, reference)
+
+
+def _serving_image_drift(desired: Desired, node: str, obs: NodeObservation, c: Container,
+                         reference: str | None) -> Drift | None:
+    """Our running container on its spec, but on another image than the node holds under the reference, or on
+    a node whose image is not the reference's content; None when neither."""
+    name = desired.serving.container_name
+    local = obs.images.get(desired.serving.image)
+    if local and c.image_id and c.image_id != local.id:
+        return _on_container(node, "serving", name, f"image {local.id[:19]}", f"image {c.image_id[:19]}")
+    if reference is not None and (local is None or local.content != reference):
+        # the image step brings the reference's content in this plan; a rank left on the old one would
+        # serve beside ranks of the new (found by the oracle property, tests/unit/oracle.py)
+        return _on_container(node, "serving", name, f"image content {reference[:19]}",
+                             f"image content {local.content[:19] if local else 'missing'}")
+    return None
 
 
 def _stale_on(desired: Desired, node: str, obs: NodeObservation, ours: Owner) -> list[Drift]:
@@ -372,40 +390,55 @@ def _image_drift(desired: Desired, observed: Observed, ready: list[str], holder:
     image = desired.serving.image
     res = f"image/{image}"
     if holder is None:
-        if puller := image_puller(desired, observed):
-            # staged on the internet node first; the copies and the start follow on the next pass
-            return [Drift(puller, "image", res, f"present on {puller}", f"missing: pulled there first (`docker "
-                          f"pull {image}`), while what runs keeps serving")]
-        sources, first = ", ".join(desired.image_sources), desired.image_sources[0]
-        how = (f"{first} pulls it once it answers" if desired.node(first).internet else
-               f"pull it on {first} (`docker pull {image}`): the file gives it no internet, so the reconciler does "
-               "not")
-        return [Drift(name, "image", res, f"present on an image source ({sources})",
-                      f"on no reachable image source: {how}", actionable=False, blocking=True) for name in ready]
+        return _image_nowhere(desired, observed, ready)
     reference = observed.node(holder).images[image]
     pin = desired.serving.image_id
     if pin and not reference.matches_pin(pin):
         online = next((n.name for n in desired.nodes if n.internet), holder)  # the worker cannot pull
         return [Drift(holder, "image", res, f"pinned {pin[:19]}", f"{reference.id[:19]} (pull the pinned image "
                       f"on {online}; nothing is copied or started on another)", actionable=False, blocking=True)]
-    out = []
-    for name in ready:
-        got = observed.node(name).images.get(image)
-        machine = observed.node(name).machine
-        if not runs_on(reference.platform, machine):
-            assert machine is not None, "runs_on judges nothing without a machine"
-            arch = machine_platform(machine).split("/")[1]
-            out.append(Drift(name, "image", res, f"an image for {machine_platform(machine)} (uname -m: {machine})",
-                             f"{reference.platform} on {holder}: every rank would exit with 'exec format error'; "
-                             f"pull the {arch} image on {holder} (or a multi-platform tag); nothing is copied, "
-                             "stopped or started", actionable=False, blocking=True))
-        elif got is None or got.content != reference.content:
-            seen = f"content {got.content[:19]}" if got else "missing"
-            lack = shortfall(observed.node(name), "image", disk_needs(desired, observed, name))
-            out.append(Drift(name, "image", res, f"content {reference.content[:19]}", seen) if lack is None else
-                       Drift(name, "image", res, f"{gib(lack.needed)} free in docker's data root for the copy",
-                             f"{seen}; {lack}", actionable=False, blocking=True))
-    return out
+    return [d for name in ready if (d := _node_image_drift(desired, observed, name, reference, holder)) is not None]
+
+
+def _image_nowhere(desired: Desired, observed: Observed, ready: list[str]) -> list[Drift]:
+    """No image source holds the serving image: pulled on the first internet source that answers, else each
+    ready node says which source must pull it (blocking)."""
+    image = desired.serving.image
+    res = f"image/{image}"
+    if puller := image_puller(desired, observed):
+        # staged on the internet node first; the copies and the start follow on the next pass
+        return [Drift(puller, "image", res, f"present on {puller}", f"missing: pulled there first (`docker "
+                      f"pull {image}`), while what runs keeps serving")]
+    sources, first = ", ".join(desired.image_sources), desired.image_sources[0]
+    how = (f"{first} pulls it once it answers" if desired.node(first).internet else
+           f"pull it on {first} (`docker pull {image}`): the file gives it no internet, so the reconciler does "
+           "not")
+    return [Drift(name, "image", res, f"present on an image source ({sources})",
+                  f"on no reachable image source: {how}", actionable=False, blocking=True) for name in ready]
+
+
+def _node_image_drift(desired: Desired, observed: Observed, name: str, reference: Image,
+                      holder: str) -> Drift | None:
+    """One ready node against the reference image: a platform it cannot run (blocking, nothing copied), content
+    that differs (a copy, or blocking when docker's data root lacks the room), or None when it holds it."""
+    image = desired.serving.image
+    res = f"image/{image}"
+    got = observed.node(name).images.get(image)
+    machine = observed.node(name).machine
+    if not runs_on(reference.platform, machine):
+        assert machine is not None, "runs_on judges nothing without a machine"
+        arch = machine_platform(machine).split("/")[1]
+        return Drift(name, "image", res, f"an image for {machine_platform(machine)} (uname -m: {machine})",
+                     f"{reference.platform} on {holder}: every rank would exit with 'exec format error'; "
+                     f"pull the {arch} image on {holder} (or a multi-platform tag); nothing is copied, "
+                     "stopped or started", actionable=False, blocking=True)
+    if got is not None and got.content == reference.content:
+        return None
+    seen = f"content {got.content[:19]}" if got else "missing"
+    lack = shortfall(observed.node(name), "image", disk_needs(desired, observed, name))
+    return (Drift(name, "image", res, f"content {reference.content[:19]}", seen) if lack is None else
+            Drift(name, "image", res, f"{gib(lack.needed)} free in docker's data root for the copy",
+                  f"{seen}; {lack}", actionable=False, blocking=True))
 
 
 #: What each way nvidia-smi fails means and what to do, by its exit status (NVML's nvmlReturn_t: 9 driver not

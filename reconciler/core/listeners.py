@@ -1,5 +1,5 @@
 """Which listeners on a TCP port are in the way of ours (issue 53, MEDIUM B): the one rule for the head's health
-checks (`edge.probes.port_owner_script`) and for the ports a start needs (`core.planning._ports_taken`).
+checks (`edge.facts.ports.port_owner_script`) and for the ports a start needs (`core.planning._ports_taken`).
 
 vLLM binds `serving.host:serving.port` (`127.0.0.1` or `0.0.0.0`, an IPv4 socket) and the health checks dial
 `127.0.0.1:serving.port`. A listener is in the way when it would receive that connection or keep that bind from

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 _NAME = r"[A-Za-z0-9_.-]{1,40}"
 #: The lines of a rank's log that name the network, as POSIX EREs whose one group is the name: what the node's
-#: `sed` keeps of the log (edge/probes.py `rank_fact`), so only names cross.
+#: `sed` keeps of the log (edge/facts/memory.py `rank_fact`), so only names cross.
 NETWORK_LINES = (rf"NCCL INFO Using network ({_NAME})", rf"NCCL INFO Channel .* via NET/({_NAME})/")
 
 SOCKET = "Socket"

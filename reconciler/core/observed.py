@@ -353,7 +353,7 @@ MAX_KNOWN_AS: Final = 64
 
 
 class ClusterIdentity(_Model):
-    """The cluster's own name, kept on its head in `~/.spark-reconciler/cluster-id` (`edge.probes.identity_script`):
+    """The cluster's own name, kept on its head in `~/.spark-reconciler/cluster-id` (`edge.facts.host.identity_script`):
     a random id made once, and the instance names (`host:port`) the head's containers were labelled with before
     it existed. It belongs to the head machine, not to an address, so a renumbered head (DHCP, a move to its
     `.local` name) still owns its running containers (issue 29, finding 7)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from reconciler.core.observed import KNOWN_AS_PATTERN, Observed
 from reconciler.core.spec import Desired
 
-#: Where the id lives on the head, for messages (the probe fragment in `edge.probes` makes and reads it).
+#: Where the id lives on the head, for messages (the fact in `edge.facts.host` makes and reads it).
 CLUSTER_ID_FILE = "~/.spark-reconciler/cluster-id"
 
 

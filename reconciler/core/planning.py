@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
 
 from reconciler.core.drift import UNUSABLE_KINDS, Drift, FieldChange, diff, image_holder
+from reconciler.core.kinds import ENGINE_STARTS, FETCHES, NODE_STEPS, STAGING, StepKind
 from reconciler.core.listeners import ANY, takes
-from reconciler.core.observed import NodeObservation, Observed
+from reconciler.core.observed import Container, NodeObservation, Observed, ServeFlags
 from reconciler.core.ownership import owner
 from reconciler.core.retention import removals
 from reconciler.core.spec import Desired
-from reconciler.core.vllm import extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
-
-StepKind = Literal["stop-container", "start-container", "link", "prune-weights", "prune-images", "download",
-                   "pull-image", "image", "weights", "stop-serving",
-                   "start-serving", "launch-model", "await-health"]
-STEP_KINDS: tuple[StepKind, ...] = get_args(StepKind)
+from reconciler.core.vllm import LaunchSpec, extra_flags, launch_specs, serve_argvs, serve_wrapper, unknown_flags
 
 
 @dataclass(frozen=True)
@@ -150,56 +146,27 @@ def _explain(d: Drift) -> str:
 
 
 def plan(desired: Desired, observed: Observed) -> Plan:
-    """The plan from `observed`; a node it lacks (a snapshot from before the file named it) did not answer."""
+    """The plan from `observed`; a node it lacks (a snapshot from before the file named it) did not answer.
+
+    One pass per concern, in the order the steps run (docs/architecture.md, "Step order"): the co-tenant stops and
+    the links, retention's removals, the image and the weights (or their fetch from the internet), then serving."""
     observed = observed.covering(n.name for n in desired.nodes)
     if len(desired.deployments) > 1:
         return _plan_several(desired, observed)
     drift = diff(desired, observed)
-    mode = "paused" if desired.policy.paused else desired.policy.mode
+    mode = _mode(desired)
     if mode != "enforce":
         return Plan(drift, [], [], mode, tuple(desired.trust.granted()))
-    steps: list[Step] = []
-    down = {d.node for d in drift if d.kind in UNUSABLE_KINDS}
-
-    stops = [Step("stop-container", d.node, f"{d.container} is running but not allowed", container=d.container)
-             for d in drift if d.kind == "co-tenant" and d.actionable]
-    steps += stops
-
-    link_ids: dict[str, str] = {}
-    for name in dict.fromkeys(d.node for d in drift if d.kind in ("link", "rdma") and d.actionable):
-        reasons = "; ".join(_explain(d) for d in drift if d.node == name and d.kind in ("link", "rdma"))
-        steps.append(Step("link", name, reasons))
-        link_ids[name] = steps[-1].id
-
-    image = desired.serving.image
+    down = _down(drift)
+    stops = _co_tenant_stops(drift)
+    links = _link_steps(drift)
+    link_ids = {s.node: s.id for s in links}
     holder = image_holder(desired, observed)
-    reference = observed.node(holder).images[image].content if holder else None
+    reference = observed.node(holder).images[desired.serving.image].content if holder else None
     prunes = [] if desired.is_part else _prune_steps(desired, observed, reference)  # see _plan_several
-    steps += prunes
     prune_ids = {node: tuple(s.id for s in prunes if s.node == node) for node in dict.fromkeys(s.node for s in prunes)}
-    for d in drift:
-        if d.kind == "image" and d.actionable and holder is None:  # no source holds it: the internet node pulls
-            steps.append(Step("pull-image", d.node, _explain(d), image=image))
-        if d.kind != "image" or not d.actionable or holder is None:
-            continue
-        after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
-        after += prune_ids.get(d.node, ())  # room first
-        expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
-        steps.append(Step("image", d.node, _explain(d), after,
-                          source=holder, image=image, content=expect))
-
-    source = desired.source_node
-    for d in drift:
-        if d.kind != "weights" or not d.actionable:
-            continue
-        if d.node == source:  # the source lacks them: it downloads them from the Hub first
-            steps.append(Step("download", source, _explain(d), prune_ids.get(source, ()),
-                              path=desired.model.path_on(source)))
-            continue
-        after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids) + prune_ids.get(d.node, ())
-        steps.append(Step("weights", d.node, _explain(d), after,
-                          source=source, path=desired.model.path_on(d.node)))
-
+    steps = [*stops, *links, *prunes, *_image_steps(desired, observed, drift, holder, link_ids, prune_ids),
+             *_weights_steps(desired, drift, link_ids, prune_ids)]
     serving = _serving_steps(desired, observed, drift, steps, down)
     steps, held = _hold_or_order_stops(steps, stops, serving, _running_ours(desired, observed))
     ulimits = tuple(f"{k}={v}" for k, v in desired.serving.docker.effective_ulimits.items())
@@ -207,22 +174,77 @@ def plan(desired: Desired, observed: Observed) -> Plan:
                 _downtime(desired, observed, drift, steps), (serving.refused,) if serving.refused else ())
 
 
+def _down(drift: list[Drift]) -> set[str]:
+    """The nodes the plan cannot work on (unreachable, docker not answering)."""
+    return {d.node for d in drift if d.kind in UNUSABLE_KINDS}
+
+
+def _mode(desired: Desired) -> str:
+    """What the file lets the plan do: `enforce` plans steps; `observe` and `paused` only the drift."""
+    return "paused" if desired.policy.paused else desired.policy.mode
+
+
+def _co_tenant_stops(drift: list[Drift]) -> list[Step]:
+    return [Step("stop-container", d.node, f"{d.container} is running but not allowed", container=d.container)
+            for d in drift if d.kind == "co-tenant" and d.actionable]
+
+
+def _link_steps(drift: list[Drift]) -> list[Step]:
+    """One link step per node whose fabric (link or RDMA port) drifted, its reasons all said."""
+    faulty = [d for d in drift if d.kind in ("link", "rdma")]
+    return [Step("link", name, "; ".join(_explain(d) for d in faulty if d.node == name))
+            for name in dict.fromkeys(d.node for d in faulty if d.actionable)]
+
+
+def _image_steps(desired: Desired, observed: Observed, drift: list[Drift], holder: str | None,
+                 link_ids: dict[str, str], prune_ids: dict[str, tuple[str, ...]]) -> list[Step]:
+    """The image to every node that lacks it: copied from `holder` over the fabric (after the links at both ends
+    and the target's removals), or, when no source holds it, pulled by the internet node."""
+    image, steps = desired.serving.image, []
+    for d in (d for d in drift if d.kind == "image" and d.actionable):
+        if holder is None:
+            steps.append(Step("pull-image", d.node, _explain(d), image=image))
+            continue
+        after = tuple(link_ids[n] for n in (holder, d.node) if n in link_ids)  # it goes over the fabric
+        after += prune_ids.get(d.node, ())  # room first
+        expect = observed.node(holder).images[image].content  # what the target must end up with, whatever it loads
+        steps.append(Step("image", d.node, _explain(d), after, source=holder, image=image, content=expect))
+    return steps
+
+
+def _weights_steps(desired: Desired, drift: list[Drift], link_ids: dict[str, str],
+                   prune_ids: dict[str, tuple[str, ...]]) -> list[Step]:
+    """The weights to every node that lacks them, from the source over the fabric; the source itself downloads
+    them from the Hub first."""
+    source, steps = desired.source_node, []
+    for d in (d for d in drift if d.kind == "weights" and d.actionable):
+        if d.node == source:
+            steps.append(Step("download", source, _explain(d), prune_ids.get(source, ()),
+                              path=desired.model.path_on(source)))
+            continue
+        after = tuple(link_ids[n] for n in (source, d.node) if n in link_ids) + prune_ids.get(d.node, ())
+        steps.append(Step("weights", d.node, _explain(d), after, source=source, path=desired.model.path_on(d.node)))
+    return steps
+
+
 def _downtime(desired: Desired, observed: Observed, drift: list[Drift], steps: list[Step]) -> Downtime | None:
     """The outage the steps cause, when they stop a running serving container (an ordered restart stops every
     rank, whatever changed on which: planning restarts the tensor-parallel group as a whole)."""
-    name = desired.serving.container_name
-    stopping = tuple(s.node for s in steps if s.kind == "stop-serving" and s.container == name
-                     and (c := observed.node(s.node).container(name)) is not None and c.running)
+    stopping = _stops_running_serving(desired, observed, steps)
     if not stopping:
         return None
+    name = desired.serving.container_name
     own = {d.node for d in drift if d.kind == "serving" and d.container == name}
     started = {s.node for s in steps if s.kind == "start-serving"}
     with_them = tuple(n.name for n in desired.serving_nodes if n.name in started and n.name not in own)
     return Downtime(stopping, with_them if own else (), desired.serving.health_timeout)
 
 
-#: Steps that put the weights and the image where the start needs them: long, and harmless to what runs.
-STAGING = ("download", "pull-image", "image", "weights")
+def _stops_running_serving(desired: Desired, observed: Observed, steps: list[Step]) -> tuple[str, ...]:
+    """The nodes where the steps stop our serving container while it runs."""
+    name = desired.serving.container_name
+    return tuple(s.node for s in steps if s.kind == "stop-serving" and s.container == name
+                 and (c := observed.node(s.node).container(name)) is not None and c.running)
 
 
 def _running_ours(desired: Desired, observed: Observed) -> bool:
@@ -247,7 +269,7 @@ def _hold_or_order_stops(steps: list[Step], stops: list[Step], serving: Serving,
         return rest + then, [Blocker(s.node, f"{s.container} keeps running, though not allowed: the serving start "
                                              f"that stopping it makes room for is blocked ({serving.held})")
                              for s in stops]
-    if ours_running or not any(s.kind in ("start-serving", "launch-model") for s in then):
+    if ours_running or not any(s.kind in ENGINE_STARTS for s in then):
         return steps + then, []
     staging = tuple(s.id for s in rest if s.kind in STAGING)
     if not staging:
@@ -288,55 +310,76 @@ class Serving:
 
 def _serving_steps(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step],
                    down: set[str]) -> Serving:
-    """The ordered (re)start of serving and the stops it needs (`Serving`)."""
+    """The ordered (re)start of serving and the stops it needs (`Serving`): our stale containers' stops, then
+    why serving restarts (`_why_restart`), what holds the restart back (`_restart_held`), or the restart."""
     serving = [n.name for n in desired.serving_nodes]
-    head = serving[0]
     name = desired.serving.container_name
     restart = [d for d in drift if d.kind == "serving" and d.actionable and d.node in serving
                and d.container == name]
-    stale = [d for d in drift if d.kind == "serving" and d.actionable and d not in restart]
-    steps: list[Step] = []
-    stops: dict[str, Step] = {}
-
-    def stop(node: str, container: str, reason: str, after: tuple[str, ...], grace: int | None = None) -> None:
-        if node in down:
-            return
-        step = Step("stop-serving", node, reason, after, container=container, grace=grace)
-        if step.id not in stops:
-            stops[step.id] = step
-            steps.append(step)
-
-    for d in stale:
-        assert d.container is not None, "a serving drift that is not a container's is never actionable"
-        stop(d.node, d.container, _explain(d), ())
-
+    stops = _Stops(down)
+    for d in drift:
+        if d.kind == "serving" and d.actionable and d not in restart:
+            assert d.container is not None, "a serving drift that is not a container's is never actionable"
+            stops.add(d.node, d.container, _explain(d), ())
     why = _why_restart(desired, observed, drift, restart, down)
     if why.reason is None:
-        return Serving((*steps, *why.steps), why.blocked)
+        return Serving((*stops.steps, *why.steps), why.blocked)
+    if (held := _restart_held(desired, observed, drift, before)) is not None:
+        return dataclasses.replace(held, steps=tuple(stops.steps))
+    return Serving(tuple(_ordered_restart(desired, observed, why, before, stops)))
+
+
+@dataclass
+class _Stops:
+    """The serving stops of a plan, each once (the first reason wins), none on a node that cannot be reached."""
+
+    down: set[str]
+    steps: list[Step] = dataclasses.field(default_factory=list)
+
+    def add(self, node: str, container: str, reason: str, after: tuple[str, ...], grace: int | None = None) -> None:
+        step = Step("stop-serving", node, reason, after, container=container, grace=grace)
+        if node not in self.down and all(s.id != step.id for s in self.steps):
+            self.steps.append(step)
+
+
+def _restart_held(desired: Desired, observed: Observed, drift: list[Drift], before: list[Step]) -> Serving | None:
+    """Why a restart that is wanted cannot happen now (as a `Serving` without steps), or None: it goes ahead. The
+    image refuses it, it waits for other drift or for a fetch from the internet (its result is planned next pass),
+    or a port it needs is taken."""
+    serving = [n.name for n in desired.serving_nodes]
+    head = serving[0]
     if alien := _image_refuses(desired, observed):
         held = "the image refuses the start" if alien.final else "it waits for the serving image's answer"
-        return Serving(tuple(steps), (Blocker(head, alien.reason),), f"{held}: see the blocker on {head}",
+        return Serving((), (Blocker(head, alien.reason),), f"{held}: see the blocker on {head}",
                        alien.reason if alien.final else None)
     hurdles = list(dict.fromkeys(_restart_hurdles(drift, serving)))
-    staging = [s for s in before if s.kind in ("download", "pull-image")]  # their result is planned next pass
-    if hurdles or staging:
-        waits = [f"{d.kind} on {d.node}" for d in hurdles] + [s.id for s in staging]
-        return Serving(tuple(steps), (
+    fetches = [s for s in before if s.kind in FETCHES]
+    if hurdles or fetches:
+        waits = [f"{d.kind} on {d.node}" for d in hurdles] + [s.id for s in fetches]
+        return Serving((), (
             *(Blocker(d.node, f"serving restart waits for {d.kind} on {d.node}: {_explain(d)}") for d in hurdles),
             *(Blocker(s.node, f"serving restart waits for {s.id}: the copies and the start are planned once it is "
-                              "done") for s in staging)), f"it waits for {', '.join(dict.fromkeys(waits))}")
+                              "done") for s in fetches)), f"it waits for {', '.join(dict.fromkeys(waits))}")
     if taken := _ports_taken(desired, observed, before):
-        return Serving(tuple(steps), tuple(taken))  # a co-tenant this plan stops may hold the port: it goes ahead
+        return Serving((), tuple(taken))  # a co-tenant this plan stops may hold the port: it goes ahead
+    return None
+
+
+def _ordered_restart(desired: Desired, observed: Observed, why: Restart, before: list[Step],
+                     stops: _Stops) -> list[Step]:
+    """Stop our serving containers after everything else, then start the group in order (`_start_steps`)."""
+    serving = [n.name for n in desired.serving_nodes]
+    name = desired.serving.container_name
     prereq = tuple(s.id for s in before)
     ours = owner(desired, observed)
     for node in serving:
         c = observed.node(node).container(name)
         if c is not None and c.owned_by(ours):
-            stop(node, name, f"ordered restart ({why.reason})", prereq, WEDGED_STOP_GRACE if why.wedged else None)
-    image = observed.node(head).images.get(desired.serving.image)
+            stops.add(node, name, f"ordered restart ({why.reason})", prereq, WEDGED_STOP_GRACE if why.wedged else None)
+    image = observed.node(serving[0]).images.get(desired.serving.image)
     wrapper = serve_wrapper(image.entrypoint) if image else ()
-    steps += _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in steps), wrapper)
-    return Serving(tuple(steps))
+    return stops.steps + _start_steps(desired.serving.launcher, serving, prereq + tuple(s.id for s in stops.steps),
+                                      wrapper)
 
 
 @dataclass(frozen=True)
@@ -432,7 +475,12 @@ def _image_refuses(desired: Desired, observed: Observed) -> Refusal | None:
     named = f"{desired.serving.image} ({image.id[:19]})"
     if flags is None:
         return None  # not asked: only a snapshot without an answer (the daemon and the commands always ask first)
-    if flags.image_id != image.id:
+    return _no_answer(desired, flags, image.id, holder, named) or _unknown_flags(desired, flags, named)
+
+
+def _no_answer(desired: Desired, flags: ServeFlags, image_id: str, holder: str, named: str) -> Refusal | None:
+    """The image's answer is not at hand (about another id, pending, failed) or says it has no Ray."""
+    if flags.image_id != image_id:
         return Refusal(f"serving waits for {named} to say which flags its `vllm serve` knows: the answer at "
                        f"hand is about {flags.image_id[:19]}; nothing is stopped")
     if flags.pending:
@@ -447,6 +495,11 @@ def _image_refuses(desired: Desired, observed: Observed) -> Refusal | None:
         return Refusal(f"serving.launcher is ray, but {named} has no `ray` command (NVIDIA's vLLM 26.05-py3 ships "
                 "without Ray, and the offline worker cannot install it): use launcher: native, or an image "
                 "with Ray; nothing is stopped or started", final=True)
+    return None
+
+
+def _unknown_flags(desired: Desired, flags: ServeFlags, named: str) -> Refusal | None:
+    """The flags of the start's `vllm serve` argvs the image does not know: the launcher's own, or extra_args."""
     unknown = list(dict.fromkeys(f for argv in serve_argvs(desired) for f in unknown_flags(list(argv), flags.flags)))
     if not unknown:
         return None
@@ -480,25 +533,30 @@ def _ports_taken(desired: Desired, observed: Observed, before: list[Step]) -> li
     serving_now = _running_ours(desired, observed)
     out = []
     for spec in launch_specs(desired):
-        listening = observed.node(spec.node).listening
-        if listening is None or not spec.listens:
-            continue  # not read: only a snapshot from before the probe read it
-        ours = set().union(*({p for _, p in spec.listens} if c.held_ports is None else c.held_ports
-                             for c in running[spec.node]))
-        taken = [(field, port) for field, port in spec.listens if port not in ours and _in_the_way(
-            observed.node(spec.node), port, desired.serving.host if field == "serving.port" else ANY)]
-        if not taken:
-            continue
+        taken = _taken(desired, observed.node(spec.node), spec, running[spec.node])
         freeing = [s.id for s in before if s.kind == "stop-container" and s.node == spec.node]
-        if freeing and not serving_now:
-            continue
-        held = ", ".join(f"{port} ({field})" for field, port in taken)
-        then = (f"; judged again once {', '.join(freeing)} has run (it may hold it)" if freeing else
-                "; nothing is stopped or started")
-        out.append(Blocker(spec.node, f"port {held} on {spec.node} is held by a process the reconciler did not "
-                                      "start, and rank 0 must listen there: free it (`sudo ss -ltnp 'sport = :"
-                                      f"{taken[0][1]}'` shows who holds it) or choose another port{then}"))
+        if taken and not (freeing and not serving_now):
+            out.append(_port_blocker(spec.node, taken, freeing))
     return out
+
+
+def _taken(desired: Desired, node: NodeObservation, spec: LaunchSpec,
+           running: list[Container]) -> list[tuple[str, int]]:
+    """The (field, port)s of `spec` that something not ours listens on in the way on `node`."""
+    if node.listening is None or not spec.listens:
+        return []  # not read: only a snapshot from before the probe read it
+    ours = set().union(*({p for _, p in spec.listens} if c.held_ports is None else c.held_ports for c in running))
+    return [(field, port) for field, port in spec.listens if port not in ours and _in_the_way(
+        node, port, desired.serving.host if field == "serving.port" else ANY)]
+
+
+def _port_blocker(node: str, taken: list[tuple[str, int]], freeing: list[str]) -> Blocker:
+    held = ", ".join(f"{port} ({field})" for field, port in taken)
+    then = (f"; judged again once {', '.join(freeing)} has run (it may hold it)" if freeing else
+            "; nothing is stopped or started")
+    return Blocker(node, f"port {held} on {node} is held by a process the reconciler did not start, and rank 0 "
+                         f"must listen there: free it (`sudo ss -ltnp 'sport = :{taken[0][1]}'` shows who holds it) "
+                         f"or choose another port{then}")
 
 
 def _in_the_way(node: NodeObservation, port: int, host: str) -> bool:
@@ -543,10 +601,6 @@ def _start_steps(launcher: str, serving: list[str], stopped: tuple[str, ...], wr
                          (steps[-1].id,))]
 
 
-#: Steps that act on a node for the whole file, whichever deployment's plan finds them: said once, untagged.
-NODE_STEPS: frozenset[StepKind] = frozenset({"stop-container", "start-container", "link"})
-
-
 def _plan_several(desired: Desired, observed: Observed) -> Plan:
     """A file of several deployments: each deployment planned as a file of one on its view (`Desired.view`,
     `Observed.view`), its steps tagged with its name (`Step.deployment`), the nodes' own steps (links,
@@ -555,36 +609,46 @@ def _plan_several(desired: Desired, observed: Observed) -> Plan:
     plan never stops what works for a start that cannot happen. Retention prunes nothing yet in a file of
     several: what is current is every deployment's model and image, which `core.retention` judges one at a time."""
     drift = diff(desired, observed)
-    mode = "paused" if desired.policy.paused else desired.policy.mode
+    mode = _mode(desired)
     trusted = tuple(desired.trust.granted())
     if mode != "enforce":
         return Plan(drift, [], [], mode, trusted)
-    down = {d.node for d in drift if d.kind in UNUSABLE_KINDS}
     parts = [(v.deployment.name, plan(v, observed.view(v.deployment.name))) for v in _in_start_order(desired)]
-    steps = [Step("stop-serving", d.node, _explain(d), container=d.container) for d in drift
-             if d.kind == "serving" and d.deployment is None and d.actionable and d.node not in down]
+    steps = _stale_containers_stops(drift)
+    blocked = [Blocker(b.node, f"{name}: {b.reason}") for name, part in parts for b in part.blocked]
+    ulimits = tuple(dict.fromkeys(u for _, p in parts for u in p.ulimits))
+    return Plan(drift, steps + _joined_steps(parts), list(dict.fromkeys(blocked)), mode, trusted, ulimits,
+                _joined_downtime([p.downtime for _, p in parts if p.downtime]),
+                tuple(f"{name}: {why}" for name, p in parts for why in p.refused))
+
+
+def _stale_containers_stops(drift: list[Drift]) -> list[Step]:
+    """The stops of our containers no deployment wants (a former name, a node that serves no more), said once for
+    the file, on the nodes that can be reached."""
+    down = _down(drift)
+    return [Step("stop-serving", d.node, _explain(d), container=d.container) for d in drift
+            if d.kind == "serving" and d.deployment is None and d.actionable and d.node not in down]
+
+
+def _joined_steps(parts: list[tuple[str, Plan]]) -> list[Step]:
+    """The deployments' steps in start order, tagged: a node's own step (`NODE_STEPS`) once, and not at all when
+    a deployment holds it back; each engine start after the health of the deployments before it."""
     stops = [{s.id for s in p.steps if s.kind == "stop-container"} for _, p in parts]
     held = set[str]().union(*stops) - stops[0].intersection(*stops[1:])  # a blocked start holds them back
-    blocked: list[Blocker] = []
-    seen: set[str] = set()
+    steps: list[Step] = []
     previous: tuple[str, ...] = ()
     for name, part in parts:
         tagged = _tagged(name, part.steps)
         for step in tagged:
             if step.kind in NODE_STEPS:
-                if step.id not in seen and step.id not in held:
-                    seen.add(step.id)
+                if step.id not in held and all(s.id != step.id for s in steps):
                     steps.append(step)
                 continue
-            if step.kind in ("start-serving", "launch-model") and previous:
+            if step.kind in ENGINE_STARTS and previous:
                 step = dataclasses.replace(step, after=tuple(dict.fromkeys(step.after + previous)))
             steps.append(step)
-        blocked += [Blocker(b.node, f"{name}: {b.reason}") for b in part.blocked]
         previous = previous + tuple(s.id for s in tagged if s.kind == "await-health")
-    ulimits = tuple(dict.fromkeys(u for _, p in parts for u in p.ulimits))
-    return Plan(drift, steps, list(dict.fromkeys(blocked)), mode, trusted, ulimits,
-                _joined_downtime([p.downtime for _, p in parts if p.downtime]),
-                tuple(f"{name}: {why}" for name, p in parts for why in p.refused))
+    return steps
 
 
 def _in_start_order(desired: Desired) -> list[Desired]:

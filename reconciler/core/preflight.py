@@ -225,7 +225,7 @@ class LocalFacts:
 # -- what each node needs ----------------------------------------------------------------------------------------
 
 def needed_binaries(desired: Desired, node: Node) -> dict[str, str]:
-    """The commands the probe and the steps run on `node`, each with what needs it (edge/probes.py, edge/steps/):
+    """The commands the probe and the steps run on `node`, each with what needs it (edge/facts/, edge/steps/):
     what doctor looks for on the node's PATH."""
     need = {"timeout": "every command runs under it", "curl": "the probe (docker API, serving API)",
             "docker": "the containers", "ip": "the fabric ports (probe, link step)",
@@ -531,21 +531,7 @@ def hub_check(desired: Desired, node: Node, f: NodeFacts) -> Check | None:
         return Check("hub", node.name, "warn", f"{path}: {user} cannot enter it, so who may change it was not "
                      f"judged (the `weights` check says what {user} can read)")
     said = [why for e in hub.above if (why := _above_problem(e, hub.uid)) is not None]
-    for area, words in _AREAS.items():
-        total, foreign = hub.counts.get(area, (0, 0))
-        if not total:
-            continue
-        first = next((e for e in hub.loose if e.area == area), None)
-        seen = "" if first is None else \
-            f"{'uid ' + str(first.uid) + ', ' if first.uid != hub.uid else ''}mode {first.mode:04o}"
-        if area == "hub":
-            what = f"not {user}'s" if foreign else "writable by group or others"
-            said.append(f"the hub itself is {what}" + (f" ({seen})" if seen else ""))
-            continue
-        kinds = [f"{foreign} not {user}'s" if foreign else "",
-                 f"{total - foreign} writable by group or others" if total > foreign else ""]
-        said.append(f"{total} entr{'y' if total == 1 else 'ies'} of {words} ({', '.join(k for k in kinds if k)}"
-                    + (f"; first {first.path}: {seen})" if first is not None else ")"))
+    said += [why for area, words in _AREAS.items() if (why := _loose_area(hub, area, words, user)) is not None]
     parts = [p for p in ("the hub", "the model's tree" if hub.tree else "",
                          "its shared blob store" if hub.store else "") if p]
     if not said:
@@ -554,6 +540,24 @@ def hub_check(desired: Desired, node: Node, f: NodeFacts) -> Check | None:
     return Check("hub", node.name, "warn", printable(
         f"{path}: {'; '.join(said)}: whoever else can write there can swap a file of the model for a link to "
         f"{user}'s key before the copy lists it"), _hub_fix(desired, node, hub))
+
+
+def _loose_area(hub: HubFacts, area: str, words: str, user: str) -> str | None:
+    """What in one area of the hub (`_AREAS`) someone besides `user` may change: how many entries, not `user`'s
+    or writable by group or others, and the first of them; None when nothing there is."""
+    total, foreign = hub.counts.get(area, (0, 0))
+    if not total:
+        return None
+    first = next((e for e in hub.loose if e.area == area), None)
+    seen = "" if first is None else \
+        f"{'uid ' + str(first.uid) + ', ' if first.uid != hub.uid else ''}mode {first.mode:04o}"
+    if area == "hub":
+        what = f"not {user}'s" if foreign else "writable by group or others"
+        return f"the hub itself is {what}" + (f" ({seen})" if seen else "")
+    kinds = [f"{foreign} not {user}'s" if foreign else "",
+             f"{total - foreign} writable by group or others" if total > foreign else ""]
+    return (f"{total} entr{'y' if total == 1 else 'ies'} of {words} ({', '.join(k for k in kinds if k)}"
+            + (f"; first {first.path}: {seen})" if first is not None else ")"))
 
 
 def _hub_fix(desired: Desired, node: Node, hub: HubFacts) -> Fix:
@@ -691,12 +695,30 @@ def daemon_memory_check(desired: Desired, node: Node, f: NodeFacts) -> Check | N
     idle = {u.unit: f"{u.unit} {u.state}" if u.loaded else f"no {u.unit} here" for u in seen.units if not u.runs}
     running = [u for u in seen.units if u.runs]
     if not running:
-        where = ("is a systemd unit here" if not any(u.loaded for u in seen.units) else
-                 f"runs now ({', '.join(idle.values())})")
-        return Check("docker-mem", node.name, "ok", f"neither {' nor '.join(DAEMON_UNITS)} {where}: the engine "
-                     "runs some other way (a snap, rootless, its own dockerd outside systemd), so the page cache of "
-                     "its pulls and image copies is not judged")
+        return _engine_elsewhere(node, seen, idle)
     legacy = seen.hierarchy is not None and seen.hierarchy != UNIFIED
+    said, unbound = _unit_bounds(running, legacy)
+    note = (f" ({idle['containerd.service']}: dockerd then runs its own, inside docker.service)"
+            if "containerd.service" in idle else
+            f" ({idle['docker.service']}: dockerd runs some other way, not judged)" if idle else "")
+    if not unbound:
+        return Check("docker-mem", node.name, "ok", f"{'; '.join(said)}{note}: the page cache of pulls and image "
+                     "copies is reclaimed above it")
+    return _unbounded(node, seen, said, unbound, legacy, note)
+
+
+def _engine_elsewhere(node: Node, seen: DaemonMemory, idle: dict[str, str]) -> Check:
+    """Neither unit runs: the engine runs some other way, whose page cache doctor cannot judge (said, ok)."""
+    where = ("is a systemd unit here" if not any(u.loaded for u in seen.units) else
+             f"runs now ({', '.join(idle.values())})")
+    return Check("docker-mem", node.name, "ok", f"neither {' nor '.join(DAEMON_UNITS)} {where}: the engine "
+                 "runs some other way (a snap, rootless, its own dockerd outside systemd), so the page cache of "
+                 "its pulls and image copies is not judged")
+
+
+def _unit_bounds(running: list[UnitMemory], legacy: bool) -> tuple[list[str], list[UnitMemory]]:
+    """The running units' enforced bounds in words, and the units without one (MemoryHigh= does not count on the
+    legacy hierarchy, where it is not enforced)."""
     said, unbound = [], []
     for u in running:
         limits = [f"{name} {gib(v)}" for name, v in (("MemoryHigh", u.high), ("MemoryMax", u.max))
@@ -705,12 +727,13 @@ def daemon_memory_check(desired: Desired, node: Node, f: NodeFacts) -> Check | N
             said.append(f"{u.unit} {', '.join(limits)}")
         else:
             unbound.append(u)
-    note = (f" ({idle['containerd.service']}: dockerd then runs its own, inside docker.service)"
-            if "containerd.service" in idle else
-            f" ({idle['docker.service']}: dockerd runs some other way, not judged)" if idle else "")
-    if not unbound:
-        return Check("docker-mem", node.name, "ok", f"{'; '.join(said)}{note}: the page cache of pulls and image "
-                     "copies is reclaimed above it")
+    return said, unbound
+
+
+def _unbounded(node: Node, seen: DaemonMemory, said: list[str], unbound: list[UnitMemory], legacy: bool,
+               note: str) -> Check:
+    """The warning for running units without an enforced bound, with the commands that bound them (and, on the
+    legacy hierarchy, the one that boots the unified)."""
     names = ", ".join(u.unit for u in unbound)
     bound = " && ".join(f"sudo systemctl set-property {u.unit} MemoryHigh={DAEMON_MEMORY_HIGH}" for u in unbound
                         if u.high is None)
@@ -775,25 +798,38 @@ def hop_check(desired: Desired, source: str, target: str, facts: Mapping[str, No
     if answer.rc == 0 and not answer.no_carrier:
         return Check(name, source, "ok", f"{desired.node(source).ssh.user} on {source} reaches {address} over the "
                      "fabric (BatchMode, strict host key)")
-    seen = {n: facts[n].observation for n in (source, target) if n in facts}
-    states = [(n, _port_state(desired.node(n), obs.fabric)) for n, obs in seen.items() if obs is not None]
-    down = [f"{n}'s {desired.node(n).fabric.interface}: {why}" for n, why in states if why is not None]
+    down = _fabric_down(desired, source, target, facts)
     if answer.no_carrier or down:
         which = "; ".join(down) or f"{source}'s {desired.node(source).fabric.interface}: no carrier"
         return Check(name, source, "warn", f"cannot be checked until `reconciler apply` brings the fabric port up "
                      f"({which})")
     said = printable(answer.said.strip()[-300:] or f"ssh exited {answer.rc}")
     user = desired.node(source).ssh.user
+    return Check(name, source, "fail", f"{user} on {source} cannot ssh to {address} over the fabric: {said}",
+                 _hop_fix(desired, source, target, said))
+
+
+def _fabric_down(desired: Desired, source: str, target: str, facts: Mapping[str, NodeFacts]) -> list[str]:
+    """Why the source's or the target's first fabric port cannot carry the hop now, one line per port that
+    cannot (`_port_state`)."""
+    seen = {n: facts[n].observation for n in (source, target) if n in facts}
+    states = [(n, _port_state(desired.node(n), obs.fabric)) for n, obs in seen.items() if obs is not None]
+    return [f"{n}'s {desired.node(n).fabric.interface}: {why}" for n, why in states if why is not None]
+
+
+def _hop_fix(desired: Desired, source: str, target: str, said: str) -> Fix:
+    """The fix for a hop that failed, by what ssh said: the source's key not authorized on the target, another
+    host on the target's fabric address, or sshd not reachable there."""
+    t = desired.node(target)
     if "Permission denied" in said:
-        fix = Fix(f"ssh-keygen -y -f ~/.ssh/id_ed25519  # (ssh-keygen -t ed25519 first if there is none) then add "
-                  f"that line to ~{t.ssh.user}/.ssh/authorized_keys on {target}", user, source)
-    elif "Host key verification failed" in said:
-        fix = Fix(f"ip -br addr | grep {t.fabric.address.ip}  # the fabric address must be {target}'s own: another "
-                  "host answers there", "root", target)
-    else:
-        fix = Fix(f"ss -ltn 'sport = :{t.ssh.port}'  # sshd must listen on {t.fabric.address.ip} "
-                  "(ListenAddress) and no firewall drop the fabric", "root", target)
-    return Check(name, source, "fail", f"{user} on {source} cannot ssh to {address} over the fabric: {said}", fix)
+        return Fix(f"ssh-keygen -y -f ~/.ssh/id_ed25519  # (ssh-keygen -t ed25519 first if there is none) then add "
+                   f"that line to ~{t.ssh.user}/.ssh/authorized_keys on {target}", desired.node(source).ssh.user,
+                   source)
+    if "Host key verification failed" in said:
+        return Fix(f"ip -br addr | grep {t.fabric.address.ip}  # the fabric address must be {target}'s own: another "
+                   "host answers there", "root", target)
+    return Fix(f"ss -ltn 'sport = :{t.ssh.port}'  # sshd must listen on {t.fabric.address.ip} "
+               "(ListenAddress) and no firewall drop the fabric", "root", target)
 
 
 def files_check(local: LocalFacts) -> Check:

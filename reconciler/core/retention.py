@@ -106,14 +106,26 @@ def removals(desired: Desired, observed: Observed, owner: Owner, reference: str 
         if obs.copies is None or not obs.usable:
             continue
         mine = _newest_first([r for r in obs.copies if r.by == owner.label])
-        current = desired.weights_root(node.name)
-        trees = [r for r in mine if r.kind == "weights" and not overlaps(r.key, current)
-                 and out_of_reach(desired, node.name, r.key) is None]
-        images = [r for r in mine if r.kind == "image" and not _is_current_image(desired, obs, r, reference)]
-        made_from = {c.image_id for c in obs.containers if c.image_id}
-        old_trees = [r.key for r in trees[policy.previous:]
-                     if not any(_mounts(c, r.key, owner.names) for c in obs.containers)]
-        old_images = [r.key for r in images[policy.previous:] if r.detail not in made_from]
+        old_trees = _old_trees(desired, node.name, obs, mine, owner)
+        old_images = _old_images(desired, obs, mine, reference)
         if old_trees or old_images:
             out.append(Removal(node.name, tuple(sorted(old_trees)), tuple(sorted(old_images))))
     return out
+
+
+def _old_trees(desired: Desired, node: str, obs: NodeObservation, mine: list[CopyRecord], owner: Owner) -> list[str]:
+    """The weight trees of our copies (newest first) past the `previous` newest others, that no container
+    mounts: never the file's own tree, nor one that overlaps it or is out of reach."""
+    current = desired.weights_root(node)
+    trees = [r for r in mine if r.kind == "weights" and not overlaps(r.key, current)
+             and out_of_reach(desired, node, r.key) is None]
+    return [r.key for r in trees[desired.policy.retention.previous:]
+            if not any(_mounts(c, r.key, owner.names) for c in obs.containers)]
+
+
+def _old_images(desired: Desired, obs: NodeObservation, mine: list[CopyRecord], reference: str | None) -> list[str]:
+    """The images of our copies (newest first) past the `previous` newest others that are not current, that no
+    container was made from."""
+    images = [r for r in mine if r.kind == "image" and not _is_current_image(desired, obs, r, reference)]
+    made_from = {c.image_id for c in obs.containers if c.image_id}
+    return [r.key for r in images[desired.policy.retention.previous:] if r.detail not in made_from]

@@ -498,12 +498,20 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
     (its `LABEL_LAUNCH`) and these names every field that forces the restart (tests/unit/test_plan_diff.py tries
     random edits). Fields no rank reads are left out; the `vllm serve` ones are kept on a Ray worker, whose `ray
     start` does not read them, as that only shows when its own launch changed too."""
-    s, model, docker = desired.serving, desired.model, desired.serving.docker
-    span = desired.serving_nodes
-    me, head = f"nodes.{node.name}.", f"nodes.{desired.api_node.name}."
-    out = {
+    s = desired.serving
+    out = (_serving_inputs(desired, node) | _docker_inputs(desired) | _fabric_inputs(desired, node)
+           | _layout_and_launcher_inputs(desired, node))
+    out |= {f"serving.env.{k}": v for k, v in s.env.items()}
+    out |= {f"serving.secrets.{k}": secret_fingerprint(k, v) for k, v in desired.secrets_for(node).items()}
+    return {k: _short(v) for k, v in sorted(out.items()) if v != "" or k.startswith("serving.env.")}
+
+
+def _serving_inputs(desired: Desired, node: Node) -> dict[str, str]:
+    """`launch_inputs`' serving.*, trust.* and model.* fields every launch reads."""
+    s, model = desired.serving, desired.model
+    return {
         "serving.container_name": s.container_name, "serving.image": s.image, "serving.launcher": s.launcher,
-        "serving.nodes": ",".join(n.name for n in span),  # the rank and the group's size
+        "serving.nodes": ",".join(n.name for n in desired.serving_nodes),  # the rank and the group's size
         "serving.tensor_parallel_size": str(s.tensor_parallel_size),
         "serving.pipeline_parallel_size": str(s.pipeline_parallel_size),
         "serving.gpu_memory_utilization": f"{s.gpu_memory_utilization:g}", "serving.host": s.host,
@@ -511,17 +519,39 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
         "serving.max_model_len": str(s.max_model_len or ""), "serving.served_model_name": s.served_model_name or "",
         "trust.remote_code": _yaml(desired.trust.remote_code),
         "model.layout": model.layout, "model.path": model.path_on(node.name),
+        "serving.compile_cache": s.compile_cache or "",
+    }
+
+
+def _docker_inputs(desired: Desired) -> dict[str, str]:
+    """`launch_inputs`' serving.docker.* fields."""
+    docker = desired.serving.docker
+    return {
         "serving.docker.gpus": docker.gpus or "", "serving.docker.ipc": docker.ipc or "",
         "serving.docker.privileged": _yaml(docker.privileged),
         "serving.docker.shm_size": (docker.shm_size or "") if docker.ipc != "host" else "",  # ignored beside it
         "serving.docker.ulimits": " ".join(f"{k}={v}" for k, v in docker.effective_ulimits.items()),
         "serving.docker.devices": shlex.join(docker.devices), "serving.docker.cap_add": shlex.join(docker.cap_add),
-        "serving.docker.volumes": shlex.join(docker.volumes), "serving.compile_cache": s.compile_cache or "",
+        "serving.docker.volumes": shlex.join(docker.volumes),
+    }
+
+
+def _fabric_inputs(desired: Desired, node: Node) -> dict[str, str]:
+    """`launch_inputs`' fabric fields: the node's own under `nodes.NAME.`, and the head's address it points at."""
+    me, head = f"nodes.{node.name}.", f"nodes.{desired.api_node.name}."
+    return {
         me + "fabric.interface": node.fabric.interface, me + "fabric.address": str(node.fabric.address.ip),
         me + "fabric.rdma_device": node.fabric.rdma_device or "",
         me + "fabric.twin.rdma_device": (node.fabric.twin.rdma_device or "") if node.fabric.twin else "",
         head + "fabric.address": str(desired.api_node.fabric.address.ip),
     }
+
+
+def _layout_and_launcher_inputs(desired: Desired, node: Node) -> dict[str, str]:
+    """`launch_inputs`' fields only some launches read: the cache's model id and revision, the launcher's
+    rendezvous port, what a Ray head keeps local, the SSH user a compile cache in the home directory names."""
+    s, model, span = desired.serving, desired.model, desired.serving_nodes
+    out: dict[str, str] = {}
     if model.layout == "hf-cache":  # plain serves the mounted directory: neither is rendered
         out |= {"model.id": model.id, "model.revision": model.revision}
     if s.launcher == "native" and len(span) > 1:
@@ -533,10 +563,8 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
             out["ray.env_of_other_ranks"] = ",".join(sorted({k for n in span for k in _container_env(desired, n)}
                                                             - set(own)))
     if s.compile_cache == "home":
-        out[me + "ssh.user"] = node.ssh.user
-    out |= {f"serving.env.{k}": v for k, v in s.env.items()}
-    out |= {f"serving.secrets.{k}": secret_fingerprint(k, v) for k, v in desired.secrets_for(node).items()}
-    return {k: _short(v) for k, v in sorted(out.items()) if v != "" or k.startswith("serving.env.")}
+        out[f"nodes.{node.name}.ssh.user"] = node.ssh.user
+    return out
 
 
 def _yaml(flag: bool) -> str:

@@ -47,26 +47,13 @@ from reconciler.core.preflight import (
 )
 from reconciler.core.spec import Desired, Node
 from reconciler.edge import trusted_files
+from reconciler.edge.facts.base import ProbeError, Sealed, Section, node_output, sealed, split_sections
+from reconciler.edge.facts.containers import containers_script, parse_containers
+from reconciler.edge.facts.disk import disk_script, parse_disk, parse_disk_fs
+from reconciler.edge.facts.gpu import gpu_script, parse_gpu_stack
+from reconciler.edge.facts.images import image_script, parse_image
+from reconciler.edge.facts.links import link_script, parse_links
 from reconciler.edge.manifest import MAX_DEPTH, MAX_ENTRIES, manifest_script, parse_weights, weights_store
-from reconciler.edge.probes import (
-    ProbeError,
-    Sealed,
-    Section,
-    containers_script,
-    disk_script,
-    gpu_script,
-    image_script,
-    link_script,
-    node_output,
-    parse_containers,
-    parse_disk,
-    parse_disk_fs,
-    parse_gpu_stack,
-    parse_image,
-    parse_links,
-    sealed,
-    split_sections,
-)
 from reconciler.edge.ssh import (
     AuthFailed,
     HostKeyRejected,

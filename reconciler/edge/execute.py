@@ -18,17 +18,11 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from reconciler.core.kinds import KINDS
 from reconciler.core.planning import Plan, Step
-from reconciler.core.spec import Timeouts
 from reconciler.edge import log
 from reconciler.edge.ssh import RemoteError
 from reconciler.edge.steps import StepBlocked, StepContext, StepDeferred, StepFailed, runner
-
-#: The long steps' own deadlines (a weights sync or download, an image copy or pull), read from policy.timeouts.
-LONG_STEPS: dict[str, Callable[[Timeouts], float]] = {
-    "weights": lambda t: t.weights_sync, "download": lambda t: t.weights_sync,
-    "image": lambda t: t.image_sync, "pull-image": lambda t: t.image_sync,
-}
 
 
 @dataclass(frozen=True)
@@ -50,10 +44,11 @@ class Outcome:
 
 
 def step_timeout(ctx: StepContext, step: Step) -> float:
-    """Long steps (weight sync, image copy, a cold start) have their own deadlines, not the short step timeout."""
+    """Long steps (weight sync, image copy, a cold start) have their own deadlines, not the short step timeout: a
+    copy or a fetch the `policy.timeouts` field its kind names (`StepKindInfo.long_timeout`)."""
     t = ctx.desired.policy.timeouts
-    if (long := LONG_STEPS.get(step.kind)) is not None:
-        return long(t)
+    if (long := KINDS[step.kind].long_timeout) is not None:
+        return float(getattr(t, long))
     if step.kind == "await-health":
         return ctx.given_for(step).desired.serving.health_timeout
     return t.step
@@ -120,33 +115,40 @@ def execute(plan: Plan, ctx: StepContext, on_event: Callable[[str, dict[str, Any
     finished: dict[str, StepResult] = {}
     pending = list(plan.steps)
     running: dict[Future[StepResult], Step] = {}
+
+    def end(result: StepResult) -> None:
+        finished[result.step.id] = result
+        outcome.results.append(result)
+
     with ThreadPoolExecutor(max_workers=max_parallel) as pool:
         while pending or running:
-            for step in list(pending):
+            for step in list(pending):  # in plan order: a skip here makes the steps after it ready in this pass
                 if any(dep not in finished for dep in step.after):
                     continue
                 pending.remove(step)
-                failed = [d for d in step.after if finished[d].result != "success"]
-                reason = skip(step)
-                if failed or reason or ctx.cancel.is_set():
-                    why = reason or ("shutting down" if ctx.cancel.is_set() else f"after {', '.join(failed)}")
-                    result = StepResult(step, "skipped", 0.0, why)
-                    finished[step.id] = result
-                    outcome.results.append(result)
+                if (why := _why_skipped(step, finished, skip, ctx)) is not None:
+                    end(result := StepResult(step, "skipped", 0.0, why))
                     on_event("step.end", {"result": result})
                     continue
                 running[pool.submit(run_step, ctx, step, on_event, cancel_of(step) if cancel_of else None)] = step
             if not running:
                 for step in pending:  # unreachable dependencies: cannot happen for a valid plan, never hang
-                    result = StepResult(step, "skipped", 0.0, "dependency not in the plan")
-                    finished[step.id] = result
-                    outcome.results.append(result)
+                    end(StepResult(step, "skipped", 0.0, "dependency not in the plan"))
                 pending = []
                 continue
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)
             for future in done:
-                step = running.pop(future)
-                result = future.result()
-                finished[step.id] = result
-                outcome.results.append(result)
+                running.pop(future)
+                end(future.result())
     return outcome
+
+
+def _why_skipped(step: Step, finished: dict[str, StepResult], skip: Callable[[Step], str | None],
+                 ctx: StepContext) -> str | None:
+    """Why a ready step does not run: a step it comes after did not succeed, `skip` vetoes it (asked of every ready
+    step: a veto is the executor's last word before it starts), or the batch is shutting down."""
+    failed = [d for d in step.after if finished[d].result != "success"]
+    reason = skip(step)
+    if not (failed or reason or ctx.cancel.is_set()):
+        return None
+    return reason or ("shutting down" if ctx.cancel.is_set() else f"after {', '.join(failed)}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 
 from reconciler.core.observed import CopyRecord
-from reconciler.edge.probes import Fact, Section, node_output
+from reconciler.edge.facts.base import Fact, Section, node_output
 from reconciler.edge.ssh import quote
 
 LEDGER = ".spark-reconciler/copies"  # under the SSH user's home, beside the lease

@@ -211,13 +211,7 @@ def _redact(obj: Any, stringify: bool) -> Any:
     if isinstance(obj, str):
         return redact_text(obj)
     if isinstance(obj, Mapping):
-        out: dict[Any, Any] = {}
-        for key, value in obj.items():
-            secret = isinstance(key, str) and is_secret_name(key)
-            name = redact_text(key) if isinstance(key, str) else key
-            out[name] = MASK if secret and value is not None and not isinstance(value, bool) \
-                else _redact(value, stringify)
-        return out
+        return _redact_mapping(obj, stringify)
     if isinstance(obj, list):
         return _argv(obj, stringify)
     if isinstance(obj, tuple):
@@ -228,6 +222,18 @@ def _redact(obj: Any, stringify: bool) -> Any:
         return obj
     # What a renderer would print of any other object (an exception's repr holds its message): redacted first.
     return redact_text(repr(obj))
+
+
+def _redact_mapping(obj: Mapping[Any, Any], stringify: bool) -> dict[Any, Any]:
+    """The keys redacted as text, the whole value of a key named like a secret masked (None and booleans kept:
+    they only say whether there is one), every other value redacted."""
+    out: dict[Any, Any] = {}
+    for key, value in obj.items():
+        secret = isinstance(key, str) and is_secret_name(key)
+        name = redact_text(key) if isinstance(key, str) else key
+        out[name] = MASK if secret and value is not None and not isinstance(value, bool) \
+            else _redact(value, stringify)
+    return out
 
 
 _LONE_FLAG = re.compile(r"-{1,2}[A-Za-z][\w.-]*")

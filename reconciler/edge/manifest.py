@@ -3,7 +3,7 @@
 The listing is sizes, mtimes and symlink targets (`find -P`, no link followed, nothing hashed), so a no-op cycle
 costs the same for a 1 GB and a 119 GB model; where each link leads is worked out here from the listing, never by
 following it on the node. Its own module: path resolution over a listing is a concern of its own, and
-`probes` (the fragments) and the weights step (the copy's completion check) both use it.
+the probe (`weights_fact`) and the weights step (the copy's completion check) both use it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from reconciler.core.completeness import PARTIAL_SUFFIX
 from reconciler.core.observed import WeightFile, Weights
-from reconciler.edge.probes import Fact, Section, each_line, node_output
+from reconciler.edge.facts.base import Fact, Section, each_line, node_output
 from reconciler.edge.ssh import quote_word
 
 PARTIAL_DIR = ".rsync-partial"
@@ -310,38 +310,63 @@ def read_listing(root: str, sec: Section | None) -> Listing:
     if seen.ends.get("F", 0) != 0:  # find failed (an unreadable directory): not a tree to trust
         return Listing(Weights(root=root, present=False), {})
     walk, tree_root = _walk(root, seen)
-    files, resolved = [], {}
-    unsafe = [f"{seen.odd} names or link values with a tab or newline, not listed (`find -name '*[[:cntrl:]]*' "
-              "-o -lname '*[[:cntrl:]]*'` shows them)"] if seen.odd else []
-    unsafe_count, partials, spent = len(unsafe), [], False
-    landing: dict[str, tuple[str, str]] = {}
-    for path, e in sorted(seen.tree.items()):
+    read = _Read(walk, tree_root)
+    if seen.odd:
+        read.unsafe_count = 1
+        read.unsafe.append(f"{seen.odd} names or link values with a tab or newline, not listed (`find -name "
+                           "'*[[:cntrl:]]*' -o -lname '*[[:cntrl:]]*'` shows them)")
+    for path, entry in sorted(seen.tree.items()):
+        read.entry(path, entry)
+    truncated = f"more than {MAX_STEPS} steps resolving its links" if read.spent else _truncation(seen)
+    weights = Weights(root=root, present=bool(read.files), files=read.files, unsafe=read.unsafe,
+                      unsafe_count=read.unsafe_count, truncated=truncated, partials=read.partials)
+    return Listing(weights, read.resolved, None if tree_root == _UNKNOWN else _shown(tree_root), read.landing)
+
+
+@dataclass
+class _Read:
+    """A listing's entries as `read_listing` reads them, one at a time (`entry`)."""
+
+    walk: _Walk
+    tree_root: tuple[str, ...]
+    files: list[WeightFile] = field(default_factory=list)
+    resolved: dict[str, tuple[int, str]] = field(default_factory=dict)
+    landing: dict[str, tuple[str, str]] = field(default_factory=dict)
+    unsafe: list[str] = field(default_factory=list)
+    unsafe_count: int = 0
+    partials: list[str] = field(default_factory=list)
+    spent: bool = False  # MAX_STEPS spent: the remaining links resolve to nothing
+
+    def entry(self, path: str, e: _Entry) -> None:
+        """One entry of the tree: a partial file, a regular file or a link (anything else is not a file)."""
         if e.kind == "f" and path.endswith(PARTIAL_SUFFIX):
-            partials.append(path)
+            self.partials.append(path)
         elif e.kind == "f":
-            files.append(WeightFile(path=path, size=e.size, mtime=float(e.mtime)))
-            resolved[path] = (e.size, e.mtime)
+            self.files.append(WeightFile(path=path, size=e.size, mtime=float(e.mtime)))
+            self.resolved[path] = (e.size, e.mtime)
         elif e.kind == "l":
-            try:
-                outcome, end, _ = ("spent", (), 0) if spent else walk.resolve(tree_root + _components(path)[:-1],
-                                                                               e.value)
-            except _Spent:
-                outcome, end, spent = "spent", (), True
-            where, target = walk.place(end) if outcome == "ok" else (outcome, None)
-            size = None
-            if outcome == "outside" or where == "above":
-                unsafe_count += 1
-                if len(unsafe) < UNSAFE_SHOWN:  # only these are shown: no string for each of a million
-                    unsafe.append(f"{path} -> {e.value} (outside the tree: {_shown(end)})")
-            elif target is not None and target.kind == "f":
-                size = target.size
-                resolved[path] = (target.size, target.mtime)
-                landing[path] = _landing(walk, end)
-            files.append(WeightFile(path=path, size=size, mtime=float(e.mtime), link_target=e.value))
-    truncated = f"more than {MAX_STEPS} steps resolving its links" if spent else _truncation(seen)
-    weights = Weights(root=root, present=bool(files), files=files, unsafe=unsafe, unsafe_count=unsafe_count,
-                      truncated=truncated, partials=partials)
-    return Listing(weights, resolved, None if tree_root == _UNKNOWN else _shown(tree_root), landing)
+            self.files.append(WeightFile(path=path, size=self._link(path, e), mtime=float(e.mtime),
+                                         link_target=e.value))
+
+    def _link(self, path: str, e: _Entry) -> int | None:
+        """Where the link at `path` lands, on the listing: its file's size when that is a regular file inside;
+        `unsafe` when it leads outside; None for anything else."""
+        try:
+            outcome, end, _ = ("spent", (), 0) if self.spent else self.walk.resolve(
+                self.tree_root + _components(path)[:-1], e.value)
+        except _Spent:
+            outcome, end, self.spent = "spent", (), True
+        where, target = self.walk.place(end) if outcome == "ok" else (outcome, None)
+        if outcome == "outside" or where == "above":
+            self.unsafe_count += 1
+            if len(self.unsafe) < UNSAFE_SHOWN:  # only these are shown: no string for each of a million
+                self.unsafe.append(f"{path} -> {e.value} (outside the tree: {_shown(end)})")
+            return None
+        if target is not None and target.kind == "f":
+            self.resolved[path] = (target.size, target.mtime)
+            self.landing[path] = _landing(self.walk, end)
+            return target.size
+        return None
 
 
 def _landing(walk: _Walk, end: tuple[str, ...]) -> tuple[str, str]:
@@ -371,3 +396,9 @@ def tree_fact(root: str) -> Fact[Weights | None]:
             return None
         return read_listing(root, section).weights
     return Fact(f"tree {root}", tuple(manifest_script(root).split("\n", 1)), parse)
+
+
+def weights_fact(root: str) -> Fact[Weights]:
+    """The weights manifest of the tree at `root`, as the probe reads it (`manifest_script`, `parse_weights`)."""
+    return Fact("weights", tuple(manifest_script(root).split("\n", 1)),
+                lambda sections: parse_weights(root, sections.get("weights")))

@@ -1,5 +1,5 @@
-"""The probe: ONE POSIX sh script per node per cycle, made of `probes`' fragments, and its reading into an
-`Observed`, all nodes in parallel.
+"""The probe: ONE POSIX sh script per node per cycle, a list of `facts` joined (`probe_facts`), and its reading
+into an `Observed`, all nodes in parallel.
 
 A probe that fails on one node (unreachable, odd output, too much output) is that node's condition; the others
 are observed all the same, and none waits for another: each node has its own deadline (`node_deadline`), and a node
@@ -13,76 +13,89 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
-from reconciler.core.observed import DeploymentFacts, Image, NodeObservation, Observed, ServeFlags
+from reconciler.core.observed import DeploymentFacts, NodeObservation, Observed, ServeFlags
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, Node
+from reconciler.edge.facts.base import Fact, ProbeError, Sealed, Section, sealed, split_sections
+from reconciler.edge.facts.containers import DOCKER
+from reconciler.edge.facts.disk import disk_fact
+from reconciler.edge.facts.gpu import GPU_STACK
+from reconciler.edge.facts.host import MACHINE, identity_fact
+from reconciler.edge.facts.images import served_image_fact
+from reconciler.edge.facts.links import links_fact
+from reconciler.edge.facts.memory import MEMORY
+from reconciler.edge.facts.ports import LISTEN
+from reconciler.edge.facts.serving import api_fact
 from reconciler.edge.image_flags import flags_once, flags_wanted
-from reconciler.edge.ledger import ledger_script, parse_copies
-from reconciler.edge.manifest import manifest_script, parse_weights
-from reconciler.edge.probes import (
-    ProbeError,
-    Sealed,
-    Section,
-    api_script,
-    containers_script,
-    disk_script,
-    gpu_script,
-    identity_script,
-    image_script,
-    link_script,
-    listen_script,
-    machine_script,
-    memory_script,
-    parse_containers,
-    parse_disk,
-    parse_disk_fs,
-    parse_gpu_stack,
-    parse_identity,
-    parse_image,
-    parse_links,
-    parse_listen_addresses,
-    parse_listening,
-    parse_machine,
-    parse_memory,
-    parse_serving,
-    ray_script,
-    sealed,
-    split_sections,
-)
-from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, node_deadline, quote_word
+from reconciler.edge.ledger import copies_fact
+from reconciler.edge.manifest import weights_fact
+from reconciler.edge.ssh import OutputTooLarge, RemoteError, Sessions, node_deadline
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One node's probe as facts: the node's own (`node`, by name) and each deployment's (`deployments`, by the
+    deployment's name, then by fact), the latter under the deployment's section prefix in a file of several."""
+
+    node: dict[str, Fact[Any]]
+    deployments: dict[str, dict[str, Fact[Any]]]
+
+    def facts(self) -> list[Fact[Any]]:
+        """Every fact of the probe, in the order they run."""
+        return [*self.node.values(), *(fact for own in self.deployments.values() for fact in own.values())]
+
+    def script(self) -> Sealed:
+        """The facts joined into one script for `sh -s`."""
+        return sealed([line for fact in self.facts() for line in fact.script])
+
+    def read(self, sections: dict[str, Section]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """Each fact's value from the script's sections, by the names `node` and `deployments` give them."""
+        return ({name: fact.value(sections) for name, fact in self.node.items()},
+                {deployment: {name: fact.value(sections) for name, fact in own.items()}
+                 for deployment, own in self.deployments.items()})
+
+
+def probe_facts(desired: Desired, node: Node) -> Probe:
+    """What the probe reads on `node`: its containers, fabric ports, machine, listeners, memory, the GPU stack
+    (where a deployment declares GPUs), the copy ledger (under a retention that prunes), the head's cluster id;
+    and each deployment's image, disk room and weights (where it names a model path on the node) and, where its
+    rank 0 runs (`Desired.api_node`), its API and Ray. A file of one deployment reads as one of several with one
+    entry; only its sections keep their plain names (no prefix)."""
+    views = desired.views()
+    own: dict[str, Fact[Any]] = {"docker": DOCKER, "links": links_fact(node)}
+    if node.role == "head":
+        own["identity"] = identity_fact(desired.instance)
+    own |= {"machine": MACHINE, "listen": LISTEN}
+    if any(view.serving.docker.gpus is not None for view in views):
+        own["gpu"] = GPU_STACK
+    own["memory"] = MEMORY
+    if desired.policy.retention.prune:
+        own["copies"] = copies_fact(node.name)
+    prefixed = len(views) > 1
+    return Probe(own, {view.deployment.name: {name: fact.under(view.deployment.name + "/" if prefixed else "")
+                                              for name, fact in _deployment_facts(view, node).items()}
+                       for view in views})
+
+
+def _deployment_facts(view: Desired, node: Node) -> dict[str, Fact[Any]]:
+    """What the probe reads on `node` for one deployment (`view`)."""
+    facts: dict[str, Fact[Any]] = {"image": served_image_fact(view.serving.image)}
+    if _has_path(view, node.name):
+        facts["disk"] = disk_fact(view.model.path_on(node.name))
+        facts["weights"] = weights_fact(view.weights_root(node.name))
+    if node.name == view.api_node.name:  # where its API runs
+        facts["serving"] = api_fact(view, ray=view.serving.launcher == "ray")
+    return facts
 
 
 def probe_script(desired: Desired, node: Node) -> Sealed:
-    """The script for one node: every fragment of `probes`, the head's cluster id, and where a deployment's rank 0
-    runs (`Desired.api_node`) its API and Ray. In a file of several deployments, each deployment's fragments (its
-    image, weights, API) run under its own section prefix (`PFX=NAME/`, probes.SECTION_FUNCTION)."""
-    head = node.role == "head"
-    if len(desired.deployments) == 1:  # a file of one: the script as it always was
-        lines = [*containers_script(),
-                 *(identity_script(desired.instance) if head else []), *image_script(desired.serving.image),
-                 *link_script(node), *machine_script(), *listen_script(), *memory_script(),
-                 *(gpu_script() if desired.serving.docker.gpus is not None else []),
-                 *disk_script(desired.model.path_on(node.name)),
-                 manifest_script(desired.weights_root(node.name)),
-                 *(ledger_script() if desired.policy.retention.prune else [])]
-        return sealed(lines + (_api_lines(desired) if node.name == desired.api_node.name else []))
-    views = desired.views()
-    lines = [*containers_script(), *(identity_script(desired.instance) if head else []),
-             *link_script(node), *machine_script(), *listen_script(), *memory_script(),
-             *(gpu_script() if any(v.serving.docker.gpus is not None for v in views) else []),
-             *(ledger_script() if desired.policy.retention.prune else [])]
-    for view in views:
-        lines += [f"PFX={quote_word(view.deployment.name + '/')}", *image_script(view.serving.image)]
-        if _has_path(view, node.name):
-            lines += [*disk_script(view.model.path_on(node.name)), manifest_script(view.weights_root(node.name))]
-        lines += _api_lines(view) if node.name == view.api_node.name else []
-    return sealed([*lines, "PFX="])
-
-
-def _api_lines(view: Desired) -> list[str]:
-    return [*api_script(view), *(ray_script(view.serving.container_name) if view.serving.launcher == "ray" else [])]
+    """The script for one node (`probe_facts`). In a file of several deployments, each deployment's facts (its
+    image, weights, API) run under its own section prefix (`PFX=NAME/`, `Fact.prefix`)."""
+    return probe_facts(desired, node).script()
 
 
 def _has_path(view: Desired, node: str) -> bool:
@@ -93,45 +106,36 @@ def _has_path(view: Desired, node: str) -> bool:
 def parse_probe(desired: Desired, node: Node, output: str, nonce: str) -> NodeObservation:
     """One node's probe output (sealed with `nonce`) as its observation; ProbeError (naming the section) when it
     does not parse."""
-    sections = split_sections(output, nonce)
-    docker_ok, docker_error, containers = parse_containers(sections.get("containers"))
-    fabric, fabric_twin = parse_links(node, sections)
-    identity = parse_identity(sections.get("identity")) if node.role == "head" else None
-    seen = NodeObservation(
-        name=node.name, reachable=True, machine=parse_machine(sections.get("machine")),
-        listening=parse_listening(sections.get("listen")),
-        listen_addresses=parse_listen_addresses(sections.get("listen")),
-        gpu_stack=parse_gpu_stack(sections.get("gpu"), sections.get("gpu_hook"), sections.get("os")),
-        docker_reachable=docker_ok, docker_error=docker_error, containers=containers,
-        fabric=fabric, fabric_twin=fabric_twin, memory=parse_memory(sections.get("meminfo")),
-        copies=parse_copies(sections.get("copies"), node.name), identity=identity)
-    if len(desired.deployments) == 1:
-        image, facts = _deployment_facts(desired, node, sections)
-        return seen.model_copy(update={"images": {desired.serving.image: image} if image else {},
-                                       "weights": facts.weights, "serving": facts.serving,
-                                       "disk_free": facts.disk_free, "disk_fs": facts.disk_fs})
-    images, by_deployment = {}, {}
-    for view in desired.views():
-        prefix = view.deployment.name + "/"
-        own = {name[len(prefix):]: sec for name, sec in sections.items() if name.startswith(prefix)}
-        image, by_deployment[view.deployment.name] = _deployment_facts(view, node, own)
-        if image:
-            images[view.serving.image] = image
-    return seen.model_copy(update={"images": images, "deployments": by_deployment})
+    values, by_deployment = probe_facts(desired, node).read(split_sections(output, nonce))
+    seen = _node_observation(node, values)
+    images = {view.serving.image: image for view in desired.views()
+              if (image := by_deployment[view.deployment.name]["image"]) is not None}
+    facts = {name: _deployment_observation(own) for name, own in by_deployment.items()}
+    if len(desired.deployments) > 1:
+        return seen.model_copy(update={"images": images, "deployments": facts})
+    (alone,) = facts.values()
+    return seen.model_copy(update={"images": images, "weights": alone.weights, "serving": alone.serving,
+                                   "disk_free": alone.disk_free, "disk_fs": alone.disk_fs})
 
 
-def _deployment_facts(view: Desired, node: Node, sections: dict[str, Section]) -> tuple[Image | None,
-                                                                                        DeploymentFacts]:
-    """What one deployment's fragments read on `node`: its image, and its weights, API (the head) and disk room."""
-    serving = None
-    if node.name == view.api_node.name:  # where its API runs
-        serving = parse_serving(sections.get("health"), sections.get("models"), sections.get("ray"),
-                                sections.get("completion"), sections.get("engine"), sections.get("port_owner"))
-    weights = (parse_weights(view.weights_root(node.name), sections.get("weights"))
-               if _has_path(view, node.name) else None)
-    return parse_image(sections.get("image")), DeploymentFacts(weights=weights, serving=serving,
-                                                               disk_free=parse_disk(sections.get("disk")),
-                                                               disk_fs=parse_disk_fs(sections.get("disk")))
+def _node_observation(node: Node, values: dict[str, Any]) -> NodeObservation:
+    """The node's own facts (`Probe.node`'s values) as its observation; a fact the probe did not read is None."""
+    docker_ok, docker_error, containers = values["docker"]
+    fabric, fabric_twin = values["links"]
+    listening, listen_addresses = values["listen"]
+    return NodeObservation(
+        name=node.name, reachable=True, machine=values["machine"], listening=listening,
+        listen_addresses=listen_addresses, gpu_stack=values.get("gpu"), docker_reachable=docker_ok,
+        docker_error=docker_error, containers=containers, fabric=fabric, fabric_twin=fabric_twin,
+        memory=values["memory"], copies=values.get("copies"), identity=values.get("identity"))
+
+
+def _deployment_observation(values: dict[str, Any]) -> DeploymentFacts:
+    """One deployment's facts (`Probe.deployments`' values) as what the node holds of it: its weights, its API
+    (where its rank 0 runs) and the disk room (where it names a model path); None where the probe did not read."""
+    disk_free, disk_fs = values.get("disk", (None, None))
+    return DeploymentFacts(weights=values.get("weights"), serving=values.get("serving"), disk_free=disk_free,
+                           disk_fs=disk_fs)
 
 
 def observe_node(desired: Desired, sessions: Sessions, node: Node, timeout: float = 20.0,

@@ -33,6 +33,7 @@ from rich.text import Text
 
 from reconciler.core import planning
 from reconciler.core.exits import Exit
+from reconciler.core.kinds import START_KINDS
 from reconciler.core.observed import Observed, ServeFlags
 from reconciler.core.planning import Plan
 from reconciler.core.render import plan_text
@@ -44,7 +45,6 @@ from reconciler.edge.lease import Holder, LeaseHeld, LeaseUnreachable, held
 from reconciler.edge.observe import flags_pending, observe, with_flags
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
-from reconciler.loop.controller import START_KINDS
 from reconciler.loop.operations import FlagsQuery
 
 

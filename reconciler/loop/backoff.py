@@ -15,12 +15,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from reconciler.core.kinds import SERVING_CHAIN
 from reconciler.core.planning import Plan
 from reconciler.core.spec import Retries
-
-#: Steps of one ordered serving restart: if one of them must wait, running the others would restart serving on
-#: some nodes over and over (a restart storm), so they all wait together.
-SERVING_CHAIN = ("stop-serving", "start-serving", "launch-model", "await-health")
 
 
 @dataclass
@@ -79,7 +76,9 @@ class Backoff:
 
 
 def vetoes(plan: Plan, backoff: Backoff, now: float) -> dict[str, str]:
-    """step id -> why it must not run in this reconcile (its own backoff/hold, or its serving chain's)."""
+    """step id -> why it must not run in this reconcile (its own backoff/hold, or its serving chain's: the steps of
+    one ordered serving restart (`StepKindInfo.serving_chain`) wait together, as running the others while one waits
+    would restart serving on some nodes over and over, a restart storm)."""
     out = {s.id: r for s in plan.steps if (r := backoff.wait_reason(s.id, now))}
     chain_wait = next((f"{s.id}: {out[s.id]}" for s in plan.steps if s.id in out and s.kind in SERVING_CHAIN), None)
     if chain_wait:

@@ -26,7 +26,7 @@ from reconciler.core.drift import (
     NodeCondition,
 )
 from reconciler.core.nccl import Transport, judge
-from reconciler.core.observed import NodeObservation, Observed, ServingApi
+from reconciler.core.observed import GpuStack, NodeObservation, Observed, ServingApi
 from reconciler.core.planning import Plan, kind_and_node
 from reconciler.core.restore import AS_FOUND
 from reconciler.core.spec import SINGLE, Desired
@@ -187,7 +187,11 @@ def _from_drift(name: str, obs: NodeObservation | None, drift: list[Drift], whic
         return _cond(name, which.type, None, "NodeUnreachable")
     if obs.probe_error is not None:
         return _cond(name, which.type, None, PROBED.bad)
-    mine = [d for d in drift if CONDITION_OF[d.kind] == which]
+    return _judged(name, [d for d in drift if CONDITION_OF[d.kind] == which], which)
+
+
+def _judged(name: str, mine: list[Drift], which: NodeCondition) -> Condition:
+    """The condition of a node that was read, from its drift of the condition's kinds (`mine`)."""
     found = [d for d in mine if d.actionable or d.blocking]
     said = [d for d in mine if not (d.actionable or d.blocking)]
     if which == FABRIC_LINK_UP and said and not found:  # nothing to do, nothing blocked, still not as declared
@@ -206,22 +210,39 @@ def _node_conditions(name: str, snap: Snapshot) -> list[Condition]:
     drift = [d for d in (snap.plan.drift if snap.plan else []) if d.node == name]
     out = _reachability(name, obs)
     out += [_from_drift(name, obs, drift, which) for which in DRIFT_CONDITIONS]
-    apis = ([("", obs.serving)] if obs is not None and obs.serving is not None else []) + (
-        [(f"{d}: ", f.serving) for d, f in obs.deployments.items() if f.serving is not None] if obs else [])
-    if apis:  # the head: vLLM at capacity is said, never drift (in a file of several, each deployment's)
-        busy = [(who, api) for who, api in apis if api.busy]
-        said = [f"{who}{_load(api)}" for who, api in (busy or apis) if _load(api) or who]
-        out.append(_cond(name, "ServingBusy", bool(busy), "QueueFull" if busy else "Answering",
-                         (f"a completion queued behind every slot while tokens keep coming ({'; '.join(said)}): "
-                          "busy, not wedged; nothing restarts" if busy else "; ".join(said))))
+    if apis := _serving_apis(obs):  # the head: vLLM at capacity is said, never drift (each deployment's)
+        out.append(_serving_busy(name, apis))
     if checks := [v for v in snap.verified if v.node == name]:  # the API's node of a deployment declaring one
         out.append(_verified(name, checks))
     if ranks := [r for r in snap.transports if r.node == name]:  # a rank of a deployment across nodes
         out.append(_transport(name, ranks))
-    held = {sid: msg for sid, msg in snap.held.items() if kind_and_node(sid)[1] == name}
-    out.append(_cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
-                     "; ".join(f"{sid}: {msg}" for sid, msg in held.items())))
+    out.append(_steps_held(name, snap.held))
     return out
+
+
+def _serving_apis(obs: NodeObservation | None) -> list[tuple[str, ServingApi]]:
+    """The serving APIs the node answers for, each with how a message names it ("" for a file of one, else
+    `DEPLOYMENT: `); none on a node that serves no API or was not observed."""
+    if obs is None:
+        return []
+    return ([("", obs.serving)] if obs.serving is not None else []) + [
+        (f"{d}: ", f.serving) for d, f in obs.deployments.items() if f.serving is not None]
+
+
+def _serving_busy(name: str, apis: list[tuple[str, ServingApi]]) -> Condition:
+    """ServingBusy: True while a vLLM has a completion queued behind every slot (busy, not wedged)."""
+    busy = [(who, api) for who, api in apis if api.busy]
+    said = [f"{who}{_load(api)}" for who, api in (busy or apis) if _load(api) or who]
+    return _cond(name, "ServingBusy", bool(busy), "QueueFull" if busy else "Answering",
+                 (f"a completion queued behind every slot while tokens keep coming ({'; '.join(said)}): "
+                  "busy, not wedged; nothing restarts" if busy else "; ".join(said)))
+
+
+def _steps_held(name: str, held_steps: dict[str, str]) -> Condition:
+    """StepsHeld: the node's steps held after failing (step id -> last error)."""
+    held = {sid: msg for sid, msg in held_steps.items() if kind_and_node(sid)[1] == name}
+    return _cond(name, "StepsHeld", bool(held), "StepsHeld" if held else "NoHolds",
+                 "; ".join(f"{sid}: {msg}" for sid, msg in held.items()))
 
 
 def _verified(name: str, checks: list[Verified]) -> Condition:
@@ -249,12 +270,22 @@ def phase_of(snap: Snapshot) -> str:
         return "Invalid"
     if snap.paused:
         return "Paused"
-    if snap.held_change is not None and plan is not None and not plan.changes:  # what was brought back serves
-        return "RolledBack"  # (until it does, the phase says how its start goes; the condition says it is held)
-    if plan is not None and not plan.changes and snap.wrong_answers:  # it runs as declared, and answers wrong
-        return "Degraded"
     if plan is not None and not plan.changes:
-        return "Converged"
+        return _settled_phase(snap)
+    return _changing_phase(snap, plan)
+
+
+def _settled_phase(snap: Snapshot) -> str:
+    """The phase when the plan changes nothing."""
+    if snap.held_change is not None:  # what was brought back serves
+        return "RolledBack"  # (until it does, the phase says how its start goes; the condition says it is held)
+    if snap.wrong_answers:  # it runs as declared, and answers wrong
+        return "Degraded"
+    return "Converged"
+
+
+def _changing_phase(snap: Snapshot, plan: Plan | None) -> str:
+    """The phase while there is a change to make (or no plan to tell)."""
     if snap.held or (plan is not None and (plan.blocked or any(d.blocking for d in plan.drift))):
         return "Blocked"
     if snap.step_failures or snap.mode != "enforce" or plan is None:
@@ -270,13 +301,20 @@ def _uniform_gpu_stack(snap: Snapshot, nodes: list[str]) -> Condition:
     stacks = {n: s for n in nodes if n in seen and (s := seen[n].gpu_stack) is not None}
     if not stacks:
         return _cond("", "GpuStackUniform", None, "NotRead")
-    differ = []
-    for what, values in (("driver", {n: s.driver for n, s in stacks.items() if s.driver}),
-                         ("kernel", {n: s.kernel for n, s in stacks.items() if s.kernel}),
-                         ("DGX OS", {n: s.dgx_os for n, s in stacks.items() if s.dgx_os})):
-        if len(set(values.values())) > 1:
-            differ.append(f"{what} " + ", ".join(f"{v} on {n}" for n, v in values.items()))
+    differ = [said for what, attribute in _STACK_PARTS if (said := _skew(what, stacks, attribute))]
     return _cond("", "GpuStackUniform", not differ, "StackSkew" if differ else "SameStack", "; ".join(differ))
+
+
+#: The parts of a GPU stack that should be the same on every node: (how a message names it, GpuStack's field).
+_STACK_PARTS = (("driver", "driver"), ("kernel", "kernel"), ("DGX OS", "dgx_os"))
+
+
+def _skew(what: str, stacks: dict[str, GpuStack], attribute: str) -> str:
+    """`what` and its value on each node that read it, when the nodes differ; else ""."""
+    values = {n: value for n, s in stacks.items() if (value := getattr(s, attribute))}
+    if len(set(values.values())) > 1:
+        return f"{what} " + ", ".join(f"{v} on {n}" for n, v in values.items())
+    return ""
 
 
 def _rolled_back(hold: Hold | None) -> Condition:
@@ -295,29 +333,45 @@ def _rolled_back(hold: Hold | None) -> Condition:
                  "say so")
 
 
-def conditions(snap: Snapshot, nodes: list[str], previous: list[Condition], now: float) -> list[Condition]:
+def _ready(snap: Snapshot) -> Condition:
+    """Ready: the plan changes nothing, the file is valid and in force, and every serving.verify passes."""
     plan = snap.plan
     ready = (plan is not None and not plan.changes and snap.file_error is None and snap.held_change is None
              and not snap.wrong_answers)
     drift_count = sum(1 for d in plan.drift if d.actionable or d.blocking) if plan else 0
     wrong = f"; serving.verify failed: {', '.join(snap.wrong_answers)}" if snap.wrong_answers else ""
-    out = [
-        _cond("", "Ready", ready, "Converged" if ready else phase_of(snap),
-              "" if ready else f"{drift_count} drifted resources{wrong}"),
-        _cond("", "DesiredStateValid", snap.file_error is None,
-              "Valid" if snap.file_error is None else "DesiredStateInvalid", snap.file_error or ""),
-        _cond("", "Progressing", bool(snap.in_flight or (plan and plan.steps and snap.mode == "enforce"
-                                                         and not snap.paused)),
-              "StepsRunning" if snap.in_flight else ("StepsPlanned" if plan and plan.steps else "Idle"),
-              "; ".join(snap.in_flight or [s.id for s in (plan.steps if plan else [])])),
-    ]
-    out.append(_rolled_back(snap.held_change))
-    out.append(_uniform_gpu_stack(snap, nodes))
-    for node in nodes:
-        out += _node_conditions(node, snap)
+    return _cond("", "Ready", ready, "Converged" if ready else phase_of(snap),
+                 "" if ready else f"{drift_count} drifted resources{wrong}")
+
+
+def _progressing(snap: Snapshot) -> Condition:
+    """Progressing: steps run beside the loop, or are planned and will start (enforcing, not paused)."""
+    plan = snap.plan
+    return _cond("", "Progressing", bool(snap.in_flight or (plan and plan.steps and snap.mode == "enforce"
+                                                            and not snap.paused)),
+                 "StepsRunning" if snap.in_flight else ("StepsPlanned" if plan and plan.steps else "Idle"),
+                 "; ".join(snap.in_flight or [s.id for s in (plan.steps if plan else [])]))
+
+
+def _stamped(out: list[Condition], previous: list[Condition], generation: int, now: float) -> list[Condition]:
+    """Each condition with when its status last flipped (kept from `previous` while it holds) and the generation."""
     before = {(c["node"], c["type"]): c for c in previous}
     for c in out:
         old = before.get((c["node"], c["type"]))
         c["lastTransitionTime"] = old["lastTransitionTime"] if old and old["status"] == c["status"] else _iso(now)
-        c["observedGeneration"] = snap.generation
+        c["observedGeneration"] = generation
     return out
+
+
+def conditions(snap: Snapshot, nodes: list[str], previous: list[Condition], now: float) -> list[Condition]:
+    out = [
+        _ready(snap),
+        _cond("", "DesiredStateValid", snap.file_error is None,
+              "Valid" if snap.file_error is None else "DesiredStateInvalid", snap.file_error or ""),
+        _progressing(snap),
+        _rolled_back(snap.held_change),
+        _uniform_gpu_stack(snap, nodes),
+    ]
+    for node in nodes:
+        out += _node_conditions(node, snap)
+    return _stamped(out, previous, snap.generation, now)

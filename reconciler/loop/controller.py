@@ -1,4 +1,5 @@
-"""The reconciler: `reconcile(reasons) -> Result`. Observe, plan, start what may start beside the loop, publish.
+"""The reconciler: `reconcile(reasons) -> Result`. Observe, plan, admit (start what may start beside the loop),
+publish; nothing else.
 
 It never waits for a step: admitted steps run as operations (`reconciler.loop.operations`), and their end is a trigger.
 So every reconcile is as short as one observation, and status and metrics are fresh every cycle, progress
@@ -9,9 +10,11 @@ included. What it keeps between reconciles, each in its own small piece:
 - generations (`generations.GenerationStore`), holds and backoff per step (`backoff.Backoff`), the health history of the
   head's serving (`health_watch`), the operations in flight, the image's flag list (`operations.FlagsQuery`);
 - nothing of the lifecycle: the SSH sessions, the lease, the event streams and the metrics' view of the operations
-  are the manager's (`reconciler.loop.manager`), which it receives. A new generation cancels only the operations it
+  are the manager's (`reconciler.loop.manager`), which it is given. A new generation cancels only the operations it
   makes wrong (`operations.stale`, `verify.verify_stale`), then the manager adopts it.
 
+The decisions it acts on live beside it: a failed change's rollback (`rollback.decide`), when to look again
+(`requeue.requeue_after`), the answers to a verify request (`verify_answers`), the steps' reports (`reports`).
 A reconcile that raises still publishes: the status then says Degraded with the error, never the last Converged.
 """
 
@@ -24,28 +27,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 from reconciler.core import planning, spec
+from reconciler.core.kinds import START_KINDS, STEP_KINDS
 from reconciler.core.observed import NodeObservation, Observed, ServeFlags
-from reconciler.core.planning import STEP_KINDS, Blocker, Plan, Step, unhealthy_grace
+from reconciler.core.planning import Blocker, Plan, Step
 from reconciler.core.restore import AS_FOUND, StoppedCoTenant, restore_plan
 from reconciler.edge import log, trusted_files
 from reconciler.edge.execute import StepResult
 from reconciler.edge.image_flags import ask_serve_flags
-from reconciler.edge.lease import RENEW_AFTER
 from reconciler.edge.observe import observe, with_flags
 from reconciler.edge.ssh import Sessions
 from reconciler.edge.steps import StepContext
 from reconciler.edge.trusted_files import Secrets
-from reconciler.edge.verify import NodeResult, targets, verify_node
-from reconciler.loop import conditions, metrics
+from reconciler.edge.verify import NodeResult, verify_node
+from reconciler.loop import conditions, metrics, rollback, verify_answers
 from reconciler.loop.backoff import Backoff, vetoes
 from reconciler.loop.generations import GenerationStore, observe_only
 from reconciler.loop.health_watch import HealthWatches
 from reconciler.loop.history import HistoryStore, Hold
-from reconciler.loop.manager import Manager, SessionsFactory
+from reconciler.loop.manager import Manager
 from reconciler.loop.operations import FlagsQuery, Operations, admit, stale, verify_conflict, verify_waits
+from reconciler.loop.reasons import Reason, said
+from reconciler.loop.reports import StepReports
+from reconciler.loop.requeue import Due, requeue_after
+from reconciler.loop.runnables import Runnable
 from reconciler.loop.status import StatusPublisher
 from reconciler.loop.triggers import ReconcileRequests
 from reconciler.loop.verify import Busy, Verifier, verify_stale
@@ -53,16 +60,16 @@ from reconciler.loop.verify import Busy, Verifier, verify_stale
 ObserveFn = Callable[..., tuple[Observed, dict[str, float]]]
 VerifyFn = Callable[[spec.Desired, Sessions, str, bool, threading.Event], NodeResult]
 
-#: While serving that served fails its health check (within the grace), reconcile again after at most this long.
-UNHEALTHY_RECHECK = 5.0
+#: What a finished step's result says (edge/execute.py's StepResult.result); `_record` reads it in one match.
+StepOutcome = Literal["success", "failed", "blocked", "deferred", "skipped", "cancelled"]
+OUTCOMES: frozenset[str] = frozenset(get_args(StepOutcome))
 
-#: A docker event can arrive before the container list shows what it announces: dockerd logs "die" and only then
-#: cleans up and writes the container's new state to the view `/containers/json` reads (moby daemon/monitor.go,
-#: ProcessEvent: LogContainerEventWithAttributes "die", daemon.Cleanup, CheckpointTo(containersReplica);
-#: daemon/list.go lists from containersReplica.Snapshot()). A crashed rank then looked alive to the reconcile its
-#: own event triggered, and nothing else woke the loop before UNHEALTHY_RECHECK (4 of 10 kills took 5.3 s to
-#: plan in the benchmark). So a reconcile that a docker event triggered looks once more this long after.
-EVENT_SETTLE = 0.5
+
+def outcome_of(result: StepResult) -> StepOutcome:
+    """The result's outcome, typed; one the loop does not know is a bug of the executor, not a state to guess."""
+    if result.result not in OUTCOMES:
+        raise ValueError(f"{result.step.id}: unknown step outcome {result.result!r}")
+    return cast(StepOutcome, result.result)
 
 
 @dataclass(frozen=True)
@@ -75,20 +82,30 @@ class Result:
     requeue_reason: str = ""
 
 
-class Controller:
-    """`manager`: the daemon's (its sessions, lease, streams); a controller made without one (tests, `events` and
-    `sessions_factory` then shape it) makes its own."""
+@dataclass
+class _Cycle:
+    """What one reconcile found so far: published whatever happens next (a crash included)."""
 
-    def __init__(self, path: Path, state_dir: Path, requests: ReconcileRequests, cancel: threading.Event,
-                 events: bool = True, observe_fn: ObserveFn = observe, sessions_factory: SessionsFactory = Sessions,
-                 operations: Operations | None = None, clock: Callable[[], float] | None = None,
-                 monotonic: Callable[[], float] | None = None, verify_fn: VerifyFn = verify_node,
-                 secrets: Callable[[], Secrets] | None = None, manager: Manager | None = None) -> None:
+    desired: spec.Desired | None
+    observed: Observed | None = None
+    current: Plan | None = None
+    error: str | None = None
+    started: int = 0
+
+
+class Controller:
+    """`manager`: the daemon's (its sessions, lease, streams), never made here; `operations`: the steps in flight
+    (by default its own, whose end requests a reconcile); two clocks, never mixed (below)."""
+
+    def __init__(self, path: Path, state_dir: Path, requests: ReconcileRequests, cancel: threading.Event, *,
+                 manager: Manager, observe_fn: ObserveFn = observe, operations: Operations | None = None,
+                 clock: Callable[[], float] | None = None, monotonic: Callable[[], float] | None = None,
+                 verify_fn: VerifyFn = verify_node, secrets: Callable[[], Secrets] | None = None) -> None:
         self.path = Path(path)
         #: Where serving.secrets' values come from, asked at every load (`run --env-file`: the file over this
         #: process's environment, so a rotated key is an edit and a reload); by default the environment alone.
         self.secrets = secrets or (lambda: Secrets(os.environ, spec.ENVIRONMENT))
-        self.manager = manager or Manager(self.path, requests, events=events, sessions_factory=sessions_factory)
+        self.manager = manager
         # Two clocks, never mixed: unix time only for timestamps people and Grafana read (lastConverged, /status),
         # the monotonic clock for every duration the daemon measures (backoff, health graces, operations), which a
         # step of the wall clock must not move (issue 31, finding 10). Tests pass fakes of both.
@@ -105,15 +122,15 @@ class Controller:
         if self.store.last_converged > 0:
             metrics.last_converged.set(self.store.last_converged)
         self.publisher = StatusPublisher(self.path)
-        self.operations = operations or Operations(on_end=lambda: requests.request("operation"),
+        self.operations = operations or Operations(on_end=lambda: requests.request(Reason("operation")),
                                                    clock=self.monotonic)
         self.manager.follow(self.operations.view)
         self.health = HealthWatches(wall=self.clock)
         self._asking: dict[str, spec.Desired] = {}  # image id -> the deployment whose image it is (_ask_flags)
-        self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request("flags"))
+        self.flags = FlagsQuery(self._ask_flags, on_answer=lambda: requests.request(Reason("flags")))
         # `reconciler verify` asks through the listener (verify_request); the verify runs beside the loop
-        self.verifier = Verifier(on_end=lambda node: requests.request(f"verify-ended:{node}"), clock=self.clock,
-                                 monotonic=self.monotonic)
+        self.verifier = Verifier(on_end=lambda node: requests.request(Reason("verify-ended", node)),
+                                 clock=self.clock, monotonic=self.monotonic)
         self._verify_fn = verify_fn
         self._troubles: dict[str, tuple[str, str]] = {}  # node -> what was wrong at the last look (said once)
         self._wanted: list[Step] = []  # the steps this reconcile would start, a verify aside: none starts beside
@@ -122,13 +139,31 @@ class Controller:
         self.file_error: str | None = None
         self.backoff: Backoff | None = None
         self.reconciles = 0
-        self.synced: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
+        self.reports = StepReports(self.operations, self.publisher, self.clock, self.log)
         #: A start failed (_record): the file's generation it was started for, its deployment, why.
         self._start_failed: tuple[int, str | None, str] | None = None
         self._stopped: list[tuple[int, StoppedCoTenant]] = []  # from the step threads, for _record
         self._stopped_lock = threading.Lock()
         self._failures_said: set[tuple[int, str]] = set()  # (generation, what) said once: not every reconcile
         self.image_answer: ServeFlags | None = None  # what the serving image said of itself (FlagsQuery)
+
+    def runnables(self) -> list[Runnable]:
+        """What the controller runs beside the loop, for the daemon's list: the image's flag queries (a daemon
+        thread per question, nothing to stop) and the operations with the verify, cancelled and awaited at the
+        stop."""
+        return [Runnable("image-flags"), Runnable("operations", stop=self._stop_operations)]
+
+    def _stop_operations(self, seconds: float, _ended: bool) -> bool:
+        """Cancel the steps in flight and the verify, and wait up to `seconds` for them (a repair's removals too);
+        True when they all ended."""
+        self.operations.cancel_all()
+        self.verifier.cancel_all("the daemon is stopping")
+        end = time.monotonic() + seconds
+        ended = self.operations.join(seconds)
+        ended = self.verifier.join(max(0.0, end - time.monotonic())) and ended
+        if not ended:
+            self.log.warning("daemon.operations_still_running", seconds=round(seconds, 1))
+        return ended
 
     @property
     def sessions(self) -> Sessions | None:
@@ -172,24 +207,8 @@ class Controller:
         metrics.desired_state_valid.set(1)
         digest = desired.fingerprint()
         if self.store.take(digest):
-            self.read_only = None
-            self.history.keep = desired.policy.history
-            hold = self.history.taken(self.store.generation, digest, desired.source, self.clock())
-            if self.store.observed_generation == self.store.generation:  # it converged before this daemon
-                self.history.served(self.store.generation, self.store.last_converged or self.clock())
-            if self.held is not None and hold is None:
-                self.log.info("rollback.ended", generation=self.store.generation, was=self.held.to)
-            self.held = None
-            if hold is not None and hold.to == 0:  # back to what ran before it: the same file, restored
-                self._enforce(desired, held=hold)
-                self.log.warning("rollback.kept", generation=hold.generation, to=AS_FOUND, error=hold.why)
+            if self._kept_rollback(desired, digest):
                 return True
-            if hold is not None and (back := self._brought_back(hold.generation, hold.to)) is not None:
-                self._enforce(back, held=hold)  # a restart keeps the rollback: the failed change is not tried again
-                self.log.warning("rollback.kept", generation=hold.generation, to=hold.to, error=hold.why)
-                return True
-            if hold is not None:  # what it brought back can no longer be taken: the file's generation is tried
-                self.history.release()
         elif self.store.pending is None or digest == self.read_only:
             return False  # the content in force, or the one observed already
         elif self.desired is not None and self.read_only is None:  # the recorded generation stays in force
@@ -202,6 +221,30 @@ class Controller:
         self.log.info("desired_state.loaded", generation=self.store.generation, mode=desired.policy.mode,
                       paused=desired.policy.paused)
         return True
+
+    def _kept_rollback(self, desired: spec.Desired, digest: str) -> bool:
+        """A new generation was recorded: into the history. True when a rollback of it is kept (a restart keeps
+        the rollback: the failed change is not tried again) and what it brought back is enforced already."""
+        self.read_only = None
+        self.history.keep = desired.policy.history
+        hold = self.history.taken(self.store.generation, digest, desired.source, self.clock())
+        if self.store.observed_generation == self.store.generation:  # it converged before this daemon
+            self.history.served(self.store.generation, self.store.last_converged or self.clock())
+        if self.held is not None and hold is None:
+            self.log.info("rollback.ended", generation=self.store.generation, was=self.held.to)
+        self.held = None
+        if hold is None:
+            return False
+        if hold.to == 0:  # back to what ran before it: the same file, restored
+            self._enforce(desired, held=hold)
+            self.log.warning("rollback.kept", generation=hold.generation, to=AS_FOUND, error=hold.why)
+            return True
+        if (back := self._brought_back(hold.generation, hold.to)) is not None:
+            self._enforce(back, held=hold)
+            self.log.warning("rollback.kept", generation=hold.generation, to=hold.to, error=hold.why)
+            return True
+        self.history.release()  # what it brought back can no longer be taken: the file's generation is tried
+        return False
 
     def _enforce(self, desired: spec.Desired, held: Hold | None = None) -> None:
         """Make `desired` the state in force: the file's generation, or (`held`) the one a rollback brought back
@@ -229,58 +272,48 @@ class Controller:
         desired, problems = (None, [f"generation {to} is not kept in {self.history.dir}"]) if text is None \
             else trusted_files.load_text(text, self.path, self.secrets(), kept)
         if desired is None:
-            if (generation, "impossible") not in self._failures_said:
-                self._failures_said.add((generation, "impossible"))
-                self.log.error("rollback.impossible", generation=generation, to=to, errors=problems)
+            self._say_once(generation, "impossible", lambda: self.log.error(
+                "rollback.impossible", generation=generation, to=to, errors=problems))
             return None
         for value in desired.secret_values():
             log.register_secret(value)
         return desired
 
+    def _say_once(self, generation: int, what: str, say: Callable[[], object]) -> None:
+        if (generation, what) not in self._failures_said:
+            self._failures_said.add((generation, what))
+            say()
+
     def _failed_change(self, why: str, deployment: str | None) -> None:
         """The file's generation failed before it ever served (a start of `deployment`'s failed, or the image
-        refused it): with policy.on_failed_change rollback, bring back the last generation that served, when the
-        failing deployment is one the change touched (a failure of what the change left as it was is not the
-        change's: it is retried as before), and hold this one until the file changes. Said once either way."""
+        refused it): carry out `rollback.decide` while the file's generation is enforced. Said once either way."""
         desired, generation = self.desired, self.store.generation
         if (desired is None or self.held is not None or self.read_only is not None
                 or desired.policy.mode != "enforce" or desired.policy.paused):
             return
-        entry = self.history.history.entry(generation)
-        if entry is None or entry.served:
-            return  # it served: a later failure is a wedge or a crash, repaired in place, not a failed change
-        why = _first_line(log.redact_text(why))  # kept on disk and shown by `reconciler history`
-        back = self.history.history.last_served(generation)
-        brought = None
-        if back is not None and desired.policy.on_failed_change == "rollback":
-            brought = self._brought_back(generation, back.generation)
-        if brought is not None and deployment is not None and not _touches(desired, brought, deployment):
-            return  # not the change's failure: what failed is as it was in the generation that served
-        if back is None and desired.policy.on_failed_change == "rollback" and entry.stopped:
-            self._abort_to_as_found(generation, why)
-            return
-        if brought is None or back is None:
-            self.history.failed(generation, why)
-            if (generation, "failed") not in self._failures_said:
-                self._failures_said.add((generation, "failed"))
-                self.log.warning("change.failed", generation=generation, error=why,
-                                 rollback=("policy.on_failed_change is hold" if desired.policy.on_failed_change
-                                           == "hold" else "no earlier generation to bring back"
-                                           if back is None else f"generation {back.generation} cannot be taken"))
-            return
-        hold = self.history.rolled_back(generation, back.generation, why, self.clock())
+        decision = rollback.decide(self.history.history, generation, desired, deployment,
+                                   lambda to: self._brought_back(generation, to))
+        why = rollback.first_line(log.redact_text(why))  # kept on disk and shown by `reconciler history`
+        match decision.action:
+            case "as-found":  # a first generation that stopped co-tenants: what ran before it comes back
+                self._roll_back(generation, 0, desired, why)
+            case "roll-back":
+                assert decision.brought is not None
+                self._roll_back(generation, decision.to, decision.brought, why)
+            case "failed":
+                self.history.failed(generation, why)
+                self._say_once(generation, "failed", lambda: self.log.warning(
+                    "change.failed", generation=generation, error=why, rollback=decision.why_not))
+            case "none":
+                pass
+
+    def _roll_back(self, generation: int, to: int, brought: spec.Desired, why: str) -> None:
+        """Hold `generation` and enforce `brought` (generation `to`; 0: the file's own, restoring what ran before
+        it, core/restore) in its place."""
+        hold = self.history.rolled_back(generation, to, why, self.clock())
         self._enforce(brought, held=hold)
         metrics.rollbacks.inc()
-        self.log.warning("change.rolled_back", generation=generation, to=back.generation, error=why)
-
-    def _abort_to_as_found(self, generation: int, why: str) -> None:
-        """A first generation failed after it stopped co-tenants: hold it and bring back what ran before it
-        (generation 0, core/restore): its ranks stopped, the co-tenants it stopped started again."""
-        assert self.desired is not None
-        hold = self.history.rolled_back(generation, 0, why, self.clock())
-        self._enforce(self.desired, held=hold)
-        metrics.rollbacks.inc()
-        self.log.warning("change.rolled_back", generation=generation, to=AS_FOUND, error=why)
+        self.log.warning("change.rolled_back", generation=generation, to=to or AS_FOUND, error=why)
 
     def _restored(self, desired: spec.Desired, observed: Observed, current: Plan) -> Plan:
         """The plan in force: the file's (`current`), or while a first generation is held back to what ran before
@@ -310,68 +343,99 @@ class Controller:
 
     # -- one reconcile ----------------------------------------------------------------------------------------
 
-    def reconcile(self, reasons: set[str]) -> Result:
-        """One reconcile; `reasons`: what triggered it (the triggers coalesced into it), said in its log line:
-        start, file (the desired-state file changed), sighup, docker:NODE and link:NODE (a node's event),
-        events-lost:NODE, resync, operation (a step ended), flags (the image's answer), verify-request,
-        verify-ended:NODE, requeue:WHY (backoff-ended:STEP, health-recheck, lease-renewal, event-settle)."""
-        start = time.monotonic()
+    def reconcile(self, reasons: set[Reason]) -> Result:
+        """One reconcile; `reasons`: what triggered it (the triggers coalesced into it, `reasons.Reason`), said in
+        its log line: start, file, sighup, docker:NODE, link:NODE, events-lost:NODE, resync, operation, flags,
+        verify-request, verify-ended:NODE, requeue:WHY (backoff-ended:STEP, health-recheck, lease-renewal,
+        event-settle)."""
+        began = time.monotonic()
         self.reconciles += 1
-        trigger = sorted(reasons)
+        trigger = said(reasons)
         failures = self._record(self.operations.drain())
         self._reread(reasons, trigger)
-        failed, self._start_failed = self._start_failed, None
-        if failed is not None and failed[0] == self.store.generation:  # an edit since: that one is tried instead
-            self._failed_change(failed[2], failed[1])
-        desired = self.desired
-        observed: Observed | None = None
-        current: Plan | None = None
-        error: str | None = None
-        started = 0
+        self._judge_failed_start()
+        cycle = _Cycle(self.desired)
         try:
-            if desired is not None:
-                observed = self._observe(desired)
-                if self.cancel.is_set():
-                    return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
-                self._say_troubles(observed)
-                current = self._restored(desired, observed, planning.plan(desired, observed))
-                if current.refused and self.held is None and current.mode == "enforce":
-                    self._failed_change("the image refuses the start: " + "; ".join(current.refused), None)
-                    if self.desired is not desired:  # rolled back: plan what was brought back
-                        desired = self.desired
-                        assert desired is not None
-                        observed = self._observe(desired)
-                        current = planning.plan(desired, observed)
-                current, started = self._start(desired, observed, current, trigger)
-                self._verify_next(desired, current)
-                if (not current.changes and self.read_only is None and self.held is None
-                        and not any(s.kind in START_KINDS for s in self.operations.busy())  # its verify may fail
-                        and not self.publisher.answers_wrong(desired, observed)):  # serving.verify: not served
-                    self.store.converged(self.clock())  # observing only, or rolled back: not the file's to reach
-                    if current.mode == "enforce":  # what a rollback may bring back: a generation that serves
-                        self.history.served(self.store.generation, self.clock())
-                    metrics.last_converged.set(self.store.last_converged)
+            if cycle.desired is not None and not self._act(cycle.desired, cycle, trigger):
+                return Result()  # shutting down: what a cancelled probe saw is not news worth publishing
         except Exception as exc:  # a bug must not freeze the status at its last value
-            error = f"reconcile crashed: {type(exc).__name__}: {exc}"
+            cycle.error = f"reconcile crashed: {type(exc).__name__}: {exc}"
             self.log.exception("reconcile.crashed", error=str(exc), trigger=trigger)
-        result = "error" if error or failures or desired is None else ("success" if started else "noop")
-        phase = self._publish(observed, current, failures, error)
-        metrics.reconciles.labels(result=result).inc()
-        metrics.reconcile_duration.observe(time.monotonic() - start)
-        self.log.info("reconcile.end", generation=self.store.generation, reconcile=self.reconciles, phase=phase,
-                      trigger=trigger, result=result, steps_started=started, in_flight=len(self.operations.busy()),
-                      seconds=round(time.monotonic() - start, 3),
-                      drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None,
-                      blocked=[f"{b.node}: {b.reason}" for b in current.blocked] if current and current.blocked
-                      else None, error=error)
-        requeue = self._requeue_after(observed, settle=any(r.startswith("docker:") for r in reasons))
+        phase = self._publish(cycle.observed, cycle.current, failures, cycle.error)
+        self._said(cycle, failures, trigger, began, phase)
+        requeue = self._requeue_after(cycle.observed, settle=any(r.kind == "docker" for r in reasons))
         return Result(None, phase) if requeue is None else Result(requeue[0], phase, requeue[1])
 
-    def _reread(self, reasons: set[str], trigger: list[str]) -> None:
+    def _act(self, desired: spec.Desired, cycle: _Cycle, trigger: list[str]) -> bool:
+        """Observe, plan, admit; what it found kept in `cycle` as it goes. False when the daemon is stopping."""
+        cycle.observed = observed = self._observe(desired)
+        if self.cancel.is_set():
+            return False
+        self._say_troubles(observed)
+        desired, observed, current = self._plan(cycle, desired, observed)
+        cycle.current, cycle.started = self._start(desired, observed, current, trigger)
+        self._verify_next(desired, cycle.current)
+        self._converged(desired, observed, cycle.current)
+        return True
+
+    def _plan(self, cycle: _Cycle, desired: spec.Desired, observed: Observed) -> tuple[spec.Desired, Observed, Plan]:
+        """The plan in force. A start the image refuses is a failed change: when that rolls it back, what was
+        brought back is observed and planned instead."""
+        cycle.current = current = self._restored(desired, observed, planning.plan(desired, observed))
+        if current.refused and self.held is None and current.mode == "enforce":
+            self._failed_change("the image refuses the start: " + "; ".join(current.refused), None)
+            if self.desired is not desired and self.desired is not None:  # rolled back: plan what was brought back
+                desired = cycle.desired = self.desired
+                observed = cycle.observed = self._observe(desired)
+                current = cycle.current = planning.plan(desired, observed)
+        return desired, observed, current
+
+    def _converged(self, desired: spec.Desired, observed: Observed, current: Plan) -> None:
+        """Nothing to change, the file's generation enforced and no start whose answer is still to be checked:
+        converged (and, enforcing, what a rollback may bring back: a generation that served)."""
+        if (not current.changes and self.read_only is None and self.held is None
+                and not any(s.kind in START_KINDS for s in self.operations.busy())  # its verify may fail
+                and not self.publisher.answers_wrong(desired, observed)):  # serving.verify: not served
+            self.store.converged(self.clock())  # observing only, or rolled back: not the file's to reach
+            if current.mode == "enforce":
+                self.history.served(self.store.generation, self.clock())
+            metrics.last_converged.set(self.store.last_converged)
+
+    def _judge_failed_start(self) -> None:
+        """A start of the file's generation that failed since the last reconcile is a failed change; one of an
+        earlier generation is not (an edit since: that one is tried instead)."""
+        failed, self._start_failed = self._start_failed, None
+        if failed is not None and failed[0] == self.store.generation:
+            self._failed_change(failed[2], failed[1])
+
+    def _said(self, cycle: _Cycle, failures: list[str], trigger: list[str], began: float, phase: str) -> None:
+        """The reconcile's end: counted, timed, one log line."""
+        result = ("error" if cycle.error or failures or cycle.desired is None
+                  else "success" if cycle.started else "noop")
+        current = cycle.current
+        metrics.reconciles.labels(result=result).inc()
+        metrics.reconcile_duration.observe(time.monotonic() - began)
+        self.log.info("reconcile.end", generation=self.store.generation, reconcile=self.reconciles, phase=phase,
+                      trigger=trigger, result=result, steps_started=cycle.started,
+                      in_flight=len(self.operations.busy()), seconds=round(time.monotonic() - began, 3),
+                      drift=sum(1 for d in current.drift if d.actionable or d.blocking) if current else None,
+                      blocked=[f"{b.node}: {b.reason}" for b in current.blocked] if current and current.blocked
+                      else None, error=cycle.error)
+
+    def _due(self, observed: Observed | None, settle: bool = False) -> Due:
+        lease = self.manager.lease
+        return Due(now=self.monotonic(), settle=settle, holding_lease=lease is not None and lease.holding,
+                   backoff=self.backoff, desired=self.desired, observed=observed)
+
+    def _requeue_after(self, observed: Observed | None, settle: bool = False) -> tuple[float, str] | None:
+        """When to look again without a trigger (`requeue.requeue_after`) as this controller stands."""
+        return requeue_after(self._due(observed, settle))
+
+    def _reread(self, reasons: set[Reason], trigger: list[str]) -> None:
         """Read the file again when it changed or SIGHUP asked (said either way: a SIGHUP that finds the file as it
         was is news too), and every reconcile while there is no valid one or its generation could not be
         recorded."""
-        if {"file", "sighup"} & reasons:
+        if any(r.kind in ("file", "sighup") for r in reasons):
             taken = self.reload()
             self.log.info("desired_state.reread", trigger=trigger, new_generation=taken,
                           generation=self.store.generation)
@@ -460,6 +524,8 @@ class Controller:
             self.log.info("verify.yield", node=node, to=sorted(yielding))
         return admit(current.steps, busy, {**vetoed, **yielding})
 
+    # -- the verify asked of the daemon -----------------------------------------------------------------------
+
     def _verify_next(self, desired: spec.Desired, current: Plan) -> None:
         """Start the asked verify on its next node when nothing it conflicts with is in flight; a repair only while
         the daemon enforces and holds the lease (it deletes files)."""
@@ -470,10 +536,7 @@ class Controller:
         if request.repair and not (current.mode == "enforce" and lease is not None and lease.holding):
             self.verifier.wait("a repair waits until the daemon enforces and holds the cluster's lease")
             return
-        busy, source = self.operations.busy(), desired.source_node
-        waits = {node: verify_waits(node, source, busy) or next(
-            (f"{s.id} starts first" for s in self._wanted if verify_conflict(s, node, source)), None)
-            for node in request.todo}
+        waits = self._verify_waits(request.todo, desired.source_node)
         node = next((n for n, why in waits.items() if why is None), None)
         if node is None:
             self.verifier.wait("; ".join(f"{n}: {why}" for n, why in waits.items()))
@@ -483,38 +546,30 @@ class Controller:
         if self.verifier.start(node, lambda cancel: verify(desired, sessions, node, repair, cancel)):
             self.log.info("verify.start", request=request.id, node=node, repair=repair)
 
+    def _verify_waits(self, todo: list[str], source: str) -> dict[str, str | None]:
+        """Per node still to verify, what it waits for (None: nothing): a step in flight or one about to start
+        that it conflicts with."""
+        busy = self.operations.busy()
+        return {node: verify_waits(node, source, busy) or next(
+            (f"{s.id} starts first" for s in self._wanted if verify_conflict(s, node, source)), None)
+            for node in todo}
+
     def verify_request(self, doc: dict[str, object]) -> tuple[int, dict[str, object]]:
         """`POST /verify`, authenticated by the listener (server._verify), on one of its threads: take a verify of
-        this daemon's desired state (202 and the request's id), or say why not (reconciler/edge/daemon_client.py
-        reads the reasons)."""
-        file, repair, only = doc.get("file"), doc.get("repair"), doc.get("node")
-        if not isinstance(file, str) or not isinstance(repair, bool) or not (only is None or isinstance(only, str)):
-            return 400, {"error": "a verify request names file (a path), repair (true or false) and node (a name "
-                                  "or null)"}
+        this daemon's desired state (202 and the request's id), or say why not (`verify_answers`)."""
         pid = os.getpid()
-        if os.path.realpath(file) != os.path.realpath(self.path):
-            return 409, {"reason": "other-file", "pid": pid,
-                         "error": f"the cluster is held by the daemon pid {pid}, which keeps {self.path}, not {file}"}
-        desired = self.desired
-        if desired is None:
-            return 409, {"reason": "no-desired-state", "error": "the daemon has no valid desired state in force"}
-        if len(desired.deployments) > 1:
-            return 409, {"reason": "several-deployments", "error": "a verify compares one model's copies with its "
-                         "source: a file of several deployments is not verified yet"}
-        if repair and (desired.policy.mode != "enforce" or desired.policy.paused):
-            return 409, {"reason": "not-enforcing", "error": "the daemon does not enforce (policy.mode "
-                         f"{desired.policy.mode}, paused {str(desired.policy.paused).lower()}): a repair is not its"}
-        nodes = targets(desired, only)
-        if only is not None and not nodes:
-            return 400, {"error": f"{only} is not a node to verify: the serving nodes but the source "
-                                  f"({desired.source_node}) are: {', '.join(targets(desired)) or 'none'}"}
+        asked = verify_answers.judge(doc, self.path, self.desired, pid)
+        if not isinstance(asked, verify_answers.Asked):
+            return asked
         try:
-            request, joined = self.verifier.ask(repair, only, nodes)
+            request, joined = self.verifier.ask(asked.repair, asked.node, asked.targets)
         except Busy as exc:
-            return 409, {"reason": "busy", "error": str(exc)}
-        self.log.info("verify.requested", request=request.id, repair=repair, node=only, joined=joined)
-        self.requests.request("verify-request")
-        return 202, {"id": request.id, "joined": joined, "targets": nodes, "pid": pid}
+            return verify_answers.busy(str(exc))
+        self.log.info("verify.requested", request=request.id, repair=asked.repair, node=asked.node, joined=joined)
+        self.requests.request(Reason("verify-request"))
+        return verify_answers.accepted(request.id, joined, asked, pid)
+
+    # -- what the steps say -----------------------------------------------------------------------------------
 
     def _record(self, results: list[StepResult]) -> list[str]:
         """Finished steps into the holds and the co-tenants they stopped into the history (only the loop writes
@@ -527,94 +582,45 @@ class Controller:
         for r in results:
             if self.backoff is None:
                 break
-            if r.result == "success":
-                self.backoff.succeeded(r.step.id)
-            elif r.result in ("failed", "blocked"):
-                self.backoff.failed(r.step.id, r.message, self.monotonic())
-                failures.append(f"{r.step.id}: {r.message}")
-                # Only a start that ran and failed: one that is blocked (a container not ours in the way, memory
-                # short with nothing stopped) is the node's condition, not the change's.
-                if r.result == "failed" and r.step.kind in START_KINDS and r.step.id in self._launched:
-                    whose = r.step.deployment or (self.desired.deployment_names[0] if self.desired else None)
-                    self._start_failed = (self._launched[r.step.id], whose, f"{r.step.id}: {r.message}")
-            elif r.result == "deferred":  # said, never counted: the next reconcile tries again
-                failures.append(f"{r.step.id}: {r.message}")
+            match outcome_of(r):
+                case "success":
+                    self.backoff.succeeded(r.step.id)
+                case "failed" | "blocked":
+                    self.backoff.failed(r.step.id, r.message, self.monotonic())
+                    failures.append(f"{r.step.id}: {r.message}")
+                    if r.result == "failed":
+                        self._start_ran_and_failed(r)
+                case "deferred":  # said, never counted: the next reconcile tries again
+                    failures.append(f"{r.step.id}: {r.message}")
+                case "skipped" | "cancelled":  # nothing to record: it never ran, or was stopped on purpose
+                    pass
             self._launched.pop(r.step.id, None)
         return failures
 
-    def _requeue_after(self, observed: Observed | None, settle: bool = False) -> tuple[float, str] | None:
-        """The next moment something is due without any trigger, and what: a backoff's end, a health grace's end,
-        the lease's renewal (a long resync must not let it lapse while our operations run), and after a docker
-        event the second look that sees what the event announced (`settle`, EVENT_SETTLE)."""
-        due = [(EVENT_SETTLE, "event-settle")] if settle else []
-        now = self.monotonic()
-        lease = self.manager.lease
-        if (lease is not None and lease.holding and self.desired is not None
-                and self.desired.policy.resync_interval > RENEW_AFTER):
-            due.append((RENEW_AFTER, "lease-renewal"))
-        if self.backoff is not None and (when := self.backoff.next_due(now)) is not None:
-            step = min((r.next_try, sid) for sid, r in self.backoff.records.items() if r.next_try > now)[1]
-            due.append((when - now, f"backoff-ended:{step}"))
-        for view in self.desired.views() if self.desired is not None and observed is not None else []:
-            seen = observed.view(view.deployment.name) if observed is not None else None
-            health = seen.node(view.api_node.name).serving if seen is not None else None
-            if seen is not None and health is not None and health.served_before and health.unhealthy_for is not None:
-                # A failing API sends no event, and the event that made it fail (a rank's container dying) may
-                # arrive before the state shows it: while it fails, look again often, like a readiness probe.
-                due.append((min(UNHEALTHY_RECHECK, unhealthy_grace(view, seen) - health.unhealthy_for),
-                            "health-recheck"))
-        if not due:
-            return None
-        seconds, why = min(due)
-        return max(0.0, seconds), why
+    def _start_ran_and_failed(self, r: StepResult) -> None:
+        """Only a start that ran and failed is a failed change's sign: one that is blocked (a container not ours in
+        the way, memory short with nothing stopped) is the node's condition, not the change's."""
+        if r.step.kind in START_KINDS and r.step.id in self._launched:
+            whose = r.step.deployment or (self.desired.deployment_names[0] if self.desired else None)
+            self._start_failed = (self._launched[r.step.id], whose, f"{r.step.id}: {r.message}")
 
     def _progress_of(self, generation: int | None) -> Callable[[str, dict[str, Any]], None]:
         """The steps' report function for a batch launched for `generation` (None: a rollback's): a co-tenant they
         stop is remembered for that generation (for `_restored`), handed to the loop's thread, which alone writes
-        the history."""
+        the history; every report then goes to `reports.StepReports`."""
         def progress(event: str, fields: dict[str, Any]) -> None:
             if event == "co-tenant.stopped" and generation is not None:
                 with self._stopped_lock:
                     self._stopped.append((generation, StoppedCoTenant(fields["node"], fields["container"],
                                                                       fields["id"])))
-            self._progress(event, fields)
+            self.reports(event, fields)
         return progress
 
-    def _progress(self, event: str, fields: dict[str, Any]) -> None:
-        """Steps report here (from their threads): bytes, or a cold start's stage and line, into the operation
-        (which /status and the progress metrics read: the manager has metrics.operation_progress follow these
-        operations), the sync counter, then the log."""
-        node = fields.get("node", "")
-        if event == "weights.progress":
-            done = fields["bytes_done"]
-            if done > self.synced.get(node, 0):
-                metrics.weights_sync_bytes.labels(node=node).inc(done - self.synced.get(node, 0))
-            self.synced[node] = done
-            self.operations.progress("weights", node, done, fields.get("bytes_total"))
-        elif event == "weights.start":
-            self.synced[node] = 0
-            self.operations.progress("weights", node, 0, fields.get("bytes_total"))
-        elif event in ("image.start", "image.progress"):
-            self.operations.progress("image", node, fields["bytes_done"], fields.get("bytes_total"))
-        elif event in ("download.start", "download.progress"):
-            self.operations.progress("download", node, fields.get("bytes_done", 0), fields["bytes_total"])
-        elif event in ("serving.stage", "serving.progress"):
-            self.operations.stage("await-health", node, fields["stage"], fields["percent"], fields["line"])
-        elif event == "serving.memory":  # a rank's node once it served: its overshoot, into /status and metrics
-            self.publisher.memory(fields, self.clock())
-        elif event == "serving.verify":  # a start's check of its answer: ServingVerified, reconciler_serving_verified
-            self.publisher.verified(fields)
-        elif event == "serving.transport":  # the network a rank's NCCL chose: NcclTransport, the fallback gauge
-            self.publisher.transport(fields)
-        levels = {"debug": self.log.debug, "info": self.log.info, "warning": self.log.warning}
-        levels[progress_level(event)](event, **{k: v for k, v in fields.items() if k != "step"})
-
-    def _on_step(self, event: str, fields: dict[str, Any]) -> None:
+    @staticmethod
+    def _on_step(event: str, fields: dict[str, Any]) -> None:
         if event == "step.end":
             r = fields["result"]
-            metrics.steps.labels(kind=r.step.kind, result=r.result).inc()
-            if r.result != "skipped":
-                metrics.step_duration.labels(kind=r.step.kind).observe(r.seconds)
+            metrics.step_ended(r.step.kind, r.result, r.seconds)
 
     # -- status -----------------------------------------------------------------------------------------------
 
@@ -627,11 +633,7 @@ class Controller:
         if desired is not None:
             self.publisher.roles(desired)
         in_flight = self.operations.busy()
-        kinds: dict[str, int] = {}
-        for step in in_flight:
-            kinds[step.kind] = kinds.get(step.kind, 0) + 1
-        for kind in STEP_KINDS:
-            metrics.operations.labels(kind=kind).set(kinds.get(kind, 0))
+        metrics.set_in_flight([step.kind for step in in_flight], STEP_KINDS)
         snap = conditions.Snapshot(
             generation=self.store.generation, observed_generation=self.store.observed_generation,
             file_error=self.file_error, observed=observed, plan=current,
@@ -652,35 +654,3 @@ def _trouble(obs: NodeObservation) -> tuple[str, str] | None:
     if not obs.docker_reachable:
         return "docker_unreachable", obs.docker_error or "docker does not answer"
     return None
-
-
-#: The steps whose failure is a start that failed: of the file's generation before it served, a failed change
-#: (`Controller._failed_change`).
-START_KINDS = frozenset({"start-serving", "launch-model", "await-health"})
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    """A failure as the history keeps it: its first line (a start's message carries the container's log tail)."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit - 1] + "…"
-
-
-def _touches(new: spec.Desired, old: spec.Desired, deployment: str) -> bool:
-    """Whether the change from `old` to `new` touched what `deployment` starts: it is new, or its model, serving,
-    the nodes or the trust differ."""
-    if deployment not in old.deployment_names:
-        return True
-    a, b = new.view(deployment), old.view(deployment)
-    return (a.deployment, a.nodes, a.trust) != (b.deployment, b.nodes, b.trust)
-
-
-#: Step reports (`_progress`) that say something went wrong: logged at warning, not info.
-TROUBLE_EVENTS = frozenset({"ledger.unwritten", "serving.sync-skipped", "serving.drop-caches-refused",
-                            "weights.refused", "weights.drop-behind-ended", "retention.kept"})
-
-
-def progress_level(event: str) -> str:
-    """The log level of a step's report: a progress tick is debug, trouble is warning, the rest info."""
-    if event.endswith(".progress"):
-        return "debug"
-    return "warning" if event in TROUBLE_EVENTS else "info"

@@ -8,8 +8,13 @@
   watchdog is fed only while that heartbeat is fresh, so a loop stuck anywhere (a reconcile that never returns)
   gets the daemon restarted. No step runs in the loop (they are operations beside it), so no allowance for long
   work is needed or given.
-- SIGTERM: the loop stops, operations are cancelled (rsync keeps its partial data, a restart resumes), and the
-  process ends within SHUTDOWN_DEADLINE whatever a thread is stuck in.
+- Everything the process runs beside the loop is named in one list (`runnables.Runnables`, `Daemon.runnables`),
+  started in its order and stopped in the reverse one: the SSH sessions and the lease, the listener, the image's
+  flag queries, the operations (with the verify), the event streams, the file watch, the watchdog, the exit
+  deadline.
+- SIGTERM: the loop stops, then the list does: the event streams end, operations are cancelled (rsync keeps its
+  partial data, a restart resumes) and awaited, the listener closes, the lease is given back if nothing of ours
+  still runs, the sessions close; the process ends within SHUTDOWN_DEADLINE whatever a thread is stuck in.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from reconciler.loop import metrics, systemd
 from reconciler.loop.controller import Controller
 from reconciler.loop.generations import path_key
 from reconciler.loop.manager import Manager
+from reconciler.loop.reasons import Reason, said
+from reconciler.loop.runnables import Runnable, Runnables
 from reconciler.loop.server import Listener, ListenMismatch, make_status_key, serve
 from reconciler.loop.triggers import ReconcileRequests, watch_file
 
@@ -46,6 +53,9 @@ TICK = 5.0
 # A heartbeat older than this stops the watchdog pings: one reconcile is one observation, bounded by the command
 # timeout on both ends (default 60 s), so 4 minutes without a wake-up means the loop is stuck.
 STALE_AFTER = 240.0
+
+# What the daemon itself asks a reconcile for (built once: a signal handler only adds one to a set).
+STARTED, SIGNALLED, SIGHUP, RESYNC = Reason("start"), Reason("signal"), Reason("sighup"), Reason("resync")
 
 
 class AlreadyRunning(Exception):
@@ -92,10 +102,12 @@ def heartbeat_fresh(heartbeat: float, now: float, stale_after: float = STALE_AFT
 
 class Daemon:
     """The process: it builds the manager (sessions, lease, event streams, metrics registration) and hands it to
-    the controller, then only schedules reconciles."""
+    the controller, names what it runs (`runnables`), then only schedules reconciles. A test may hand it a
+    controller (and that controller's manager)."""
 
     def __init__(self, path: Path, state_dir: Path, listen: str | None = None, events: bool = True,
-                 controller: Controller | None = None, secrets: Callable[[], Secrets] | None = None) -> None:
+                 controller: Controller | None = None, secrets: Callable[[], Secrets] | None = None,
+                 manager: Manager | None = None) -> None:
         self.path = Path(path)
         self.state_dir = Path(state_dir)
         self.listen_override = listen
@@ -104,11 +116,30 @@ class Daemon:
         self.cancel = threading.Event()
         self.stopped = threading.Event()
         self.log = log.get().bind(file=str(self.path))
-        self.controller = controller or Controller(
-            self.path, self.state_dir, self.requests, self.cancel, secrets=secrets,
-            manager=Manager(self.path, self.requests, events=events))
+        if controller is None:
+            manager = Manager(self.path, self.requests, events=events)
+            controller = Controller(self.path, self.state_dir, self.requests, self.cancel, secrets=secrets,
+                                    manager=manager)
+        self.controller = controller
+        self.manager = manager
+        self.server: Listener | None = None
         self.heartbeat = time.monotonic()
         self.ready_sent = False
+
+    def runnables(self) -> Runnables:
+        """Everything the process runs beside the loop, in start order; stopped last first."""
+        found = Runnables()
+        if self.manager is not None:
+            found.add(Runnable("sessions-and-lease", stop=self._close_manager))
+        found.add(Runnable("listener", start=self._listen, stop=self._close_listener))
+        for runnable in self.controller.runnables():
+            found.add(runnable)
+        if self.manager is not None:
+            found.add(Runnable("event-streams", stop=self._stop_streams))
+        found.add(Runnable("file-watch", start=self._watch_file))
+        found.add(Runnable("watchdog", start=lambda: _thread("watchdog", self._watchdog)))
+        found.add(Runnable("exit-deadline", start=lambda: _thread("exit-deadline", self._exit_by_deadline)))
+        return found
 
     def install_signals(self) -> None:
         """A handler runs on the main thread between two bytecodes, possibly while that very thread holds a lock:
@@ -118,10 +149,10 @@ class Daemon:
         def term(_sig: int, _frame: FrameType | None) -> None:
             self.stop.set()
             self.cancel.set()
-            self.requests.request("signal")
+            self.requests.request(SIGNALLED)
 
         def hup(_sig: int, _frame: FrameType | None) -> None:
-            self.requests.request("sighup")
+            self.requests.request(SIGHUP)
 
         signal.signal(signal.SIGTERM, term)
         signal.signal(signal.SIGINT, term)
@@ -151,29 +182,43 @@ class Daemon:
         faulthandler.dump_traceback(file=sys.stderr.fileno(), all_threads=True)
         os._exit(0)
 
-    def _shutdown(self, server: Listener, deadline: float = CLOSE_DEADLINE) -> None:
-        """Cancelled operations end, then streams, the listener and the sessions close; never let a half-dead SSH
-        transport hold the exit past the deadline: everything left is a daemon thread and dies with the process."""
-        manager = self.controller.manager
-        manager.stop_streams()
-        self.controller.operations.cancel_all()
-        self.controller.verifier.cancel_all("the daemon is stopping")
-
-        def close() -> None:
-            end = time.monotonic() + deadline
-            ended = self.controller.operations.join(deadline)
-            ended = self.controller.verifier.join(max(0.0, end - time.monotonic())) and ended  # a repair's removals
-            if not ended:
-                self.log.warning("daemon.operations_still_running", seconds=deadline)
-            server.shutdown()
-            server.server_close()
-            manager.close(ended)
-
-        closer = threading.Thread(target=close, name="shutdown", daemon=True)
+    def _shutdown(self, runnables: Runnables, deadline: float = CLOSE_DEADLINE) -> None:
+        """Stop the list, last started first: the streams end, the cancelled operations end, the listener and the
+        sessions close. Never let a half-dead SSH transport hold the exit past the deadline: everything left is a
+        daemon thread and dies with the process."""
+        closer = threading.Thread(target=lambda: runnables.stop(deadline), name="shutdown", daemon=True)
         closer.start()
         closer.join(deadline + 1)
         if closer.is_alive():
             self.log.warning("daemon.shutdown_timeout", seconds=deadline)
+
+    def _watch_file(self) -> None:
+        watch_file(self.path, self.requests, self.stop)  # its thread ends with the stop event
+
+    def _listen(self) -> None:
+        """Bind the listener (ListenMismatch: another address than the socket systemd passed) and say the start."""
+        listen = self._listen_address()
+        self.server = serve(listen, lambda: self.controller.status,
+                            "--listen" if self.listen_override else "policy.listen",
+                            make_status_key(self.state_dir), self.controller.verify_request)
+        self.log.info("daemon.start", listen=listen, generation=self.controller.store.generation, pid=os.getpid())
+
+    def _close_listener(self, _seconds: float, _ended: bool) -> bool:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        return True
+
+    def _stop_streams(self, _seconds: float, _ended: bool) -> bool:
+        assert self.manager is not None
+        self.manager.stop_streams()
+        return True
+
+    def _close_manager(self, _seconds: float, ended: bool) -> bool:
+        """Last: the lease given back only when every operation ended (`ended`), the sessions closed."""
+        assert self.manager is not None
+        self.manager.close(ended)
+        return True
 
     def _listen_address(self) -> str:
         try:
@@ -189,23 +234,16 @@ class Daemon:
                              reason="the state dir cannot hold the lock file; the lease on the head still applies")
         try:
             self.controller.reload()
-            listen = self._listen_address()
+            runnables = self.runnables()
             try:
-                server = serve(listen, lambda: self.controller.status,
-                               "--listen" if self.listen_override else "policy.listen",
-                               make_status_key(self.state_dir), self.controller.verify_request)
+                runnables.start()
             except ListenMismatch as exc:
                 self.log.error("daemon.listen", error=str(exc))
                 return 2
-            self.log.info("daemon.start", listen=listen, generation=self.controller.store.generation,
-                          pid=os.getpid())
-            watch_file(self.path, self.requests, self.stop)
-            threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
-            threading.Thread(target=self._exit_by_deadline, name="exit-deadline", daemon=True).start()
             self._loop()
             self.log.info("daemon.stopping", reason="signal")
             systemd.stopping()
-            self._shutdown(server)
+            self._shutdown(runnables)
             self.log.info("daemon.stopped")
             return 0
         finally:
@@ -214,7 +252,7 @@ class Daemon:
                 os.close(handle)
 
     def _loop(self) -> None:
-        self.requests.request("start")
+        self.requests.request(STARTED)
         next_resync = time.monotonic()
         requeue_at: float | None = None
         requeue_why = ""
@@ -228,10 +266,10 @@ class Daemon:
             if not reasons:
                 if now < due:
                     continue  # a tick: the heartbeat moved, nothing is due
-                source = "resync" if now >= next_resync else "requeue"
-                reasons = {source if source == "resync" or not requeue_why else f"requeue:{requeue_why}"}
-                metrics.events.labels(node="", source=source).inc()
-            if "sighup" in reasons:
+                resync = now >= next_resync
+                reasons = {RESYNC if resync else Reason("requeue", detail=requeue_why)}
+                metrics.events.labels(node="", source="resync" if resync else "requeue").inc()
+            if SIGHUP in reasons:
                 metrics.events.labels(node="", source="signal").inc()
             try:
                 result = self.controller.reconcile(reasons)
@@ -239,10 +277,15 @@ class Daemon:
                 requeue_why = result.requeue_reason
             except Exception as exc:  # the loop outlives any one reconcile
                 requeue_at = None  # an old requeue, due already, would repeat the crash back to back
-                self.log.exception("reconcile.crashed", error=str(exc), trigger=sorted(reasons))
+                self.log.exception("reconcile.crashed", error=str(exc), trigger=said(reasons))
                 metrics.reconciles.labels(result="error").inc()
             if not self.ready_sent and self.controller.desired is not None:
                 self.ready_sent = True
                 systemd.ready("first reconcile done")
             desired = self.controller.desired
             next_resync = time.monotonic() + (desired.policy.resync_interval if desired else 30.0)
+
+
+def _thread(name: str, target: Callable[[], None]) -> None:
+    """A daemon thread that ends by itself once the daemon stops (it waits on the stop event)."""
+    threading.Thread(target=target, name=name, daemon=True).start()

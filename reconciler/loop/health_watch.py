@@ -73,21 +73,9 @@ class HealthWatch:
         if node is None or serving is None or container is None or not container.running:
             self.unhealthy_since = self.serving_since = None
             return observed
-        if container.id != self.container_id:
-            if self._wedged:
-                self.restarts += 1
-            self.container_id, self.served, self._wedged = container.id, False, False
-            self.unhealthy_since = self.serving_since = self.tokens = self.kv_usage = None
-        grace = desired.serving.unhealthy_grace
+        self._follow(container.id)
         busy = self._busy(desired, serving)
-        if serving.serves(desired.served_name) or busy:
-            self.served, self.unhealthy_since = True, None
-            self.serving_since = self.serving_since if self.serving_since is not None else now
-            if now - self.serving_since >= health_grace(grace, MAX_GRACE_DOUBLINGS):
-                self.restarts = 0
-        else:
-            self.serving_since = None
-            self.unhealthy_since = self.unhealthy_since if self.unhealthy_since is not None else now
+        self._judge(serving.serves(desired.served_name) or busy, desired.serving.unhealthy_grace, now)
         served_before = self.served or self._age(container, now) > desired.serving.health_timeout
         self._wedged = served_before and self.unhealthy_since is not None
         annotated = serving.model_copy(update={
@@ -96,6 +84,28 @@ class HealthWatch:
         nodes = dict(observed.nodes)
         nodes[head] = node.model_copy(update={"serving": annotated})
         return observed.model_copy(update={"nodes": nodes})
+
+    def _follow(self, container_id: str) -> None:
+        """Another container under the name: a new start, judged afresh; it replaced a wedged one (a restart for
+        health), which counts."""
+        if container_id == self.container_id:
+            return
+        if self._wedged:
+            self.restarts += 1
+        self.container_id, self.served, self._wedged = container_id, False, False
+        self.unhealthy_since = self.serving_since = self.tokens = self.kv_usage = None
+
+    def _judge(self, working: bool, grace: float, now: float) -> None:
+        """One probe's verdict: serving (or busy) since when, else failing since when; a serving that held for the
+        longest grace ends the count of restarts."""
+        if working:
+            self.served, self.unhealthy_since = True, None
+            self.serving_since = self.serving_since if self.serving_since is not None else now
+            if now - self.serving_since >= health_grace(grace, MAX_GRACE_DOUBLINGS):
+                self.restarts = 0
+        else:
+            self.serving_since = None
+            self.unhealthy_since = self.unhealthy_since if self.unhealthy_since is not None else now
 
     def _age(self, container: Container, now: float) -> float:
         """The container's age, on the monotonic clock: its StartedAt read against the wall clock once, when that

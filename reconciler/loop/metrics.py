@@ -268,3 +268,35 @@ def set_socket_fallback(judged: Mapping[tuple[str, str], bool]) -> None:
 
 def _series(gauge: Gauge) -> list[dict[str, str]]:
     return [sample.labels for family in gauge.collect() for sample in family.samples]
+
+
+class WeightsSynced:
+    """`reconciler_weights_sync_bytes_total` from the weight syncs' progress reports: each report carries the bytes
+    done so far by the sync on its node, the counter takes the increase (a sync that starts again starts at 0)."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, int] = {}  # node -> bytes reported by the weight sync in flight
+
+    def started(self, node: str) -> None:
+        self.done[node] = 0
+
+    def reported(self, node: str, done: int) -> None:
+        if done > self.done.get(node, 0):
+            weights_sync_bytes.labels(node=node).inc(done - self.done.get(node, 0))
+        self.done[node] = done
+
+
+def step_ended(kind: str, result: str, seconds: float) -> None:
+    """A step's end: counted by kind and result, timed unless it was skipped (it never ran)."""
+    steps.labels(kind=kind, result=result).inc()
+    if result != "skipped":
+        step_duration.labels(kind=kind).observe(seconds)
+
+
+def set_in_flight(in_flight: Iterable[str], kinds: Iterable[str]) -> None:
+    """reconciler_operations_in_flight: the steps beside the loop per kind, every kind set (0 when none runs)."""
+    counts: dict[str, int] = {}
+    for kind in in_flight:
+        counts[kind] = counts.get(kind, 0) + 1
+    for kind in kinds:
+        operations.labels(kind=kind).set(counts.get(kind, 0))

@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reconciler.core.kinds import FETCHES, KINDS, SERVING_CHAIN, StaleRule
 from reconciler.core.observed import ServeFlags
 from reconciler.core.planning import Plan, Step
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.execute import Outcome, StepResult, execute, step_timeout
 from reconciler.edge.steps import StepContext
-from reconciler.loop.backoff import SERVING_CHAIN
 
 
 def admit(steps: Iterable[Step], busy: Iterable[Step], vetoed: Mapping[str, str] | None = None
@@ -60,7 +60,7 @@ def admit(steps: Iterable[Step], busy: Iterable[Step], vetoed: Mapping[str, str]
 #: What a verify of the weights must not run beside (`reconciler.loop.verify`): a weight sync or a download writes
 #: the trees it hashes, and the serving chain loads them (a cold start reads every shard) and is one unit that must
 #: not stall halfway for a weekly check.
-VERIFY_CONFLICTS = ("weights", "download", *SERVING_CHAIN)
+VERIFY_CONFLICTS = frozenset({"weights", "download"}) | SERVING_CHAIN
 
 
 def verify_conflict(step: Step, target: str, source: str) -> bool:
@@ -113,7 +113,7 @@ def _launch(desired: Desired) -> dict[str, str]:
 def _moved(step: Step, old: Desired, new: Desired) -> str | None:
     """Why a copy (weights, image) or a fetch (download, pull-image) can no longer run as it began: its target no
     longer serves, the fabric it copies over changed at either end, or the node fetching lost the internet."""
-    if step.kind in ("download", "pull-image"):
+    if step.kind in FETCHES:
         return None if new.node(step.node).internet else f"{step.node} may no longer reach the internet"
     if step.node not in {n.name for n in new.serving_nodes}:
         return f"{step.node} no longer serves the model"
@@ -168,12 +168,15 @@ def _stale_retention(step: Step, old: Desired, new: Desired) -> str | None:  # p
     return None
 
 
-#: Per step kind, what makes one in flight wrong under a new desired state (every StepKind has one: a test says so).
-STALE_BY_KIND: dict[str, Callable[[Step, Desired, Desired], str | None]] = {
-    "weights": _stale_weights, "download": _stale_weights, "image": _stale_image, "pull-image": _stale_image,
-    **dict.fromkeys(SERVING_CHAIN, _stale_serving), "stop-container": _stale_co_tenant,
-    "start-container": _stale_restore, "link": _stale_link,
-    "prune-weights": _stale_retention, "prune-images": _stale_retention}
+#: What makes a step in flight wrong under a new desired state, by the rule its kind names (`StepKindInfo.stale`;
+#: every rule has its function: tests/unit/test_step_kinds.py).
+STALE_RULES: Mapping[StaleRule, Callable[[Step, Desired, Desired], str | None]] = {
+    "weights": _stale_weights, "image": _stale_image, "serving": _stale_serving, "co-tenant": _stale_co_tenant,
+    "restore": _stale_restore, "link": _stale_link, "retention": _stale_retention}
+
+
+def _stale_by_rule(step: Step, old: Desired, new: Desired) -> str | None:
+    return STALE_RULES[KINDS[step.kind].stale](step, old, new)
 
 
 def stale(step: Step, old: Desired, new: Desired) -> str | None:
@@ -205,10 +208,10 @@ def stale(step: Step, old: Desired, new: Desired) -> str | None:
         if step.kind in SERVING_CHAIN:
             again = (step.node, step.container) in new.serving_containers
             return f"{step.container} is wanted on {step.node} again" if again else None
-        return STALE_BY_KIND[step.kind](step, old, new)
+        return _stale_by_rule(step, old, new)
     if name not in new.deployment_names:
         return f"the deployment {name} is no longer declared"
-    return STALE_BY_KIND[step.kind](step, old.view(name), new.view(name))
+    return _stale_by_rule(step, old.view(name), new.view(name))
 
 
 @dataclass

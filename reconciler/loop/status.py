@@ -18,7 +18,7 @@ from typing import Any
 from reconciler.core.budget import overshoot
 from reconciler.core.drift import DRIFT_KINDS
 from reconciler.core.fabric import carries, ports_seen
-from reconciler.core.observed import Observed
+from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import kind_and_node
 from reconciler.core.spec import Desired
 from reconciler.edge.log import redact
@@ -49,13 +49,7 @@ class StatusPublisher:
                 state_error: str | None = None) -> None:
         """`now`: unix time (the timestamps people read); `state_error`: why the state dir could not be written
         (generations.GenerationStore.unsaved)."""
-        if self._desired is not None and not snap.verified:
-            snap = dataclasses.replace(snap, verified=self.verify_results(self._desired, snap.observed))
-        self._verify_gauge(snap.verified)
-        if self._desired is not None and not snap.transports:
-            snap = dataclasses.replace(snap, transports=self.transport_results(self._desired, snap.observed))
-        metrics.set_socket_fallback({(r.node, r.deployment): r.transport.socket_fallback
-                                     for r in snap.transports if r.transport.ok is not None})
+        snap = self._judged(snap)
         conds = conditions.conditions(snap, nodes, self.status.get("conditions", []), now)
         phase = conditions.phase_of(snap)
         drift = snap.plan.drift if snap.plan else []
@@ -68,17 +62,12 @@ class StatusPublisher:
             "lastPlan": snap.plan.as_dict() if snap.plan else None,
             "lastError": error or (snap.step_failures[-1] if snap.step_failures else snap.file_error) or state_error,
             "held": snap.held, "time": now, "stateSaved": state_error is None, "stateError": state_error,
-            "rollback": None if snap.held_change is None else {
-                "generation": snap.held_change.generation, "to": snap.held_change.to, "why": snap.held_change.why,
-                "since": snap.held_change.since},
+            "rollback": _rollback(snap),
             "memory": self.memory_view(),
         })
         metrics.set_phase(phase)
         metrics.set_conditions([{"node": c["node"], "type": c["type"], "status": c["status"]} for c in conds])
-        counts: dict[tuple[str, str], int] = {}
-        for d in drift:
-            if d.actionable or d.blocking:
-                counts[(d.node, d.kind)] = counts.get((d.node, d.kind), 0) + 1
+        counts = _drift_counts(snap)
         metrics.set_drift(counts, nodes, DRIFT_KINDS)
         metrics.converged.set(1 if snap.plan is not None and not snap.plan.changes and error is None
                               and snap.held_change is None and not snap.wrong_answers else 0)
@@ -86,6 +75,18 @@ class StatusPublisher:
         metrics.last_reconcile.set(now)
         systemd.status(f"{phase}; generation {snap.generation}, {sum(counts.values())} drifted"
                        + ("; state dir not writable" if state_error else ""))
+
+    def _judged(self, snap: conditions.Snapshot) -> conditions.Snapshot:
+        """The snapshot with the starts' answer checks and NCCL transports the steps reported (unless it carries
+        its own), their gauges set."""
+        if self._desired is not None and not snap.verified:
+            snap = dataclasses.replace(snap, verified=self.verify_results(self._desired, snap.observed))
+        self._verify_gauge(snap.verified)
+        if self._desired is not None and not snap.transports:
+            snap = dataclasses.replace(snap, transports=self.transport_results(self._desired, snap.observed))
+        metrics.set_socket_fallback({(r.node, r.deployment): r.transport.socket_fallback
+                                     for r in snap.transports if r.transport.ok is not None})
+        return snap
 
     def holds(self, held: dict[str, str]) -> None:
         """The step_hold gauge: 1 while held, back to 0 once no longer held — also when the hold ended by a success
@@ -220,27 +221,8 @@ class StatusPublisher:
         for name, seconds in durations.items():
             metrics.observe_duration.labels(node=name).observe(seconds)
         for name, obs in observed.nodes.items():
-            metrics.node_reachable.labels(node=name).set(1 if obs.reachable else 0)
-            if obs.links():
-                ports = ports_seen(desired.node(name), obs)
-                metrics.fabric_link_up.labels(node=name).set(1 if carries(*ports[0]) else 0)
-                for port, link in ports:  # a twin down halves the link and stops nothing
-                    metrics.fabric_port_up.labels(node=name, interface=port.interface).set(
-                        1 if carries(port, link) else 0)
-            if obs.memory is not None:
-                metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
-        expected: dict[str, int] = {}
-        synced: dict[str, int] = {}
-        for view in desired.views():  # the weights of every deployment a node serves, summed
-            seen = observed.view(view.deployment.name).nodes  # a node missing (an older observation) shows nothing
-            source = seen[view.source_node].weights if view.source_node in seen else None
-            if source is None or not source.present:
-                continue
-            for node in view.serving_nodes:
-                mine = seen[node.name].weights if node.name in seen else None
-                expected[node.name] = expected.get(node.name, 0) + source.total_bytes
-                synced[node.name] = synced.get(node.name, 0) + (
-                    min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
+            _node_gauges(desired, name, obs)
+        expected, synced = _weights_bytes(desired, observed)
         for node_name, total in expected.items():
             metrics.weights_bytes.labels(node=node_name, state="expected").set(total)
             metrics.weights_bytes.labels(node=node_name, state="synced").set(synced[node_name])
@@ -261,6 +243,53 @@ class StatusPublisher:
         container = head.container(view.serving.container_name) if head else None
         started = started_timestamp(container.started_at) if container is not None and container.running else None
         metrics.serving_started.labels(deployment).set(started or 0)
+
+
+def _rollback(snap: conditions.Snapshot) -> dict[str, object] | None:
+    """/status's `rollback`: the change held and what serves in its place, or None."""
+    held = snap.held_change
+    return None if held is None else {"generation": held.generation, "to": held.to, "why": held.why,
+                                      "since": held.since}
+
+
+def _drift_counts(snap: conditions.Snapshot) -> dict[tuple[str, str], int]:
+    """The drift that counts (actionable or blocking) per (node, kind)."""
+    counts: dict[tuple[str, str], int] = {}
+    for d in snap.plan.drift if snap.plan else []:
+        if d.actionable or d.blocking:
+            counts[(d.node, d.kind)] = counts.get((d.node, d.kind), 0) + 1
+    return counts
+
+
+def _node_gauges(desired: Desired, name: str, obs: NodeObservation) -> None:
+    """One node's gauges: reachable, its fabric link and ports (a twin down halves the link and stops nothing),
+    its available memory."""
+    metrics.node_reachable.labels(node=name).set(1 if obs.reachable else 0)
+    if obs.links():
+        ports = ports_seen(desired.node(name), obs)
+        metrics.fabric_link_up.labels(node=name).set(1 if carries(*ports[0]) else 0)
+        for port, link in ports:
+            metrics.fabric_port_up.labels(node=name, interface=port.interface).set(1 if carries(port, link) else 0)
+    if obs.memory is not None:
+        metrics.memory_available.labels(node=name).set(obs.memory.available_bytes)
+
+
+def _weights_bytes(desired: Desired, observed: Observed) -> tuple[dict[str, int], dict[str, int]]:
+    """Per node, the model bytes it should hold (expected) and holds of them (synced): the weights of every
+    deployment it serves, summed; a node missing (an older observation) shows nothing."""
+    expected: dict[str, int] = {}
+    synced: dict[str, int] = {}
+    for view in desired.views():
+        seen = observed.view(view.deployment.name).nodes
+        source = seen[view.source_node].weights if view.source_node in seen else None
+        if source is None or not source.present:
+            continue
+        for node in view.serving_nodes:
+            mine = seen[node.name].weights if node.name in seen else None
+            expected[node.name] = expected.get(node.name, 0) + source.total_bytes
+            synced[node.name] = synced.get(node.name, 0) + (
+                min(mine.total_bytes, source.total_bytes) if mine and mine.present else 0)
+    return expected, synced
 
 
 def _forget(gauge: Any, node: str, deployment: str) -> None:

@@ -1,8 +1,9 @@
 """Things that ask for a reconcile: the desired-state file, the resync timer (in the controller), and push events
 from the nodes (a `docker events` stream and `ip monitor link` per node over a long-lived SSH channel).
 
-A trigger carries no data (level-triggered): it only *requests* a reconcile. Requests coalesce: however many
-arrive while a reconcile runs, exactly one more follows it.
+A trigger carries no data (level-triggered): it only *requests* a reconcile, naming why (`reasons.Reason`, typed:
+its kind and node, never a string to parse). Requests coalesce: however many arrive while a reconcile runs,
+exactly one more follows it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import watchfiles
 from reconciler.edge import log
 from reconciler.edge.ssh import RemoteError, Session, quote
 from reconciler.loop import metrics
+from reconciler.loop.reasons import Reason
+
+FILE_CHANGED = Reason("file")
 
 
 class ReconcileRequests:
@@ -22,14 +26,14 @@ class ReconcileRequests:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._reasons: set[str] = set()
+        self._reasons: set[Reason] = set()
 
-    def request(self, reason: str) -> None:
+    def request(self, reason: Reason) -> None:
         with self._cond:
             self._reasons.add(reason)
             self._cond.notify_all()
 
-    def wait(self, timeout: float | None) -> set[str]:
+    def wait(self, timeout: float | None) -> set[Reason]:
         """The pending reasons (emptied), or an empty set when the timeout passed first."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._reasons), timeout=timeout)
@@ -50,7 +54,7 @@ def watch_file(path: Path, requests: ReconcileRequests, stop: threading.Event) -
                                   stop_event=stop, rust_timeout=500, yield_on_timeout=False,
                                   raise_interrupt=False):
             metrics.events.labels(node="", source="file").inc()
-            requests.request("file")
+            requests.request(FILE_CHANGED)
 
     thread = threading.Thread(target=loop, name="watch-file", daemon=True)
     thread.start()
@@ -88,7 +92,7 @@ def stream_events(session: Session, interface: str, requests: ReconcileRequests,
                     if source not in ("docker", "link"):
                         continue
                     metrics.events.labels(node=node, source=source).inc()
-                    requests.request(f"{source}:{node}")
+                    requests.request(Reason("docker" if source == "docker" else "link", node))
                     delay, said = 1.0, None
             except RemoteError as exc:
                 # An SSH failure: at warning (`journalctl -p warning` shows it), once; the same failure again at each
@@ -97,7 +101,7 @@ def stream_events(session: Session, interface: str, requests: ReconcileRequests,
                 level("events.reconnect", error=exc.message, retry_in=delay)
                 said = exc.message
                 # A stream that ends is news in itself (its dockerd stopped, the node went away): look now.
-                requests.request(f"events-lost:{node}")
+                requests.request(Reason("events-lost", node))
             if stop.wait(delay):
                 return
             delay = min(delay * 2, 30.0)

@@ -14,8 +14,8 @@ from pathlib import Path
 from reconciler.core import spec
 from reconciler.core.observed import Container, Link, Observed
 from reconciler.core.vllm import launch_specs
+from reconciler.edge.facts.base import split_sections
 from reconciler.edge.observe import parse_probe
-from reconciler.edge.probes import split_sections
 from testbed.recordings import reseal
 from tests.unit.edits import edited
 

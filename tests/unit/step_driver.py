@@ -2,7 +2,7 @@
 
 As pyinfra tests an operation from JSON (the facts it sees, the commands it must yield), a step case gives:
 
-- `facts`: per fact (`"NODE KEY"`, KEY as `probes.Fact.key` names it: `"head container vllm"`), the answers of its
+- `facts`: per fact (`"NODE KEY"`, KEY as `facts.base.Fact.key` names it: `"head container vllm"`), the answers of its
   successive reads (the last one repeats). An answer is either node output (`Raw`: a section's body and rc, parsed
   by the fact's own parser, as the probe would) or an already parsed value;
 - `results`: per command (`"NODE argv..."` as `shlex.join` writes it), the results of its successive runs (default:
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.edge import steps
-from reconciler.edge.probes import Fact, ProbeError, Section
+from reconciler.edge.facts.base import Fact, ProbeError, Section
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps.actions import (
     Action,

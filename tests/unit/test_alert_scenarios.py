@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from reconciler.core.drift import DRIFT_KINDS
-from reconciler.core.planning import STEP_KINDS
+from reconciler.core.kinds import STEP_KINDS
 from tests.unit.test_monitoring import ALERTS, prometheus_rules, run_promtool
 
 JOB, INSTANCE = "spark-reconciler", "127.0.0.1:9464"

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.core.planning import STEP_KINDS, Blocker, Plan, Step
+from reconciler.core.kinds import KINDS, STEP_KINDS
+from reconciler.core.planning import Blocker, Plan, Step
 from reconciler.core.spec import Desired, load
 from reconciler.edge.steps import StepContext
-from reconciler.loop.operations import STALE_BY_KIND, Operations, stale
+from reconciler.loop.operations import STALE_RULES, Operations, stale
+from reconciler.loop.reasons import Reason
 from reconciler.loop.verify import verify_stale
 from tests.unit.test_controller_loop import HEAD, WORKER, Gate, Script, _controller, _with
 
@@ -82,14 +84,41 @@ def test_a_new_generation_cancels_exactly_the_steps_it_makes_wrong(desired_path,
         assert words in str(judged[sid]), (sid, judged[sid])
 
 
+def without_the_worker(base: Path, tmp_path: Path) -> Desired:
+    """The sample file with its worker removed: its node entry, its co-tenants, and tensor parallel 1 (the head
+    alone serves), so the file stays valid."""
+    text = base.read_text()
+    block = text[text.index(f"  - name: {W}\n"):text.index("\nmodel:")]
+    for old, new in ((block, ""), ("tensor_parallel_size: 2", "tensor_parallel_size: 1"),
+                     (f"    {W}: [vllm_embeddings]\n", "")):
+        assert text.count(old) == 1, f"the edit {old[:40]!r} must name one place of the sample file"
+        text = text.replace(old, new)
+    path = tmp_path / "edited.yaml"
+    path.write_text(text)
+    return load(path, os.environ)
+
+
+def test_a_node_removed_from_the_file_cancels_its_steps_with_that_reason(desired_path, tmp_path):
+    """docs/architecture.md: "any step whose node is no longer declared" is cancelled; the edit table above has no
+    such row (a removal is several edits of the file). Every step on the worker, or copying from it, says why."""
+    old, new = load(desired_path, os.environ), without_the_worker(desired_path, tmp_path)
+    assert W not in {n.name for n in new.nodes}
+    on_worker = [s for s in ALL if W in (s.node, s.source)]
+    assert on_worker, "the table's steps include the worker's"
+    for step in on_worker:
+        assert stale(step, old, new) == f"{W} is no longer declared", step.id
+    assert stale(LINK_H, old, new) is None, "the head's own link is the head's: it runs on"
+
+
 def test_the_same_desired_state_cancels_nothing(desired_path):
     desired = load(desired_path, os.environ)
     assert [stale(s, desired, desired) for s in ALL] == [None] * len(ALL)
 
 
 def test_every_step_kind_has_its_judgement():
-    """A new step kind cannot be forgotten: `stale` looks its kind up, and this says every kind is there."""
-    assert set(STALE_BY_KIND) == set(STEP_KINDS)
+    """A new step kind cannot be forgotten: `stale` looks its kind's rule up (`StepKindInfo.stale`), and this says
+    every kind's rule is there."""
+    assert {KINDS[kind].stale for kind in STEP_KINDS} <= set(STALE_RULES)
 
 
 VERIFY_CASES = [
@@ -217,7 +246,7 @@ def test_nothing_made_wrong_cancels_nothing(running):
 def _syncing(desired_path, tmp_path, converged):
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, Script(_with(converged, WORKER, weights=None)), gate)
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert gate.batches == [[f"weights/{WORKER}"]]
     return c, gate
 
@@ -228,7 +257,7 @@ def test_an_edit_of_max_model_len_keeps_the_weight_sync_in_flight(desired_path, 
     c, gate = _syncing(desired_path, tmp_path, converged)
     try:
         desired_path.write_text(desired_path.read_text().replace("max_model_len: 32768", "max_model_len: 16384"))
-        c.reconcile({"file"})
+        c.reconcile({Reason("file")})
         assert c.store.generation == 2
         assert not gate.cancelled(f"weights/{WORKER}"), "the sync was cancelled"
         assert [s.id for s in c.operations.busy()] == [f"weights/{WORKER}"]
@@ -243,7 +272,7 @@ def test_an_edit_of_the_model_cancels_the_weight_sync_in_flight(desired_path, tm
     c, gate = _syncing(desired_path, tmp_path, converged)
     try:
         desired_path.write_text(desired_path.read_text().replace("revision: main", "revision: 0123abc"))
-        c.reconcile({"file"})
+        c.reconcile({Reason("file")})
         assert gate.cancelled(f"weights/{WORKER}")
     finally:
         gate.release.set()
@@ -289,8 +318,8 @@ def test_a_lease_held_elsewhere_is_a_blocker_of_a_new_plan_the_planned_one_untou
         desired_path, tmp_path, converged, monkeypatch):
     """Finding 5: the controller appended the blocker to the frozen Plan `planning.plan` returned."""
     from reconciler.core import planning
-    from reconciler.loop.controller import Controller
     from reconciler.loop.triggers import ReconcileRequests
+    from tests.unit.controllers import make_controller
 
     planned: list[Plan] = []
     original = planning.plan
@@ -300,10 +329,10 @@ def test_a_lease_held_elsewhere_is_a_blocker_of_a_new_plan_the_planned_one_untou
         return planned[-1]
 
     monkeypatch.setattr("reconciler.loop.controller.planning.plan", plan)
-    c = Controller(desired_path, tmp_path / "state", ReconcileRequests(), threading.Event(), events=False,
+    c = make_controller(desired_path, tmp_path / "state", ReconcileRequests(), threading.Event(), events=False,
                    observe_fn=Script(_with(converged, WORKER, weights=None)), sessions_factory=HeldElsewhere,
                    operations=Operations(on_end=lambda: None, run=Gate()))
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     [first] = planned
     assert first.blocked == [], "the plan as planned is not changed afterwards"
     blocked = c.status["lastPlan"]["blocked"]
@@ -324,7 +353,7 @@ def test_a_judgement_that_crashes_cancels_the_step_and_the_generation_is_still_t
     monkeypatch.setattr("reconciler.loop.controller.stale", broken)
     try:
         desired_path.write_text(desired_path.read_text().replace("max_model_len: 32768", "max_model_len: 16384"))
-        c.reconcile({"file"})
+        c.reconcile({Reason("file")})
         assert c.store.generation == 2 and c.desired is not None and c.desired.serving.max_model_len == 16384
         assert gate.cancelled(f"weights/{WORKER}"), "a step not judged is cancelled"
     finally:

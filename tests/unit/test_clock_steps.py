@@ -22,9 +22,10 @@ import pytest
 from reconciler.core.observed import ServingApi
 from reconciler.edge.lease import Holder, Lease, LeaseHeld
 from reconciler.loop import controller as controller_module
-from reconciler.loop.controller import Controller
 from reconciler.loop.operations import Operations
+from reconciler.loop.reasons import Reason
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 from tests.unit.local_head import LocalHead, hang_up
 from tests.unit.test_controller_loop import HEAD, WORKER, FakeSessions, Gate, Script, _with
 
@@ -127,8 +128,8 @@ def clocks(monkeypatch) -> Clocks:
 
 def _controller(desired_path, tmp_path, clocks, script, gate):
     requests = ReconcileRequests()
-    ops = Operations(on_end=lambda: requests.request("operation"), clock=clocks.monotonic, run=gate)
-    c = Controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False, observe_fn=script,
+    ops = Operations(on_end=lambda: requests.request(Reason("operation")), clock=clocks.monotonic, run=gate)
+    c = make_controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False, observe_fn=script,
                    sessions_factory=FakeSessions, operations=ops, clock=clocks.time)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # no image to ask here: a restart is judged without it
     return c, requests
@@ -154,9 +155,9 @@ def _backed_off(desired_path, tmp_path, clocks, converged):
     gate = Gate(failing=("weights",))
     gate.release.set()
     c, requests = _controller(desired_path, tmp_path, clocks, Script(_with(converged, WORKER, weights=None)), gate)
-    c.reconcile({"start"})
-    assert c.operations.join(20) and "operation" in requests.wait(timeout=5)
-    c.reconcile({"operation"})  # the failure is recorded now
+    c.reconcile({Reason("start")})
+    assert c.operations.join(20) and Reason("operation") in requests.wait(timeout=5)
+    c.reconcile({Reason("operation")})  # the failure is recorded now
     assert gate.batches == [[f"weights/{WORKER}"]]
     return c, gate
 
@@ -165,7 +166,7 @@ def test_a_day_stepped_back_does_not_hold_a_step_for_a_day(desired_path, tmp_pat
     c, gate = _backed_off(desired_path, tmp_path, clocks, converged)
     clocks.step(-DAY)
     clocks.passes(2.0)  # past the backoff (at most 1.2 s)
-    c.reconcile({"resync"})
+    c.reconcile({Reason("resync")})
     assert len(gate.batches) == 2, "the backoff ended on the loop's clock"
 
 
@@ -173,7 +174,7 @@ def test_a_day_stepped_forward_does_not_end_a_backoff(desired_path, tmp_path, cl
     c, gate = _backed_off(desired_path, tmp_path, clocks, converged)
     clocks.step(DAY)
     clocks.passes(0.5)  # within the backoff (at least 0.8 s)
-    c.reconcile({"resync"})
+    c.reconcile({Reason("resync")})
     assert len(gate.batches) == 1, "still backing off"
     assert 0 < (c._requeue_after(None) or (0, ""))[0] <= 0.7, "and due when the backoff really ends"
 
@@ -186,11 +187,11 @@ def test_two_hours_stepped_forward_do_not_restart_a_model_in_its_cold_start(desi
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, clocks, Script(cold), gate)
     try:
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         assert _planned(c) == ["await-health"]
         clocks.step(2 * 3600)
         clocks.passes(10)
-        c.reconcile({"resync"})
+        c.reconcile({Reason("resync")})
         assert "stop-serving" not in _planned(c), "restarted in the middle of its cold start"
         assert _planned(c) == ["await-health"]
     finally:
@@ -210,13 +211,13 @@ def test_a_day_stepped_back_does_not_delay_a_wedged_restart(desired_path, tmp_pa
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, clocks, Script(served, wedged), gate)
     try:
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         clocks.passes(1)
-        c.reconcile({"resync"})  # failing since now
+        c.reconcile({Reason("resync")})  # failing since now
         assert "stop-serving" not in _planned(c)
         clocks.step(-DAY)
         clocks.passes(grace + 1)
-        c.reconcile({"resync"})
+        c.reconcile({Reason("resync")})
         assert "stop-serving" in _planned(c), "the grace ended on the loop's clock"
     finally:
         gate.release.set()

@@ -30,16 +30,9 @@ from reconciler.core.observed import (
 from reconciler.core.ownership import CLUSTER_ID_FILE, owner
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired, load, loads
+from reconciler.edge.facts.base import ProbeError, Section, sealed, split_sections
+from reconciler.edge.facts.host import IDENTITY_MAX_BYTES, identity_script, parse_identity
 from reconciler.edge.observe import observe_node, probe_script
-from reconciler.edge.probes import (
-    IDENTITY_MAX_BYTES,
-    ProbeError,
-    Section,
-    identity_script,
-    parse_identity,
-    sealed,
-    split_sections,
-)
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps import StepFailed
 from reconciler.edge.steps.actions import Given

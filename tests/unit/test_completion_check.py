@@ -16,7 +16,8 @@ from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
 from reconciler.core.observed import EngineLoad, Observed, ServingApi
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import COMPLETION_DEADLINE, Section, completion_argv, parse_completion, sealed
+from reconciler.edge.facts.base import Section, sealed
+from reconciler.edge.facts.serving import COMPLETION_DEADLINE, completion_argv, parse_completion
 
 REAL_ANSWER = (
     '{"id":"cmpl-aa28977b610327c4","object":"text_completion","created":1796277722,"model":"tiny","choices":'
@@ -75,7 +76,7 @@ def test_health_200_without_a_completion_is_drift(cluster_yaml, seed_snapshot):
 
 
 def _serving_part_of_the_probe(desired: Desired):
-    from reconciler.edge.probes import api_script
+    from reconciler.edge.facts.serving import api_script
 
     return sealed(api_script(desired))
 
@@ -118,7 +119,8 @@ def test_the_probe_asks_the_model_list_and_a_completion_only_of_a_healthy_api(cl
     import os
     import subprocess
 
-    from reconciler.edge.probes import parse_serving, split_sections
+    from reconciler.edge.facts.base import split_sections
+    from reconciler.edge.facts.serving import parse_serving
 
     data = load_file(cluster_yaml).data
     data["serving"]["port"] = root_port
@@ -163,7 +165,8 @@ def test_an_api_key_reaches_the_api_on_stdin_never_in_an_argv(cluster_yaml, tmp_
     import os
     import subprocess
 
-    from reconciler.edge.probes import parse_serving, split_sections
+    from reconciler.edge.facts.base import split_sections
+    from reconciler.edge.facts.serving import parse_serving
 
     data = load_file(cluster_yaml).data
     data["serving"]["port"] = root_port
@@ -209,7 +212,8 @@ def test_api_key_with_underscores_is_refused_too(cluster_yaml, flag):
 def test_odd_metrics_lines_are_skipped_never_the_heads_probe():
     """A page cut short by `curl -m` on a busy server, a timestamp after the value, NaN: the counters read are the
     ones that parse; a metric missing in the end is no answer, never a ProbeError of the whole head."""
-    from reconciler.edge.probes import Section, parse_engine
+    from reconciler.edge.facts.base import Section
+    from reconciler.edge.facts.serving import parse_engine
 
     lines = ['vllm:num_requests_running{engine="0"} 2.0 1700000000000', "vllm:num_requests_waiting 1",
              'vllm:prompt_tokens_total{engine="0"} 10', 'vllm:generation_tokens_total{engine="0"} 90',
@@ -224,7 +228,8 @@ def test_the_kv_cache_gauge_is_read_where_the_image_exports_it():
     probe's own grep pattern keeps its line (what moves during a long chunked prefill, health_watch._busy)."""
     import re
 
-    from reconciler.edge.probes import _ENGINE_LINES, Section, parse_engine
+    from reconciler.edge.facts.base import Section
+    from reconciler.edge.facts.serving import _ENGINE_LINES, parse_engine
 
     lines = ['vllm:num_requests_running{engine="0",model_name="m"} 1.0', 'vllm:num_requests_waiting{engine="0"} 0',
              'vllm:prompt_tokens_total{engine="0"} 10', 'vllm:generation_tokens_total{engine="0"} 90',

@@ -16,15 +16,16 @@ import threading
 
 import pytest
 
+from reconciler.cli.status_view import status_text
 from reconciler.core.observed import Container, NodeObservation, Observed
 from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import load
-from reconciler.core.status_view import status_text
-from reconciler.loop.controller import Controller
 from reconciler.loop.metrics import REGISTRY
 from reconciler.loop.operations import Operations
+from reconciler.loop.reasons import Reason
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 
 HEAD, WORKER = "spark-1a32", "spark-5be3"
 
@@ -138,8 +139,8 @@ def _with(observed: Observed, node: str, **update) -> Observed:
 
 def _controller(desired_path, tmp_path, script, gate):
     requests = ReconcileRequests()
-    ops = Operations(on_end=lambda: requests.request("operation"), run=gate)
-    c = Controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False,
+    ops = Operations(on_end=lambda: requests.request(Reason("operation")), run=gate)
+    c = make_controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False,
                    observe_fn=script, sessions_factory=FakeSessions, operations=ops)
     return c, requests
 
@@ -156,11 +157,11 @@ def test_a_weight_sync_in_flight_does_not_stop_the_next_reconcile_from_repairing
     gate = Gate()
     c, requests = _controller(desired_path, tmp_path, Script(no_weights, with_intruder), gate)
     try:
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         assert gate.batches == [[f"weights/{WORKER}"]]
         c.operations.progress("weights", WORKER, 64 * 2**20, 128 * 2**20)
 
-        second = c.reconcile({"docker"})  # returns although the sync is still in flight
+        second = c.reconcile({Reason("docker")})  # returns although the sync is still in flight
         assert gate.batches[-1] == [f"stop-container/{WORKER}/intruder"], "the repair runs beside the sync"
         assert second.phase == "Converging"
         status = c.status
@@ -173,24 +174,24 @@ def test_a_weight_sync_in_flight_does_not_stop_the_next_reconcile_from_repairing
         shown = status_text(status, 200, status["time"])
         assert f"weights/{WORKER}" in shown and "64.0 MiB of 128.0 MiB (50%)" in shown, "`reconciler status` too"
 
-        c.reconcile({"resync"})
+        c.reconcile({Reason("resync")})
         assert len(gate.batches) == 2, "nothing is launched twice while in flight"
     finally:
         gate.release.set()
         assert c.operations.join(20)
-    assert "operation" in requests.wait(timeout=0), "an operation's end is a trigger"
+    assert Reason("operation") in requests.wait(timeout=0), "an operation's end is a trigger"
 
 
 def test_a_reconcile_that_raises_publishes_degraded_and_never_the_last_converged(desired_path, tmp_path, converged):
     c, _ = _controller(desired_path, tmp_path, Script(converged, ValueError("meminfo without MemAvailable")),
                        Gate())
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     assert REGISTRY.get_sample_value("reconciler_converged") == 1
     before = REGISTRY.get_sample_value("reconciler_last_reconcile_timestamp_seconds")
     converged_at = c.status["lastConverged"]
     assert converged_at > 0  # `reconciler status`: "converged 3m ago"
 
-    result = c.reconcile({"resync"})
+    result = c.reconcile({Reason("resync")})
     assert result.phase == "Degraded"
     assert c.status["phase"] == "Degraded"
     assert "reconcile crashed: ValueError: meminfo without MemAvailable" in c.status["lastError"]
@@ -209,7 +210,7 @@ def test_a_node_whose_probe_output_does_not_parse_is_that_nodes_condition_only(d
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, Script(hostile), gate)
     try:
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         assert gate.batches == [[f"stop-container/{WORKER}/intruder"]], "the other node is reconciled"
         probed = _condition(c.status, HEAD, "Probed")
         assert (probed["status"], probed["reason"]) == ("False", "ProbeFailed")
@@ -227,10 +228,10 @@ def test_a_failed_step_backs_off_instead_of_being_relaunched_by_its_own_end(desi
     gate = Gate(failing=("weights",))
     gate.release.set()
     c, requests = _controller(desired_path, tmp_path, Script(no_weights), gate)
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert c.operations.join(20)
-    assert "operation" in requests.wait(timeout=5)
-    after = c.reconcile({"operation"})
+    assert Reason("operation") in requests.wait(timeout=5)
+    after = c.reconcile({Reason("operation")})
     assert gate.batches == [[f"weights/{WORKER}"]], "backing off: not relaunched at once"
     assert "rsync exited 23" in c.status["lastError"]
     assert after.requeue_after is not None and 0 < after.requeue_after <= 30, "looked at again when the backoff ends"
@@ -240,7 +241,7 @@ def test_a_probe_that_cannot_be_answered_without_a_valid_file_is_honest(tmp_path
     path = tmp_path / "cluster.yaml"
     path.write_text("nodes: [\n")
     c, _ = _controller(path, tmp_path, Script(Observed(nodes={})), Gate())
-    result = c.reconcile({"start"})
+    result = c.reconcile({Reason("start")})
     assert result.phase == "Invalid"
     assert _condition(c.status, "", "DesiredStateValid")["status"] == "False"
 
@@ -254,7 +255,7 @@ def test_a_backoff_that_has_ended_asks_for_no_requeue(desired_path, tmp_path, co
     """An ended backoff is due no more: counting it made the daemon reconcile ~13 times a second (seen on the
     testbed while a cold start was awaited after a failed one)."""
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert c.backoff is not None
     c.backoff.failed("await-health/spark-1a32", "exited", now=0.0)  # its backoff ended long ago
     assert c.backoff.next_due(now=1e9) is None
@@ -270,14 +271,14 @@ def test_serving_that_fails_within_its_grace_is_looked_at_again_soon(desired_pat
     notice that the failure became a crash (seen on the testbed: a rank killed, the plan saw the head failing
     first and waited 300 s, the container's exit arriving in between unnoticed)."""
     from reconciler.core.observed import ServingApi
-    from reconciler.loop.controller import UNHEALTHY_RECHECK
+    from reconciler.loop.requeue import UNHEALTHY_RECHECK
 
     served = ServingApi(reachable=True, healthy=True, models=["x"], completion_error="curl exit 28",
                      unhealthy_for=1.0, served_before=True)
     head = converged.node(HEAD)
     failing = _with(converged, HEAD, serving=served)
     c, _ = _controller(desired_path, tmp_path, Script(failing), Gate())
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert c._requeue_after(failing) == (UNHEALTHY_RECHECK, "health-recheck")
     assert c._requeue_after(converged) is None and head.serving is not None
 
@@ -286,15 +287,15 @@ def test_a_docker_event_is_looked_at_again_once_its_state_can_show(desired_path,
     """dockerd announces a container's death before `/containers/json` shows it (moby daemon/monitor.go): the
     reconcile the event triggered sees the rank still running. It must look again shortly, not at the next
     health recheck or resync; the second look, triggered by nothing new, asks for no third."""
-    from reconciler.loop.controller import EVENT_SETTLE
+    from reconciler.loop.requeue import EVENT_SETTLE
 
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    c.reconcile({"start"})
-    settled = c.reconcile({"docker:spark-5be3"})
+    c.reconcile({Reason("start")})
+    settled = c.reconcile({Reason("docker", "spark-5be3")})
     assert (settled.requeue_after, settled.requeue_reason) == (EVENT_SETTLE, "event-settle")
-    assert c.reconcile({"docker:spark-5be3", "link:spark-1a32"}).requeue_after == EVENT_SETTLE
-    assert c.reconcile({"requeue"}).requeue_after is None
-    assert c.reconcile({"link:spark-5be3"}).requeue_after is None, "ip monitor reports what the kernel did"
+    assert c.reconcile({Reason("docker", "spark-5be3"), Reason("link", "spark-1a32")}).requeue_after == EVENT_SETTLE
+    assert c.reconcile({Reason("requeue")}).requeue_after is None
+    assert c.reconcile({Reason("link", "spark-5be3")}).requeue_after is None, "ip monitor reports what the kernel did"
 
 
 def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_path, converged):
@@ -304,7 +305,7 @@ def test_a_long_resync_still_renews_the_lease_every_minute(desired_path, tmp_pat
 
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 1h"))
     c, _ = _controller(desired_path, tmp_path, Script(converged), lambda *a, **k: None)
-    result = c.reconcile({"start"})
+    result = c.reconcile({Reason("start")})
     assert c.manager.lease is not None and c.manager.lease.holding
     assert result.requeue_after == RENEW_AFTER
 
@@ -315,14 +316,14 @@ def test_a_nodes_trouble_is_a_warning_once_and_a_refused_host_key_an_error(desir
     key refused), and its end at info."""
     from structlog.testing import capture_logs
 
-    from reconciler.loop.controller import progress_level
+    from reconciler.loop.reports import progress_level
 
     down = _with(converged, WORKER, reachable=False, error="cannot reach spark@10.0.0.2:22: timed out")
     refused = _with(converged, WORKER, reachable=False, error="HostKeyRejected: host key for 10.0.0.2 CHANGED")
     with capture_logs() as logs:
         c, _ = _controller(desired_path, tmp_path, Script(down, down, refused, converged), lambda *a, **k: None)
         for _ in range(4):
-            c.reconcile({"resync"})
+            c.reconcile({Reason("resync")})
     said = [(e["log_level"], e["event"], e.get("error", "")[:15]) for e in logs if e["event"].startswith("node.")]
     assert said == [("warning", "node.unreachable", "cannot reach sp"), ("error", "node.unreachable",
                                                                           "HostKeyRejected"),

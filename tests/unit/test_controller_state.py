@@ -7,11 +7,11 @@ import threading
 
 from reconciler.core.spec import Retries
 from reconciler.loop.backoff import Backoff
-from reconciler.loop.controller import Controller
 from reconciler.loop.generations import GenerationStore
 from reconciler.loop.metrics import REGISTRY
 from reconciler.loop.status import StatusPublisher
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 
 LAST_CONVERGED = "reconciler_last_converged_timestamp_seconds"
 
@@ -24,7 +24,7 @@ def test_last_converged_survives_a_restart(tmp_path):
     first.generation, first.observed_generation = 4, 3
     first.converged(1_700_000_000.5)
 
-    second = Controller(desired, state, ReconcileRequests(), threading.Event())
+    second = make_controller(desired, state, ReconcileRequests(), threading.Event())
     assert (second.store.generation, second.store.observed_generation) == (4, 4)
     assert second.store.last_converged == 1_700_000_000.5
     assert REGISTRY.get_sample_value(LAST_CONVERGED) == 1_700_000_000.5

@@ -7,6 +7,7 @@ import threading
 
 from reconciler.loop.controller import Result
 from reconciler.loop.daemon import STALE_AFTER, TICK, Daemon, heartbeat_fresh
+from reconciler.loop.reasons import Reason
 
 
 class FakeController:
@@ -14,7 +15,7 @@ class FakeController:
 
     def __init__(self, script):
         self.script = list(script)
-        self.calls: list[set[str]] = []
+        self.calls: list[set[Reason]] = []
         self.called = threading.Condition()
         self.desired = None
 
@@ -27,7 +28,7 @@ class FakeController:
             raise item
         return item
 
-    def wait_calls(self, n: int, timeout: float = 10) -> list[set[str]]:
+    def wait_calls(self, n: int, timeout: float = 10) -> list[set[Reason]]:
         with self.called:
             assert self.called.wait_for(lambda: len(self.calls) >= n, timeout), self.calls
             return list(self.calls)
@@ -42,7 +43,7 @@ def run_loop(tmp_path, fake):
 
 def stop(daemon, thread):
     daemon.stop.set()
-    daemon.requests.request("signal")
+    daemon.requests.request(Reason("signal"))
     thread.join(10)
     assert not thread.is_alive()
 
@@ -51,11 +52,12 @@ def test_the_first_reconcile_starts_at_once_and_triggers_coalesce(tmp_path):
     fake = FakeController([Result()])
     daemon, thread = run_loop(tmp_path, fake)
     try:
-        assert fake.wait_calls(1)[0] == {"start"}
-        daemon.requests.request("docker:worker")
-        daemon.requests.request("operation")
+        assert fake.wait_calls(1)[0] == {Reason("start")}
+        daemon.requests.request(Reason("docker", "worker"))
+        daemon.requests.request(Reason("operation"))
         calls = fake.wait_calls(2)
-        assert calls[1] <= {"docker:worker", "operation"} and "operation" in set().union(*calls[1:])
+        assert calls[1] <= {Reason("docker", "worker"), Reason("operation")}
+        assert Reason("operation") in set().union(*calls[1:])
     finally:
         stop(daemon, thread)
 
@@ -65,8 +67,9 @@ def test_a_requeue_reconciles_when_due_without_any_trigger(tmp_path):
     daemon, thread = run_loop(tmp_path, fake)
     try:
         calls = fake.wait_calls(3)
-        assert calls[1] == {"requeue"}
-        assert calls[2] == {"requeue:backoff-ended:x"}, "the reconcile says what it was requeued for"
+        assert calls[1] == {Reason("requeue")}
+        assert calls[2] == {Reason("requeue", detail="backoff-ended:x")}, "the reconcile says what it was requeued for"
+        assert str(next(iter(calls[2]))) == "requeue:backoff-ended:x", "and its log line as before"
     finally:
         stop(daemon, thread)
 
@@ -76,9 +79,9 @@ def test_a_reconcile_that_raises_does_not_end_the_loop_nor_make_it_spin(tmp_path
     daemon, thread = run_loop(tmp_path, fake)
     try:
         fake.wait_calls(2)
-        daemon.requests.request("file")
+        daemon.requests.request(Reason("file"))
         calls = fake.wait_calls(3)
-        assert calls[2] == {"file"}, "after the crash only a trigger reconciles again (no stale requeue)"
+        assert calls[2] == {Reason("file")}, "after the crash only a trigger reconciles again (no stale requeue)"
         assert thread.is_alive()
     finally:
         stop(daemon, thread)
@@ -147,3 +150,18 @@ def test_a_sighup_is_said_by_the_reconcile_it_triggers(desired_path, tmp_path, c
     assert end["log_level"] == "info" and end["trigger"] == ["sighup"]
     reread = [e for e in logs if e["event"] == "desired_state.reread"]
     assert reread and reread[-1]["trigger"] == ["sighup"] and reread[-1]["new_generation"] is False
+
+
+def test_a_crash_is_logged_with_its_triggers_as_text(tmp_path):
+    """The typed reasons read in the journal as the strings they always were."""
+    from structlog.testing import capture_logs
+
+    fake = FakeController([RuntimeError("bug")])
+    with capture_logs() as logs:
+        daemon, thread = run_loop(tmp_path, fake)
+        try:
+            fake.wait_calls(1)
+        finally:
+            stop(daemon, thread)
+    crashed = [e for e in logs if e["event"] == "reconcile.crashed"]
+    assert crashed and crashed[0]["trigger"] == ["start"]

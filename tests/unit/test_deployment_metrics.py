@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from reconciler.core.spec import SINGLE, Desired
 from reconciler.loop import metrics
+from reconciler.loop.reasons import Reason
 from reconciler.loop.status import StatusPublisher, endpoint
 
 
@@ -143,13 +144,13 @@ def test_the_daemon_exports_the_deployment_in_force_and_drops_the_old_name_on_an
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
     try:
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         for name in [*SERVING, "reconciler_deployment_info"]:
             assert deployments_of(name) == {"default"}, name
         doc = yaml.safe_load(desired_path.read_text())
         doc["deployments"] = [{"name": "chat", "model": doc.pop("model"), "serving": doc.pop("serving")}]
         desired_path.write_text(yaml.safe_dump(doc, sort_keys=False) + "...\n")  # the end marker a save must have
-        c.reconcile({"file"})
+        c.reconcile({Reason("file")})
         assert c.desired is not None and c.desired.deployment.name == "chat"
         for name in [*SERVING, "reconciler_deployment_info"]:
             assert deployments_of(name) == {"chat"}, name

@@ -10,8 +10,8 @@ from __future__ import annotations
 import subprocess
 
 from reconciler.core.observed import ServingApi
+from reconciler.edge.facts.base import SECTION_FUNCTION
 from reconciler.edge.observe import parse_probe, probe_script
-from reconciler.edge.probes import SECTION_FUNCTION
 from testbed.recordings import reseal
 from tests.unit.recorded import NONCE, RAW, load, parsed
 from tests.unit.test_deployments_plan import _two

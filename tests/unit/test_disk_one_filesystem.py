@@ -12,7 +12,8 @@ from reconciler.core.budget import gib
 from reconciler.core.drift import DISK_MARGIN, Shortfall, short_of, shortfall
 from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import plan
-from reconciler.edge.probes import Section, parse_disk, parse_disk_fs
+from reconciler.edge.facts.base import Section
+from reconciler.edge.facts.disk import parse_disk, parse_disk_fs
 from tests.unit.recorded import changed, load
 from tests.unit.test_doctor import GIB, WORKER, one, run, with_obs
 

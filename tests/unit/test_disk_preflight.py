@@ -10,7 +10,8 @@ import pytest
 from reconciler.core.drift import DISK_MARGIN
 from reconciler.core.observed import Observed
 from reconciler.core.planning import plan
-from reconciler.edge.probes import ProbeError, Section, parse_disk
+from reconciler.edge.facts.base import ProbeError, Section
+from reconciler.edge.facts.disk import parse_disk
 from tests.unit.recorded import changed, load
 
 # `df -P -B1` rows as GNU coreutils prints them (this machine, 2026-12-05)

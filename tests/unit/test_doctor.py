@@ -35,7 +35,7 @@ from reconciler.core.preflight import (
 from reconciler.core.spec import load
 from reconciler.edge import doctor as edge
 from reconciler.edge import trusted_files
-from reconciler.edge.probes import ProbeError
+from reconciler.edge.facts.base import ProbeError
 from reconciler.edge.ssh import sudo_commands, sudoers_line
 
 REPO = Path(__file__).resolve().parents[2]

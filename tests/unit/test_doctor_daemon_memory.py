@@ -19,7 +19,7 @@ import pytest
 from reconciler.core import preflight
 from reconciler.core.preflight import DaemonMemory, Fix, UnitMemory
 from reconciler.edge import doctor as edge_doctor
-from reconciler.edge.probes import Section, read_sections
+from reconciler.edge.facts.base import Section, read_sections
 from tests.unit.test_doctor import DESIRED, HEAD, LOCAL, WORKER, WORKER_ANSWER, _answer, _facts, one, run
 from tests.unit.test_probe_survivors import STAND_IN, LocalNode
 

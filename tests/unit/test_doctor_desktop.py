@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from reconciler.core import preflight
 from reconciler.edge import doctor as edge_doctor
-from reconciler.edge.probes import Section
+from reconciler.edge.facts.base import Section
 from tests.unit.test_doctor import DESIRED, HEAD, LOCAL, WORKER, _facts, one, run
 
 

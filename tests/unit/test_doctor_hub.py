@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from reconciler.core import spec
 from reconciler.core.preflight import Fix, HubEntry, HubFacts, hub_check
 from reconciler.edge import doctor as edge
-from reconciler.edge.probes import ProbeError, Section, read_sections
+from reconciler.edge.facts.base import ProbeError, Section, read_sections
 from tests.unit.examples import examples
 from tests.unit.test_doctor import DESIRED, HEAD, WORKER, WORKER_ANSWER, _answer, _facts, one, run
 from tests.unit.test_probe_fuzz import SECTIONS, only_probe_errors

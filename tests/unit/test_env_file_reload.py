@@ -11,6 +11,7 @@ from pathlib import Path
 from reconciler.edge.trusted_files import secrets_environment
 from reconciler.loop.controller import Controller
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ def _controller(tmp_path: Path) -> tuple[Controller, Path]:
     (tmp_path / "state").mkdir()
     env = tmp_path / "environment"
     secrets = lambda: secrets_environment(env, True, {})  # noqa: E731 - the shell's VLLM_API_KEY plays no part
-    return Controller(desired, tmp_path / "state", ReconcileRequests(), threading.Event(), events=False,
+    return make_controller(desired, tmp_path / "state", ReconcileRequests(), threading.Event(), events=False,
                       sessions_factory=_NoSessions, secrets=secrets), env
 
 

@@ -18,7 +18,8 @@ import yaml
 from reconciler.core import spec
 from reconciler.core.export import lws_manifest, lws_yaml
 from reconciler.edge import discover as disc
-from reconciler.edge.probes import Section, parse_containers
+from reconciler.edge.facts.base import Section
+from reconciler.edge.facts.containers import parse_containers
 from tests.unit.recorded import sections_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,12 +183,12 @@ def test_cli_prints_the_same_manifest():
 def test_the_format_option_is_read(monkeypatch, capsys):
     """`--format` picks the renderer (it was once accepted and ignored: every format printed LWS). A second
     format, registered here, renders through its own renderer, and the choices offered are the renderers'."""
-    from reconciler import cli
+    from reconciler.cli import offline
 
-    monkeypatch.setitem(cli.EXPORT_FORMATS, "names", lambda desired, name: f"{desired.served_name} {name}\n")
-    cli.export.callback(str(TESTBED), "names", "x")
+    monkeypatch.setitem(offline.EXPORT_FORMATS, "names", lambda desired, name: f"{desired.served_name} {name}\n")
+    offline.export.callback(str(TESTBED), "names", "x")
     assert capsys.readouterr().out == f"{spec.load(TESTBED).served_name} x\n"
-    choice = next(p for p in cli.export.params if p.name == "fmt").type
+    choice = next(p for p in offline.export.params if p.name == "fmt").type
     assert isinstance(choice, click.Choice) and list(choice.choices) == ["lws"]
 
 

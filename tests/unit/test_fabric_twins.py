@@ -14,7 +14,7 @@ from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
-from reconciler.edge.probes import link_script, parse_links
+from reconciler.edge.facts.links import link_script, parse_links
 from tests.unit.recorded import sections_of
 
 TWIN = "enP2p1s0f1np1"

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.observed import GpuStack
-from reconciler.edge.probes import ProbeError, Section, gpu_script, parse_gpu_stack
+from reconciler.edge.facts.base import ProbeError, Section
+from reconciler.edge.facts.gpu import gpu_script, parse_gpu_stack
 from tests.unit.test_probe_scripts_run import NVIDIA_SMI_ARGV, _local, _pointed, _tool, sections
 from tests.unit.test_probe_survivors import LocalNode
 

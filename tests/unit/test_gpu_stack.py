@@ -11,7 +11,8 @@ import pytest
 
 from reconciler.core.observed import GpuStack, Observed
 from reconciler.core.planning import plan
-from reconciler.edge.probes import ProbeError, Section, parse_gpu_stack
+from reconciler.edge.facts.base import ProbeError, Section
+from reconciler.edge.facts.gpu import parse_gpu_stack
 from reconciler.loop import conditions
 from tests.unit.recorded import WORKERS, changed, load
 

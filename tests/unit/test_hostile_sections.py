@@ -23,8 +23,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reconciler.core import spec
-from reconciler.edge import ledger, manifest, probes
-from reconciler.edge.probes import ProbeError, Section, split_sections
+from reconciler.edge import ledger, manifest
+from reconciler.edge.facts.base import MAX_JSON_VALUES, ProbeError, Section, node_json, split_sections
+from reconciler.edge.facts.containers import MAX_CONTAINERS, parse_containers
+from reconciler.edge.facts.memory import parse_memory
 from testbed.recordings import reseal
 from tests.unit.examples import examples
 
@@ -149,16 +151,16 @@ def test_the_ledger_is_read_as_far_as_tail_lets_through():
 def test_a_json_section_of_a_million_values_is_refused_before_it_is_built():
     """28.6 MiB of `{},` as the docker API's list of containers: refused on a count of its characters."""
     body = "API [" + ",".join(["{}"] * 10_000_000) + "]"
-    refused, peak = _peak(lambda: pytest.raises(ProbeError, probes.parse_containers, Section(body, 0)))
-    assert str(refused.value) == f"containers: ValueError: more than {probes.MAX_JSON_VALUES} JSON values"
+    refused, peak = _peak(lambda: pytest.raises(ProbeError, parse_containers, Section(body, 0)))
+    assert str(refused.value) == f"containers: ValueError: more than {MAX_JSON_VALUES} JSON values"
     assert peak < 2**20, f"{peak / 2**20:.1f} MiB"  # nothing built; before: 724 MiB
 
 
 def test_at_the_json_bound_a_document_costs_far_less_than_the_unit_s_memory():
     """Just under MAX_JSON_VALUES, the costliest shape measured (objects of one distinct key each)."""
-    count = probes.MAX_JSON_VALUES // 3 - 1
+    count = MAX_JSON_VALUES // 3 - 1
     text = "[" + ",".join(f'{{"k{i}":0}}' for i in range(count)) + "]"
-    found, peak = _peak(lambda: probes.node_json(text))
+    found, peak = _peak(lambda: node_json(text))
     assert len(found) == count
     assert peak < 128 * 2**20, f"{peak / 2**20:.0f} MiB"  # 86 MiB measured
 
@@ -171,16 +173,16 @@ def test_more_containers_than_a_node_holds_are_refused_before_a_model_is_made(fo
             return "API [" + ",".join(['{"Id":"a","State":"running","Names":["/x"]}'] * n) + "]"
         return "\n".join(['{"name":"/x","id":"a","image":"i","image_id":"j","state":"running"}'] * n)
 
-    with pytest.raises(ProbeError, match=f"^containers: ValueError: more than {probes.MAX_CONTAINERS} containers"):
-        probes.parse_containers(Section(body(probes.MAX_CONTAINERS + 1), 0))
-    assert len(probes.parse_containers(Section(body(probes.MAX_CONTAINERS), 0))[2]) == probes.MAX_CONTAINERS
+    with pytest.raises(ProbeError, match=f"^containers: ValueError: more than {MAX_CONTAINERS} containers"):
+        parse_containers(Section(body(MAX_CONTAINERS + 1), 0))
+    assert len(parse_containers(Section(body(MAX_CONTAINERS), 0))[2]) == MAX_CONTAINERS
 
 
 def test_per_line_parsers_keep_only_what_they_read():
     """`meminfo` with a million other keys (13 MiB): every line still a number, only MemTotal and MemAvailable
     kept (before: a dict of a million, 180 MiB)."""
     body = "\n".join(f"K{i}: 1 kB" for i in range(1_000_000)) + "\nMemTotal: 2 kB\nMemAvailable: 1 kB"
-    memory, peak = _peak(lambda: probes.parse_memory(Section(body, 0)))
+    memory, peak = _peak(lambda: parse_memory(Section(body, 0)))
     assert memory is not None and (memory.total_bytes, memory.available_bytes) == (2048, 1024)
     assert peak < 2**20, f"{peak / 2**20:.1f} MiB"
 

@@ -22,7 +22,7 @@ from reconciler.core.loader import load_file
 from reconciler.core.observed import Image, Observed
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import image_from_inspect, parse_image
+from reconciler.edge.facts.images import image_from_inspect, parse_image
 from tests.unit.recorded import sections_of
 from tests.unit.test_image_flags import _deployed
 
@@ -165,8 +165,9 @@ def test_an_inspect_without_layers_is_an_image_not_a_probe_failure():
     ("Cannot connect to the Docker daemon at unix:///var/run/docker.sock", False),
 ])
 def test_only_a_missing_image_is_absent(stderr, absent):
-    """A step's re-read of an image (`probes.image_fact`): a broken engine is no reason to copy 20 GB."""
-    from reconciler.edge.probes import ProbeError, Section, image_fact
+    """A step's re-read of an image (`facts.images.image_fact`): a broken engine is no reason to copy 20 GB."""
+    from reconciler.edge.facts.base import ProbeError, Section
+    from reconciler.edge.facts.images import image_fact
 
     fact = image_fact("img")
     if absent:

@@ -23,8 +23,8 @@ from reconciler.core.loader import load_file
 from reconciler.core.observed import Observed, WeightFile, Weights
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
+from reconciler.edge.facts.base import sealed, split_sections
 from reconciler.edge.manifest import manifest_script, read_listing
-from reconciler.edge.probes import sealed, split_sections
 from testbed import hub
 from testbed.proc import wait_for
 from tests.unit.test_hub_standin import DENSE, MOE, hf_cli, store, tree  # noqa: F401 (store: a fixture)

@@ -109,7 +109,8 @@ def test_a_renumbered_head_is_the_same_lease_beside_the_same_cluster_id(desired,
     it back at once; nobody else may take it meanwhile from under a lease still held. The cluster id lives in the
     same directory."""
     from reconciler.core import spec
-    from reconciler.edge.probes import identity_script, parse_identity, sealed, split_sections
+    from reconciler.edge.facts.base import sealed, split_sections
+    from reconciler.edge.facts.host import identity_script, parse_identity
 
     moved = spec.Desired.model_validate(desired.model_dump() | {"nodes": [
         n.model_copy(update={"ssh": n.ssh.model_copy(update={"host": "head-a.local"})}) if n.role == "head" else n

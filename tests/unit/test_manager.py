@@ -15,6 +15,7 @@ from reconciler.core.spec import load
 from reconciler.loop.controller import Controller
 from reconciler.loop.manager import Manager, streams_to_restart
 from reconciler.loop.operations import Operations
+from reconciler.loop.reasons import Reason
 from reconciler.loop.triggers import ReconcileRequests
 from tests.unit.test_cancel_on_edit import edited
 from tests.unit.test_controller_loop import HEAD, WORKER, FakeSessions, Gate, Script
@@ -73,15 +74,15 @@ def test_an_edit_that_changes_no_connection_restarts_no_event_stream(desired_pat
     c = Controller(desired_path, tmp_path / "state", requests, threading.Event(), observe_fn=Script(converged),
                    operations=Operations(on_end=lambda: None, run=Gate()),
                    manager=Manager(desired_path, requests, events=True, sessions_factory=NamedSessions))
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert sorted(n for n, _, _ in streams.started) == [HEAD, WORKER]
     desired_path.write_text(desired_path.read_text().replace("max_model_len: 32768", "max_model_len: 16384"))
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.store.generation == 2
     assert len(streams.started) == 2, "a stream was restarted"
     assert not any(stop.is_set() for _, _, stop in streams.started), "a stream was stopped"
     desired_path.write_text(desired_path.read_text().replace("host: 192.168.200.13", "host: 192.168.200.14"))
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert [n for n, _, _ in streams.started[2:]] == [WORKER]
     assert [n for n, _, stop in streams.started if stop.is_set()] == [WORKER], "the worker's old stream stopped"
     c.manager.stop_streams()

@@ -21,15 +21,8 @@ import pytest
 
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import launch_specs
-from reconciler.edge.probes import (
-    Fact,
-    RankSeen,
-    Section,
-    parse_rank,
-    parse_stats_usage,
-    rank_fact,
-    sealed,
-)
+from reconciler.edge.facts.base import Fact, Section, sealed
+from reconciler.edge.facts.memory import RankSeen, parse_rank, parse_stats_usage, rank_fact
 from reconciler.edge.ssh import Cancelled, CommandTimeout
 from reconciler.edge.steps.actions import Action, Given, Read, Report, advance
 from reconciler.edge.steps.serving import rank_readings

@@ -104,13 +104,13 @@ def test_the_controller_holds_nothing_for_a_deferred_start(tmp_path):
     from reconciler.core.spec import Retries
     from reconciler.edge.execute import StepResult
     from reconciler.loop.backoff import Backoff
-    from reconciler.loop.controller import Controller
     from reconciler.loop.triggers import ReconcileRequests
+    from tests.unit.controllers import make_controller
 
     desired, state = tmp_path / "cluster.yaml", tmp_path / "state"
     desired.write_text("not read by this test\n")
     state.mkdir()
-    controller = Controller(desired, state, ReconcileRequests(), threading.Event())
+    controller = make_controller(desired, state, ReconcileRequests(), threading.Event())
     controller.backoff = Backoff(Retries())
     start = Step("start-serving", "worker1", "r", rank=1)
     failures = controller._record([StepResult(start, "deferred", 90.0, "memory not yet back")])

@@ -315,10 +315,9 @@ def in_flight_kinds(expr: str) -> set[str]:
 
 def test_the_cold_start_allowance_names_the_steps_of_a_serving_start():
     """ServingUnhealthy keeps quiet while a serving start is in flight (COLD_START, alerts.yaml): the kinds are the
-    serving chain's after its stop (reconciler.loop.backoff.SERVING_CHAIN), so a renamed step kind breaks here, not
+    serving chain's after its stop (reconciler.core.kinds.SERVING_CHAIN), so a renamed step kind breaks here, not
     silently in a page during every cold start; the dashboard's allowance panel reads the same kinds."""
-    from reconciler.core.planning import STEP_KINDS
-    from reconciler.loop.backoff import SERVING_CHAIN
+    from reconciler.core.kinds import SERVING_CHAIN, STEP_KINDS
 
     [rule] = [r for r in prometheus_rules() if r["alert"] == "ReconcilerServingUnhealthy"]
     kinds = in_flight_kinds(rule["expr"])

@@ -17,7 +17,8 @@ import pytest
 
 from reconciler.core.fabric import RdmaAtStart, ipv4_gid, rdma_at_start
 from reconciler.core.vllm import at_start, launch_specs
-from reconciler.edge.probes import link_script, parse_link, sealed, split_sections
+from reconciler.edge.facts.base import sealed, split_sections
+from reconciler.edge.facts.links import link_script, parse_link
 from tests.unit.recorded import load, observe
 from tests.unit.test_fabric_twin import DEV0, RDMA
 
@@ -56,7 +57,7 @@ def _read_port(tmp_path: Path, table: dict[int, tuple[str, str]]):
 
 
 def _ip_addr():
-    from reconciler.edge.probes import Section
+    from reconciler.edge.facts.base import Section
     return Section('[{"ifname": "enp1s0f1np1", "flags": ["UP", "LOWER_UP"], "mtu": 9000, "operstate": "UP", '
                    '"addr_info": [{"family": "inet", "local": "10.232.0.11", "prefixlen": 24}]}]', 0)
 

@@ -17,7 +17,8 @@ from reconciler.core.nccl import judge
 from reconciler.core.observed import Container, NodeObservation, Observed
 from reconciler.core.planning import Plan
 from reconciler.core.spec import Desired, loads
-from reconciler.edge.probes import MAX_NETWORKS, Section, parse_networks, rank_fact, read_sections
+from reconciler.edge.facts.base import Section, read_sections
+from reconciler.edge.facts.memory import MAX_NETWORKS, parse_networks, rank_fact
 from reconciler.loop import conditions, metrics
 from reconciler.loop.conditions import RankTransport, Snapshot, transport_results
 from reconciler.loop.metrics import REGISTRY

@@ -28,6 +28,7 @@ from reconciler.core.drift import (
     diff,
 )
 from reconciler.core.fabric import carries
+from reconciler.core.kinds import STEP_KINDS, StepKind
 from reconciler.core.observed import (
     LABEL_INSTANCE,
     LABEL_MANAGED,
@@ -44,11 +45,9 @@ from reconciler.core.observed import (
 from reconciler.core.ownership import Owner
 from reconciler.core.planning import (
     MAX_GRACE_DOUBLINGS,
-    STEP_KINDS,
     Plan,
     Restart,
     Step,
-    StepKind,
     _why_restart,
     health_grace,
 )

@@ -44,7 +44,7 @@ def test_parsing_an_output_at_the_line_cap_stays_far_below_the_unit_s_memory():
     allocates well under the unit's MemoryMax=512M (tracemalloc's peak, Python's own allocations)."""
     import tracemalloc
 
-    from reconciler.edge.probes import split_sections
+    from reconciler.edge.facts.base import split_sections
 
     raw = b"@@n containers\n" + b"\n" * (ssh_session.MAX_LINES - 2) + b"@@n rc 0\n"
     tracemalloc.start()
@@ -63,7 +63,7 @@ def test_splitting_an_output_of_structured_lines_costs_about_its_own_size():
     body is now one slice of the output."""
     import tracemalloc
 
-    from reconciler.edge.probes import split_sections
+    from reconciler.edge.facts.base import split_sections
 
     line = "x" * 31
     output = "@@n containers\n" + "\n".join([line] * (ssh_session.MAX_LINES - 2)) + "\n@@n rc 0\n"

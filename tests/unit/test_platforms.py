@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.platforms import machine_platform, runs_on
-from reconciler.edge.probes import ProbeError, Section, image_from_inspect, parse_machine
+from reconciler.edge.facts.base import ProbeError, Section
+from reconciler.edge.facts.host import parse_machine
+from reconciler.edge.facts.images import image_from_inspect
 
 FIXTURES = Path(__file__).with_name("fixtures")
 
@@ -64,13 +66,13 @@ PROC_NET_TCP = (
 
 
 def test_listening_ports_are_read_from_the_kernels_table():
-    from reconciler.edge.probes import parse_listening
+    from reconciler.edge.facts.ports import parse_listening
     assert parse_listening(Section(PROC_NET_TCP, 0)) == [22, 8000, 29493]
     assert parse_listening(Section("", 0)) == [], "nothing listens"
     assert parse_listening(Section("", 2)) is None, "/proc/net/tcp could not be read: not known"
 
 
 def test_a_row_that_is_not_a_listen_row_is_odd_output():
-    from reconciler.edge.probes import parse_listening
+    from reconciler.edge.facts.ports import parse_listening
     with pytest.raises(ProbeError, match="listen"):
         parse_listening(Section("   1: 0100E70A:9A00 0200E70A:0016 01 00000000:00000000\n", 0))

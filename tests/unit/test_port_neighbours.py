@@ -17,19 +17,16 @@ from reconciler.core.listeners import ANY, proc_address, takes
 from reconciler.core.loader import load_file
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import (
-    Section,
+from reconciler.edge.facts.base import Section, sealed, split_sections
+from reconciler.edge.facts.ports import (
     _takes_awk,
-    api_script,
     listen_script,
     parse_listen_addresses,
     parse_listening,
     parse_port_holder,
     parse_port_neighbours,
-    parse_serving,
-    sealed,
-    split_sections,
 )
+from reconciler.edge.facts.serving import api_script, parse_serving
 from testbed.proc import wait_for
 from tests.unit import recorded
 

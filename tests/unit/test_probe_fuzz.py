@@ -20,8 +20,13 @@ from hypothesis import strategies as st
 
 from reconciler.core.spec import load
 from reconciler.core.vllm import parse_serve_help
-from reconciler.edge import ledger, manifest, probes
-from reconciler.edge.probes import ProbeError, Section
+from reconciler.edge import ledger, manifest
+from reconciler.edge.facts.base import ProbeError, Section, node_json, split_sections
+from reconciler.edge.facts.containers import parse_containers
+from reconciler.edge.facts.images import parse_image
+from reconciler.edge.facts.links import parse_link
+from reconciler.edge.facts.memory import parse_memory
+from reconciler.edge.facts.serving import parse_completion, parse_serving
 from tests.unit.examples import examples
 from tests.unit.recorded import parsed
 
@@ -37,13 +42,13 @@ BODY = st.one_of(TEXT, ODD, JSON.map(json.dumps), JSON.map(lambda v: "API " + js
                  st.lists(st.one_of(ODD, TEXT), max_size=8).map("\n".join))
 SECTIONS = st.one_of(st.none(), st.builds(Section, BODY, st.integers(-2, 300)))
 PARSERS = {
-    "containers": lambda s: probes.parse_containers(s),
-    "link": lambda s: probes.parse_link("enp1s0f1np1", s, s),
-    "meminfo": lambda s: probes.parse_memory(s),
+    "containers": lambda s: parse_containers(s),
+    "link": lambda s: parse_link("enp1s0f1np1", s, s),
+    "meminfo": lambda s: parse_memory(s),
     "weights": lambda s: manifest.parse_weights("/models", s),
-    "serving": lambda s: probes.parse_serving(s, s, s, s),
-    "completion": lambda s: probes.parse_completion(s),
-    "image": lambda s: probes.parse_image(s),
+    "serving": lambda s: parse_serving(s, s, s, s),
+    "completion": lambda s: parse_completion(s),
+    "image": lambda s: parse_image(s),
     "copies": lambda s: ledger.parse_copies(s, "worker1"),
 }
 
@@ -145,7 +150,7 @@ MARKED = st.lists(st.one_of(TEXT, st.sampled_from(["\n", "\r", "\r\n", "\x85", "
 @example(output="@@n a\nx\n@@n rc ٣\n")
 def test_any_output_splits_into_sections_or_a_probe_error(output):
     try:
-        sections = probes.split_sections(output, "n")
+        sections = split_sections(output, "n")
     except ProbeError as exc:
         assert str(exc).startswith("probe output: ")
         return
@@ -159,13 +164,13 @@ def test_any_output_splits_into_sections_or_a_probe_error(output):
 @given(text=st.one_of(TEXT, JSON.map(json.dumps), st.integers(1, 3000).map(lambda n: "[" * n + "]" * n)))
 def test_node_json_is_a_value_or_a_value_error(text):
     try:
-        probes.node_json(text)
+        node_json(text)
     except ValueError:
         pass
 
 
 def test_the_probe_error_names_the_section():
     with pytest.raises(ProbeError, match=r"^meminfo: KeyError: 'MemAvailable'"):
-        probes.parse_memory(Section("MemTotal:       1024 kB", 0))
+        parse_memory(Section("MemTotal:       1024 kB", 0))
     with pytest.raises(ProbeError, match=r"^containers: "):
-        probes.parse_containers(Section('API {"not": "a list"}', 0))
+        parse_containers(Section('API {"not": "a list"}', 0))

@@ -17,17 +17,11 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.observed import EngineLoad, GpuStack, Link, ServingApi
-from reconciler.edge.probes import (
-    ProbeError,
-    Section,
-    auth_header,
-    avail_fact,
-    completion_argv,
-    parse_avail,
-    parse_gpu_stack,
-    parse_link,
-    parse_serving,
-)
+from reconciler.edge.facts.base import ProbeError, Section
+from reconciler.edge.facts.disk import avail_fact, parse_avail
+from reconciler.edge.facts.gpu import parse_gpu_stack
+from reconciler.edge.facts.links import parse_link
+from reconciler.edge.facts.serving import auth_header, completion_argv, parse_serving
 from reconciler.edge.ssh import CommandTimeout, Result
 from tests.unit.recorded import RAW, load, sections_of
 

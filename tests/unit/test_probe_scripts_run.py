@@ -24,30 +24,15 @@ from pathlib import Path
 import pytest
 
 from reconciler.core.observed import GpuStack, Link, Memory, RdmaPort
-from reconciler.edge import probes
-from reconciler.edge.probes import (
-    RdmaDevice,
-    Section,
-    containers_script,
-    disk_script,
-    gpu_script,
-    image_script,
-    interfaces_script,
-    link_script,
-    listen_script,
-    machine_script,
-    memory_script,
-    parse_containers,
-    parse_disk,
-    parse_disk_fs,
-    parse_gpu_stack,
-    parse_interfaces,
-    parse_listening,
-    parse_machine,
-    parse_memory,
-    parse_rdma_devices,
-    read_sections,
-)
+from reconciler.edge.facts.base import Section, read_sections
+from reconciler.edge.facts.containers import DOCKER_SOCKET, containers_script, parse_containers
+from reconciler.edge.facts.disk import disk_script, parse_disk, parse_disk_fs
+from reconciler.edge.facts.gpu import gpu_script, parse_gpu_stack
+from reconciler.edge.facts.host import machine_script, parse_machine
+from reconciler.edge.facts.images import image_script
+from reconciler.edge.facts.links import RdmaDevice, interfaces_script, link_script, parse_interfaces, parse_rdma_devices
+from reconciler.edge.facts.memory import memory_script, parse_memory
+from reconciler.edge.facts.ports import listen_script, parse_listening
 from reconciler.edge.ssh import CommandTimeout, Result
 from tests.unit.recorded import load
 from tests.unit.test_probe_survivors import API_LIST, STAND_IN, LocalNode
@@ -260,7 +245,7 @@ def test_without_the_socket_dockers_data_root_comes_from_docker_info(tmp_path):
     root = tmp_path / "docker-root"
     root.mkdir()
     node.answer({"tool": "docker", "argv": ["info", "--format", "{{.DockerRootDir}}"], "stdout": f"{root}\n"})
-    free = parse_disk(sections(node, [probes._DOCKER_SOCKET, *disk_script(str(tmp_path / "models"))])["disk"])
+    free = parse_disk(sections(node, [DOCKER_SOCKET, *disk_script(str(tmp_path / "models"))])["disk"])
     assert free is not None and set(free) == {"weights", "image"}
     expected = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     assert abs(free["image"] - expected) < 1 << 28
@@ -277,7 +262,7 @@ def test_the_disk_rows_say_which_filesystem_each_is_on(tmp_path, apart):
     root = Path("/proc") if apart else tmp_path / "docker-root"
     root.mkdir(exist_ok=True)
     node.answer({"tool": "docker", "argv": ["info", "--format", "{{.DockerRootDir}}"], "stdout": f"{root}\n"})
-    sec = sections(node, [probes._DOCKER_SOCKET, *disk_script(str(tmp_path / "models"))])["disk"]
+    sec = sections(node, [DOCKER_SOCKET, *disk_script(str(tmp_path / "models"))])["disk"]
     where_on = parse_disk_fs(sec)
     assert where_on is not None and set(where_on) == {"weights", "image"}, sec
     rows = {line.split()[0]: line.split()[1:] for line in sec.body.splitlines()}

@@ -36,41 +36,31 @@ from reconciler.core import spec
 from reconciler.core.loader import load_file
 from reconciler.core.observed import Container, EngineLoad, Link, RdmaPort, ServingApi
 from reconciler.core.vllm_log import MAX_TEXT
-from reconciler.edge import probes
-from reconciler.edge.probes import (
-    IDENTITY_MAX_BYTES,
+from reconciler.edge.facts.base import ProbeError, Section, read_sections
+from reconciler.edge.facts.containers import (
+    DOCKER_SOCKET,
     LOG_TAIL_CHARS,
-    HubSize,
-    ProbeError,
-    Section,
-    api_fact,
-    auth_header,
-    avail_fact,
     container_fact,
     containers_script,
-    disk_script,
-    hub_size,
-    hub_size_fact,
-    identity_script,
-    image_fact,
-    image_from_inspect,
-    image_script,
-    link_script,
-    links_fact,
-    listening_ports,
     log_tail_fact,
-    parse_avail,
     parse_containers,
-    parse_disk,
+)
+from reconciler.edge.facts.disk import avail_fact, disk_script, parse_avail, parse_disk
+from reconciler.edge.facts.host import IDENTITY_MAX_BYTES, identity_script, parse_identity
+from reconciler.edge.facts.images import image_fact, image_from_inspect, image_script, parse_image
+from reconciler.edge.facts.links import link_script, links_fact, parse_link
+from reconciler.edge.facts.ports import listening_ports, parse_listening
+from reconciler.edge.facts.serving import (
+    _sample,
+    api_argv,
+    api_fact,
+    auth_header,
     parse_engine,
-    parse_hub_size,
-    parse_image,
-    parse_listening,
     ray_nodes_fact,
-    read_sections,
     serve_processes_fact,
     start_fact,
 )
+from reconciler.edge.facts.weights import HubSize, hub_size, hub_size_fact, parse_hub_size
 from reconciler.edge.ssh import Result
 from tests.unit.recorded import RAW, load, sections_of
 
@@ -288,7 +278,7 @@ def test_the_image_is_asked_of_the_engine_socket_first(node):
     node.answer({"tool": "curl", "argv": ["-sf", "--unix-socket", "/var/run/docker.sock",
                                           "http://docker/images/vllm-standin:latest/json"],
                  "stdout": json.dumps(RECORDED_IMAGE)})
-    sec = sections(node, [probes._DOCKER_SOCKET, *image_script("vllm-standin:latest")])["image"]
+    sec = sections(node, [DOCKER_SOCKET, *image_script("vllm-standin:latest")])["image"]
     assert sec.body.startswith("API ") and parse_image(sec).id == RECORDED_IMAGE["Id"]
     assert node.calls("docker") == []
 
@@ -297,7 +287,7 @@ def test_the_image_falls_back_to_the_docker_cli(node):
     """Run for real: no socket answer; `docker image inspect NAME` prints the array the CLI prints."""
     node.answer({"tool": "docker", "argv": ["image", "inspect", "vllm-standin:latest"],
                  "stdout": json.dumps([RECORDED_IMAGE], indent=4) + "\n"})
-    sec = sections(node, [probes._DOCKER_SOCKET, *image_script("vllm-standin:latest")])["image"]
+    sec = sections(node, [DOCKER_SOCKET, *image_script("vllm-standin:latest")])["image"]
     assert parse_image(sec) == image_from_inspect(RECORDED_IMAGE)
     assert not sec.body.startswith("API ")
 
@@ -407,9 +397,9 @@ def test_the_rdma_port_script_reads_the_kernels_sysfs_files(cluster_yaml):
             "i; do printf 'gid %s %s\\n' \"$i\" \"$(cat ../../gids/\"$i\" 2>/dev/null)\"; done)")
     assert rdma == [f"if [ -d {p} ]; then cat {p}/state {p}/phys_state; r=$?; {gids.format(p=p)}; rc $r; else rc 2; "
                     "fi" for p in ports]
-    first = probes.parse_link("enp1s0f1np1", HEAD["link"], Section("4: ACTIVE\n5: LinkUp", 0))
+    first = parse_link("enp1s0f1np1", HEAD["link"], Section("4: ACTIVE\n5: LinkUp", 0))
     assert first.rdma == RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp")
-    odd = probes.parse_link("enp1s0f1np1", HEAD["link"], Section("4: ACTIVE\n5: LinkUp\ngid 3 not-a-gid\ngid x y", 0))
+    odd = parse_link("enp1s0f1np1", HEAD["link"], Section("4: ACTIVE\n5: LinkUp\ngid 3 not-a-gid\ngid x y", 0))
     assert odd.rdma == RdmaPort(state="4: ACTIVE", phys_state="5: LinkUp"), "a line that is not a GID is left out"
 
 
@@ -504,7 +494,7 @@ def test_the_api_fact_reads_the_engine_and_the_ports_owner():
 
 
 def test_the_api_scripts_argv_has_no_key_header_without_a_key():
-    assert probes.api_argv(load(), "-s", "http://127.0.0.1:8000/v1/models") == [
+    assert api_argv(load(), "-s", "http://127.0.0.1:8000/v1/models") == [
         "curl", "-s", "http://127.0.0.1:8000/v1/models"]
 
 
@@ -520,7 +510,7 @@ def test_the_api_scripts_argv_has_no_key_header_without_a_key():
 def test_a_metrics_sample_is_its_name_and_a_finite_value_or_none(line, sample):
     """Prometheus' text format: a label value is any quoted string; the value follows the closing brace. A line
     with no value that counts gives None, never an error."""
-    assert probes._sample(line) == sample
+    assert _sample(line) == sample
 
 
 def test_odd_lines_among_the_recorded_counters_leave_them_read():
@@ -621,7 +611,7 @@ def test_the_disk_section_reads_the_nearest_existing_parent_of_the_weights(tmp_p
     root.mkdir()
     node.answer({"tool": "curl", "argv": ["-sf", "--unix-socket", "/var/run/docker.sock", "http://docker/info"],
                  "stdout": json.dumps({"ID": "x", "DockerRootDir": str(root)}, separators=(",", ":"))})
-    free = parse_disk(sections(node, [probes._DOCKER_SOCKET, *disk_script(str(tmp_path / "models" / "hub"))])["disk"])
+    free = parse_disk(sections(node, [DOCKER_SOCKET, *disk_script(str(tmp_path / "models" / "hub"))])["disk"])
     expected = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     assert free is not None and set(free) == {"weights", "image"}
     assert abs(free["weights"] - expected) < 1 << 28 and abs(free["image"] - expected) < 1 << 28
@@ -690,7 +680,7 @@ def test_the_cluster_id_file_is_read_one_byte_past_the_limit(node):
     sec = sections(node, identity_script("10.231.0.2:22"))["identity"]
     assert (sec.rc, len(sec.body)) == (0, IDENTITY_MAX_BYTES + 1)
     with pytest.raises(ProbeError, match="longer than"):
-        probes.parse_identity(sec)
+        parse_identity(sec)
 
 
 def test_a_cluster_id_file_one_byte_too_long_is_odd_output(node):
@@ -699,10 +689,10 @@ def test_a_cluster_id_file_one_byte_too_long_is_odd_output(node):
     # one id line, then a line of spaces (a blank line, skipped): IDENTITY_MAX_BYTES + 1 bytes in all
     (made / "cluster-id").write_text("2f62e727-4793-45fb-9464-67ad086b9e9d\n" + " " * (IDENTITY_MAX_BYTES - 36))
     with pytest.raises(ProbeError, match="longer than"):
-        probes.parse_identity(sections(node, identity_script("10.231.0.2:22"))["identity"])
+        parse_identity(sections(node, identity_script("10.231.0.2:22"))["identity"])
 
 
 def test_a_made_cluster_id_is_read_back(node):
-    identity = probes.parse_identity(sections(node, identity_script("10.231.0.2:22"))["identity"])
+    identity = parse_identity(sections(node, identity_script("10.231.0.2:22"))["identity"])
     assert identity is not None and len(identity.id) == 36 and identity.known_as == ["10.231.0.2:22"]
 

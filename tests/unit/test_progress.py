@@ -27,15 +27,16 @@ from reconciler.core.observed import NodeObservation, Observed
 from reconciler.core.planning import Step
 from reconciler.core.vllm_log import MAX_DETAIL, STAGES, StartProgress, start_progress
 from reconciler.edge.execute import Outcome, StepResult
-from reconciler.edge.probes import START_LOG_DEADLINE, START_LOG_LINES, image_from_inspect, start_fact
+from reconciler.edge.facts.images import image_from_inspect
+from reconciler.edge.facts.serving import START_LOG_DEADLINE, START_LOG_LINES, start_fact
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps import StepContext, images, serving
 from reconciler.edge.steps.actions import Given, Report
 from reconciler.loop.apply import _ProgressView
-from reconciler.loop.controller import Controller
 from reconciler.loop.metrics import REGISTRY, progress_ratio
 from reconciler.loop.operations import Operations
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 from tests.unit.recorded import load
 from tests.unit.step_driver import Driver
 
@@ -213,7 +214,7 @@ class Watching(Driver):
 
 
 def _await(*logs: str) -> list[tuple[str, dict]]:
-    """await-health over the recorded testbed: the head's log at each poll (`probes.start_fact`), its API serving
+    """await-health over the recorded testbed: the head's log at each poll (`facts.serving.start_fact`), its API serving
     at the last one; the reports it made."""
     from tests.unit.step_cases.serving import NAME, READINGS, RUNNING, head
 
@@ -350,7 +351,7 @@ def flying(desired_path, tmp_path):
     """A controller with an image copy to the worker and the head's health wait in flight; a clock the test moves."""
     gate, clock = Gate(), [5000.0]
     ops = Operations(on_end=lambda: None, clock=lambda: clock[0], run=gate)
-    c = Controller(desired_path, tmp_path / "state", ReconcileRequests(), threading.Event(), events=False,
+    c = make_controller(desired_path, tmp_path / "state", ReconcileRequests(), threading.Event(), events=False,
                    observe_fn=lambda *a, **k: None, sessions_factory=FakeSessions, operations=ops)
     image, health = Step("image", "spark-5be3", "missing", image="x", source="spark-1a32"), \
         Step("await-health", "spark-1a32", "health")
@@ -363,11 +364,11 @@ def flying(desired_path, tmp_path):
 
 def test_progress_reports_become_the_operations_fields_and_metrics(flying):
     c, clock = flying
-    c._progress("image.start", {"node": "spark-5be3", "bytes_done": 0, "bytes_total": 40 << 20})
-    c._progress("serving.stage", {"node": "spark-1a32", "stage": "loading-weights", "percent": 45,
+    c.reports("image.start", {"node": "spark-5be3", "bytes_done": 0, "bytes_total": 40 << 20})
+    c.reports("serving.stage", {"node": "spark-1a32", "stage": "loading-weights", "percent": 45,
                                   "line": "Loading safetensors checkpoint shards:  45% Completed | 9/20"})
     clock[0] += 2
-    c._progress("image.progress", {"node": "spark-5be3", "bytes_done": 30 << 20, "bytes_total": 40 << 20})
+    c.reports("image.progress", {"node": "spark-5be3", "bytes_done": 30 << 20, "bytes_total": 40 << 20})
     ops = {o["step"]: o for o in c.operations.view()}
     image, health = ops["image/spark-5be3"], ops["await-health/spark-1a32"]
     assert (image["bytesDone"], image["bytesTotal"], image["bytesPerSecond"]) == (30 << 20, 40 << 20, 15 << 20)
@@ -383,7 +384,7 @@ def test_progress_reports_become_the_operations_fields_and_metrics(flying):
     clock[0] += 60  # a stall: no report for a minute; the rate the scrape reads falls
     assert sample("reconciler_operation_bytes_per_second", kind="image", node="spark-5be3") == round(
         (30 << 20) / 62)
-    c._progress("serving.stage", {"node": "spark-1a32", "stage": "compiling", "percent": None,
+    c.reports("serving.stage", {"node": "spark-1a32", "stage": "compiling", "percent": None,
                                   "line": "Dynamo bytecode transform time: 5.73 s"})
     assert sample("reconciler_operation_progress_ratio", kind="await-health", node="spark-1a32") is None, \
         "a stage whose line has no number has no fraction, not a stale one"
@@ -392,7 +393,7 @@ def test_progress_reports_become_the_operations_fields_and_metrics(flying):
 
 def test_an_ended_operation_leaves_no_series(flying):
     c, _ = flying
-    c._progress("serving.stage", {"node": "spark-1a32", "stage": "waiting", "percent": None, "line": ""})
+    c.reports("serving.stage", {"node": "spark-1a32", "stage": "waiting", "percent": None, "line": ""})
     assert sample("reconciler_serving_start_stage", node="spark-1a32", stage="waiting") == 1
     c.operations._event("step.end", {"result": StepResult(Step("await-health", "spark-1a32", "health"), "success",
                                                           1.0, "")})

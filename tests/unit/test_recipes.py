@@ -527,7 +527,7 @@ def test_init_without_a_head_is_a_usage_error(console_script):
 def test_init_cautions_say_what_a_recipe_lacks_and_what_init_cannot_judge():
     """What init writes above a deployment and on stderr, for recipes no shipped one is: the flagship as it was
     before issue 52 (launcher ray on NGC 26.05), and a recipe naming an image init knows nothing of."""
-    from reconciler.cli import _init_cautions
+    from reconciler.cli.init import _init_cautions
 
     ray = _init_cautions(with_serving("qwen3.5-122b-fp8", launcher="ray"))
     assert [c.split(":", 1)[0] for c in ray] == ["UNVERIFIED", "NEEDS WHAT ITS IMAGE LACKS"]

@@ -19,6 +19,7 @@ from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import load
 from reconciler.loop import history
 from reconciler.loop.metrics import REGISTRY
+from reconciler.loop.reasons import Reason
 from tests.unit.test_controller_loop import Gate, Script, _condition, _controller
 
 HEAD, WORKER = "spark-1a32", "spark-5be3"
@@ -109,11 +110,11 @@ def test_a_failed_first_deploy_brings_back_the_co_tenants_it_stopped(desired_pat
     c, _ = _controller(desired_path, tmp_path, Script(seed, after, restored), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
     before = REGISTRY.get_sample_value("reconciler_rollbacks_total") or 0
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert f"stop-container/{HEAD}/vllm_node" in gate.batches[-1] and f"await-health/{HEAD}" in gate.batches[-1]
     assert c.operations.join(20)
 
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is not None and (c.held.generation, c.held.to) == (1, 0)
     rolled = _condition(c.status, "", "RolledBack")
     assert rolled["status"] == "True" and f"to: {AS_FOUND}" in rolled["message"], rolled
@@ -124,16 +125,16 @@ def test_a_failed_first_deploy_brings_back_the_co_tenants_it_stopped(desired_pat
     assert kept.entries[0].stopped == stopped
     assert kept.entries[0].outcome == f"rolled back to {AS_FOUND}"
     assert c.operations.join(20)
-    assert c.reconcile({"operation"}).phase == "RolledBack", "what ran before serves again: said as such"
+    assert c.reconcile({Reason("operation")}).phase == "RolledBack", "what ran before serves again: said as such"
     assert _condition(c.status, "", "Ready")["status"] == "False", "the file's generation is not what runs"
 
     again, _ = _controller(desired_path, tmp_path, Script(restored), ReportingGate(restored, ()))
     again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    assert again.reconcile({"start"}).phase == "RolledBack"
+    assert again.reconcile({Reason("start")}).phase == "RolledBack"
     assert again.held is not None and again.held.to == 0, "a restart does not try the failed generation again"
     text = desired_path.read_text()
     desired_path.write_text(text.replace("max_model_len: 32768", "max_model_len: 16384"))
-    again.reconcile({"file"})
+    again.reconcile({Reason("file")})
     assert again.held is None and again.store.generation == 2, "an edit is a new attempt: the restore ends"
 
 

@@ -17,7 +17,7 @@ from reconciler.core.render import plan_text
 from reconciler.core.retention import removals
 from reconciler.core.simulate import apply_plan
 from reconciler.edge import ledger
-from reconciler.edge.probes import Fact, Section
+from reconciler.edge.facts.base import Fact, Section
 from reconciler.edge.steps import StepContext
 from reconciler.edge.steps import retention as prune
 from tests.unit.examples import examples

@@ -21,14 +21,17 @@ from reconciler.cli import main
 from reconciler.core import spec
 from reconciler.core.observed import ServeFlags
 from reconciler.core.planning import Step, plan
+from reconciler.core.restore import StoppedCoTenant
 from reconciler.core.simulate import apply_plan
 from reconciler.core.spec import load, loads
 from reconciler.core.vllm import parse_serve_help
 from reconciler.edge.execute import StepResult
 from reconciler.loop import history
-from reconciler.loop.controller import _touches
 from reconciler.loop.history import FAILED, IN_FORCE, REPLACED, SERVED, HistoryStore
 from reconciler.loop.metrics import REGISTRY
+from reconciler.loop.reasons import Reason
+from reconciler.loop.rollback import decide
+from reconciler.loop.rollback import touches as _touches
 from tests.unit.test_controller_loop import Gate, Script, _condition, _controller
 
 OLD, NEW = "max_model_len: 32768", "max_model_len: 16384"
@@ -48,9 +51,9 @@ def _failed_start(desired_path, tmp_path, converged, policy: str | None = None):
     gate.release.set()
     c, requests = _controller(desired_path, tmp_path, Script(converged), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, OLD, NEW)
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.store.generation == 2 and any("await-health" in s for s in gate.batches[-1]), "the change starts"
     assert c.operations.join(20)
     return c, gate
@@ -59,7 +62,7 @@ def _failed_start(desired_path, tmp_path, converged, policy: str | None = None):
 def test_a_change_whose_start_fails_brings_back_the_last_generation_that_served(desired_path, tmp_path, converged):
     before = REGISTRY.get_sample_value("reconciler_rollbacks_total") or 0
     c, gate = _failed_start(desired_path, tmp_path, converged)
-    result = c.reconcile({"operation"})
+    result = c.reconcile({Reason("operation")})
 
     assert c.desired is not None and c.desired.serving.max_model_len == 32768, "generation 1's state is enforced"
     assert c.held is not None and (c.held.generation, c.held.to) == (2, 1)
@@ -80,18 +83,18 @@ def test_a_change_whose_start_fails_brings_back_the_last_generation_that_served(
 
 def test_a_rollback_survives_a_daemon_restart_and_ends_when_the_file_changes(desired_path, tmp_path, converged):
     c, _ = _failed_start(desired_path, tmp_path, converged)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is not None
 
     again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    assert again.reconcile({"start"}).phase == "RolledBack", "the failed change is not tried again"
+    assert again.reconcile({Reason("start")}).phase == "RolledBack", "the failed change is not tried again"
     assert again.store.generation == 2 and again.desired is not None and again.desired.serving.max_model_len == 32768
 
     _edit(desired_path, NEW, "max_model_len: 8192")
     gate = Gate()
     again.operations = type(again.operations)(on_end=lambda: None, run=gate)
-    again.reconcile({"file"})
+    again.reconcile({Reason("file")})
     assert again.held is None and again.store.generation == 3
     assert again.desired is not None and again.desired.serving.max_model_len == 8192
     assert REGISTRY.get_sample_value("reconciler_rolled_back") == 0
@@ -105,9 +108,9 @@ def test_a_change_the_image_refuses_is_rolled_back_before_anything_stops(desired
     known = parse_serve_help((Path(__file__).with_name("fixtures") / "vllm-0.32.0-cpu-serve-help-all.txt").read_text())
     c.flags = SimpleNamespace(  # type: ignore[assignment]
         get=lambda wanted: ServeFlags(image_id=wanted[1], flags=[f for f in known if f != "--max-model-len"]))
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, OLD, NEW)
-    assert c.reconcile({"file"}).phase == "RolledBack"
+    assert c.reconcile({Reason("file")}).phase == "RolledBack"
     assert gate.batches == [], "nothing was stopped or started"
     assert c.held is not None and "does not know --max-model-len" in c.held.why
     assert c.desired is not None and c.desired.serving.max_model_len == 32768
@@ -115,7 +118,7 @@ def test_a_change_the_image_refuses_is_rolled_back_before_anything_stops(desired
 
 def test_policy_hold_keeps_trying_the_change(desired_path, tmp_path, converged):
     c, _ = _failed_start(desired_path, tmp_path, converged, policy="hold")
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
     assert c.status["phase"] != "RolledBack" and c.status["rollback"] is None
 
@@ -126,10 +129,10 @@ def test_a_first_generation_that_fails_has_nothing_to_go_back_to(desired_path, t
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert c.operations.join(20)
     assert any("await-health" in s for s in gate.batches[-1]), "the first start is made"
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None
     assert [(e.generation, e.outcome) for e in history.read(tmp_path / "state", desired_path).entries] == [
         (1, FAILED)]
@@ -260,7 +263,7 @@ def test_a_kept_text_others_may_change_is_never_brought_back(desired_path, tmp_p
     c, _ = _failed_start(desired_path, tmp_path, converged)
     kept = history.directory(tmp_path / "state", desired_path) / "1.yaml"
     os.chmod(kept, 0o666)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
     kept_history = history.read(tmp_path / "state", desired_path)
     assert kept_history.hold is None, "no hold is recorded for a rollback that was not made"
@@ -274,7 +277,7 @@ def test_a_kept_text_others_may_change_is_never_brought_back(desired_path, tmp_p
     c.history.served(2, 5.0)
     again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    again.reconcile({"start"})
+    again.reconcile({Reason("start")})
     assert again.held is None and again.desired is not None and again.desired.serving.max_model_len == 16384
 
 
@@ -300,12 +303,12 @@ def test_a_generation_that_served_is_repaired_in_place_not_rolled_back(desired_p
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     _edit(desired_path, OLD, NEW)
     c._observe_fn = Script(_converged_on(desired_path, converged))
-    assert c.reconcile({"file"}).phase == "Converged" and c.store.generation == 2
+    assert c.reconcile({Reason("file")}).phase == "Converged" and c.store.generation == 2
     _a_start_of(c, 2)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
     assert history.read(tmp_path / "state", desired_path).entries[-1].outcome == IN_FORCE
 
@@ -315,12 +318,12 @@ def test_a_start_of_an_earlier_generation_that_fails_after_an_edit_rolls_nothing
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     _edit(desired_path, OLD, NEW)
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     _a_start_of(c, 2)
     _edit(desired_path, NEW, "max_model_len: 8192")  # generation 3 arrives with the failure of 2's start
-    c.reconcile({"file", "operation"})
+    c.reconcile({Reason("file"), Reason("operation")})
     assert c.store.generation == 3 and c.held is None
     assert c.desired is not None and c.desired.serving.max_model_len == 8192
     gate.release.set()
@@ -334,7 +337,7 @@ def test_the_reason_kept_is_one_line_and_never_a_secret(desired_path, tmp_path, 
     c, _ = _failed_start(desired_path, tmp_path, converged)
     _a_start_of(c, 2)
     c._start_failed = (2, "default", "await-health/spark-1a32: token hf_s3cr3tvalue42 refused\nline two")
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     index = (history.directory(tmp_path / "state", desired_path) / "index.json").read_text()
     assert "hf_s3cr3tvalue42" not in index and "line two" not in index
     assert c.held is not None and "\n" not in c.held.why
@@ -348,13 +351,13 @@ def test_an_observed_generation_is_never_what_a_rollback_brings_back(desired_pat
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     _edit(desired_path, "  mode: observe", "  mode: enforce")
     _edit(desired_path, OLD, NEW)
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert any("await-health" in x for x in gate.batches[-1]), "generation 2's start is made, and fails"
     assert c.operations.join(20)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None
     assert [e.served for e in history.read(tmp_path / "state", desired_path).entries] == [0.0, 0.0]
 
@@ -377,9 +380,9 @@ def _served_then(desired_path, tmp_path, converged, old: str, new: str):
     """Generation 1 serves (converged); generation 2 is the edit `old` -> `new`."""
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, old, new)
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.store.generation == 2
     return c
 
@@ -387,7 +390,7 @@ def _served_then(desired_path, tmp_path, converged, old: str, new: str):
 def test_a_start_that_is_blocked_is_the_nodes_condition_not_a_failed_change(desired_path, tmp_path, converged):
     c = _served_then(desired_path, tmp_path, converged, OLD, NEW)
     _a_start_of(c, 2, "blocked")  # e.g. a container not ours holds the name, or memory short with nothing stopped
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None and c.desired is not None and c.desired.serving.max_model_len == 16384
 
 
@@ -402,13 +405,13 @@ def test_a_failure_of_what_the_change_left_as_it_was_is_not_the_changes(desired_
     busy = _with(converged, WORKER, containers=[*worker.containers, intruder])  # generation 2 does not converge
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, "resync_interval: 30s", "resync_interval: 20s")
     c._observe_fn = Script(busy)
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.store.generation == 2 and not history.read(tmp_path / "state", desired_path).entries[-1].served
     _a_start_of(c, 2)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is None and c.desired is not None and c.desired.policy.resync_interval == 20
     c.operations.cancel_all()  # the co-tenant's stop, held at the gate
     assert c.operations.join(20)
@@ -416,11 +419,67 @@ def test_a_failure_of_what_the_change_left_as_it_was_is_not_the_changes(desired_
 
 def test_a_hold_whose_generation_can_no_longer_be_taken_ends_at_a_restart(desired_path, tmp_path, converged):
     c, _ = _failed_start(desired_path, tmp_path, converged)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert c.held is not None
     (history.directory(tmp_path / "state", desired_path) / "1.yaml").write_text("nodes: [\n")
     again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
     again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    again.reconcile({"start"})
+    again.reconcile({Reason("start")})
     assert again.held is None and again.desired is not None and again.desired.serving.max_model_len == 16384
     assert history.read(tmp_path / "state", desired_path).hold is None, "the history says no rollback holds"
+
+
+# -- the decision alone, from data (reconciler.loop.rollback.decide: pure) ---------------------------------------
+
+def _history(*entries) -> history.History:
+    return history.History(entries=[history.Entry(g, f"h{g}", float(g), served=s, stopped=stopped)
+                                    for g, s, stopped in entries])
+
+
+TENANT = StoppedCoTenant("spark-1a32", "vllm_node", "c0ffee")
+#: (name, the history's entries (generation, served, stopped), policy, can generation 1 be brought back,
+#:  the decision's action, the generation it brings back, words of why nothing is)
+DECISIONS = [
+    ("it served: repaired in place", [(1, 5.0, ()), (2, 9.0, ())], "rollback", True, "none", 0, ""),
+    ("not in the history", [(1, 5.0, ())], "rollback", True, "none", 0, ""),
+    ("the last that served comes back", [(1, 5.0, ()), (2, 0.0, ())], "rollback", True, "roll-back", 1, ""),
+    ("policy hold", [(1, 5.0, ()), (2, 0.0, ())], "hold", True, "failed", 0, "on_failed_change is hold"),
+    ("nothing served before", [(2, 0.0, ())], "rollback", True, "failed", 0, "no earlier generation"),
+    ("what served cannot be taken", [(1, 5.0, ()), (2, 0.0, ())], "rollback", False, "failed", 0,
+     "generation 1 cannot be taken"),
+    ("a first deploy that stopped co-tenants", [(2, 0.0, (TENANT,))], "rollback", True, "as-found", 0, ""),
+    ("a first deploy that stopped co-tenants, hold", [(2, 0.0, (TENANT,))], "hold", True, "failed", 0,
+     "on_failed_change is hold"),
+]
+
+
+@pytest.mark.parametrize(("name", "entries", "policy", "takeable", "action", "to", "words"), DECISIONS,
+                         ids=[d[0] for d in DECISIONS])
+def test_the_rollback_decision_from_data(desired_path, name, entries, policy, takeable, action, to, words):
+    desired = load(desired_path, os.environ)
+    desired = desired.model_copy(update={"policy": desired.policy.model_copy(update={"on_failed_change": policy})})
+    served = load(desired_path, os.environ)
+    asked: list[int] = []
+
+    def bring_back(generation: int):
+        asked.append(generation)
+        return served if takeable else None
+
+    decision = decide(_history(*entries), 2, desired, None, bring_back)
+    assert (decision.action, decision.to) == (action, to), name
+    assert words in decision.why_not
+    assert asked == ([1] if action == "roll-back" or "cannot be taken" in words else []), \
+        "what served is loaded only when the policy may bring it back"
+
+
+def test_a_failure_of_a_deployment_the_change_left_as_it_was_is_not_the_change_s():
+    from tests.unit.test_deployments_plan import _two
+
+    before = _two()
+    data = before.model_dump(mode="json")
+    data["deployments"][1]["serving"]["max_model_len"] = 1024
+    after = spec.Desired.model_validate(data)
+    entries = _history((1, 5.0, ()), (2, 0.0, ()))
+    assert decide(entries, 2, after, "big", lambda g: before).action == "none", "big is as it served"
+    assert decide(entries, 2, after, "small", lambda g: before).action == "roll-back"
+    assert decide(entries, 2, after, None, lambda g: before).action == "roll-back", "the whole file's failure"

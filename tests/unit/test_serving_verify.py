@@ -26,22 +26,15 @@ from reconciler.core.observed import Observed
 from reconciler.core.spec import Desired, InvalidDesiredState, load, loads
 from reconciler.core.vllm import launch_specs
 from reconciler.edge.execute import Outcome, StepResult
-from reconciler.edge.probes import (
-    VERIFY_DEADLINE,
-    Section,
-    VerifyAnswer,
-    parse_verify,
-    sealed,
-    split_sections,
-    verify_argv,
-    verify_fact,
-)
+from reconciler.edge.facts.base import Section, sealed, split_sections
+from reconciler.edge.facts.verify import VERIFY_DEADLINE, VerifyAnswer, parse_verify, verify_argv, verify_fact
 from reconciler.edge.steps.actions import Given, Report, StepFailed, advance
 from reconciler.edge.steps.serving import verify_answer
 from reconciler.loop import conditions, history
 from reconciler.loop.conditions import Snapshot, Verified, verify_results
 from reconciler.loop.history import FAILED, SERVED
 from reconciler.loop.metrics import REGISTRY
+from reconciler.loop.reasons import Reason
 from tests.unit.conftest import REPO, converged_in_simulator
 from tests.unit.step_cases.serving import GARBAGE, RIGHT
 from tests.unit.step_driver import Driver
@@ -382,10 +375,10 @@ def _changed_and_started(path, tmp_path, observations, answer, container, policy
     c, _ = _controller(path, tmp_path, Script(*observations), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
     gate.release.set()
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     gate.release.clear()
     _edit(path, OLD, NEW)
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.store.generation == 2 and any("await-health" in s for s in gate.batches[-1]), "the change starts"
     if release:
         gate.release.set()
@@ -396,7 +389,7 @@ def _changed_and_started(path, tmp_path, observations, answer, container, policy
 def test_a_change_that_answers_garbage_is_a_failed_change_and_is_rolled_back(verifying_path, tmp_path, converged):
     desired = load(verifying_path, os.environ)
     c, _ = _changed_and_started(verifying_path, tmp_path, [converged], GARBAGE, _head_container(converged, desired))
-    assert c.reconcile({"operation"}).phase == "RolledBack"
+    assert c.reconcile({Reason("operation")}).phase == "RolledBack"
     assert c.held is not None and (c.held.generation, c.held.to) == (2, 1)
     assert c.desired is not None and c.desired.serving.max_model_len == 32768, "generation 1 is enforced again"
     assert c.held.why == ("await-health/spark-1a32: serving.verify on spark-1a32: completions of '12*17=' (greedy, "
@@ -413,7 +406,7 @@ def test_under_hold_a_wrong_answer_is_never_converged_nor_served(verifying_path,
     c, _ = _changed_and_started(verifying_path, tmp_path, [converged, converged, after], GARBAGE,
                                 _head_container(after, desired), policy="hold")
     for trigger in ("operation", "resync"):
-        result = c.reconcile({trigger})
+        result = c.reconcile({Reason(trigger)})
         assert c.held is None and c.store.generation == 2
         assert result.phase == "Degraded" and c.status["phase"] == "Degraded", trigger
         assert c.status["lastPlan"]["changes"] is False, "it runs as declared"
@@ -435,7 +428,7 @@ def test_a_change_that_answers_right_serves(verifying_path, tmp_path, converged,
     desired = load(verifying_path, os.environ)
     c, _ = _changed_and_started(verifying_path, tmp_path, [converged, converged, after], RIGHT,
                                 _head_container(after, desired))
-    assert c.reconcile({"operation"}).phase == "Converged" and c.held is None
+    assert c.reconcile({Reason("operation")}).phase == "Converged" and c.held is None
     verified = _condition(c.status, "spark-1a32", "ServingVerified")
     assert (verified["status"], verified["reason"]) == ("True", "Answered") and "answered ' 204'" in \
         verified["message"]
@@ -453,11 +446,11 @@ def test_a_start_still_checking_its_answer_is_not_served_yet(verifying_path, tmp
     desired = load(verifying_path, os.environ)
     c, gate = _changed_and_started(verifying_path, tmp_path, [converged, converged, after], GARBAGE,
                                    _head_container(after, desired), release=False)
-    c.reconcile({"resync"})  # the new generation's containers run and serve; await-health is still in flight
+    c.reconcile({Reason("resync")})  # the new generation's containers run and serve; await-health is still in flight
     assert not history.read(tmp_path / "state", verifying_path).entries[-1].served
     gate.release.set()
     assert c.operations.join(20)
-    c.reconcile({"operation"})  # the generation brought back restarts: its phase says how that goes
+    c.reconcile({Reason("operation")})  # the generation brought back restarts: its phase says how that goes
     assert c.held is not None and (c.held.generation, c.held.to) == (2, 1)
 
 
@@ -469,14 +462,14 @@ def test_a_restart_of_a_generation_that_served_is_no_failed_change(verifying_pat
     gate = VerifyingGate(GARBAGE, _head_container(converged, desired))
     c, _ = _controller(verifying_path, tmp_path, Script(converged), gate)
     c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
-    assert c.reconcile({"start"}).phase == "Converged"
+    assert c.reconcile({Reason("start")}).phase == "Converged"
     verified = _condition(c.status, "spark-1a32", "ServingVerified")
     assert verified["status"] == "Unknown" and "since the reconciler started" in verified["message"]
     assert REGISTRY.get_sample_value("reconciler_serving_verified", {"deployment": "default"}) is None
-    c._progress("serving.verify", {**_report(desired, False, _head_container(converged, desired)),
+    c.reports("serving.verify", {**_report(desired, False, _head_container(converged, desired)),
                                    "message": "answered 'ow'"})  # as await-health's report of a restart
     c._start_failed = (1, "default", "await-health/spark-1a32: answered 'ow'")
-    assert c.reconcile({"operation"}).phase == "Degraded"
+    assert c.reconcile({Reason("operation")}).phase == "Degraded"
     assert c.held is None and c.store.generation == 1
     assert _condition(c.status, "", "Ready")["status"] == "False"
     assert REGISTRY.get_sample_value("reconciler_serving_verified", {"deployment": "default"}) == 0

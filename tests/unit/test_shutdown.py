@@ -18,6 +18,7 @@ SIGNAL_DURING_A_LOG_WRITE = textwrap.dedent("""
     import signal, sys
     from reconciler.edge import log
     from reconciler.loop.daemon import Daemon
+    from reconciler.loop.reasons import Reason
 
     class SignalsDuringWrite:
         '''stderr whose first write delivers SIGTERM: the handler runs while the log writer holds its lock.'''
@@ -38,7 +39,7 @@ SIGNAL_DURING_A_LOG_WRITE = textwrap.dedent("""
     controller.log.info("reconcile.end", phase="Converged")   # the main thread's own log line
     assert sys.stderr.fired, "the signal was delivered inside the write"
     assert controller.stop.is_set() and controller.cancel.is_set(), "the handler asked the loop to stop"
-    assert controller.requests.wait(timeout=0) == {"signal"}, "and woke it"
+    assert controller.requests.wait(timeout=0) == {Reason("signal")}, "and woke it"
     print("stopped cleanly")
 """)
 

@@ -15,7 +15,8 @@ from reconciler.core.drift import diff
 from reconciler.core.loader import load_file
 from reconciler.core.planning import plan
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import api_script, parse_serving, sealed, split_sections
+from reconciler.edge.facts.base import sealed, split_sections
+from reconciler.edge.facts.serving import api_script, parse_serving
 from testbed.proc import wait_for
 from tests.unit import recorded
 

@@ -14,7 +14,7 @@ from reconciler.core import spec
 from reconciler.core.observed import Observed, Weights
 from reconciler.core.planning import plan
 from reconciler.core.simulate import apply_plan
-from reconciler.edge.probes import hub_size
+from reconciler.edge.facts.weights import hub_size
 
 HEAD, WORKER = "spark-1a32", "spark-5be3"
 
@@ -166,7 +166,7 @@ def test_the_download_refuses_before_fetching_when_the_disk_cannot_hold_it(seed)
 
 
 def test_the_download_runs_hf_with_the_token_on_stdin_only(seed):
-    from reconciler.edge.probes import hub_size_fact
+    from reconciler.edge.facts.weights import hub_size_fact
 
     driver, fetch, body = _download(seed, free=8 << 30, hub=HUB)
     assert driver.drive(body()) is None
@@ -198,7 +198,7 @@ def test_the_download_reports_its_bytes_of_the_hubs_size(seed):
 
 
 def test_a_token_scoped_to_the_head_is_not_the_downloads(seed):
-    from reconciler.edge.probes import hub_size_fact
+    from reconciler.edge.facts.weights import hub_size_fact
 
     driver, fetch, body = _download(seed, free=8 << 30, hub=HUB, token_scope="head")
     assert driver.drive(body()) is None

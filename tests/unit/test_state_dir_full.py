@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.loop.controller import Controller
 from reconciler.loop.daemon import AlreadyRunning, lock
 from reconciler.loop.generations import GenerationStore, path_key
 from reconciler.loop.operations import Operations
+from reconciler.loop.reasons import Reason
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 from tests.unit.test_controller_loop import WORKER, FakeSessions, Gate, Script, _with
 
 
@@ -62,8 +63,8 @@ def disk(tmp_path):
 
 def _controller(desired_path, disk, script, gate):
     requests = ReconcileRequests()
-    ops = Operations(on_end=lambda: requests.request("operation"), run=gate)
-    return Controller(desired_path, disk.path, requests, threading.Event(), events=False, observe_fn=script,
+    ops = Operations(on_end=lambda: requests.request(Reason("operation")), run=gate)
+    return make_controller(desired_path, disk.path, requests, threading.Event(), events=False, observe_fn=script,
                       sessions_factory=FakeSessions, operations=ops)
 
 
@@ -76,7 +77,7 @@ def test_the_daemon_starts_on_a_full_state_dir_and_only_observes_until_it_can_re
         gate = Gate()
         gate.release.set()
         c = _controller(desired_path, disk, Script(_with(converged, WORKER, weights=None)), gate)
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         status = c.status
         assert status["lastPlan"]["mode"] == "observe" and gate.batches == [], "nothing acts"
         assert [d["kind"] for d in status["drift"]] == ["weights"], "but the drift is seen and said"
@@ -84,7 +85,7 @@ def test_the_daemon_starts_on_a_full_state_dir_and_only_observes_until_it_can_re
         assert "observing only" in status["lastError"] and status["generation"] == 0
 
         disk.free()
-        c.reconcile({"resync"})
+        c.reconcile({Reason("resync")})
         assert c.status["stateSaved"] and c.status["generation"] == 1
         assert gate.batches == [[f"weights/{WORKER}"]], "recorded: enforced"
         assert c.operations.join(20)
@@ -95,17 +96,17 @@ def test_the_daemon_starts_on_a_full_state_dir_and_only_observes_until_it_can_re
 
 def test_an_edit_on_a_full_disk_waits_for_its_generation_and_is_never_lost(desired_path, disk, converged):
     c = _controller(desired_path, disk, Script(converged), Gate())
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     assert (c.store.generation, c.status["observedGeneration"]) == (1, 1)
     disk.fill()
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 45s"))
 
     with contextlib.suppress(Exception):  # as Daemon._loop does: a reconcile that raises is logged, the loop goes on
-        c.reconcile({"file"})
+        c.reconcile({Reason("file")})
     assert c.desired is not None and c.desired.policy.resync_interval == 30, "the recorded one stays in force"
 
     disk.free()
-    c.reconcile({"resync"})  # no file event: the edit is retried by itself
+    c.reconcile({Reason("resync")})  # no file event: the edit is retried by itself
     assert c.desired.policy.resync_interval == 45, "the edit was lost"
     assert c.status["generation"] == 2 and c.status["stateSaved"]
     restarted = GenerationStore(disk.path, desired_path)
@@ -115,10 +116,10 @@ def test_an_edit_on_a_full_disk_waits_for_its_generation_and_is_never_lost(desir
 
 def test_while_an_edit_waits_the_status_shows_the_generation_in_force_and_why(desired_path, disk, converged):
     c = _controller(desired_path, disk, Script(converged), Gate())
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     disk.fill()
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 45s"))
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.status["generation"] == 1, "the generation in force, not one nobody recorded"
     assert not c.status["stateSaved"] and "cannot record generation 2" in c.status["stateError"]
     assert "generation 1 stays in force" in c.status["stateError"]
@@ -127,14 +128,14 @@ def test_while_an_edit_waits_the_status_shows_the_generation_in_force_and_why(de
 
 def test_a_read_only_state_dir_holding_the_content_enforces_as_before(desired_path, disk, converged):
     first = _controller(desired_path, disk, Script(converged), Gate())
-    first.reconcile({"start"})
+    first.reconcile({Reason("start")})
     disk.read_only()
     held = lock(disk.path, desired_path)  # opened read-only: flock needs no write
     try:
         gate = Gate()
         gate.release.set()
         c = _controller(desired_path, disk, Script(_with(converged, WORKER, weights=None)), gate)
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         assert c.status["generation"] == 1 and c.status["lastPlan"]["mode"] == "enforce"
         assert gate.batches == [[f"weights/{WORKER}"]]
         assert c.operations.join(20)

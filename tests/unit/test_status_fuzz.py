@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from reconciler.edge.status_client import MAX_DEPTH, StatusError, render
+from reconciler.cli.status_screen import MAX_DEPTH, render
+from reconciler.edge.status_client import StatusError
 from tests.unit.examples import examples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "status"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from rich.cells import cell_len
 
-from reconciler.core.status_view import human_duration, status_text
+from reconciler.cli.status_view import human_duration, status_text
 from tests.unit.test_hostile_text import HOSTILE, assert_terminal_safe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "status"

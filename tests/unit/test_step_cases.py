@@ -33,7 +33,7 @@ def test_step_case(case: Case) -> None:
 
 def test_every_step_kind_has_cases() -> None:
     """A step kind without a case is a step whose commands nobody pinned."""
-    from reconciler.core.planning import STEP_KINDS
+    from reconciler.core.kinds import STEP_KINDS
 
     assert sorted(set(STEP_KINDS) - {case.step.kind for case in CASES}) == []
 

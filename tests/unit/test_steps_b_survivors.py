@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from reconciler.core.observed import Image, Link, NodeObservation, Observed, WeightFile, Weights
+from reconciler.edge.facts.base import Fact, ProbeError, Section
 from reconciler.edge.manifest import Listing, read_listing
-from reconciler.edge.probes import Fact, ProbeError, Section
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps import actions, serving
 from reconciler.edge.steps import weights as step

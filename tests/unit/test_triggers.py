@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from reconciler.loop.reasons import Reason
 from reconciler.loop.triggers import event_command
 
 
@@ -117,4 +118,4 @@ def test_a_lost_event_stream_is_a_warning_once_not_at_every_retry():
     said = [(e["log_level"], e["event"]) for e in logs if e.get("node") == FlakySession.name]
     assert said == [("warning", "events.reconnect"), ("debug", "events.reconnect"),
                     ("warning", "events.reconnect")], "again at warning once the stream had worked in between"
-    assert {f"events-lost:{FlakySession.name}", f"docker:{FlakySession.name}"} <= requests.wait(timeout=0)
+    assert {Reason("events-lost", FlakySession.name), Reason("docker", FlakySession.name)} <= requests.wait(timeout=0)

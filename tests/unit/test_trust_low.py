@@ -26,7 +26,7 @@ from reconciler.core import spec
 from reconciler.core.planning import Step
 from reconciler.core.vllm import launch_specs
 from reconciler.edge import ledger, trusted_files
-from reconciler.edge.probes import Section
+from reconciler.edge.facts.base import Section
 from reconciler.edge.steps import hop
 from reconciler.edge.steps import retention as prune
 from tests.unit.test_retention import containers_now

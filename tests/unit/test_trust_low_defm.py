@@ -25,7 +25,7 @@ from reconciler.core.observed import CopyRecord, WeightFile, Weights
 from reconciler.core.planning import Step
 from reconciler.core.retention import out_of_reach, removals
 from reconciler.edge import ledger
-from reconciler.edge.probes import Section
+from reconciler.edge.facts.base import Section
 from reconciler.edge.steps import weights as step
 from reconciler.edge.steps.serving import CACHE_DIR_LINKED, cache_dirs_argv
 from reconciler.loop import history

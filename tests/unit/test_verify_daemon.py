@@ -19,9 +19,10 @@ from reconciler.core.vllm import parse_serve_help
 from reconciler.edge.daemon_client import exit_code
 from reconciler.edge.image_flags import flags_wanted
 from reconciler.edge.ssh import Cancelled
-from reconciler.loop.controller import Controller
 from reconciler.loop.operations import FlagsQuery, Operations, verify_conflict, verify_waits
+from reconciler.loop.reasons import Reason
 from reconciler.loop.triggers import ReconcileRequests
+from tests.unit.controllers import make_controller
 from tests.unit.test_controller_loop import HEAD, WORKER, FakeSessions, Gate, Script, _with
 
 MATCH = {"node": WORKER, "outcome": "match", "message": f"{WORKER}: 4 files match {HEAD} (sha256)", "error": None}
@@ -48,8 +49,8 @@ class FakeVerify:
 
 def controller(desired_path, tmp_path, observations, gate, verify):
     requests = ReconcileRequests()
-    ops = Operations(on_end=lambda: requests.request("operation"), run=gate)
-    c = Controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False,
+    ops = Operations(on_end=lambda: requests.request(Reason("operation")), run=gate)
+    c = make_controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False,
                    observe_fn=observations, sessions_factory=FakeSessions, operations=ops, verify_fn=verify)
     return c, requests
 
@@ -62,7 +63,7 @@ def record(c) -> dict:
     return c.status["verifyRequests"][-1]
 
 
-def end_of_verify(c, requests) -> set[str]:
+def end_of_verify(c, requests) -> set[Reason]:
     assert c.verifier.join(20)
     return requests.wait(timeout=5)
 
@@ -86,21 +87,21 @@ def test_a_verify_waits_while_a_sync_to_its_node_is_in_flight(desired_path, tmp_
     c, requests = controller(desired_path, tmp_path, Script(_with(converged, WORKER, weights=None), converged),
                              gate, verify)
     try:
-        c.reconcile({"start"})
+        c.reconcile({Reason("start")})
         assert gate.batches == [[f"weights/{WORKER}"]]
         code, answer = ask(c, desired_path)
         assert code == 202 and answer["targets"] == [WORKER]
-        assert "verify-request" in requests.wait(timeout=0), "a verify request is a trigger"
-        c.reconcile({"verify-request"})
+        assert Reason("verify-request") in requests.wait(timeout=0), "a verify request is a trigger"
+        c.reconcile({Reason("verify-request")})
         assert verify.calls == [], "no hashing while the tree is being written"
         assert record(c)["state"] == "pending"
         assert record(c)["waiting"] == f"{WORKER}: weights/{WORKER} is in flight"
     finally:
         gate.release.set()
         assert c.operations.join(20)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert verify.calls == [(WORKER, False)]
-    assert "verify-ended:" + WORKER in end_of_verify(c, requests), "a verify's end is a trigger"
+    assert Reason("verify-ended", WORKER) in end_of_verify(c, requests), "a verify's end is a trigger"
     done = record(c)
     assert done["state"] == "done" and [r["outcome"] for r in done["results"]] == ["match"]
     assert exit_code(done["results"]) == Exit.OK
@@ -111,22 +112,22 @@ def test_a_running_verify_yields_to_a_serving_restart_and_runs_again_after_it(de
     broken = without_serving(converged, WORKER)
     c, requests = controller(desired_path, tmp_path, Script(converged, converged, broken, broken, converged),
                              gate, verify)
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     flags_known(c, converged)
     ask(c, desired_path)
-    c.reconcile({"verify-request"})
+    c.reconcile({Reason("verify-request")})
     assert verify.running.wait(5), "the verify started on a converged cluster"
     running = [o for o in c.status["operations"] if o["kind"] == "verify"]
     assert [(o["step"], o["state"]) for o in running] == [(f"verify/{WORKER}", "running")], "progress in /status"
 
-    c.reconcile({f"docker:{WORKER}"})  # the serving container is gone: the restart must not wait for a hash
+    c.reconcile({Reason("docker", WORKER)})  # the serving container is gone: the restart must not wait for a hash
     assert gate.batches == [], "the restart waits only until the verify has stopped"
-    assert "verify-ended:" + WORKER in end_of_verify(c, requests)
+    assert Reason("verify-ended", WORKER) in end_of_verify(c, requests)
     waiting = record(c)
     assert waiting["state"] == "pending" and waiting["todo"] == [WORKER], "to be verified again, not dropped"
     assert f"stop-serving/{HEAD}/vllm_serving" in waiting["waiting"]  # "yielded to ..." or "... starts first"
     try:
-        c.reconcile({f"verify-ended:{WORKER}"})
+        c.reconcile({Reason("verify-ended", WORKER)})
         assert gate.batches and all(s.split("/")[0] in ("stop-serving", "start-serving", "launch-model",
                                                         "await-health") for s in gate.batches[0])
         assert verify.calls == [(WORKER, False)], "not again while the serving chain is in flight"
@@ -134,7 +135,7 @@ def test_a_running_verify_yields_to_a_serving_restart_and_runs_again_after_it(de
     finally:
         gate.release.set()
         assert c.operations.join(20)
-    c.reconcile({"operation"})
+    c.reconcile({Reason("operation")})
     assert verify.calls == [(WORKER, False), (WORKER, False)], "verified again once the restart ended"
     end_of_verify(c, requests)
     assert [r["outcome"] for r in record(c)["results"]] == ["match"]
@@ -145,15 +146,15 @@ def test_a_new_generation_that_changes_the_weights_cancels_the_verify_and_says_s
     new generation too, and the verify goes on."""
     verify = FakeVerify("block")
     c, requests = controller(desired_path, tmp_path, Script(converged), Gate(), verify)
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     ask(c, desired_path, repair=True)
-    c.reconcile({"verify-request"})
+    c.reconcile({Reason("verify-request")})
     assert verify.running.wait(5) and verify.calls == [(WORKER, True)]
     desired_path.write_text(desired_path.read_text().replace("resync_interval: 30s", "resync_interval: 45s"))
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     assert c.verifier.verifying() == WORKER and record(c)["state"] == "running", "another generation, same weights"
     desired_path.write_text(desired_path.read_text().replace("revision: main", "revision: 0123abc"))
-    c.reconcile({"file"})
+    c.reconcile({Reason("file")})
     end_of_verify(c, requests)
     done = record(c)
     assert done["state"] == "done" and done["results"][0]["outcome"] == "cancelled"
@@ -163,7 +164,7 @@ def test_a_new_generation_that_changes_the_weights_cancels_the_verify_and_says_s
 
 def test_a_request_that_is_not_this_daemons_to_take_is_refused(desired_path, tmp_path, converged):
     c, _ = controller(desired_path, tmp_path, Script(converged), Gate(), FakeVerify("block"))
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     copy = desired_path.with_name("copy.yaml")
     copy.write_text(desired_path.read_text())
     code, answer = ask(c, copy)
@@ -181,7 +182,7 @@ def test_a_request_that_is_not_this_daemons_to_take_is_refused(desired_path, tmp
 def test_a_repair_is_not_taken_by_a_daemon_that_does_not_enforce(desired_path, tmp_path, converged):
     desired_path.write_text(desired_path.read_text().replace("mode: enforce", "mode: observe"))
     c, _ = controller(desired_path, tmp_path, Script(converged), Gate(), FakeVerify(MATCH))
-    c.reconcile({"start"})
+    c.reconcile({Reason("start")})
     code, answer = ask(c, desired_path, repair=True)
     assert (code, answer["reason"]) == (409, "not-enforcing"), "the command repairs by itself, under the lease"
     assert ask(c, desired_path)[0] == 202, "a verify without repair changes nothing: the daemon runs it"

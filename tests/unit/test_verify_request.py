@@ -20,6 +20,7 @@ import pytest
 from reconciler.core.exits import Exit
 from reconciler.edge import daemon_client as client
 from reconciler.loop.daemon import Daemon
+from reconciler.loop.reasons import Reason
 from reconciler.loop.server import CHALLENGE_LIFE, CHALLENGES, Challenges, make_status_key, serve
 from testbed.proc import free_port
 from tests.unit.test_controller_loop import WORKER, Gate, Script
@@ -140,7 +141,7 @@ def daemon(desired_path, tmp_path, converged):
     yield start
     for d, server, loop in made:
         d.stop.set()
-        d.requests.request("signal")
+        d.requests.request(Reason("signal"))
         loop.join(10)
         server.shutdown()
 

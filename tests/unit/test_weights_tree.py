@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from reconciler.core.observed import Observed
 from reconciler.core.planning import Step
 from reconciler.edge import manifest
+from reconciler.edge.facts.base import sealed, split_sections
 from reconciler.edge.manifest import manifest_script, parse_weights
-from reconciler.edge.probes import sealed, split_sections
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps import StepContext, StepFailed
 from reconciler.edge.steps import weights as step

@@ -565,7 +565,10 @@ class Desired(_Model):
         return (self.__dict__ == other.__dict__ and self._secret_values == other._secret_values
                 and self._part == other._part)
 
-    __hash__ = None  # type: ignore[assignment]  # mutable, as pydantic's models are unless frozen
+    def __hash__(self) -> int:
+        """Unhashable, as Python makes a class that defines __eq__ alone: its lists make it mutable in meaning (pydantic
+        would otherwise hash a frozen model by its fields, and fail on the first list)."""
+        raise TypeError(f"unhashable type: '{type(self).__name__}'")
 
     def with_source(self, text: str) -> Desired:
         out = self.model_copy()

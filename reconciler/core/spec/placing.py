@@ -73,25 +73,32 @@ def _clean_errors(exc: ValidationError, doc: loader.Document) -> list[tuple[Loc,
     or under it (the branch that fits said what is wrong); when every branch says "wrong type" they become one
     error naming the types the field takes. Once a value that fit no branch (`path: 5`) reported nothing at all,
     and a string-branch error above a mapping's own left a path the broken-value walk could not follow."""
-    errs = []
-    for err in exc.errors(include_url=False):
-        at_key = KEY in err["loc"]
-        loc = in_file(doc, tuple(p for p in err["loc"]
-                                 if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))))
-        errs.append((loc, at_key, err))
-    out: list[tuple[Loc, bool, ErrorDetails]] = []
-    for i, (loc, at_key, err) in enumerate(errs):
-        if err["type"] not in _BRANCH_MISMATCH:
-            out.append((loc, at_key, err))
-            continue
-        related = [j for j, (other, _, _) in enumerate(errs) if j != i and other[:len(loc)] == loc]
-        if not related:
-            out.append((loc, at_key, err))  # a plain wrong type
-        elif i < min(related) and all(errs[j][2]["type"] in _BRANCH_MISMATCH and len(errs[j][0]) == len(loc)
-                                      for j in related):  # every branch says "wrong type": the first speaks for all
-            out.append((loc, at_key, _no_branch_fits(err, [errs[j][2] for j in related])))
-        # else another branch fits the input and says what is wrong at or under this path
-    return out
+    errs = [_located(err, doc) for err in exc.errors(include_url=False)]
+    return [(loc, at_key, kept) for i, (loc, at_key, err) in enumerate(errs)
+            if (kept := _kept(i, errs)) is not None]
+
+
+def _located(err: ErrorDetails, doc: loader.Document) -> tuple[Loc, bool, ErrorDetails]:
+    """(path as the file spells it, without pydantic's union-branch and validator steps; is-about-the-key; err)."""
+    at_key = KEY in err["loc"]
+    loc = in_file(doc, tuple(p for p in err["loc"]
+                             if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))))
+    return loc, at_key, err
+
+
+def _kept(i: int, errs: list[tuple[Loc, bool, ErrorDetails]]) -> ErrorDetails | None:
+    """The error `errs[i]` as reported (one naming every type the field takes, for the first of several "wrong
+    type" branches), or None when it is noise."""
+    loc, _, err = errs[i]
+    if err["type"] not in _BRANCH_MISMATCH:
+        return err
+    related = [j for j, (other, _, _) in enumerate(errs) if j != i and other[:len(loc)] == loc]
+    if not related:
+        return err  # a plain wrong type
+    if i < min(related) and all(errs[j][2]["type"] in _BRANCH_MISMATCH and len(errs[j][0]) == len(loc)
+                                for j in related):  # every branch says "wrong type": the first speaks for all
+        return _no_branch_fits(err, [errs[j][2] for j in related])
+    return None  # another branch fits the input and says what is wrong at or under this path
 
 
 def _no_branch_fits(first: ErrorDetails, others: list[ErrorDetails]) -> ErrorDetails:

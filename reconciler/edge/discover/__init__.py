@@ -42,7 +42,7 @@ from reconciler.edge.discover.facts import (
 )
 from reconciler.edge.discover.guess import FabricGuess, guess_fabric, holds_serving_port, next_free_address
 from reconciler.edge.discover.render import ModelChoice, render
-from reconciler.edge.probes import read_sections
+from reconciler.edge.facts.base import read_sections
 from reconciler.edge.ssh import Session
 
 __all__ = ["FabricGuess", "Iface", "ModelChoice", "ModelDir", "NodeFacts", "RdmaLink", "RunningContainer",

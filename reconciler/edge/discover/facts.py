@@ -23,20 +23,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from reconciler.core.observed import Container
-from reconciler.edge.probes import (
-    ProbeError,
-    Section,
-    containers_script,
-    gpu_script,
-    interfaces_script,
-    memory_script,
-    node_output,
-    parse_containers,
-    parse_gpu_stack,
-    parse_interfaces,
-    parse_memory,
-    parse_rdma_devices,
-)
+from reconciler.edge.facts.base import ProbeError, Section, node_output
+from reconciler.edge.facts.containers import containers_script, parse_containers
+from reconciler.edge.facts.gpu import gpu_script, parse_gpu_stack
+from reconciler.edge.facts.links import interfaces_script, parse_interfaces, parse_rdma_devices
+from reconciler.edge.facts.memory import memory_script, parse_memory
 
 T = TypeVar("T")
 
@@ -242,17 +233,24 @@ def parse_models(text: str) -> tuple[list[str], list[ModelDir]]:
             homes.append(cols[1].rstrip("/") + "/hub")
         elif cols[0] == "root" and len(cols) == 2:
             roots.append(cols[1])
-        elif cols[0] == "hf" and len(cols) >= 4 and cols[2].startswith("models--"):
-            org_name = cols[2].removeprefix("models--").split("--", 1)
-            if len(org_name) != 2:
-                continue
-            rev = cols[4].strip() if len(cols) > 4 else ""
-            models.append(ModelDir("hf-cache", cols[1], "/".join(org_name), int(cols[3] or 0), rev))
-        elif cols[0] == "plain" and len(cols) >= 3:
-            name = cols[1].rstrip("/").rsplit("/", 1)[-1]
-            model_id = "/".join(name.split("--", 1)) if "--" in name else f"local/{name}"
-            models.append(ModelDir("plain", cols[1], model_id, int(cols[2] or 0)))
+        elif (model := _model_line(cols)) is not None:
+            models.append(model)
     return list(dict.fromkeys(roots + homes)), models
+
+
+def _model_line(cols: list[str]) -> ModelDir | None:
+    """One `hf` (a cache's `models--ORG--NAME`) or `plain` line of the models section, or None for any other."""
+    if cols[0] == "hf" and len(cols) >= 4 and cols[2].startswith("models--"):
+        org_name = cols[2].removeprefix("models--").split("--", 1)
+        if len(org_name) != 2:
+            return None
+        rev = cols[4].strip() if len(cols) > 4 else ""
+        return ModelDir("hf-cache", cols[1], "/".join(org_name), int(cols[3] or 0), rev)
+    if cols[0] == "plain" and len(cols) >= 3:
+        name = cols[1].rstrip("/").rsplit("/", 1)[-1]
+        model_id = "/".join(name.split("--", 1)) if "--" in name else f"local/{name}"
+        return ModelDir("plain", cols[1], model_id, int(cols[2] or 0))
+    return None
 
 
 def _parse_ulimits(facts: NodeFacts, text: str) -> None:

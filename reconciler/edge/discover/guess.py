@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from reconciler.core.spec import Policy
 from reconciler.core.vllm import flag_value, largest_utilization
-from reconciler.edge.discover.facts import Iface, ModelDir, NodeFacts, RunningContainer
+from reconciler.edge.discover.facts import Iface, ModelDir, NodeFacts, RdmaLink, RunningContainer
 
 ROCE_NAME = re.compile(r"np\d+$")  # mlx5 netdevs carry the physical port name: enp1s0f1np1, enP2p1s0f1np1
 SERVING_LAUNCHER_NAMES = (re.compile(r"^vllm_node$"), re.compile(r"^node-\d+$"))  # eugr launch-cluster, run_cluster.sh
@@ -69,36 +69,48 @@ def guess_fabric(facts: NodeFacts, ssh_hosts: list[str], prefer_name: str | None
     autodiscover.sh rule, eugr/spark-vllm-docker); without RDMA information, a ConnectX-named (`...npN`) netdev
     that is not management; `prefer_name` (the head's choice) breaks ties and fills in when nothing fits."""
     management = _management_interfaces(facts, ssh_hosts)
-    by_name = {i.name: i for i in facts.ifaces}
     rdma_of = {r.netdev: r for r in facts.rdma if r.netdev}
-    if rdma_of:
-        candidates = [by_name[n] for n in rdma_of if n in by_name and n not in management]
-        why = f"RoCE netdev ({facts.rdma_source})"
-    else:
-        candidates = [i for i in facts.ifaces if i.name not in management and ROCE_NAME.search(i.name)]
-        why = "ConnectX-style name (npN); no RDMA information on this node"
-        if not candidates:
-            candidates = [i for i in facts.ifaces if i.name not in management]
-            why = "the only non-management interface"
-
-    def rank(iface: Iface) -> tuple[bool, ...]:
-        rdma = rdma_of.get(iface.name)
-        return (bool(iface.ipv4), bool(rdma and rdma.active), iface.up, iface.name == prefer_name,
-                not any(c.isupper() for c in iface.name))   # enp1s0f1np1 before its twin enP2p1s0f1np1
-
-    candidates.sort(key=rank, reverse=True)
+    candidates, why = _fabric_candidates(facts, management, rdma_of)
+    candidates.sort(key=lambda iface: _rank(iface, rdma_of, prefer_name), reverse=True)
     if not candidates:
         name = prefer_name or "enp1s0f1np1"
         return FabricGuess(name, None, None, None, [f"no candidate interface found; {name} assumed (the Spark's "
                                                     f"outer QSFP port)"])
     best = candidates[0]
     rdma = rdma_of.get(best.name)
-    summary = (f"{best.name}: {why}; {'up' if best.up else 'DOWN'}, mtu {best.mtu}, "
-               f"IPv4 {', '.join(map(str, best.ipv4)) or 'none'}"
-               + (f", RDMA {rdma.device} {'ACTIVE' if rdma.active else 'not active'}" if rdma else ""))
     twins = [i for i in candidates[1:] if i.ipv4 and i.name in rdma_of and rdma_of[i.name].active]
     return FabricGuess(best.name, rdma.device if rdma else None, best.ipv4[0] if best.ipv4 else None, best.mtu,
-                       [summary, *_twin_notes(best, twins)], [rdma_of[t.name].device for t in twins])
+                       [_fabric_summary(best, why, rdma), *_twin_notes(best, twins)],
+                       [rdma_of[t.name].device for t in twins])
+
+
+def _fabric_candidates(facts: NodeFacts, management: set[str],
+                       rdma_of: dict[str, RdmaLink]) -> tuple[list[Iface], str]:
+    """The interfaces that may be the fabric, and why: the RoCE netdevs when the node says which are; else the
+    ConnectX-named ones; else any that is not management."""
+    if rdma_of:
+        by_name = {i.name: i for i in facts.ifaces}
+        return ([by_name[n] for n in rdma_of if n in by_name and n not in management],
+                f"RoCE netdev ({facts.rdma_source})")
+    candidates = [i for i in facts.ifaces if i.name not in management and ROCE_NAME.search(i.name)]
+    if candidates:
+        return candidates, "ConnectX-style name (npN); no RDMA information on this node"
+    return [i for i in facts.ifaces if i.name not in management], "the only non-management interface"
+
+
+def _rank(iface: Iface, rdma_of: dict[str, RdmaLink], prefer_name: str | None) -> tuple[bool, ...]:
+    """The fabric candidates' order (highest first): with IPv4, RDMA port active, up, the head's choice, and
+    lower-case (enp1s0f1np1 before its twin enP2p1s0f1np1)."""
+    rdma = rdma_of.get(iface.name)
+    return (bool(iface.ipv4), bool(rdma and rdma.active), iface.up, iface.name == prefer_name,
+            not any(c.isupper() for c in iface.name))
+
+
+def _fabric_summary(best: Iface, why: str, rdma: RdmaLink | None) -> str:
+    """The guess's first note: the interface, why it was chosen, and its state."""
+    return (f"{best.name}: {why}; {'up' if best.up else 'DOWN'}, mtu {best.mtu}, "
+            f"IPv4 {', '.join(map(str, best.ipv4)) or 'none'}"
+            + (f", RDMA {rdma.device} {'ACTIVE' if rdma.active else 'not active'}" if rdma else ""))
 
 
 def next_free_address(ref: ipaddress.IPv4Interface, after: int, used: set[ipaddress.IPv4Address]) -> int | None:

@@ -198,16 +198,29 @@ def _found_model(document: CommentedMap, nodes: list[NodeDraft], found: ModelDir
     revision = (asked.revision if asked and asked.revision else None) or found.revision or "main"
     model = CommentedMap([("id", quoted(found.model_id)), ("revision", quoted(revision)),
                           ("layout", "hf-cache"), ("source", quoted(source.name))])
+    _say_model_origin(model, found, source.name, asked)
+    _model_path(model, paths, nodes)
+    document["model"] = model
+    seen = ", ".join(f"{m.model_id} ({m.size_kib / 2**20:.1f} GiB, {m.layout})" for m in source.facts.models)
+    _above(document, "model", [f"models on {source.name}: {comment_text(seen or 'none')}"], indent=0, blank=True)
+
+
+def _say_model_origin(model: CommentedMap, found: ModelDir, source: str, asked: ModelChoice | None) -> None:
+    """The comments on the model's id, revision and source: where each came from (a guess, or the command line)."""
     if asked is None:
-        _eol(model, "id", f"GUESS: the largest Hugging Face cache directory on {source.name}")
+        _eol(model, "id", f"GUESS: the largest Hugging Face cache directory on {source}")
         _eol(model, "revision", "refs/main of the cache" if found.revision else "GUESS: no refs/main")
     else:
-        _eol(model, "id", "--model" + (f"; in the cache on {source.name}" if found.size_kib else
-                                       f"; not on {source.name} yet: `reconciler apply` downloads it there"))
+        _eol(model, "id", "--model" + (f"; in the cache on {source}" if found.size_kib else
+                                       f"; not on {source} yet: `reconciler apply` downloads it there"))
         _eol(model, "revision", "--revision" if asked.revision else
              "refs/main of the cache" if found.revision else "GUESS: no --revision: pin a commit hash")
     _eol(model, "source", "the node that holds the weights" if found.size_kib else
          "the node that downloads the weights (the head: it has the internet)")
+
+
+def _model_path(model: CommentedMap, paths: list[tuple[str, str]], nodes: list[NodeDraft]) -> None:
+    """model.path: one value when every node would use the same path, else one per node; each with its guess."""
     if len({path for path, _ in paths}) == 1:
         model["path"] = quoted(paths[0][0])
         _eol(model, "path", f"GUESS: {comment_text(paths[0][1])}")
@@ -216,9 +229,6 @@ def _found_model(document: CommentedMap, nodes: list[NodeDraft], found: ModelDir
         for (path, why), node in zip(paths, nodes):
             per_node[quoted(node.name)] = quoted(path)
             _eol(per_node, quoted(node.name), f"GUESS: {comment_text(why)}")
-    document["model"] = model
-    seen = ", ".join(f"{m.model_id} ({m.size_kib / 2**20:.1f} GiB, {m.layout})" for m in source.facts.models)
-    _above(document, "model", [f"models on {source.name}: {comment_text(seen or 'none')}"], indent=0, blank=True)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ is what `reconciler sudoers FILE` prints; anything else is refused before it lea
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
+from reconciler.core.kinds import StepKind
 from reconciler.core.spec import Desired, Node
 
 #: What the node gets on top of a command's deadline to exit after `timeout` sent TERM, before KILL.
@@ -19,18 +21,32 @@ KILL_AFTER = 2
 ENDED_BY_TIMEOUT = (124, 137)
 
 
+def _link_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
+    """The link step's: each declared port (the first and its twin) up, at the file's MTU, with its address."""
+    return [argv for p in node.fabric.ports()
+            for argv in (("/usr/sbin/ip", "link", "set", "dev", p.interface, "up"),
+                         ("/usr/sbin/ip", "link", "set", "dev", p.interface, "mtu", str(node.fabric.mtu)),
+                         ("/usr/sbin/ip", "addr", "add", str(p.address), "dev", p.interface))]
+
+
+def _start_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
+    """A serving start's: the page cache dropped before its memory preflight, with policy.drop_caches."""
+    return [("/usr/sbin/sysctl", "-w", "vm.drop_caches=3")] if desired.policy.drop_caches else []
+
+
+#: The step kinds that run commands as root, each with its exact argv on a node; every other kind runs none
+#: (tests/unit/test_step_kinds.py: the kinds whose step cases send `sudo` are exactly these).
+ROOT_COMMANDS: Mapping[StepKind, Callable[[Desired, Node], list[tuple[str, ...]]]] = MappingProxyType({
+    "link": _link_commands,
+    "start-serving": _start_commands,
+})
+
+
 def sudo_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
     """Every command this node may be sent as root, exactly (argv, no patterns): the one source of both
     `reconciler sudoers FILE` and the check each `sudo` command passes before it leaves the head. A wildcard
     line (`ip link set dev *`) would let whoever holds the key take down the management port or route traffic."""
-    out: list[tuple[str, ...]] = [argv for p in node.fabric.ports()  # the port and its twin
-                                  for argv in (("/usr/sbin/ip", "link", "set", "dev", p.interface, "up"),
-                                               ("/usr/sbin/ip", "link", "set", "dev", p.interface, "mtu",
-                                                str(node.fabric.mtu)),
-                                               ("/usr/sbin/ip", "addr", "add", str(p.address), "dev", p.interface))]
-    if desired.policy.drop_caches:
-        out.append(("/usr/sbin/sysctl", "-w", "vm.drop_caches=3"))
-    return out
+    return [argv for commands in ROOT_COMMANDS.values() for argv in commands(desired, node)]
 
 
 def bounded(argv: Sequence[str], seconds: float) -> list[str]:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from reconciler.core.kinds import StepKind
 from reconciler.core.observed import Observed
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
@@ -72,12 +73,12 @@ def note(given: Given, node: str, *entries: tuple[str, str, str, str]) -> Action
         yield Report("ledger.unwritten", {"node": node, "entries": [e[:3] for e in entries], "error": why})
 
 
-def plan_of(kind: str) -> Callable[[Given, Step], Actions]:
+def plan_of(kind: StepKind) -> Callable[[Given, Step], Actions]:
     """The step kind's body as data: (what it knows, the step) -> its actions (imported lazily: each family is
-    its own module)."""
+    its own module). One per kind: tests/unit/test_step_kinds.py."""
     from reconciler.edge.steps import containers, images, link, retention, serving, staging, weights
 
-    plans: dict[str, Callable[[Given, Step], Actions]] = {
+    plans: dict[StepKind, Callable[[Given, Step], Actions]] = {
         "stop-container": containers.stop_container,
         "start-container": containers.start_container,
         "stop-serving": containers.stop_serving,
@@ -95,7 +96,7 @@ def plan_of(kind: str) -> Callable[[Given, Step], Actions]:
     return plans[kind]
 
 
-def runner(kind: str) -> Callable[[StepContext, Step], None]:
+def runner(kind: StepKind) -> Callable[[StepContext, Step], None]:
     """The function that performs a step kind: its actions (`plan_of`) through `StepContext.perform`."""
     body = plan_of(kind)
     return lambda ctx, step: ctx.perform(body(ctx.given_for(step), step))

@@ -34,7 +34,7 @@ from typing import Any, Literal, TypeVar, cast
 from reconciler.core.observed import Observed
 from reconciler.core.ownership import Owner, owner
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import Fact, ProbeError
+from reconciler.edge.facts.base import Fact, ProbeError
 from reconciler.edge.ssh import Companion, RemoteError, Result, Session
 
 T = TypeVar("T")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from reconciler.core.observed import LABEL_INSTANCE, LABEL_ROLE, Container, Memory
 from reconciler.core.planning import Step, kind_and_node
-from reconciler.edge.probes import MEMORY, container_fact
+from reconciler.edge.facts.containers import container_fact
+from reconciler.edge.facts.memory import MEMORY
 from reconciler.edge.steps.actions import (
     Actions,
     Given,

@@ -18,7 +18,7 @@ import re
 
 from reconciler.core.observed import Image
 from reconciler.core.planning import Step
-from reconciler.edge.probes import image_fact
+from reconciler.edge.facts.images import image_fact
 from reconciler.edge.ssh import CommandFailed, Result, bounded, quote
 from reconciler.edge.steps import hop, note
 from reconciler.edge.steps.actions import Actions, Given, Report, Run, StepFailed, read
@@ -81,6 +81,24 @@ def unexpected_tags(load_output: str, ref: str) -> list[str]:
     return [t for t in _LOADED.findall(load_output) if _familiar(t) != _familiar(ref)]
 
 
+def _source_changed(step: Step, want: Image, pin: str | None) -> str | None:
+    """Why the source's image may not be copied now: its content is not the one the plan saw, or its id is not
+    the pinned one; None when it may."""
+    if step.content and want.content != step.content:
+        return (f"{step.image} on {step.source} changed since the plan (content {want.content[:19]}, planned "
+                f"{step.content[:19]}): nothing is copied; the next reconcile plans again")
+    if pin and not want.matches_pin(pin):
+        return f"{step.image} on {step.source} is {want.id[:19]}, not the pinned {pin[:19]}: nothing is copied"
+    return None
+
+
+def _loaded_off_pin(step: Step, want: Image, got: Image, pin: str | None) -> str | None:
+    """Why the loaded copy is not the pinned image, where the ids compare (within one store type); else None."""
+    if pin and got.store == want.store and not got.matches_pin(pin):
+        return f"after loading, {step.image} on {step.node} is {got.id[:19]}, not the pinned {pin[:19]}"
+    return None
+
+
 def copy_image(given: Given, step: Step) -> Actions:
     """The target must end up with the content the plan saw on the image source (the head unless listed
     otherwise); the archive may name no other tag. Checked on the target after the load, not taken from the
@@ -91,12 +109,9 @@ def copy_image(given: Given, step: Step) -> Actions:
     want = yield from read(source, image_fact(ref))
     if want is None:
         raise StepFailed(f"{ref} is no longer present on {source}")
-    if step.content and want.content != step.content:
-        raise StepFailed(f"{ref} on {source} changed since the plan (content {want.content[:19]}, planned "
-                         f"{step.content[:19]}): nothing is copied; the next reconcile plans again")
     pin = given.desired.serving.image_id
-    if pin and not want.matches_pin(pin):
-        raise StepFailed(f"{ref} on {source} is {want.id[:19]}, not the pinned {pin[:19]}: nothing is copied")
+    if why := _source_changed(step, want, pin):
+        raise StepFailed(why)
     have = yield from read(node, image_fact(ref))
     if have is not None and have.content == want.content:
         return
@@ -124,8 +139,8 @@ def copy_image(given: Given, step: Step) -> Actions:
     if got is None or got.content != want.content:
         raise StepFailed(f"after loading {moved.done} bytes, {ref} on {node} has content "
                          f"{got.content[:19] if got else 'none'}, expected {want.content[:19]}")
-    if pin and got.store == want.store and not got.matches_pin(pin):  # ids only compare within one store type
-        raise StepFailed(f"after loading, {ref} on {node} is {got.id[:19]}, not the pinned {pin[:19]}")
+    if why := _loaded_off_pin(step, want, got, pin):
+        raise StepFailed(why)
     yield Report("image.done", {"node": node, "bytes_done": moved.done, "bytes_total": total, "image_id": got.id,
                                 "content": want.content})
     yield from note(given, node, ("copied", "image", want.content, got.id))

@@ -20,7 +20,7 @@ from reconciler.core import fabric
 from reconciler.core.observed import Link
 from reconciler.core.planning import Step
 from reconciler.core.spec import FabricPort, Node
-from reconciler.edge.probes import SESSION_ADDRESS, links_fact
+from reconciler.edge.facts.links import SESSION_ADDRESS, links_fact
 from reconciler.edge.ssh import RemoteError, via
 from reconciler.edge.steps.actions import Action, Actions, Given, Read, Report, Run, StepFailed, read, wait
 

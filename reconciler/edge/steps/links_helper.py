@@ -332,19 +332,26 @@ def _instructions(data: bytes) -> tuple[dict[int, tuple[str, str]], list[tuple[i
         kind, number, first, second = fields[i:i + 4]
         if not number.isdigit() or not PIN_BASE <= int(number) < PIN_BASE + MAX_PINS:
             raise BadInput(f"not a descriptor for a directory: {number!r}")
-        fd = int(number)
         try:
-            if kind == "P" and first.startswith("/") and fd not in pins:
-                for part in first[1:].split("/") + (second.split("/") if second else []):
-                    _name(part)
-                pins[fd] = (first, second)
-            elif kind == "F" and fd in pins and second.isdigit():
-                files.append((fd, _name(first), int(second)))
-            else:
-                raise BadInput(f"not a record: {kind!r} {number} {first!r} {second!r}")
+            _take_record(kind, number, first, second, pins, files)
         except ValueError as exc:
             raise BadInput(str(exc)) from None
     return pins, files
+
+
+def _take_record(kind: str, number: str, first: str, second: str, pins: dict[int, tuple[str, str]],
+                 files: list[tuple[int, str, int]]) -> None:
+    """One record into `pins` (P: a directory, each of its names checked) or `files` (F: a file in a directory
+    pinned before); anything else is not a record."""
+    fd = int(number)
+    if kind == "P" and first.startswith("/") and fd not in pins:
+        for part in first[1:].split("/") + (second.split("/") if second else []):
+            _name(part)
+        pins[fd] = (first, second)
+    elif kind == "F" and fd in pins and second.isdigit():
+        files.append((fd, _name(first), int(second)))
+    else:
+        raise BadInput(f"not a record: {kind!r} {number} {first!r} {second!r}")
 
 
 def _hold(pins: dict[int, tuple[str, str]]) -> tuple[dict[int, int], list[str]]:

@@ -30,8 +30,9 @@ from reconciler.core.observed import CopyRecord
 from reconciler.core.planning import Step
 from reconciler.core.retention import mounts_tree, out_of_reach, overlaps
 from reconciler.edge import ledger
+from reconciler.edge.facts.containers import CONTAINERS
+from reconciler.edge.facts.disk import canonical_fact
 from reconciler.edge.manifest import tree_fact
-from reconciler.edge.probes import CONTAINERS, canonical_fact
 from reconciler.edge.ssh import RemoteError
 from reconciler.edge.steps.actions import Action, Actions, Given, Report, Run, StepFailed, read
 

@@ -193,20 +193,13 @@ def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: 
         strangers = drop_unauthenticated(pending, now, peer, strangers)
         live = [c for c in children if c.returncode is None]
         asking = sum(1 for c in live if c in pending and not pending[c][1].is_set())
-        if now > end or (good + len(live) < streams and now > accept_end):
-            print("lifetime over" if now > end else "not all streams connected in time", file=sys.stderr)
+        late = time_up(now, end, accept_end, good + len(live) < streams)
+        if late is not None:
+            print(late, file=sys.stderr)
             return 3
         # while every slot has an authenticated daemon, or too many are pending, a connection waits in the backlog
         accepting = good + len(live) - asking < streams and asking < streams + EXTRA_PENDING
-        watched: list[int | socket.socket] = [stdin, listener] if accepting else [stdin]
-        if woken is not None:
-            watched.append(woken)
-        ready, _, _ = select.select(watched, [], [], POLL)
-        if woken is not None and woken in ready:
-            try:
-                os.read(woken, 4096)  # drain: whatever exited is reaped below
-            except BlockingIOError:
-                pass
+        ready = wait_ready(stdin, listener if accepting else None, woken)
         if stdin in ready and not os.read(stdin, 4096):
             good += reap(children)
             if good >= streams:
@@ -214,17 +207,50 @@ def serve(listener: socket.socket, stdin: int, peer: str, streams: int, rundir: 
             print("lifeline closed", file=sys.stderr)
             return 3
         if listener in ready:
-            conn, (addr, _port) = listener.accept()
-            if addr != peer:
-                conn.close()
-                strangers += 1
-                print(f"refused a connection from {addr} ({strangers} refused)", file=sys.stderr, flush=True)
-            else:
-                asked = threading.Event()
-                children.append(start_daemon(conn, rundir, config_path, line, len(children), asked))
-                pending[children[-1]] = (time.monotonic(), asked, os.path.join(rundir, f"secret-{len(children) - 1}"))
+            strangers = accept(listener, peer, strangers, children, pending, rundir, config_path, line)
         good += reap(children)
     return 0
+
+
+def time_up(now: float, end: float, accept_end: float, short: bool) -> str | None:
+    """Why serving stops now: the lifetime is over, or (`short` of streams) the time to connect them is; else None."""
+    if now > end:
+        return "lifetime over"
+    if short and now > accept_end:
+        return "not all streams connected in time"
+    return None
+
+
+def wait_ready(stdin: int, listener: socket.socket | None, woken: int | None) -> list[int | socket.socket]:
+    """Wait up to POLL for the lifeline, the listener (None: not accepting now) or a daemon's exit (`woken`,
+    drained here: whatever exited is reaped by the caller); returns what is ready."""
+    watched: list[int | socket.socket] = [stdin] if listener is None else [stdin, listener]
+    if woken is not None:
+        watched.append(woken)
+    ready, _, _ = select.select(watched, [], [], POLL)
+    if woken is not None and woken in ready:
+        try:
+            os.read(woken, 4096)
+        except BlockingIOError:
+            pass
+    return ready
+
+
+def accept(listener: socket.socket, peer: str, strangers: int, children: list[subprocess.Popen[bytes]],
+           pending: dict[subprocess.Popen[bytes], tuple[float, threading.Event, str]], rundir: str,
+           config_path: str, line: bytes) -> int:
+    """Take one connection: from `peer`, a daemon of its own (pending until it asks for the secret); from any
+    other address, closed and counted. Returns the new count of refused connections."""
+    conn, (addr, _port) = listener.accept()
+    if addr != peer:
+        conn.close()
+        strangers += 1
+        print(f"refused a connection from {addr} ({strangers} refused)", file=sys.stderr, flush=True)
+        return strangers
+    asked = threading.Event()
+    children.append(start_daemon(conn, rundir, config_path, line, len(children), asked))
+    pending[children[-1]] = (time.monotonic(), asked, os.path.join(rundir, f"secret-{len(children) - 1}"))
+    return strangers
 
 
 def drop_unauthenticated(pending: dict[subprocess.Popen[bytes], tuple[float, threading.Event, str]], now: float,

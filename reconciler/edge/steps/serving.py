@@ -28,20 +28,10 @@ from reconciler.core.vllm import (
     weights_size,
 )
 from reconciler.core.vllm_log import StartProgress, start_progress
-from reconciler.edge.probes import (
-    MEMORY,
-    ContainerState,
-    StartSeen,
-    VerifyAnswer,
-    container_fact,
-    log_tail_fact,
-    rank_fact,
-    ray_nodes_fact,
-    serve_processes_fact,
-    shown,
-    start_fact,
-    verify_fact,
-)
+from reconciler.edge.facts.containers import ContainerState, container_fact, log_tail_fact
+from reconciler.edge.facts.memory import MEMORY, rank_fact
+from reconciler.edge.facts.serving import StartSeen, ray_nodes_fact, serve_processes_fact, start_fact
+from reconciler.edge.facts.verify import VerifyAnswer, shown, verify_fact
 from reconciler.edge.ssh import Cancelled, CommandFailed, RemoteError, quote
 from reconciler.edge.steps import note
 from reconciler.edge.steps.actions import (

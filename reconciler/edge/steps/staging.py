@@ -22,8 +22,8 @@ import re
 from reconciler.core.budget import gib
 from reconciler.core.drift import DISK_MARGIN, Shortfall, disk_needs, shortfall, source_problem
 from reconciler.core.planning import Step
+from reconciler.edge.facts.weights import hub_size_fact
 from reconciler.edge.manifest import listing_fact, weights_store
-from reconciler.edge.probes import hub_size_fact
 from reconciler.edge.ssh import CommandFailed
 from reconciler.edge.steps.actions import Actions, Given, Report, Run, StepBlocked, StepFailed, read
 from reconciler.edge.steps.drop_behind import end_bound, start_bound

@@ -50,8 +50,8 @@ from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.edge import ledger
+from reconciler.edge.facts.disk import avail_fact
 from reconciler.edge.manifest import PARTIAL_DIR, UNSAFE_SHOWN, Listing, listing_fact
-from reconciler.edge.probes import avail_fact
 from reconciler.edge.ssh import MAX_CHANNELS, CommandFailed, Session, Sessions, quote
 from reconciler.edge.steps import hop, note
 from reconciler.edge.steps.actions import (
@@ -104,12 +104,20 @@ def rsync_keeps_link(path: str, value: str) -> bool:
         rest = rest[3:].lstrip("/")
     if "/../" in rest or (len(value) > 3 and value.endswith("/..")):
         return False
+    return _stays_inside(value, _link_depth(path))
+
+
+def _link_depth(path: str) -> int:
+    """How deep the link `path` sits below the tree's top, counted as rsync counts it: its safety margin."""
     *dirs, last = re.split("/+", path)
     depth = 0
-    for name in dirs:  # how deep the link sits: its safety margin
+    for name in dirs:
         depth = 0 if name == ".." else depth if name == "." else depth + 1
-    if last == "..":
-        depth = 0
+    return 0 if last == ".." else depth
+
+
+def _stays_inside(value: str, depth: int) -> bool:
+    """Whether the link's value, followed by its text from `depth` below the top, never climbs above it."""
     *steps, last = re.split("/+", value)
     for name in steps:
         if name == "..":
@@ -549,24 +557,40 @@ def source_hashes(session: Session, root: str, paths: list[str], timeout: float,
     if stats is None:
         stats = _listing(session, root, timeout).resolved
     cache_file = _cache_path(root)
-    cached = session.run(["sh", "-c", 'cat "$HOME/$1" 2>/dev/null || true', "sh", cache_file],
-                         timeout=timeout).stdout
-    known: dict[tuple[str, int, str], str] = {}
-    for line in cached.splitlines():
-        parts = line.split("\t")
-        if len(parts) == 4 and parts[1].isdigit() and len(parts[3]) == 64:
-            known[(parts[0], int(parts[1]), parts[2])] = parts[3]
+    known = _read_hash_cache(session, cache_file, timeout)
     wanted = [p for p in paths if p in stats]
     hashes = {p: known[(p, *stats[p])] for p in wanted if (p, *stats[p]) in known}
     todo = [p for p in wanted if p not in hashes]
     hashes |= _hash_files(session, root, todo, timeout, cancel)
-    # keep every still-valid entry (other targets may ask for other paths), replace the rest
+    _write_hash_cache(session, cache_file, known, hashes, stats, timeout)
+    return hashes, len(todo)
+
+
+#: A hash cache's key: (path, size, mtime) of the file the hash was made of.
+_CacheKey = tuple[str, int, str]
+
+
+def _read_hash_cache(session: Session, cache_file: str, timeout: float) -> dict[_CacheKey, str]:
+    """The source's hash cache (`PATH\tSIZE\tMTIME\tSHA256` lines); a line that does not read so is skipped."""
+    cached = session.run(["sh", "-c", 'cat "$HOME/$1" 2>/dev/null || true', "sh", cache_file],
+                         timeout=timeout).stdout
+    known: dict[_CacheKey, str] = {}
+    for line in cached.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 4 and parts[1].isdigit() and len(parts[3]) == 64:
+            known[(parts[0], int(parts[1]), parts[2])] = parts[3]
+    return known
+
+
+def _write_hash_cache(session: Session, cache_file: str, known: dict[_CacheKey, str], hashes: dict[str, str],
+                      stats: dict[str, tuple[int, str]], timeout: float) -> None:
+    """Rewrite the cache (0600, in a 0700 directory): every still-valid entry kept (other targets may ask for
+    other paths), the rest replaced by this run's hashes."""
     keep = {(p, *stats[p]): h for (p, size, mtime), h in known.items() if p in stats and stats[p] == (size, mtime)}
     keep |= {(p, *stats[p]): h for p, h in hashes.items()}
     text = "".join(f"{p}\t{size}\t{mtime}\t{h}\n" for (p, size, mtime), h in sorted(keep.items()))
     session.run(["sh", "-c", 'umask 077 && mkdir -p "$HOME/$(dirname "$1")" && cat > "$HOME/$1.tmp" && '
                  'mv -f "$HOME/$1.tmp" "$HOME/$1"', "sh", cache_file], stdin=text.encode(), timeout=timeout)
-    return hashes, len(todo)
 
 
 def inside_tree(path: str) -> bool:
@@ -605,6 +629,13 @@ def remove_files(session: Session, root: str, paths: list[str], timeout: float) 
     return tuple(p for p in wanted if p in removed)
 
 
+def _listing_problems(listings: tuple[tuple[str, Weights], ...]) -> list[str]:
+    """What keeps a verification partial, per node's listing: cut short, or holding links that lead out."""
+    problems = [f"{name}: {w.truncated}" for name, w in listings if w.truncated]
+    return problems + [f"{name}: links leading out of the tree: {_unsafe(w)}" for name, w in listings
+                       if w.unsafe_count]
+
+
 def verify_weights(desired: Desired, sessions: Sessions, node: str, *, repair: bool = False,
                    timeout: float = 3600, cancel: threading.Event | None = None) -> Verification:
     """Full verification of one target: sha256 of every regular file of the model tree on `node` against the
@@ -621,10 +652,7 @@ def verify_weights(desired: Desired, sessions: Sessions, node: str, *, repair: b
                                    stats=theirs_listing.resolved)
     mismatched = tuple(sorted(p for p, h in mine.items() if p in theirs and theirs[p] != h))
     extra = tuple(sorted(p for p in mine if p not in theirs))
-    problems = [f"{name}: {w.truncated}" for name, w in ((node, mine_listing.weights),
-                                                          (source, theirs_listing.weights)) if w.truncated]
-    problems += [f"{name}: links leading out of the tree: {_unsafe(w)}"
-                 for name, w in ((node, mine_listing.weights), (source, theirs_listing.weights)) if w.unsafe_count]
+    problems = _listing_problems(((node, mine_listing.weights), (source, theirs_listing.weights)))
     repaired = remove_files(target, dst_root, list(mismatched), timeout) if repair and mismatched else ()
     if repaired is None:
         problems.append(f"{node}: {dst_root} goes through a link: nothing removed (name its real path in "

@@ -77,7 +77,7 @@ def reachable(*names: str) -> Observed:
 
 def inspected(name: str, state: str = "running", labels: Mapping[str, str] | None = None,
               exit_code: int = 0) -> Raw:
-    """`docker inspect --format` of one container (`probes.container_fact`), as a node prints it."""
+    """`docker inspect --format` of one container (`facts.containers.container_fact`), as a node prints it."""
     return Raw(json.dumps({"name": f"/{name}", "id": "c0ffee" * 10 + "0123", "image": "img:1", "image_id": "sha256:ab",
                            "state": state, "labels": dict(labels or {}), "started_at": "2026-12-06T10:00:00Z",
                            "mounts": [], "exit_code": exit_code}))

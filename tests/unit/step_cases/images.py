@@ -16,7 +16,7 @@ from typing import Any
 from reconciler.core.observed import Observed
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
-from reconciler.edge.probes import image_from_inspect
+from reconciler.edge.facts.images import image_from_inspect
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps.actions import Given
 from reconciler.edge.steps.images import copy_argv

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from reconciler.core.planning import Step
-from reconciler.edge.probes import Section
+from reconciler.edge.facts.base import Section
 from reconciler.edge.ssh import Result
 from tests.unit.recorded import RAW, load, observe, sections_of
 from tests.unit.step_cases import HEAD, WORKER, Case, Raw
@@ -30,7 +30,7 @@ def _port(section: str, **change: Any) -> dict[str, Any]:
 
 def ports(first: dict[str, Any] | None = None, twin: dict[str, Any] | None = None, rdma: str | None = None,
           rdma_twin: str | None = None) -> dict[str, Section]:
-    """The links fact's sections (`probes.link_script`): each port's `ip -j addr` and its RDMA port's state."""
+    """The links fact's sections (`facts.links.link_script`): each port's `ip -j addr` and its RDMA port's state."""
     return {"link": Section(json.dumps([first if first is not None else _port("link")]), 0),
             "rdma": Section(rdma, 0) if rdma else Section("", 2),
             "link-twin": Section(json.dumps([twin if twin is not None else _port("link-twin")]), 0),

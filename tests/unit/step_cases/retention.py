@@ -14,8 +14,8 @@ from typing import Any
 
 from reconciler.core.observed import Weights
 from reconciler.core.planning import Step
+from reconciler.edge.facts.base import Section
 from reconciler.edge.manifest import read_listing
-from reconciler.edge.probes import Section
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps.retention import _REMOVE_TREE
 from tests.unit.recorded import CLUSTER_ID, RAW, load, observe, sections_of

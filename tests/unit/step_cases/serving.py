@@ -26,7 +26,7 @@ from reconciler.core.observed import (
 from reconciler.core.planning import Step
 from reconciler.core.spec import Desired
 from reconciler.core.vllm import LaunchSpec, at_start, launch_specs
-from reconciler.edge.probes import Section
+from reconciler.edge.facts.base import Section
 from reconciler.edge.ssh import Result
 from reconciler.edge.steps.serving import CACHE_DIRS as CACHE_DIRS_SCRIPT
 from reconciler.edge.steps.serving import NON_CARRY_OVER_WRITE
@@ -160,7 +160,7 @@ MORE = LOADING + "\rLoading safetensors checkpoint shards:  90% Completed | 18/2
 
 
 def head(state: str = "running", api: str = "serving", log: str = "", exit_code: int = 0) -> dict[str, Section]:
-    """One poll of the head (`probes.start_fact`): its container, its API (the recording's, or not answering
+    """One poll of the head (`facts.serving.start_fact`): its container, its API (the recording's, or not answering
     yet) and its log's tail."""
     container = inspected(NAME, state, exit_code=exit_code)
     sections = {"container": Section(container.body, container.rc), "start_log": Section(log, 0)}
@@ -196,7 +196,7 @@ STATS_V1 = ('{"read":"2026-12-06T10:02:11.504361875Z","preread":"0001-01-01T00:0
 
 
 def rank_memory(node: str) -> dict[str, Section]:
-    """A serving node once its rank answers (`probes.rank_fact`), from the recording: its /proc/meminfo and
+    """A serving node once its rank answers (`facts.memory.rank_fact`), from the recording: its /proc/meminfo and
     containers as the probe read them, the rank's stats (`STATS_V1`)."""
     seen = sections_of(RAW["outputs"][node])
     return {"meminfo": seen["meminfo"], "containers": seen["containers"], "stats": Section(STATS_V1, 0)}
@@ -457,7 +457,7 @@ def _completion(text: str) -> str:
 
 
 def asked(body: str, code: str = "200", rc: int = 0, owners: str = "0 ") -> dict[str, Section]:
-    """One answer to serving.verify's request (`probes.verify_fact`): the serving port's listeners, then curl's
+    """One answer to serving.verify's request (`facts.verify.verify_fact`): the serving port's listeners, then curl's
     body and the HTTP code on its own line (`-w '\\n%{http_code}'`), and curl's exit code."""
     return {"port_owner": Section(owners, 0), "verify": Section(f"{body}\n{code}", rc)}
 
