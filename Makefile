@@ -2,9 +2,9 @@
 VENV   ?= .venv
 PYTEST ?= $(VENV)/bin/pytest
 # The pinned runtime wheels (constraints.txt) and the build backend, for CPython 3.11 and 3.12: the package test
-# (tests/unit/test_package.py) builds and installs the wheel from here with --no-index, without the network.
+# (tests/unit/repo/test_package.py) builds and installs the wheel from here with --no-index, without the network.
 WHEELHOUSE ?= $(VENV)/wheelhouse
-# tests/unit/test_package.py and tests/e2e/test_runbook.py read it from the environment
+# tests/unit/repo/test_package.py and tests/e2e/test_runbook.py read it from the environment
 export WHEELHOUSE := $(abspath $(WHEELHOUSE))
 # The second interpreter the unit tests run under (`make unit-py312`; pyenv's 3.12 on the CI machines).
 PYTHON312 ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12))),python3.12)

@@ -22,15 +22,15 @@ PACKAGES=(
     util-linux e2fsprogs mount      # nsenter, losetup, mkfs.ext4 for the worker's small model disk
     procps psmisc                   # ps/kill, used when tearing down
     sudo                            # the spark user's few NOPASSWD commands
-    systemd                         # systemd-analyze verify, systemd-socket-activate (tests/unit/test_listener.py)
+    systemd                         # systemd-analyze verify, systemd-socket-activate (tests/unit/loop/test_listener.py)
     prometheus                      # scrapes the daemon; promtool tests alert rules
-    prometheus-alertmanager         # amtool check-config and a real Alertmanager: tests/unit/test_alertmanager_example.py; never its unit
+    prometheus-alertmanager         # amtool check-config and a real Alertmanager: tests/unit/repo/test_alertmanager_example.py; never its unit
     busybox-static                  # tiny static tools inside the stand-in images
     lxcfs                           # each node's /proc/meminfo from its memory cgroup (testbed/memory.py)
     python3 python3.11-venv         # the real vLLM image's venv is made with Debian's python3.11
     g++-12 libpython3.11-dev openssl   # copied into the real vLLM image: torch's inductor compiles C++ at run time
     docker-registry                 # distribution 2.8: the head's "internet" registry (testbed/registry.py); never its unit
-    tmux                            # a real terminal at 80 and 200 columns for `reconciler status` (tests/unit/test_status_tmux.py)
+    tmux                            # a real terminal at 80 and 200 columns for `reconciler status` (tests/unit/cli/test_status_tmux.py)
 )
 NAMES=("${PACKAGES[@]}")
 

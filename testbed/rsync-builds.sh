@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rsync daemons the confinement test (tests/unit/test_rsyncd_confinement.py) runs the one-time daemon's helper
+# The rsync daemons the confinement test (tests/unit/steps/test_rsyncd_confinement.py) runs the one-time daemon's helper
 # against, besides the installed one: the versions real targets run, with their known escapes.
 #   3.2.7  Debian 12's own build 3.2.7-1+deb12u6 (Ubuntu 24.04, DGX OS's base, ships a 3.2.7), from Debian's archive
 #   3.4.1  upstream 3.4.1 (Debian's orig tarball, sha256-pinned), built here: the version whose daemon let a client

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROPS = "tests/unit/test_core_properties.py"
-LAUNCH = "tests/unit/test_launch_properties.py"
+PROPS = "tests/unit/core/test_core_properties.py"
+LAUNCH = "tests/unit/core/test_launch_properties.py"
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ MUTANTS = [
            "    if False:\n        return [Drift(", (PROPS,)),
     Mutant("await-health while a serving node is unreachable", "core/planning.py",
            "    if unseen := [n.name for n in desired.serving_nodes if n.name in down]:",
-           "    if unseen := []:", (PROPS, "tests/unit/test_health_escalation.py")),
+           "    if unseen := []:", (PROPS, "tests/unit/loop/test_health_escalation.py")),
     Mutant("another cluster's containers are ours (the instance label ignored)", "core/observed.py",
            '    return whose(labels, owner.names) in ("ours", "unlabelled")',
            "    return is_managed(labels)", (PROPS,)),

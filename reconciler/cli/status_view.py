@@ -6,7 +6,7 @@ out; reconciler/edge/status_client.py fetches the document and status_screen.py 
 tables out at the width given, so no line is wider than the terminal: the default form keeps one line per row and
 ends a cell that does not fit with an ellipsis; `wide` (kubectl's `describe`) shows every condition and wraps long
 messages at word boundaries. Every value is a rich `Text` of `printable` text, never markup: messages come from the
-nodes and hold `[/rank0]`, escape sequences and line breaks (tests/unit/test_hostile_text.py).
+nodes and hold `[/rank0]`, escape sequences and line breaks (tests/unit/edge/test_hostile_text.py).
 
 The renderer is the one reader of the document's shape: a document it cannot read raises (KeyError, TypeError,
 ValueError...), and status_screen.py says the answer is not a status document.

@@ -21,7 +21,7 @@ class Exit(IntEnum):
     UNREACHABLE = 5  #: a node could not be reached over SSH (or, for `status`, the daemon's listener)
 
 
-#: The table docs/cli.md shows, in words (tests/unit/test_exit_codes.py keeps the two in step).
+#: The table docs/cli.md shows, in words (tests/unit/cli/test_exit_codes.py keeps the two in step).
 MEANING = {
     Exit.OK: "success: no changes, converged, valid, every file matches",
     Exit.ERROR: "an error of any kind (a crash, a bad option, a failed step, not converged, a doctor check failed)",

@@ -5,7 +5,7 @@ for the whole node, whether it stages, fetches, belongs to the serving chain, st
 deadline, and which rule judges it stale under a new desired state) is a column of `KINDS`. Before, they were eleven
 tables in seven modules, and a new kind missed from one of them was a KeyError at run time or a wrong `admit`.
 What must stay in its own layer is keyed by kind there, each with a test that it covers every kind
-(tests/unit/test_step_kinds.py): the step's body (`edge.steps.plan_of`), the root commands
+(tests/unit/core/test_step_kinds.py): the step's body (`edge.steps.plan_of`), the root commands
 (`edge.ssh.commands.ROOT_COMMANDS`), the stale rules (`loop.operations.STALE_RULES`, by `StepKindInfo.stale`) and the
 promised effect (`core.simulate.EFFECTS`, which needs the plan: `core.planning` imports this module).
 """

@@ -62,7 +62,7 @@ class KnownImage:
 
 
 #: The images the recipes name, as their publishers describe them. A recipe's needs are checked against these;
-#: an image not listed cannot be judged by init (`plan` asks it). tests/unit/test_recipes.py holds each entry to
+#: an image not listed cannot be judged by init (`plan` asks it). tests/unit/core/test_recipes.py holds each entry to
 #: the image's recorded answer (tests/fixtures/image-answers.yaml).
 KNOWN_IMAGES: dict[str, KnownImage] = {
     "nvcr.io/nvidia/vllm:26.05-py3": KnownImage(

@@ -2,7 +2,7 @@
 
 It is the written-down contract of every step kind: a new step kind adds its promised effect here (`EFFECTS`,
 docs/architecture.md "Where a change goes"). Only the tests apply it: the property tests
-(tests/unit/test_core_properties.py with the oracle) apply a plan's effects and check that the plan of the result
+(tests/unit/core/test_core_properties.py with the oracle) apply a plan's effects and check that the plan of the result
 is empty (convergence; a plan that stages, downloading the weights or pulling the image, leaves the copies and the
 start to the next pass, as `apply` and the daemon do: `settle`), and the plan-case tests build the state a deploy
 leaves with it. The product never calls it: `plan` and `apply --dry-run` print the plan, not the state it would
@@ -140,7 +140,7 @@ def _healthy(desired: Desired, obs: Observed, step: Step) -> Observed:
     return _with(obs, step.node, serving=ServingApi(reachable=True, healthy=True, models=[desired.served_name]))
 
 
-#: Every step kind's promised effect (tests/unit/test_step_kinds.py: one per kind). It stays here, not as a column
+#: Every step kind's promised effect (tests/unit/core/test_step_kinds.py: one per kind). It stays here, not as a column
 #: of `core.kinds.KINDS`: an effect needs the `Step`, and `core.planning`, which defines it, reads the table.
 EFFECTS: Mapping[StepKind, Effect] = MappingProxyType({
     "download": _downloaded,

@@ -495,7 +495,7 @@ def launch_inputs(desired: Desired, node: Node) -> dict[str, str]:
     max_model_len` -> `32768`; this node's own fields and the head's address it points at under `nodes.NAME.`;
     a secret as `serving.secrets.NAME` -> `secret_fingerprint`, never its value; an unset field is left out).
     Equal inputs render the same launch, so when the spec hash differs the diff of the old container's inputs
-    (its `LABEL_LAUNCH`) and these names every field that forces the restart (tests/unit/test_plan_diff.py tries
+    (its `LABEL_LAUNCH`) and these names every field that forces the restart (tests/unit/core/test_plan_diff.py tries
     random edits). Fields no rank reads are left out; the `vllm serve` ones are kept on a Ray worker, whose `ray
     start` does not read them, as that only shows when its own launch changed too."""
     s = desired.serving

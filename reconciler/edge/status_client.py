@@ -83,7 +83,7 @@ def fetch(url: str, key: bytes | None, state_dir: Path, timeout: float = TIMEOUT
                           "(restart it)", Exit.ERROR)
     try:
         doc = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # RecursionError: 200,000 `[` (tests/unit/test_trust_low.py)
+    except (ValueError, RecursionError) as exc:  # RecursionError: 200,000 `[` (tests/unit/steps/test_trust_low.py)
         raise StatusError(f"cannot read the answer of {where}: {exc}", Exit.ERROR) from exc
     return doc
 

@@ -76,7 +76,7 @@ class Manager:
             # reaches the head at its new address. A renumbered head (the same machine under a new ssh.host, issue
             # 29 finding 7) is fine: the lease is the same file in the SSH user's ~/.spark-reconciler, our holder
             # token names this daemon's machine and file (not the head's address), so the release drops our own
-            # lease and the next act takes it back at once (tests/unit/test_lease.py); which containers are ours
+            # lease and the next act takes it back at once (tests/unit/edge/test_lease.py); which containers are ours
             # is the head's cluster id, not the address (core.ownership), so nothing restarts. A really different
             # head gets a release that finds nothing of ours there; the old head's lease ended with its connection.
             self.lease.release()

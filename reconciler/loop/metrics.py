@@ -1,5 +1,5 @@
 """Every metric the daemon exports, defined in this one place (names and labels are a contract with the alert
-rules in monitoring/ and the Grafana dashboard; tests/unit/test_monitoring.py checks they agree).
+rules in monitoring/ and the Grafana dashboard; tests/unit/repo/test_monitoring.py checks they agree).
 
 Conventions: base units (`_seconds`, `_bytes`), counters end in `_total`, `_info` style gauges (always 1) for the
 build and for each deployment, and low-cardinality labels only (node, kind, step kind, result, condition type,

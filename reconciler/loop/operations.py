@@ -169,7 +169,7 @@ def _stale_retention(step: Step, old: Desired, new: Desired) -> str | None:  # p
 
 
 #: What makes a step in flight wrong under a new desired state, by the rule its kind names (`StepKindInfo.stale`;
-#: every rule has its function: tests/unit/test_step_kinds.py).
+#: every rule has its function: tests/unit/core/test_step_kinds.py).
 STALE_RULES: Mapping[StaleRule, Callable[[Step, Desired, Desired], str | None]] = {
     "weights": _stale_weights, "image": _stale_image, "serving": _stale_serving, "co-tenant": _stale_co_tenant,
     "restore": _stale_restore, "link": _stale_link, "retention": _stale_retention}

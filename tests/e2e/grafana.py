@@ -1,7 +1,7 @@
 """What a person sees on the Grafana dashboard, computed from query results: a small model of Grafana's own rules.
 
 tests/e2e/test_grafana_panels.py renders every panel of monitoring/grafana/dashboard.json against a real
-Prometheus with it; tests/unit/test_monitoring.py checks the rules on hand-made panel snippets. Pure: no I/O, the
+Prometheus with it; tests/unit/repo/test_monitoring.py checks the rules on hand-made panel snippets. Pure: no I/O, the
 caller passes the query functions.
 
 The rules, as Grafana applies them (packages/grafana-data: the display processor, getValueMappingResult,

@@ -1,7 +1,7 @@
 """`serving.verify` on the testbed (issue 52, item 8): after the start, the fixed prompt goes to the head's real
 OpenAI-shaped API (the vLLM stand-in, which answers every completion with `max_tokens` words `stand-in`). An
 expectation the answer meets converges; one it does not fails the start, saying what came back and what was
-expected (the daemon's rollback of such a change: tests/unit/test_serving_verify.py)."""
+expected (the daemon's rollback of such a change: tests/unit/loop/test_serving_verify.py)."""
 
 from __future__ import annotations
 

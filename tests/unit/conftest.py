@@ -192,7 +192,7 @@ def nodes(tmp_path, monkeypatch):
     """Two nodes that are this machine (`test_weights_tree.Local`: homes under tmp_path), the hop between them
     made local: for the weights copy and retention's removal on real files."""
     from reconciler.edge.steps import hop
-    from tests.unit.test_weights_tree import Local
+    from tests.unit.steps.test_weights_tree import Local
 
     monkeypatch.setattr(hop, "trust_target_on_source", lambda desired, source, target: iter(()))
     monkeypatch.setattr(hop, "ssh_options", lambda desired, target: ["ssh"])

@@ -516,7 +516,7 @@ class Desired(_Model):
     @classmethod
     def _single_form(cls, data: object) -> object:
         """`model:` and `serving:` at the top are the list form's one deployment, so every file written before
-        `deployments:` means what it meant (tests/unit/test_deployments.py compares the launches)."""
+        `deployments:` means what it meant (tests/unit/core/test_deployments.py compares the launches)."""
         if not isinstance(data, dict) or not ({"model", "serving"} & data.keys()):
             return data
         if "deployments" in data:

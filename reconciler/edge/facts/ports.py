@@ -68,7 +68,7 @@ def parse_listen_addresses(sec: Section | None) -> dict[int, list[str]] | None:
 
 def _takes_awk(host: str) -> str:
     """`core.listeners.takes(address, host)` as an awk condition on `a`, the address as /proc/net/tcp{,6} prints
-    it (tests/unit/test_port_neighbours.py holds the two to the same answers)."""
+    it (tests/unit/core/test_port_neighbours.py holds the two to the same answers)."""
     if host == "0.0.0.0":  # every IPv4 address, `::`, every IPv4-mapped one
         return f'(length(a) == 8 || a == "{WILDCARD6_HEX}" || substr(a, 1, 24) == "{MAPPED_HEX}")'
     own = ipaddress.IPv4Address(host).packed[::-1].hex().upper()  # 127.0.0.1 -> 0100007F

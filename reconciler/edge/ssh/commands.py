@@ -35,7 +35,7 @@ def _start_commands(desired: Desired, node: Node) -> list[tuple[str, ...]]:
 
 
 #: The step kinds that run commands as root, each with its exact argv on a node; every other kind runs none
-#: (tests/unit/test_step_kinds.py: the kinds whose step cases send `sudo` are exactly these).
+#: (tests/unit/core/test_step_kinds.py: the kinds whose step cases send `sudo` are exactly these).
 ROOT_COMMANDS: Mapping[StepKind, Callable[[Desired, Node], list[tuple[str, ...]]]] = MappingProxyType({
     "link": _link_commands,
     "start-serving": _start_commands,

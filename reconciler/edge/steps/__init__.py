@@ -75,7 +75,7 @@ def note(given: Given, node: str, *entries: tuple[str, str, str, str]) -> Action
 
 def plan_of(kind: StepKind) -> Callable[[Given, Step], Actions]:
     """The step kind's body as data: (what it knows, the step) -> its actions (imported lazily: each family is
-    its own module). One per kind: tests/unit/test_step_kinds.py."""
+    its own module). One per kind: tests/unit/core/test_step_kinds.py."""
     from reconciler.edge.steps import containers, images, link, retention, serving, staging, weights
 
     plans: dict[StepKind, Callable[[Given, Step], Actions]] = {

@@ -1,6 +1,6 @@
 """Data-driven cases of every step (reconciler/edge/steps/), one per case, in the manner of pyinfra's
 `tests/operations/*/*.json`: the step, the facts its re-reads see (recorded node output, parsed by the fact's own
-parser), and the exact commands it must run, or the refusal it must end with. tests/unit/test_step_cases.py runs
+parser), and the exact commands it must run, or the refusal it must end with. tests/unit/steps/test_step_cases.py runs
 them all through tests/unit/step_driver.py.
 
 A module per step family (containers.py, link.py, ...) holds a `CASES` list; `ALL` joins them.

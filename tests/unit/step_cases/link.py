@@ -198,7 +198,7 @@ def _worker1_without_twin() -> Any:
     return d.model_copy(update={"nodes": [w1 if n.name == W1 else n for n in d.nodes]})
 
 
-#: The cases whose MTU change runs over `NODE@ADDRESS`: tests/unit/test_link_over_twin.py runs them (and checks
+#: The cases whose MTU change runs over `NODE@ADDRESS`: tests/unit/steps/test_link_over_twin.py runs them (and checks
 #: their sudo line against the node's own), since test_step_cases.py's sudoers check looks the transcript's node
 #: up in the file by name.
 OVER_OTHER_PORT = [

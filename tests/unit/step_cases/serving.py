@@ -447,7 +447,7 @@ def _verifying(endpoint: str = "completions") -> Desired:
 
 
 def _completion(text: str) -> str:
-    """A /v1/completions answer as vLLM 0.32.0 shapes it (tests/unit/test_completion_check.py: REAL_ANSWER), the
+    """A /v1/completions answer as vLLM 0.32.0 shapes it (tests/unit/core/test_completion_check.py: REAL_ANSWER), the
     greedy `text` given."""
     return json.dumps({"id": "cmpl-aa28977b610327c4", "object": "text_completion", "created": 1796277722,
                        "model": "tiny-moe", "choices": [{"index": 0, "text": text, "logprobs": None,

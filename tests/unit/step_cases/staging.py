@@ -1,6 +1,6 @@
 """download (`hf download` on the internet node, behind the Hub's size and the disk preflight) and pull-image
 (`docker pull` on the image source, behind a floor of free room). The token's way (stdin only) is pinned by
-tests/unit/test_staging_plan.py, which reads what the driver fed each command."""
+tests/unit/core/test_staging_plan.py, which reads what the driver fed each command."""
 
 from __future__ import annotations
 

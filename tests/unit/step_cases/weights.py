@@ -5,7 +5,7 @@ target's receiving helper, page-cache bounds on both ends, the one-time rsync da
 stream on the bulk connection, all at once, each run by `links_helper send` from the directories it holds), the
 files moved into place as they arrive and the links made by the reconciler, `sync -f` and the manifests compared,
 the ledger's lines; and each failure with what it says. The real rsync, daemon and helpers run in
-tests/unit/test_weights_tree.py and tests/unit/test_weights_swap.py."""
+tests/unit/steps/test_weights_tree.py and tests/unit/steps/test_weights_swap.py."""
 
 from __future__ import annotations
 
