@@ -23,11 +23,12 @@ from reconciler.cli.common import env_file_option, load_or_exit
 def apply(file: str, yes: bool, dry_run: bool, max_passes: int, env_file: Path, log_level: str) -> None:
     """One convergence pass: observe, show the plan, execute it in order, verify. Exit 0 converged, 1 not (or an
     error), 3 invalid file or secrets, 4 held by another actor, 5 a node unreachable."""
+    from reconciler.cli.plan_text import plan_text
     from reconciler.edge import log
     from reconciler.edge.lease import Holder
     from reconciler.loop.apply import apply_once
 
     desired = load_or_exit(file, env_file)
     log.configure(level=log_level)
-    sys.exit(apply_once(desired, yes=yes, dry_run=dry_run, max_passes=max_passes,
+    sys.exit(apply_once(desired, show=plan_text, yes=yes, dry_run=dry_run, max_passes=max_passes,
                         holder=Holder.of("apply", file)))

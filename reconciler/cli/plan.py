@@ -1,5 +1,5 @@
 """`plan` and `observe`: the nodes probed once (or a saved `observe --json` snapshot), and what would change or
-what is there, as text (reconciler/core/render.py) or JSON; nothing changed."""
+what is there, as text (reconciler/cli/plan_text.py) or JSON; nothing changed."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import click
 from pydantic import ValidationError
 
 from reconciler.cli.common import env_file_option, load_or_exit
+from reconciler.cli.plan_text import plan_text
 from reconciler.core import planning, spec
 from reconciler.core.exits import Exit
 from reconciler.core.observed import Observed
-from reconciler.core.render import plan_text
 
 
 @click.command()
@@ -70,7 +70,7 @@ def observe(file: str, as_json: bool, env_file: Path) -> None:
     if as_json:
         click.echo(observed.model_dump_json(indent=1))
     else:
-        from reconciler.core.render import observed_text
+        from reconciler.cli.plan_text import observed_text
 
         click.echo(observed_text(observed), nl=False)
     sys.exit(Exit.UNREACHABLE if observed.partial else Exit.OK)

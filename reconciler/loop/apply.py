@@ -36,7 +36,6 @@ from reconciler.core.exits import Exit
 from reconciler.core.kinds import START_KINDS
 from reconciler.core.observed import Observed, ServeFlags
 from reconciler.core.planning import Plan
-from reconciler.core.render import plan_text
 from reconciler.core.spec import Desired
 from reconciler.core.text import printable
 from reconciler.edge.execute import Outcome, execute
@@ -165,9 +164,10 @@ class _ProgressView:
             self.bars.stop()
 
 
-def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 3, generation: int = 1,
-               holder: Holder | None = None) -> int:
-    """`holder`: who takes the cluster's lease for the run (not for a dry run, which changes nothing). Returns the
+def apply_once(desired: Desired, *, show: Callable[[Plan], str], yes: bool, dry_run: bool, max_passes: int = 3,
+               generation: int = 1, holder: Holder | None = None) -> int:
+    """`show`: the plan as the operator reads it (reconciler/cli/plan_text.py; given, as the loop imports no CLI).
+    `holder`: who takes the cluster's lease for the run (not for a dry run, which changes nothing). Returns the
     exit code (reconciler.core.exits): 0 converged, 1 not, 2 changes pending (dry run), 4 held, 5 unreachable."""
     sessions = Sessions(desired)
     try:
@@ -182,13 +182,14 @@ def apply_once(desired: Desired, *, yes: bool, dry_run: bool, max_passes: int = 
                     click.echo(printable(f"Nothing changed: {exc} (reconciler status; stop the daemon or wait)."),
                                err=True)
                     return Exit.HELD
-            return _apply(desired, sessions, yes=yes, dry_run=dry_run, max_passes=max_passes, generation=generation)
+            return _apply(desired, sessions, show=show, yes=yes, dry_run=dry_run, max_passes=max_passes,
+                          generation=generation)
     finally:
         sessions.close()
 
 
-def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, max_passes: int,
-           generation: int) -> int:
+def _apply(desired: Desired, sessions: Sessions, *, show: Callable[[Plan], str], yes: bool, dry_run: bool,
+           max_passes: int, generation: int) -> int:
     console = Console(stderr=False)
     view = _ProgressView(console)
     image = _ImageQuestion(desired, sessions)
@@ -198,7 +199,7 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
         if flags_pending(observed) and (dry_run or not yes or not current.steps):
             observed = image.answered(observed)  # what is shown or confirmed is the whole plan, the start judged
             current = planning.plan(desired, observed)
-        click.echo(plan_text(current), nl=False)
+        click.echo(show(current), nl=False)
         if dry_run or not current.steps:
             return _outcome(observed, current, dry_run)
         if not yes and not click.confirm("Apply these steps?", default=False):
@@ -214,11 +215,11 @@ def _apply(desired: Desired, sessions: Sessions, *, yes: bool, dry_run: bool, ma
             current = planning.plan(desired, observed)
             if not outcome.ok or not current.steps:
                 break
-            click.echo("\nThe cluster moved on; planning again:\n" + plan_text(current), nl=False)
+            click.echo("\nThe cluster moved on; planning again:\n" + show(current), nl=False)
         view.stop()
         failed = _failed_start(outcome)
         if current.changes:
-            click.echo("\nNot converged:\n" + plan_text(current), nl=False)
+            click.echo("\nNot converged:\n" + show(current), nl=False)
         elif failed is not None:  # what a start checked (serving.verify's answer) no observation shows again
             click.echo(f"\nNot converged: {failed}")
             return Exit.UNREACHABLE if observed.partial else Exit.ERROR

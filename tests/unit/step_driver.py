@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reconciler.core.spec import Desired
 from reconciler.edge import steps
 from reconciler.edge.facts.base import Fact, ProbeError, Section
 from reconciler.edge.ssh import CommandFailed, Result
 from reconciler.edge.steps.actions import (
     Action,
     Actions,
+    Given,
     Parallel,
     Read,
     Report,
@@ -205,3 +207,18 @@ def drive(actions: Actions, facts: Mapping[str, Sequence[object]] | None = None,
     driver = Driver(facts or {}, results or {}, outputs=outputs or {})
     error = driver.drive(actions)
     return driver.transcript, error
+
+
+def root_runs(case: Any) -> tuple[Desired, list[tuple[str, tuple[str, ...]]]]:
+    """The desired state a step case (tests/unit/step_cases/) runs over, and each command its step sends as root
+    (`run NODE sudo ARGV` in its transcript) as (node, argv): what `reconciler sudoers` must allow, asked per kind
+    (test_step_kinds) and per node (test_step_cases) from one reading of the transcript."""
+    desired = case.desired()
+    given = Given(desired, case.observed(), case.generation)
+    transcript, _ = drive(steps.plan_of(case.step.kind)(given, case.step), case.facts, case.results)
+    runs: list[tuple[str, tuple[str, ...]]] = []
+    for line in transcript:
+        _, node, *rest = line.split(" ", 3) if line.startswith("run ") else ("", "", "")
+        if rest and rest[0] == "sudo":
+            runs.append((node, tuple(shlex.split(rest[1]))))
+    return desired, runs

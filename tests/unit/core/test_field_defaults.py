@@ -50,8 +50,8 @@ def test_a_partial_ulimits_merges_over_the_defaults_and_null_removes_one(cluster
 def test_the_plan_shows_the_effective_ulimits_with_every_start(cluster_yaml, seed_snapshot):
     import json
 
+    from reconciler.cli.plan_text import plan_text
     from reconciler.core.planning import plan
-    from reconciler.core.render import plan_text
 
     desired = _desired(cluster_yaml, docker={"ulimits": {"nofile": "4096", "stack": None}})
     result = plan(desired, Observed.model_validate(json.loads(seed_snapshot.read_text())))

@@ -16,6 +16,7 @@ from typing import get_args
 
 import pytest
 
+from reconciler.cli.plan_text import observed_text
 from reconciler.core.drift import (
     CONDITION_OF,
     DRIFT_CONDITIONS,
@@ -53,7 +54,6 @@ from reconciler.core.planning import (
 )
 from reconciler.core.planning import plan as make_plan
 from reconciler.core.preflight import _port_state
-from reconciler.core.render import observed_text
 from reconciler.core.retention import _mounts
 from reconciler.core.spec import FabricPort
 from reconciler.loop.conditions import Snapshot, conditions

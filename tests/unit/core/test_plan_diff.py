@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from reconciler.cli.plan_text import plan_text
 from reconciler.core import spec
 from reconciler.core.drift import FieldChange, field_changes, serving_drift
 from reconciler.core.observed import (
@@ -29,7 +30,6 @@ from reconciler.core.observed import (
     parse_launch_label,
 )
 from reconciler.core.planning import Downtime, plan
-from reconciler.core.render import plan_text
 from reconciler.core.vllm import LaunchSpec, launch_label, launch_specs, secret_fingerprint
 from tests.unit.examples import examples
 from tests.unit.recorded import WORKERS, changed, load, serving_with

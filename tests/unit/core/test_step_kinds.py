@@ -5,7 +5,6 @@ goes")."""
 
 from __future__ import annotations
 
-import shlex
 from typing import get_args
 
 import pytest
@@ -26,10 +25,9 @@ from reconciler.core.simulate import EFFECTS
 from reconciler.core.spec import Timeouts
 from reconciler.edge.ssh.commands import ROOT_COMMANDS, sudo_commands
 from reconciler.edge.steps import plan_of
-from reconciler.edge.steps.actions import Given
 from reconciler.loop.operations import STALE_RULES
 from tests.unit.step_cases import all_cases
-from tests.unit.step_driver import drive
+from tests.unit.step_driver import root_runs
 
 
 def test_the_table_has_one_row_per_step_kind() -> None:
@@ -59,15 +57,10 @@ def test_the_kinds_that_run_commands_as_root_are_exactly_those_with_root_command
     `sudo`, and each such command is one of its own kind's (not merely the node's)."""
     sending: set[str] = set()
     for case in all_cases():
-        desired = case.desired()
-        given = Given(desired, case.observed(), case.generation)
-        transcript, _ = drive(plan_of(case.step.kind)(given, case.step), case.facts, case.results)
-        for line in transcript:
-            _, node, *rest = line.split(" ", 3) if line.startswith("run ") else ("", "", "")
-            if rest and rest[0] == "sudo":
-                sending.add(case.step.kind)
-                own = ROOT_COMMANDS[case.step.kind](desired, desired.node(node))
-                assert tuple(shlex.split(rest[1])) in own, (case.name, line)
+        desired, runs = root_runs(case)
+        for node, argv in runs:
+            sending.add(case.step.kind)
+            assert argv in ROOT_COMMANDS[case.step.kind](desired, desired.node(node)), (case.name, node, argv)
     assert sending == set(ROOT_COMMANDS)
 
 

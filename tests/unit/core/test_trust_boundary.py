@@ -204,9 +204,9 @@ def test_the_mtu_of_the_interface_carrying_the_ssh_session_is_never_changed(base
 def test_every_plan_lists_what_the_file_trusts(base_yaml, seed_snapshot):
     import json
 
+    from reconciler.cli.plan_text import plan_text
     from reconciler.core.observed import Observed
     from reconciler.core.planning import plan
-    from reconciler.core.render import plan_text
 
     observed = Observed.model_validate(json.loads(seed_snapshot.read_text()))
     quiet = plan(spec.loads(base_yaml), observed)

@@ -12,11 +12,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reconciler.cli.plan_text import observed_text, plan_text
 from reconciler.cli.status_view import status_text
 from reconciler.core import spec
 from reconciler.core.observed import Container, NodeObservation, Observed
 from reconciler.core.planning import plan
-from reconciler.core.render import observed_text, plan_text
 from reconciler.core.text import printable
 from reconciler.edge import discover as disc
 from reconciler.loop.apply import _echo

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from reconciler.cli.plan_text import plan_text
 from reconciler.core.exits import Exit
 from reconciler.core.observed import Observed, ServeFlags
 from reconciler.core.simulate import apply_plan
@@ -65,7 +66,7 @@ def world(monkeypatch, cluster_yaml, seed_snapshot, request):
 
 
 def _apply(world: World, yes: bool) -> int:
-    return apply._apply(world.desired, sessions=None, yes=yes, dry_run=False, max_passes=3,  # type: ignore[arg-type]
+    return apply._apply(world.desired, sessions=None, show=plan_text, yes=yes, dry_run=False, max_passes=3,  # type: ignore[arg-type]
                         generation=1)
 
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reconciler.cli.plan_text import plan_text
 from reconciler.core.observed import LABEL_WEIGHTS, ClusterIdentity, Container, CopyRecord, Observed
 from reconciler.core.planning import Step, plan
-from reconciler.core.render import plan_text
 from reconciler.core.retention import removals
 from reconciler.core.simulate import apply_plan
 from reconciler.edge import ledger

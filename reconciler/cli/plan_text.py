@@ -1,6 +1,6 @@
 """Human-readable output: the plan like `terraform plan` (grouped by node, +/-/~, with reasons).
 
-Kept apart from the CLI so the daemon's log and the demo show the same text. Every line goes through
+The text `plan` and `apply` print (`apply` is given it: the loop imports no CLI); the demo shows the same. Every line goes through
 `printable` (reconciler/core/text.py): node names are validated, but drift values, container names, image references,
 reasons and messages are read from the nodes, and no escape sequence or line break of theirs reaches a terminal.
 """
