@@ -1,5 +1,5 @@
 """Recorded probe outputs, in the form they are kept: section markers written `@@NAME` and `@@rc N`, as the probe
-printed them before its markers were sealed with a per-script nonce (`reconciler.edge.probes.sealed`). A recording
+printed them before its markers were sealed with a per-script nonce (`reconciler.edge.facts.base.sealed`). A recording
 is replayed by resealing it with the nonce of the script it answers; a new one is kept by unsealing."""
 
 from __future__ import annotations

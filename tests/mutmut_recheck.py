@@ -22,7 +22,7 @@ collection included. `--rejudge` does the same for every survivor that is not wo
 they are now, when tests were added after mutmut's run (mutmut would only rerun the tests its stats know).
 `--with=FILES` re-judges every survivor (not wording) by those test files only: the files added after the run
 began. Every older test already had its chance in mutmut's run, so this is the same verdict in minutes, not hours.
-`--only=GLOB` re-judges only the mutants whose key matches (`reconciler.edge.probes.*`: each module by the new
+`--only=GLOB` re-judges only the mutants whose key matches (`reconciler.edge.facts.*`: each module by the new
 files that test it), and `--json=PATH` writes every mutant's verdict, so such runs can be merged.
 """
 

@@ -1,13 +1,13 @@
 """`reconciler doctor`: ONE batched read-only script per node, over the sessions the daemon uses, read into the
 facts `core.preflight` judges; and the local facts (trusted files, the daemon's environment file).
 
-The script is made of the probe's own fragments where the probe reads a fact already (`probes`: containers and
+The script is made of the probe's own fragments where the probe reads a fact already (`facts`: containers and
 the docker socket, image, the fabric ports, the GPU stack, free disk; `manifest`: the weights), so doctor and the
 daemon read each fact one way; doctor adds what only it asks: the node's clock (first, so the reconciler's clock
 cancels out between nodes), `id`, the binaries on the PATH, rsync's version, `sudo -n -l` for each exact command
 of `reconciler sudoers`, docker's runtimes, systemd's default target and the display servers, docker's and
 containerd's memory bounds (`systemctl show`), and the fabric hop as the image copy runs it. Sections are sealed
-(`probes.sealed`), every value quoted by `ssh.quote`. Each node runs under observe's deadline (`ssh.node_deadline`);
+(`facts.base.sealed`), every value quoted by `ssh.quote`. Each node runs under observe's deadline (`ssh.node_deadline`);
 whatever a node prints is that node's failed check, never a crash.
 
 Read-only, but for one transient file: the hop's known_hosts (the target's verified key under its fabric address,

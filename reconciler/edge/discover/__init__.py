@@ -9,7 +9,7 @@ reviews the guesses before the first `apply`.
 Three steps, one module each:
 
 - `facts`: one batched, read-only script per node and the pure parsers of what it prints (`NodeFacts`), sharing
-  the probe's fragments and parsers (`reconciler.edge.probes`) wherever both read the same fact;
+  the probe's fragments and parsers (`reconciler.edge.facts`) wherever both read the same fact;
 - `guess`: the inferences (which port is the fabric, which address, which model, image, memory share), each with
   the reason the file shows;
 - `render`: the YAML document, built with ruamel.yaml, comments attached to the values they explain.

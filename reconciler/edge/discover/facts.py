@@ -4,7 +4,7 @@ Why a script of its own: discover reads a node nobody has described yet, so it c
 that take a declared `Node` (which port, which RDMA device). It asks wider questions instead: every interface,
 every RDMA device, the routes, the model directories, the images. Wherever it reads a fact the reconciler reads
 too (the interfaces and their RDMA ports, the containers, MemTotal/MemAvailable), it runs the same fragment and
-the same parser from `reconciler.edge.probes`, so discover's starter file and the first `observe` agree on what
+the same parser from `reconciler.edge.facts`, so discover's starter file and the first `observe` agree on what
 the node said. What only discover asks stays here.
 
 Nothing here sends traffic anywhere but the SSH session: "does the node reach the internet" is answered from the
@@ -76,7 +76,7 @@ for r in "${HF_HOME:+$HF_HOME/hub}" "$HOME/.cache/huggingface/hub" \
 done; rc 0
 """
 
-#: The script, run by `probes.read_sections` (which puts `export LC_ALL=C` and `sec` first). Read-only, no
+#: The script, run by `facts.base.read_sections` (its `sealed` puts `export LC_ALL=C` and `sec` first). Read-only, no
 #: interpolated value (nothing to quote). Sections as everywhere: `sec NAME` ... `rc N`.
 SCRIPT_LINES: list[str] = [*interfaces_script(), *containers_script(), *memory_script(), *gpu_script(),
                            *_DISCOVER_ONLY.splitlines()]
@@ -165,21 +165,21 @@ def parse_ibdev2netdev(text: str) -> list[RdmaLink]:
 
 
 def parse_rdma_sysfs(text: str) -> list[RdmaLink]:
-    """The `rdma_sysfs` section (`probes.parse_rdma_devices`): one RdmaLink per device and netdev it drives."""
+    """The `rdma_sysfs` section (`facts.links.parse_rdma_devices`): one RdmaLink per device and netdev it drives."""
     return [RdmaLink(device=dev.name, netdev=netdev, active=dev.port.active, state=dev.port.state,
                      phys_state=dev.port.phys_state)
             for dev in parse_rdma_devices(Section(text, 0)) for netdev in dev.netdevs or (None,)]
 
 
 def parse_ip_addr(text: str) -> list[Iface]:
-    """`ip -j addr` (`probes.parse_interfaces`) -> the candidate interfaces, EXCLUDED_IFACE left out."""
+    """`ip -j addr` (`facts.links.parse_interfaces`) -> the candidate interfaces, EXCLUDED_IFACE left out."""
     return [Iface(name=link.name, up=link.up, mtu=link.mtu,
                   ipv4=tuple(ipaddress.IPv4Interface(a) for a in link.addresses))
             for link in parse_interfaces(Section(text, 0)) if not EXCLUDED_IFACE.match(link.name)]
 
 
 def parse_meminfo(text: str) -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes, as the probe reads them (`probes.parse_memory`); (0, 0) when empty."""
+    """(MemTotal, MemAvailable) in bytes, as the probe reads them (`facts.memory.parse_memory`); (0, 0) when empty."""
     memory = parse_memory(Section(text, 0)) if text.strip() else None
     return (memory.total_bytes, memory.available_bytes) if memory else (0, 0)
 
@@ -197,7 +197,7 @@ def parse_commands(text: str) -> dict[str, tuple[str, ...]]:
 
 
 def running_containers(listed: list[Container], argv_by_name: dict[str, tuple[str, ...]]) -> list[RunningContainer]:
-    """The probe's containers (`probes.parse_containers`) that run now (as `docker ps` lists them), with their
+    """The probe's containers (`facts.containers.parse_containers`) that run now (as `docker ps` lists them), with their
     command lines."""
     return [RunningContainer(c.name, c.image, argv_by_name.get(c.name, ()), c.managed) for c in listed if c.running]
 
@@ -262,7 +262,7 @@ def _parse_ulimits(facts: NodeFacts, text: str) -> None:
 
 
 def _listed_containers(section: Section) -> tuple[list[Container], str | None]:
-    """The probe's containers, and why docker did not list them (`probes.parse_containers`)."""
+    """The probe's containers, and why docker did not list them (`facts.containers.parse_containers`)."""
     try:
         _, docker_error, listed = parse_containers(section)
     except ProbeError as exc:

@@ -8,7 +8,7 @@ exact commands and refusals out (tests/unit/step_cases/), with no session, no th
 
 The actions, and what the step is sent back for each:
 
-- `Read(node, fact)`: a probe fragment and its parser (`probes.Fact`) -> the parsed fact;
+- `Read(node, fact)`: a probe fragment and its parser (`facts.base.Fact`) -> the parsed fact;
 - `Run(node, argv, ...)`: one command through `Session.run` -> its `Result` (a failure with `check` raises
   `RemoteError` into the step, which may catch it);
 - `Wait(read_or_run, until, timeout, what)`: the read (or command) again until `until(result)` holds -> that

@@ -3,7 +3,7 @@ container is stopped only when this reconciler created it (its managed and insta
 judged against `core.ownership.owner` of the observation the plan was made from) and it is not protected; it is
 removed only when it also bears the configured serving name, to free that name for a re-creation (fixed names +
 asynchronous removal is a known source of "name already in use"). Each is read again on the node right before
-acting (`probes.container_fact`): the plan may be minutes old.
+acting (`facts.containers.container_fact`): the plan may be minutes old.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def await_health(given: Given, step: Step) -> Actions:
     """Wait for /health == 200, the served name in /v1/models and one answered completion (the whole
     tensor-parallel group works, not only the API process), under serving.health_timeout (the step's own
     deadline: each round's wait is capped by what is left of it). Each poll reads the head's container, API and
-    log in one round trip (`probes.start_fact`); a change of the log is reported (`StartWatch`); the other nodes'
+    log in one round trip (`facts.serving.start_fact`); a change of the log is reported (`StartWatch`); the other nodes'
     containers are read every WORKERS_EVERY polls. A container that is not running fails the step with its last
     log lines. Once it serves, each rank's node is read (`rank_readings`), then serving.verify, when declared,
     asks its question (`verify_answer`): a wrong answer fails the step."""
@@ -327,7 +327,7 @@ def await_health(given: Given, step: Step) -> Actions:
 
 
 def rank_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
-    """Once the deployment serves, each rank's node as it holds it now (`probes.rank_fact`), reported twice:
+    """Once the deployment serves, each rank's node as it holds it now (`facts.memory.rank_fact`), reported twice:
     `serving.memory` (MemTotal, MemAvailable, the rank container's cgroup memory.current, the running containers):
     the status publisher judges it against the budget (`core.budget.overshoot`) into /status and
     `reconciler_memory_overshoot_bytes`, so an owner tunes policy.memory_overhead_per_instance and
@@ -356,17 +356,17 @@ def rank_readings(given: Given, specs: list[LaunchSpec]) -> Actions:
                 "networks": None if seen.networks is None else list(seen.networks)})
 
 
-#: How long serving.verify waits for an answer at all: each request has its own deadline (probes.VERIFY_DEADLINE)
+#: How long serving.verify waits for an answer at all: each request has its own deadline (facts.verify.VERIFY_DEADLINE)
 #: and is asked again while none comes (a fresh engine's first requests, clients queued in its few slots); an
 #: answer, right, wrong or an HTTP error, ends the wait at once.
 VERIFY_WITHIN = 120.0
 
 
 def verify_answer(given: Given, head: str, container: str) -> Actions:
-    """serving.verify, once the deployment serves: one greedy request through the head's API (`probes.verify_fact`,
-    the API key sent as the health check sends it) whose text must match `expect`. The result is reported
-    (`serving.verify`: the status publisher keeps it per deployment and head container, into the condition
-    ServingVerified and reconciler_serving_verified), then a wrong answer, an error answer or none within
+    """serving.verify, once the deployment serves: one greedy request through the head's API
+    (`facts.verify.verify_fact`, the API key sent as the health check sends it) whose text must match `expect`.
+    The result is reported (`serving.verify`: the status publisher keeps it per deployment and head container, into
+    the condition ServingVerified and reconciler_serving_verified), then a wrong answer, an error answer or none within
     VERIFY_WITHIN fails the step, quoting what came back (printable, capped) and what was expected: await-health
     is a start, so a new generation that never served is a failed change (policy.on_failed_change)."""
     d = given.desired

@@ -12,7 +12,7 @@ The disk preflight: before a byte is fetched, the Hub says how large the revisio
 `size`), and the download goes ahead only when the observation's free bytes at the model path hold what is
 missing, and any copy the plan makes to the same filesystem (an image copy to this node: on DGX OS both go to the
 one NVMe), plus the margin (core/drift.shortfall, the plan's own judgement). The token, when the file scopes
-`HF_TOKEN` to `internet`, travels on stdin only: in the size read's script for curl (`probes.hub_size_fact`), one
+`HF_TOKEN` to `internet`, travels on stdin only: in the size read's script for curl (`facts.weights.hub_size_fact`), one
 line read by the shell for `hf`."""
 
 from __future__ import annotations
