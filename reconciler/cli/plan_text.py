@@ -1,8 +1,9 @@
 """Human-readable output: the plan like `terraform plan` (grouped by node, +/-/~, with reasons).
 
-The text `plan` and `apply` print (`apply` is given it: the loop imports no CLI); the demo shows the same. Every line goes through
-`printable` (reconciler/core/text.py): node names are validated, but drift values, container names, image references,
-reasons and messages are read from the nodes, and no escape sequence or line break of theirs reaches a terminal.
+The text `plan` and `apply` print (`apply` is given it: the loop imports no CLI); the demo shows the same. Every
+line goes through `printable` (reconciler/core/text.py): node names are validated, but drift values, container names,
+image references, reasons and messages are read from the nodes, and no escape sequence or line break of theirs
+reaches a terminal.
 """
 
 from __future__ import annotations
