@@ -5,7 +5,7 @@ refused it) is a failed change. With `policy.on_failed_change: rollback` the las
 brought back, when the failing deployment is one the change touched (a failure of what the change left as it was is
 not the change's: it is retried as before); a first generation that stopped co-tenants is held and what ran before
 it comes back (generation 0, core/restore); otherwise the failure is recorded and said. The controller carries the
-decision out (`Controller._failed_change`); tests/unit/loop/test_rollback.py judges it from data.
+decision out (`Enforcement.failed_change`); tests/unit/loop/test_rollback.py judges it from data.
 """
 
 from __future__ import annotations

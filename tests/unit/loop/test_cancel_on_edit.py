@@ -350,7 +350,7 @@ def test_a_judgement_that_crashes_cancels_the_step_and_the_generation_is_still_t
     def broken(step, old, new):
         raise KeyError("bug")
 
-    monkeypatch.setattr("reconciler.loop.controller.stale", broken)
+    monkeypatch.setattr("reconciler.loop.enforcement.stale", broken)
     try:
         desired_path.write_text(desired_path.read_text().replace("max_model_len: 32768", "max_model_len: 16384"))
         c.reconcile({Reason("file")})

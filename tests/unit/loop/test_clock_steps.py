@@ -131,7 +131,7 @@ def _controller(desired_path, tmp_path, clocks, script, gate):
     ops = Operations(on_end=lambda: requests.request(Reason("operation")), clock=clocks.monotonic, run=gate)
     c = make_controller(desired_path, tmp_path / "state", requests, threading.Event(), events=False, observe_fn=script,
                    sessions_factory=FakeSessions, operations=ops, clock=clocks.time)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # no image to ask here: a restart is judged without it
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # no image to ask here: a restart is judged without it
     return c, requests
 
 

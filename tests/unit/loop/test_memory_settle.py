@@ -111,7 +111,7 @@ def test_the_controller_holds_nothing_for_a_deferred_start(tmp_path):
     desired.write_text("not read by this test\n")
     state.mkdir()
     controller = make_controller(desired, state, ReconcileRequests(), threading.Event())
-    controller.backoff = Backoff(Retries())
+    controller.enforcement.backoff = Backoff(Retries())
     start = Step("start-serving", "worker1", "r", rank=1)
     failures = controller._record([StepResult(start, "deferred", 90.0, "memory not yet back")])
     assert failures == [f"{start.id}: memory not yet back"], "said in status"

@@ -108,7 +108,7 @@ def test_a_failed_first_deploy_brings_back_the_co_tenants_it_stopped(desired_pat
     gate = ReportingGate(seed, failing=("await-health",))
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(seed, after, restored), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
     before = REGISTRY.get_sample_value("reconciler_rollbacks_total") or 0
     c.reconcile({Reason("start")})
     assert f"stop-container/{HEAD}/vllm_node" in gate.batches[-1] and f"await-health/{HEAD}" in gate.batches[-1]
@@ -129,7 +129,7 @@ def test_a_failed_first_deploy_brings_back_the_co_tenants_it_stopped(desired_pat
     assert _condition(c.status, "", "Ready")["status"] == "False", "the file's generation is not what runs"
 
     again, _ = _controller(desired_path, tmp_path, Script(restored), ReportingGate(restored, ()))
-    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    again.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     assert again.reconcile({Reason("start")}).phase == "RolledBack"
     assert again.held is not None and again.held.to == 0, "a restart does not try the failed generation again"
     text = desired_path.read_text()

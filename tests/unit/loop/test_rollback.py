@@ -52,7 +52,7 @@ def _failed_start(desired_path, tmp_path, converged, policy: str | None = None):
     gate = Gate(failing=("await-health",))
     gate.release.set()
     c, requests = _controller(desired_path, tmp_path, Script(converged), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
     assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, OLD, NEW)
     c.reconcile({Reason("file")})
@@ -89,7 +89,7 @@ def test_a_rollback_survives_a_daemon_restart_and_ends_when_the_file_changes(des
     assert c.held is not None
 
     again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    again.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     assert again.reconcile({Reason("start")}).phase == "RolledBack", "the failed change is not tried again"
     assert again.store.generation == 2 and again.desired is not None and again.desired.serving.max_model_len == 32768
 
@@ -108,7 +108,7 @@ def test_a_change_the_image_refuses_is_rolled_back_before_anything_stops(desired
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
     known = parse_serve_help((FIXTURES / "vllm-0.32.0-cpu-serve-help-all.txt").read_text())
-    c.flags = SimpleNamespace(  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(  # type: ignore[assignment]
         get=lambda wanted: ServeFlags(image_id=wanted[1], flags=[f for f in known if f != "--max-model-len"]))
     assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, OLD, NEW)
@@ -130,7 +130,7 @@ def test_a_first_generation_that_fails_has_nothing_to_go_back_to(desired_path, t
     gate = Gate(failing=("await-health",))
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     c.reconcile({Reason("start")})
     assert c.operations.join(20)
     assert any("await-health" in s for s in gate.batches[-1]), "the first start is made"
@@ -275,10 +275,10 @@ def test_a_kept_text_others_may_change_is_never_brought_back(desired_path, tmp_p
     assert out.exit_code == 3 and "writable by others" in out.output
 
     os.chmod(kept, 0o600)  # fixed: generation 2 now comes up and serves; a restart must not roll it back
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     c.history.served(2, 5.0)
     again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    again.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     again.reconcile({Reason("start")})
     assert again.held is None and again.desired is not None and again.desired.serving.max_model_len == 16384
 
@@ -294,7 +294,7 @@ def _converged_on(desired_path, observed):
 def _a_start_of(c, generation: int, result: str = "failed") -> None:
     """A start of `generation` that ended with `result`, as the operations report it."""
     step = Step("await-health", "spark-1a32", "wait")
-    c._launched[step.id] = generation
+    c.results.launched[step.id] = generation
     c._record([StepResult(step, result, 1.0, "vllm_serving on spark-1a32 is exited (exit 1):\nTraceback ...")])
 
 
@@ -304,7 +304,7 @@ def test_a_generation_that_served_is_repaired_in_place_not_rolled_back(desired_p
     gate = Gate()
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     c.reconcile({Reason("start")})
     _edit(desired_path, OLD, NEW)
     c._observe_fn = Script(_converged_on(desired_path, converged))
@@ -319,7 +319,7 @@ def test_a_start_of_an_earlier_generation_that_fails_after_an_edit_rolls_nothing
                                                                                      converged):
     gate = Gate()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     c.reconcile({Reason("start")})
     _edit(desired_path, OLD, NEW)
     c.reconcile({Reason("file")})
@@ -338,7 +338,7 @@ def test_the_reason_kept_is_one_line_and_never_a_secret(desired_path, tmp_path, 
     log.register_secret("hf_s3cr3tvalue42")
     c, _ = _failed_start(desired_path, tmp_path, converged)
     _a_start_of(c, 2)
-    c._start_failed = (2, "default", "await-health/spark-1a32: token hf_s3cr3tvalue42 refused\nline two")
+    c.results.start_failed = (2, "default", "await-health/spark-1a32: token hf_s3cr3tvalue42 refused\nline two")
     c.reconcile({Reason("operation")})
     index = (history.directory(tmp_path / "state", desired_path) / "index.json").read_text()
     assert "hf_s3cr3tvalue42" not in index and "line two" not in index
@@ -352,7 +352,7 @@ def test_an_observed_generation_is_never_what_a_rollback_brings_back(desired_pat
     gate = Gate(failing=("await-health",))
     gate.release.set()
     c, _ = _controller(desired_path, tmp_path, Script(converged), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     c.reconcile({Reason("start")})
     _edit(desired_path, "  mode: observe", "  mode: enforce")
     _edit(desired_path, OLD, NEW)
@@ -381,7 +381,7 @@ def test_only_a_deployment_the_change_touched_rolls_the_file_back():
 def _served_then(desired_path, tmp_path, converged, old: str, new: str):
     """Generation 1 serves (converged); generation 2 is the edit `old` -> `new`."""
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, old, new)
     c.reconcile({Reason("file")})
@@ -406,7 +406,7 @@ def test_a_failure_of_what_the_change_left_as_it_was_is_not_the_changes(desired_
     intruder = Container(name="intruder", id="i1", image="busybox", state="running")
     busy = _with(converged, WORKER, containers=[*worker.containers, intruder])  # generation 2 does not converge
     c, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     assert c.reconcile({Reason("start")}).phase == "Converged"
     _edit(desired_path, "resync_interval: 30s", "resync_interval: 20s")
     c._observe_fn = Script(busy)
@@ -425,7 +425,7 @@ def test_a_hold_whose_generation_can_no_longer_be_taken_ends_at_a_restart(desire
     assert c.held is not None
     (history.directory(tmp_path / "state", desired_path) / "1.yaml").write_text("nodes: [\n")
     again, _ = _controller(desired_path, tmp_path, Script(converged), Gate())
-    again.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    again.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     again.reconcile({Reason("start")})
     assert again.held is None and again.desired is not None and again.desired.serving.max_model_len == 16384
     assert history.read(tmp_path / "state", desired_path).hold is None, "the history says no rollback holds"

@@ -373,7 +373,7 @@ def _changed_and_started(path, tmp_path, observations, answer, container, policy
         _edit(path, "policy:", f"policy:\n  on_failed_change: {policy}")
     gate = VerifyingGate(answer, container)
     c, _ = _controller(path, tmp_path, Script(*observations), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]  # no image to ask here
     gate.release.set()
     assert c.reconcile({Reason("start")}).phase == "Converged"
     gate.release.clear()
@@ -461,14 +461,14 @@ def test_a_restart_of_a_generation_that_served_is_no_failed_change(verifying_pat
     desired = load(verifying_path, os.environ)
     gate = VerifyingGate(GARBAGE, _head_container(converged, desired))
     c, _ = _controller(verifying_path, tmp_path, Script(converged), gate)
-    c.flags = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
+    c.image.query = SimpleNamespace(get=lambda wanted: None)  # type: ignore[assignment]
     assert c.reconcile({Reason("start")}).phase == "Converged"
     verified = _condition(c.status, "spark-1a32", "ServingVerified")
     assert verified["status"] == "Unknown" and "since the reconciler started" in verified["message"]
     assert REGISTRY.get_sample_value("reconciler_serving_verified", {"deployment": "default"}) is None
     c.reports("serving.verify", {**_report(desired, False, _head_container(converged, desired)),
                                    "message": "answered 'ow'"})  # as await-health's report of a restart
-    c._start_failed = (1, "default", "await-health/spark-1a32: answered 'ow'")
+    c.results.start_failed = (1, "default", "await-health/spark-1a32: answered 'ow'")
     assert c.reconcile({Reason("operation")}).phase == "Degraded"
     assert c.held is None and c.store.generation == 1
     assert _condition(c.status, "", "Ready")["status"] == "False"

@@ -74,9 +74,9 @@ def flags_known(c, observed) -> None:
     """The serving image's flags as vLLM 0.32.0's `vllm serve --help=all` lists them: a restart may be planned."""
     known = parse_serve_help((FIXTURES / "vllm-0.32.0-cpu-serve-help-all.txt").read_text())
     answered = threading.Event()
-    c.flags = FlagsQuery(lambda holder, image_id: ServeFlags(image_id=image_id, flags=known),
-                         on_answer=answered.set)
-    c.flags.get(flags_wanted(c.desired, observed))
+    c.image.query = FlagsQuery(lambda holder, image_id: ServeFlags(image_id=image_id, flags=known),
+                                   on_answer=answered.set)
+    c.image.query.get(flags_wanted(c.desired, observed))
     assert answered.wait(5)
 
 
